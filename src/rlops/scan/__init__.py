@@ -10,6 +10,8 @@ else chunked.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlops._checks import (
@@ -118,10 +120,10 @@ def discounted_cumsum(
     dtype = compute_dtype(x.dtype)
     xt = x.movedim(dim, -1)
     lead = xt.shape[:-1]
-    x2 = xt.reshape(-1, xt.shape[-1]).to(dtype)
+    x2 = xt.reshape(math.prod(lead), xt.shape[-1]).to(dtype)
     decay = _canonical_decay(discount, x, dim, dtype)
     y = scan(x2, decay, method, chunk_size)
-    return y.reshape(*lead, -1).movedim(-1, dim).to(x.dtype)
+    return y.reshape(xt.shape).movedim(-1, dim).to(x.dtype)
 
 
 def _check_dim(dim: int, ndim: int) -> int:
@@ -138,10 +140,11 @@ def _canonical_decay(
     """The discount as a float, ``[N, 1]`` (constant along time) or ``[N, T]``."""
     if not isinstance(discount, torch.Tensor):
         return float(discount)
+    n = x.numel() // x.shape[dim] if x.shape[dim] else math.prod(x.shape[:dim] + x.shape[dim + 1 :])
     d = discount.reshape((1,) * (x.dim() - discount.dim()) + tuple(discount.shape))
     d = d.to(dtype)
     if d.shape[dim] == 1 or x.shape[dim] == 1:
         shape = list(x.shape)
         shape[dim] = 1
-        return d.expand(shape).movedim(dim, -1).reshape(-1, 1)
-    return d.expand(x.shape).movedim(dim, -1).reshape(-1, x.shape[dim])
+        return d.expand(shape).movedim(dim, -1).reshape(n, 1)
+    return d.expand(x.shape).movedim(dim, -1).reshape(n, x.shape[dim])
