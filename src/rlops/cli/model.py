@@ -77,6 +77,15 @@ class TinyTransformer(nn.Module):
     Position ``t``'s logits are the policy's distribution over token ``t + 1``, and its value
     is the value of the state in which that token is chosen. The three stages are exposed
     separately (:meth:`trunk`, :meth:`logits`, :meth:`values`) so that they can be timed apart.
+
+    Example:
+        >>> import torch
+        >>> model = TinyTransformer(ModelConfig(vocab=5, context=8))
+        >>> logits, values = model(torch.zeros(2, 3, dtype=torch.long))
+        >>> logits.shape, values.shape
+        (torch.Size([2, 3, 5]), torch.Size([2, 3]))
+        >>> sample(model, torch.zeros(2, 3, dtype=torch.long), 4).shape
+        torch.Size([2, 7])
     """
 
     def __init__(self, cfg: ModelConfig):
