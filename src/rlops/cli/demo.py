@@ -95,6 +95,20 @@ def rollout(policy, cfg: DemoConfig, gen: torch.Generator):
     return seq, p, mask, reward
 
 
+def model_config(cfg: DemoConfig) -> ModelConfig:
+    """The policy's sizes: the vocabulary holds the symbols and the three special tokens."""
+    half = cfg.length // 2
+    prompt_len = half + 2 if cfg.multi_turn else cfg.length + 2
+    response_len = 3 * half + 2 if cfg.multi_turn else cfg.length  # turn, tool output, turn
+    return ModelConfig(
+        vocab=cfg.symbols + 3,
+        context=prompt_len + response_len,
+        d_model=cfg.d_model,
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+    )
+
+
 # --------------------------------------------------------------------------- PPO
 def evaluate(model, seq: torch.Tensor, p: int, cfg: DemoConfig):
     """Log-probs, entropy and values of the response tokens ``seq[:, p:]``, each ``[B, R]``."""
@@ -122,17 +136,7 @@ def train(cfg: DemoConfig, on_iteration=None) -> dict:
 def _train(cfg: DemoConfig, on_iteration) -> dict:
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
-    half = cfg.length // 2
-    prompt_len = half + 2 if cfg.multi_turn else cfg.length + 2
-    response_len = 3 * half + 2 if cfg.multi_turn else cfg.length  # turn, tool output, turn
-    mcfg = ModelConfig(
-        vocab=cfg.symbols + 3,
-        context=prompt_len + response_len,
-        d_model=cfg.d_model,
-        n_layers=cfg.n_layers,
-        n_heads=cfg.n_heads,
-    )
-    policy = TinyTransformer(mcfg)
+    policy = TinyTransformer(model_config(cfg))
     reference = copy.deepcopy(policy).requires_grad_(False)
     opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
     curve = []
