@@ -1,0 +1,110 @@
+"""Tolerances measured from the serial reference's own error: no fixed atol anywhere.
+
+* Full-precision dtypes (float32, float64): a method's max abs error against the float64 oracle
+  must be at most twice the error of the serial reference (``method="reference"``) in the same
+  dtype on the same inputs, plus a floor of a few ulps of the output's magnitude for inputs on
+  which the reference happens to be exact.
+* Half dtypes (bfloat16, float16) accumulate in float32: the output must match the float32
+  serial reference rounded to the half dtype within one half-dtype ulp of each element, plus
+  the float32 error budget above (the two float32 results may differ by that much before
+  rounding).
+* ``serial_bound``: the a priori forward-error bound of the serial loop itself, used to check
+  the reference (and identities computed in float64) without comparing a method to itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "FLOOR_ULPS",
+    "assert_half_matches",
+    "assert_within_reference",
+    "max_abs_err",
+    "serial_bound",
+    "ulp",
+]
+
+FLOOR_ULPS = 4
+
+
+def max_abs_err(out: torch.Tensor, oracle: torch.Tensor) -> float:
+    """Max abs difference in float64; NaN or inf anywhere counts as an infinite error."""
+    if out.numel() == 0:
+        return 0.0
+    diff = (out.detach().cpu().double() - oracle.cpu().double()).abs()
+    return float(torch.nan_to_num(diff, nan=float("inf")).max())
+
+
+def _magnitude(t: torch.Tensor) -> float:
+    return float(t.abs().max()) if t.numel() else 0.0
+
+
+def assert_within_reference(
+    name: str, out: torch.Tensor, oracle: torch.Tensor, ref_out: torch.Tensor
+) -> tuple[float, float]:
+    """``err(out) <= 2 * err(ref_out) + floor``, errors measured against the float64 oracle.
+
+    ``out`` and ``ref_out`` share a dtype (float32 or float64). Returns ``(err, ref_err)``.
+    """
+    assert out.dtype == ref_out.dtype, (out.dtype, ref_out.dtype)
+    assert out.shape == oracle.shape, (out.shape, oracle.shape)
+    err = max_abs_err(out, oracle)
+    ref_err = max_abs_err(ref_out, oracle)
+    floor = FLOOR_ULPS * torch.finfo(out.dtype).eps * _magnitude(oracle)
+    assert err <= 2 * ref_err + floor, (
+        f"{name}: max abs error {err:.4g} vs float64 exceeds 2 x the serial {out.dtype} "
+        f"reference's {ref_err:.4g} + floor {floor:.3g}"
+    )
+    return err, ref_err
+
+
+def ulp(dtype: torch.dtype, magnitude: torch.Tensor) -> torch.Tensor:
+    """Elementwise ulp of ``dtype`` at ``magnitude`` (normal range), as float64."""
+    bits = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24, torch.float64: 53}[dtype]
+    _, exponent = torch.frexp(magnitude.double())
+    return torch.pow(2.0, (exponent - bits).double())
+
+
+def assert_half_matches(
+    name: str,
+    out: torch.Tensor,
+    ref32: torch.Tensor,
+    oracle: torch.Tensor,
+) -> None:
+    """A half-dtype ``out`` vs the float32 serial reference ``ref32`` rounded to that dtype.
+
+    Allowed per element: one half-dtype ulp at the element's magnitude (the two float32 values
+    may round to neighbouring half values), plus the float32 budget ``3 * err(ref32) + floor``
+    (``out`` was accumulated in float32 and may sit ``2 * err + floor`` from the oracle, which
+    sits ``err`` from ``ref32``).
+    """
+    assert ref32.dtype == torch.float32
+    assert out.shape == oracle.shape, (out.shape, oracle.shape)
+    if out.numel() == 0:
+        return
+    got = out.detach().cpu().double()
+    expected = ref32.to(out.dtype).double()
+    ref_err = max_abs_err(ref32, oracle)
+    floor = FLOOR_ULPS * torch.finfo(torch.float32).eps * _magnitude(oracle)
+    tol = ulp(out.dtype, torch.maximum(got.abs(), expected.abs())) + 3 * ref_err + floor
+    excess = torch.nan_to_num((got - expected).abs() - tol, nan=float("inf"))
+    worst = int(excess.argmax())
+    assert float(excess.max()) <= 0, (
+        f"{name}: {out.dtype} output differs from the float32 reference rounded to "
+        f"{out.dtype} by {float((got - expected).abs().flatten()[worst]):.4g} at flat index "
+        f"{worst} (allowed {float(tol.flatten()[worst]):.4g}: 1 ulp + float32 budget)"
+    )
+
+
+def serial_bound(steps: int, dtype: torch.dtype, abs_oracle: torch.Tensor) -> torch.Tensor:
+    """Forward-error bound of the serial loop run in ``dtype``, elementwise.
+
+    ``abs_oracle`` is the exact scan of ``|x|`` (every term counted with its magnitude). Each
+    step rounds one product and one sum, and a discount given in float64 is rounded once to
+    ``dtype``, so each term carries at most ``3 * steps`` relative roundings:
+    ``|err| <= gamma_{3 steps} * abs_oracle`` with ``gamma_n = n u / (1 - n u)``.
+    """
+    u = torch.finfo(dtype).eps / 2
+    n = 3 * max(steps, 1)
+    return (n * u / (1 - n * u)) * abs_oracle.double()
