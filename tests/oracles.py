@@ -11,8 +11,11 @@ Written from the definitions, for clarity rather than speed, and sharing no code
 * ``reversed_cumsum_oracle``: the discount-1 case in closed form (a reversed cumulative sum),
   vectorised, for very long rows where a Python loop would be slow.
 
-Every oracle takes tensors of any floating dtype, reads their values exactly (upcast to
-float64) and returns float64 CPU tensors.
+Every oracle takes tensors of any floating dtype, reads their values exactly and returns a
+float64 CPU tensor. With ``extended=True`` it computes in ``numpy.longdouble`` instead (80-bit
+with a 64-bit significand on x86-64) and returns that numpy array: a float64 oracle computes
+exactly what a float64 serial loop computes, so it cannot measure a float64 output's own
+rounding error; the extended one can (see ``EXTENDED``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 import torch
 
 __all__ = [
+    "EXTENDED",
     "compact_sequences",
     "discounted_cumsum_oracle",
     "discounted_returns_oracle",
@@ -32,46 +36,57 @@ __all__ = [
 ]
 
 
-def _f64(t: torch.Tensor | np.ndarray) -> np.ndarray:
+# Whether numpy's longdouble is wider than float64 here (not on Windows or Apple silicon).
+EXTENDED = np.finfo(np.longdouble).nmant > np.finfo(np.float64).nmant
+
+
+def _arr(t: torch.Tensor | np.ndarray | float, dt: type) -> np.ndarray:
+    """Exact values of ``t`` as a numpy array of ``dt`` (every torch float fits in float64)."""
     if isinstance(t, torch.Tensor):
-        return t.detach().cpu().to(torch.float64).numpy()
-    return np.asarray(t, dtype=np.float64)
+        return t.detach().cpu().to(torch.float64).numpy().astype(dt)
+    return np.asarray(t, dtype=np.float64).astype(dt)
 
 
-def _per_row(value: float | torch.Tensor, rows: int) -> list[float]:
-    """A float or a ``[B]`` tensor as one Python float per row."""
-    if isinstance(value, torch.Tensor):
-        v = _f64(value).reshape(-1)
-        if v.size == 1:
-            return [float(v[0])] * rows
-        assert v.size == rows, f"per-row value has {v.size} entries for {rows} rows"
-        return [float(e) for e in v]
-    return [float(value)] * rows
+def _dtype(extended: bool) -> type:
+    return np.longdouble if extended else np.float64
+
+
+def _result(y: np.ndarray, extended: bool) -> torch.Tensor | np.ndarray:
+    return y if extended else torch.from_numpy(np.ascontiguousarray(y))
+
+
+def _per_row(value: float | torch.Tensor, rows: int, dt: type) -> list:
+    """A float or a ``[B]`` tensor as one numpy scalar of ``dt`` per row."""
+    v = _arr(value, dt).reshape(-1)
+    if v.size == 1:
+        return [v[0]] * rows
+    assert v.size == rows, f"per-row value has {v.size} entries for {rows} rows"
+    return list(v)
 
 
 def discounted_cumsum_oracle(
-    x: torch.Tensor, discount: float | torch.Tensor, dim: int = -1
-) -> torch.Tensor:
+    x: torch.Tensor, discount: float | torch.Tensor, dim: int = -1, *, extended: bool = False
+) -> torch.Tensor | np.ndarray:
     """``y[t] = x[t] + discount[t] * y[t + 1]`` along ``dim``, ``y = 0`` past the end."""
-    xs = _f64(x)
-    a = np.broadcast_to(
-        _f64(discount) if isinstance(discount, torch.Tensor) else np.float64(discount), xs.shape
-    )
+    dt = _dtype(extended)
+    xs = _arr(x, dt)
+    a = np.broadcast_to(_arr(discount, dt), xs.shape)
     xs = np.moveaxis(xs, dim, -1)
     a = np.moveaxis(a, dim, -1)
     y = np.zeros_like(xs)
-    carry = np.zeros(xs.shape[:-1])
+    carry = np.zeros(xs.shape[:-1], dtype=dt)
     for t in reversed(range(xs.shape[-1])):
         carry = xs[..., t] + a[..., t] * carry
         y[..., t] = carry
-    return torch.from_numpy(np.ascontiguousarray(np.moveaxis(y, -1, dim)))
+    return _result(np.moveaxis(y, -1, dim), extended)
 
 
-def reversed_cumsum_oracle(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """The discount-1 scan in closed form: ``y[t] = sum_{k >= t} x[k]``, in float64."""
-    xs = np.flip(_f64(x), axis=dim)
-    y = np.flip(np.cumsum(xs, axis=dim), axis=dim)
-    return torch.from_numpy(np.ascontiguousarray(y))
+def reversed_cumsum_oracle(
+    x: torch.Tensor, dim: int = -1, *, extended: bool = False
+) -> torch.Tensor | np.ndarray:
+    """The discount-1 scan in closed form, vectorised: ``y[t] = sum_{k >= t} x[k]``."""
+    xs = np.flip(_arr(x, _dtype(extended)), axis=dim)
+    return _result(np.flip(np.cumsum(xs, axis=dim), axis=dim), extended)
 
 
 def sequence_spans(dones_row: Sequence[bool]) -> list[tuple[int, int]]:
@@ -91,8 +106,8 @@ def compact_sequences(
 ) -> list[list[list[int]]]:
     """For each row, its sequences as lists of action-token indices (empty lists dropped)."""
     rows, length = shape
-    m = np.ones(shape, dtype=bool) if mask is None else _f64(mask) != 0
-    d = np.zeros(shape, dtype=bool) if dones is None else _f64(dones) != 0
+    m = np.ones(shape, dtype=bool) if mask is None else _arr(mask, np.float64) != 0
+    d = np.zeros(shape, dtype=bool) if dones is None else _arr(dones, np.float64) != 0
     out = []
     for b in range(rows):
         seqs = []
@@ -104,10 +119,10 @@ def compact_sequences(
     return out
 
 
-def _plain_gae(rs: list[float], vs: list[float], gamma: float, lam: float) -> list[float]:
+def _plain_gae(rs: list, vs: list, gamma, lam) -> list:
     """GAE on one sequence with no mask and no done inside: V = 0 and A = 0 past its end."""
     adv = [0.0] * len(rs)
-    next_value, next_adv = 0.0, 0.0
+    next_value, next_adv = 0.0, 0.0  # promoted to the dtype of the numpy scalars
     for i in reversed(range(len(rs))):
         delta = rs[i] + gamma * next_value - vs[i]
         next_adv = delta + gamma * lam * next_adv
@@ -116,7 +131,7 @@ def _plain_gae(rs: list[float], vs: list[float], gamma: float, lam: float) -> li
     return adv
 
 
-def _plain_returns(rs: list[float], gamma: float) -> list[float]:
+def _plain_returns(rs: list, gamma) -> list:
     out = [0.0] * len(rs)
     acc = 0.0
     for i in reversed(range(len(rs))):
@@ -132,11 +147,14 @@ def gae_oracle(
     lam: float | torch.Tensor,
     mask: torch.Tensor | None = None,
     dones: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(advantages, returns)``, float64 ``[B, T]``, by compacting each sequence."""
-    r, v = _f64(rewards), _f64(values)
+    *,
+    extended: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[np.ndarray, np.ndarray]:
+    """``(advantages, returns)``, ``[B, T]``, by compacting each sequence."""
+    dt = _dtype(extended)
+    r, v = _arr(rewards, dt), _arr(values, dt)
     rows = r.shape[0]
-    gammas, lams = _per_row(gamma, rows), _per_row(lam, rows)
+    gammas, lams = _per_row(gamma, rows, dt), _per_row(lam, rows, dt)
     adv, ret = np.zeros_like(r), np.zeros_like(r)
     for b, seqs in enumerate(compact_sequences(mask, dones, r.shape)):
         for steps in seqs:
@@ -144,7 +162,7 @@ def gae_oracle(
             for t, at in zip(steps, a, strict=True):
                 adv[b, t] = at
                 ret[b, t] = at + v[b, t]
-    return torch.from_numpy(adv), torch.from_numpy(ret)
+    return _result(adv, extended), _result(ret, extended)
 
 
 def discounted_returns_oracle(
@@ -152,14 +170,17 @@ def discounted_returns_oracle(
     gamma: float | torch.Tensor,
     mask: torch.Tensor | None = None,
     dones: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Discounted reward-to-go, float64 ``[B, T]``, by compacting each sequence."""
-    r = _f64(rewards)
-    gammas = _per_row(gamma, r.shape[0])
+    *,
+    extended: bool = False,
+) -> torch.Tensor | np.ndarray:
+    """Discounted reward-to-go, ``[B, T]``, by compacting each sequence."""
+    dt = _dtype(extended)
+    r = _arr(rewards, dt)
+    gammas = _per_row(gamma, r.shape[0], dt)
     out = np.zeros_like(r)
     for b, seqs in enumerate(compact_sequences(mask, dones, r.shape)):
         for steps in seqs:
             g = _plain_returns([r[b, t] for t in steps], gammas[b])
             for t, gt in zip(steps, g, strict=True):
                 out[b, t] = gt
-    return torch.from_numpy(out)
+    return _result(out, extended)
