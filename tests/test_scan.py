@@ -91,10 +91,14 @@ def check_output(name, out, x, a, oracle, ref, method, dim=-1):
         assert_within_reference(name, out, oracle, ref)
 
 
+def _marks(method):
+    return [needs_numba] if method == "compiled" else []
+
+
 GRID = [
-    pytest.param((B, T, dt, kind, d), method, id=f"{dt}-{kind}-{d}-T{T}-B{B}-{method_id}")
+    pytest.param((B, T, dt, kind, d), m, id=f"{dt}-{kind}-{d}-T{T}-B{B}-{m}", marks=_marks(m))
     for dt, kind, d, T, B in itertools.product(DTYPES, KINDS, DISCOUNTS, LENGTHS, BATCHES)
-    for method, method_id in [(m, getattr(m, "values", [m])[0]) for m in METHODS]
+    for m in ["reference", "chunked", "compiled", "auto"]
 ]
 
 
