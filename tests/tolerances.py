@@ -29,6 +29,7 @@ __all__ = [
     "max_abs_err",
     "serial_bound",
     "ulp",
+    "ulp_at",
 ]
 
 FLOOR_ULPS = 4
@@ -79,12 +80,19 @@ def assert_within_reference(
     err = max_abs_err(out, oracle)
     ref_err = max_abs_err(ref_out, oracle)
     scale = _magnitude(oracle if magnitude is None else magnitude)
-    floor = FLOOR_ULPS * torch.finfo(out.dtype).eps * scale
+    floor = FLOOR_ULPS * ulp_at(out.dtype, scale)
     assert err <= 2 * ref_err + floor, (
         f"{name}: max abs error {err:.4g} vs float64 exceeds 2 x the serial {out.dtype} "
         f"reference's {ref_err:.4g} + floor {floor:.3g}"
     )
     return err, ref_err
+
+
+def ulp_at(dtype: torch.dtype, magnitude: float) -> float:
+    """An upper bound on the ulp of ``dtype`` at ``magnitude``: ``eps * magnitude``, and never
+    below the spacing of subnormals (``smallest_normal * eps``)."""
+    info = torch.finfo(dtype)
+    return info.eps * max(magnitude, info.smallest_normal)
 
 
 def ulp(dtype: torch.dtype, magnitude: torch.Tensor) -> torch.Tensor:
@@ -114,7 +122,7 @@ def assert_half_matches(
     got = out.detach().cpu().double()
     expected = ref32.to(out.dtype).double()
     ref_err = max_abs_err(ref32, oracle)
-    floor = FLOOR_ULPS * torch.finfo(torch.float32).eps * _magnitude(oracle)
+    floor = FLOOR_ULPS * ulp_at(torch.float32, _magnitude(oracle))
     tol = ulp(out.dtype, torch.maximum(got.abs(), expected.abs())) + 3 * ref_err + floor
     diff = torch.nan_to_num((got - expected).abs(), nan=float("inf"))
     worst = int((diff - tol).argmax())
@@ -131,11 +139,14 @@ def serial_bound(steps: int, dtype: torch.dtype, abs_oracle: Oracle) -> np.ndarr
     ``abs_oracle`` is the exact scan of ``|x|`` (every term counted with its magnitude). Each
     step rounds one product and one sum, and a discount given in float64 is rounded once to
     ``dtype``, so each term carries at most ``3 * steps`` relative roundings:
-    ``|err| <= gamma_{3 steps} * abs_oracle`` with ``gamma_n = n u / (1 - n u)``.
+    ``|err| <= gamma_{3 steps} * abs_oracle`` with ``gamma_n = n u / (1 - n u)``. Underflow
+    adds at most half a subnormal spacing per rounding, ``n`` of them in all.
     """
-    u = torch.finfo(dtype).eps / 2
+    info = torch.finfo(dtype)
+    u = info.eps / 2
     n = 3 * max(steps, 1)
-    return (n * u / (1 - n * u)) * _np(abs_oracle)
+    underflow = n * info.smallest_normal * info.eps / 2
+    return (n * u / (1 - n * u)) * _np(abs_oracle) + underflow
 
 
 def assert_within_bound(name: str, out: torch.Tensor, oracle: Oracle, bound: np.ndarray) -> None:
