@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from tests._distributed import RankError, count_collectives, run_distributed
 
 import rlops
 from rlops.distributed import (
@@ -16,7 +17,6 @@ from rlops.distributed import (
     zigzag_unshard,
     zigzag_unshard_response,
 )
-from tests._distributed import RankError, count_collectives, run_distributed
 
 pytestmark = pytest.mark.distributed
 
@@ -103,7 +103,7 @@ def _response_form(rank: int, world: int) -> list[tuple[int, int, float]]:
             g = torch.Generator().manual_seed(total * 1000 + response)
             r = torch.randn(2, response, generator=g, dtype=torch.float64)
             v = torch.randn(2, response, generator=g, dtype=torch.float64)
-            want_adv, want_ret = rlops.gae(r, v, gamma=1.0, lam=0.95)
+            want_adv, _ = rlops.gae(r, v, gamma=1.0, lam=0.95)
             kw = dict(total_length=total, response_length=response, cp_size=world, cp_rank=rank)
             r_loc, mask = zigzag_shard_response(r, **kw)
             v_loc, _ = zigzag_shard_response(v, **kw)
