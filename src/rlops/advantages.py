@@ -101,6 +101,7 @@ def gae(
     dones: torch.Tensor | None = None,
     method: str = "auto",
     chunk_size: int | None = None,
+    cp_group: object | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation (Schulman et al., 2016, https://arxiv.org/abs/1506.02438).
 
@@ -120,6 +121,9 @@ def gae(
         dones: optional ``[B, T]`` bool or 0/1; ``dones[t]`` ends a sequence at token t.
         method: ``"auto"``, ``"reference"``, ``"chunked"`` or ``"compiled"``.
         chunk_size: chunk length for ``"chunked"``.
+        cp_group: a context-parallel process group: all inputs are then this rank's zigzag
+            shards ``[B, T_local]`` (:func:`rlops.distributed.zigzag_shard`) and so are the
+            outputs; one ``all_gather`` of five numbers per chunk and row, independent of T.
 
     Returns:
         ``(advantages, returns)``, both ``[B, T]`` in the promoted dtype of ``rewards`` and
@@ -152,6 +156,13 @@ def gae(
     dtype = compute_dtype(out_dtype)
     r, v = rewards.to(dtype), values.to(dtype)
     gl = gamma_ * lam_
+    if cp_group is not None:
+        from rlops.distributed.context_parallel import cp_gae
+
+        g_rows = _as_rows(gamma_, b, dtype, r.device)
+        gl_rows = _as_rows(gl, b, dtype, r.device)
+        adv, ret = cp_gae(r, v, mask, dones, g_rows, gl_rows, cp_group, method, chunk_size)
+        return adv.to(out_dtype), ret.to(out_dtype)
     if method in ("reference", "compiled"):
         g_rows = _as_rows(gamma_, b, dtype, r.device)
         gl_rows = _as_rows(gl, b, dtype, r.device)
@@ -183,6 +194,7 @@ def discounted_returns(
     dones: torch.Tensor | None = None,
     method: str = "auto",
     chunk_size: int | None = None,
+    cp_group: object | None = None,
 ) -> torch.Tensor:
     """Discounted returns (reward-to-go) over action tokens.
 
@@ -198,6 +210,8 @@ def discounted_returns(
         mask, dones: optional ``[B, T]`` bool or 0/1.
         method: ``"auto"``, ``"reference"``, ``"chunked"`` or ``"compiled"``.
         chunk_size: chunk length for ``"chunked"``.
+        cp_group: a context-parallel process group; inputs and output are this rank's zigzag
+            shards, as in :func:`gae`.
 
     Returns:
         ``[B, T]`` returns in the dtype of ``rewards``.
@@ -216,14 +230,20 @@ def discounted_returns(
     method = resolve_method(method, rewards)
     dtype = compute_dtype(rewards.dtype)
     r = rewards.to(dtype)
-    if method in ("reference", "compiled"):
+    if cp_group is None and method in ("reference", "compiled"):
         g_rows = _as_rows(gamma_, b, dtype, r.device)
         run = gae_reference if method == "reference" else compiled.gae_compiled
         return run(r, None, mask, dones, g_rows, g_rows)[1].to(rewards.dtype)
     if isinstance(gamma_, torch.Tensor):
         gamma_ = gamma_.to(dtype)
     x = r if mask is None else torch.where(mask, r, 0.0)
-    out = scan(x, _token_decay(gamma_, mask, dones, r), method, chunk_size)
+    decay = _token_decay(gamma_, mask, dones, r)
+    if cp_group is not None:
+        from rlops.distributed.context_parallel import cp_scan
+
+        out = cp_scan(x, decay, cp_group, method, chunk_size)
+    else:
+        out = scan(x, decay, method, chunk_size)
     if mask is not None:
         out = torch.where(mask, out, 0.0)
     return out.to(rewards.dtype)
@@ -237,6 +257,7 @@ def reinforce_plus_plus_returns(
     kl_coef: float,
     gamma: float | torch.Tensor,
     method: str = "auto",
+    cp_group: object | None = None,
 ) -> torch.Tensor:
     """REINFORCE++ token returns (Hu, 2025, https://arxiv.org/abs/2501.03262).
 
@@ -252,6 +273,9 @@ def reinforce_plus_plus_returns(
         kl_coef: the KL coefficient (>= 0).
         gamma: a float in [0, 1] or a per-row tensor ``[B]``.
         method: as in :func:`discounted_returns`.
+        cp_group: a context-parallel process group; ``kl``, ``mask`` and the output are this
+            rank's zigzag shards, ``rewards`` is ``[B]`` on every rank. The outcome lands on
+            the globally last action token, found from the exchanged carries (one collective).
 
     Returns:
         ``[B, T]`` returns in the promoted dtype of ``rewards`` and ``kl``, 0 on mask-0 tokens.
@@ -276,6 +300,21 @@ def reinforce_plus_plus_returns(
         raise ValueError(f"kl_coef must be a float >= 0, got {kl_coef!r}")
     dtype = torch.promote_types(rewards.dtype, kl.dtype)
     token_rewards = torch.where(mask, -kl_coef * kl.to(dtype), 0.0)
+    if cp_group is not None:
+        from rlops.distributed.context_parallel import cp_reinforce_returns
+
+        gamma_ = _per_row("gamma", gamma, b, kl)
+        cdt = compute_dtype(dtype)
+        method = resolve_method(method, kl)
+        out = cp_reinforce_returns(
+            token_rewards.to(cdt),
+            rewards.to(cdt),
+            mask,
+            _as_rows(gamma_, b, cdt, kl.device),
+            cp_group,
+            method,
+        )
+        return out.to(dtype)
     if t_len > 0:
         # the last action token of each row: T-1 - (first action index in the flipped row)
         last = (t_len - 1) - mask.flip(-1).to(torch.uint8).argmax(-1, keepdim=True)

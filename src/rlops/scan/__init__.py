@@ -68,6 +68,7 @@ def discounted_cumsum(
     dim: int = -1,
     method: str = "auto",
     chunk_size: int | None = None,
+    cp_group: object | None = None,
 ) -> torch.Tensor:
     """Discounted reverse cumulative sum along ``dim``: ``y[t] = x[t] + discount[t] * y[t+1]``.
 
@@ -86,6 +87,10 @@ def discounted_cumsum(
         method: ``"auto"`` (default), ``"reference"``, ``"chunked"`` or ``"compiled"``.
         chunk_size: time steps per chunk for ``"chunked"`` (default 64 for a per-row discount,
             16 for a per-token one; values below 2 act as 2).
+        cp_group: a context-parallel process group. ``x`` (and a per-token ``discount``) are
+            then this rank's zigzag shards along ``dim`` (two equal chunks, see
+            :func:`rlops.distributed.zigzag_shard`) and the result is this rank's shard of the
+            full scan; ranks exchange one carry per chunk (one ``all_gather``).
 
     Returns:
         ``y``, same shape, dtype and device as ``x``. Differentiable through ``"chunked"`` and
@@ -122,7 +127,12 @@ def discounted_cumsum(
     lead = xt.shape[:-1]
     x2 = xt.reshape(math.prod(lead), xt.shape[-1]).to(dtype)
     decay = _canonical_decay(discount, x, dim, dtype)
-    y = scan(x2, decay, method, chunk_size)
+    if cp_group is not None:
+        from rlops.distributed.context_parallel import cp_scan
+
+        y = cp_scan(x2, decay, cp_group, method, chunk_size)
+    else:
+        y = scan(x2, decay, method, chunk_size)
     return y.reshape(xt.shape).movedim(-1, dim).to(x.dtype)
 
 

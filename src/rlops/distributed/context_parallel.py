@@ -1,0 +1,201 @@
+"""Context-parallel reverse scans that exchange only carries.
+
+Each rank holds two chunks of every sequence in the zigzag layout (chunks ``r`` and
+``2*cp - 1 - r``, :mod:`rlops.distributed.zigzag`). A scan ``y[t] = x[t] + a[t] * y[t+1]`` is
+linear in what enters a chunk from its right, so each chunk is scanned locally with nothing
+entering, and summarised by a few numbers per row:
+
+    y_chunk[t] = local[t] + G[t] * Y_in,      G[t] = a[t] * a[t+1] * ... * a[end]
+
+The summaries ``(local[0], G[0])`` of all ``2*cp`` chunks are exchanged in **one**
+``all_gather`` of ``O(cp)`` numbers per row (independent of T), every rank solves the tiny
+chunk-level recurrence ``Y_k = local_k[0] + G_k[0] * Y_{k+1}`` for all chunks, and fixes its
+own chunks with their ``Y_in``. GAE with masks and dones is two coupled scans (the value of
+the next action token, then the advantage); by linearity the advantage's dependence on the
+value entering from the right is one more local scan, so GAE also needs one collective with
+five numbers per chunk and row.
+
+Consistency checks (on by default): a fixed-size ``all_gather`` of 4 numbers (an operation
+code, the rows, the local length, the dtype) runs first, so ranks that make mismatched calls
+all raise ``ValueError`` instead of hanging on buffers of different sizes, and the same header
+travels with the carries and is checked again. The checks read the gathered numbers on the
+host (a device synchronisation on GPUs); ``RLOPS_CP_CHECK=0`` turns them off, leaving exactly
+one collective per call and no synchronisation.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from rlops.scan import scan
+from rlops.scan.reference import scan_reference
+
+__all__ = ["cp_gae", "cp_reinforce_returns", "cp_scan", "cp_size_of"]
+
+_OPS = {"scan": 1, "gae": 2, "reinforce": 3}
+_DTYPES = {torch.float32: 1, torch.float64: 2}
+
+
+def cp_size_of(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _pieces(x: torch.Tensor) -> torch.Tensor:
+    """``[N, 2L]`` (two chunks per row) -> ``[2N, L]``: rows of chunk r, then chunk 2cp-1-r."""
+    n, t_local = x.shape
+    if t_local % 2:
+        raise ValueError(
+            "context-parallel inputs must hold this rank's two zigzag chunks of equal length "
+            f"(an even local length), got {t_local}"
+        )
+    return x.reshape(n, 2, t_local // 2).transpose(0, 1).reshape(2 * n, t_local // 2)
+
+
+def _unpieces(y: torch.Tensor, n: int) -> torch.Tensor:
+    return y.reshape(2, n, -1).transpose(0, 1).reshape(n, -1)
+
+
+def _solve(head: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """Chunk carries ``Y_k = head_k + decay_k * Y_{k+1}``, ``[N, 2cp]``; returns ``Y_{k+1}``
+    (what enters chunk k from the right). 2cp steps: independent of T."""
+    y = scan_reference(head, decay)
+    return F.pad(y[:, 1:], (0, 1))
+
+
+def _gather(summary: torch.Tensor, op: str, group, t_local: int) -> torch.Tensor:
+    """All chunks' summaries in global chunk order, ``[N, 2cp, k]``, from this rank's
+    ``[2N, k]`` (its two chunks). One ``all_gather`` (plus an optional metadata one)."""
+    cp = cp_size_of(group)
+    rows, k = summary.shape
+    header = [_OPS[op], rows, t_local, _DTYPES[summary.dtype]]
+    checked = os.environ.get("RLOPS_CP_CHECK", "1") != "0"
+    if cp > 1 and checked:
+        meta = torch.tensor(header, dtype=torch.int64, device=summary.device)
+        metas = [torch.empty_like(meta) for _ in range(cp)]
+        dist.all_gather(metas, meta, group=group)
+        _check_headers(torch.stack(metas), header)
+    payload = torch.cat(
+        [torch.tensor(header, dtype=summary.dtype, device=summary.device), summary.reshape(-1)]
+    )
+    if cp == 1:
+        gathered = payload.unsqueeze(0)
+    else:
+        parts = [torch.empty_like(payload) for _ in range(cp)]
+        dist.all_gather(parts, payload, group=group)
+        gathered = torch.stack(parts)
+    if checked:
+        _check_headers(gathered[:, :4], header)
+    n = rows // 2
+    per_rank = gathered[:, 4:].reshape(cp, 2, n, k)  # [rank, piece, row, k]
+    # chunk c is piece 0 of rank c (c < cp), else piece 1 of rank 2cp-1-c
+    ordered = torch.cat([per_rank[:, 0], per_rank[:, 1].flip(0)], dim=0)  # [2cp, n, k]
+    return ordered.transpose(0, 1)
+
+
+def _check_headers(headers: torch.Tensor, mine: list[int]) -> None:
+    names = ("operation", "rows (2 x batch)", "local length", "dtype")
+    for j, name in enumerate(names):
+        col = headers[:, j].tolist()  # a handful of numbers, gathered already
+        if any(int(v) != mine[j] for v in col):
+            raise ValueError(
+                f"context-parallel ranks disagree on the {name}: {[int(v) for v in col]} "
+                "(every rank of cp_group must make the same call on shards of one layout)"
+            )
+
+
+def cp_scan(
+    x: torch.Tensor, decay: float | torch.Tensor, group, method: str, chunk_size=None
+) -> torch.Tensor:
+    """Reverse scan of zigzag shards ``x`` ``[N, 2L]``; ``decay`` float / ``[N,1]`` / ``[N,2L]``."""
+    n, t_local = x.shape
+    xp = _pieces(x)
+    if isinstance(decay, torch.Tensor) and decay.shape[-1] == t_local and t_local > 1:
+        ap = _pieces(decay.expand(n, t_local))
+    elif isinstance(decay, torch.Tensor):
+        ap = decay.reshape(n, 1).repeat(2, 1)
+    else:
+        ap = decay
+    a_full = torch.as_tensor(ap, dtype=xp.dtype, device=xp.device).expand_as(xp)
+    rows = ap.repeat(2, 1) if isinstance(ap, torch.Tensor) else ap
+    yy = scan(torch.cat([xp, _last(a_full)]), rows, method, chunk_size)
+    local, g = yy[: 2 * n], yy[2 * n :]  # local scan; product of decays to the chunk end
+    chunks = _gather(torch.stack([local[:, 0], g[:, 0]], -1), "scan", group, t_local)
+    y_in = _solve(chunks[..., 0], chunks[..., 1])  # [N, 2cp]
+    y = local + g * _own(y_in, group).unsqueeze(-1)
+    return _unpieces(y, n)
+
+
+def _own(per_chunk: torch.Tensor, group) -> torch.Tensor:
+    """This rank's two chunks' entries of a ``[N, 2cp]`` tensor, as ``[2N]`` (piece order)."""
+    cp = cp_size_of(group)
+    rank = 0 if group is None else dist.get_rank(group)
+    return torch.cat([per_chunk[:, rank], per_chunk[:, 2 * cp - 1 - rank]])
+
+
+def cp_gae(r, v, mask, dones, gamma, gamma_lam, group, method, chunk_size=None):
+    """GAE on zigzag shards ``[N, 2L]``; ``mask``/``dones`` bool or None; ``gamma``,
+    ``gamma_lam`` ``[N]``. Returns ``(advantages, returns)`` shards."""
+    n, t_local = r.shape
+    rp, vp = _pieces(r), _pieces(v)
+    m = torch.ones_like(rp, dtype=torch.bool) if mask is None else _pieces(mask)
+    keep = torch.ones_like(m) if dones is None else ~_pieces(dones)
+    g = gamma.reshape(n, 1).repeat(2, 1)
+    gl = gamma_lam.reshape(n, 1).repeat(2, 1)
+    # 1. value of the next action token: z[t] = V at the first action at or after t
+    a_z = (~m & keep).to(rp.dtype)
+    zz = scan(
+        torch.cat([torch.where(m, vp, 0.0), _last(a_z)]), a_z.repeat(2, 1), method, chunk_size
+    )
+    z, gz = zz[: 2 * n], zz[2 * n :]  # local values; pass-through product to the chunk end
+    nxt_local = torch.where(keep, F.pad(z[:, 1:], (0, 1)), 0.0)
+    nxt_coef = torch.where(keep & m, g * F.pad(gz[:, 1:], (0, 1), value=1.0), 0.0)
+    # 2. advantages: local part, response to the value entering, product to the chunk end
+    a_adv = torch.where(m, gl, 1.0) * keep
+    delta = torch.where(m, rp + g * nxt_local - vp, 0.0)
+    aa = scan(torch.cat([delta, nxt_coef, _last(a_adv)]), a_adv.repeat(3, 1), method, chunk_size)
+    adv, s, ga = aa[: 2 * n], aa[2 * n : 4 * n], aa[4 * n :]
+    summary = torch.stack([z[:, 0], gz[:, 0], adv[:, 0], s[:, 0], ga[:, 0]], -1)
+    c = _gather(summary, "gae", group, t_local)
+    z_in = _solve(c[..., 0], c[..., 1])  # value entering each chunk
+    head_adv = c[..., 2] + c[..., 3] * z_in
+    a_in = _solve(head_adv, c[..., 4])  # advantage entering each chunk
+    adv = adv + s * _own(z_in, group).unsqueeze(-1) + ga * _own(a_in, group).unsqueeze(-1)
+    adv = torch.where(m, adv, 0.0)
+    ret = torch.where(m, vp + adv, 0.0)
+    return _unpieces(adv, n), _unpieces(ret, n)
+
+
+def _last(a: torch.Tensor) -> torch.Tensor:
+    """x for :func:`scan` whose result is the product of ``a`` from t to the row's end."""
+    x = torch.zeros_like(a)
+    x[:, -1] = a[:, -1]
+    return x
+
+
+def cp_reinforce_returns(token_rewards, outcome, mask, gamma, group, method):
+    """REINFORCE++ returns on zigzag shards: discounted returns over action tokens of
+    ``token_rewards`` ``[N, 2L]``, plus ``outcome`` ``[N]`` on the row's globally last action
+    token (found from the per-chunk summaries, no extra collective)."""
+    n, t_local = token_rewards.shape
+    xp, m = _pieces(token_rewards), _pieces(mask)
+    gp = gamma.reshape(n, 1).repeat(2, 1)
+    a = torch.where(m, gp, 1.0)
+    # one-hot on each chunk's last action token (if any)
+    pos = torch.arange(m.shape[1], device=m.device)
+    last = torch.where(m, pos, -1).amax(-1, keepdim=True)
+    onehot = (pos == last).to(xp.dtype)
+    yy = scan(torch.cat([torch.where(m, xp, 0.0), _last(a), onehot]), a.repeat(3, 1), method)
+    y, g, u = yy[: 2 * n], yy[2 * n : 4 * n], yy[4 * n :]
+    has = m.any(-1).to(xp.dtype)
+    c = _gather(torch.stack([y[:, 0], g[:, 0], u[:, 0], has], -1), "reinforce", group, t_local)
+    # the globally last chunk holding an action token gets the outcome
+    k = torch.arange(c.shape[1], device=c.device)
+    k_last = torch.where(c[..., 3] > 0, k, -1).amax(-1, keepdim=True)  # [N, 1]
+    hit = (k == k_last).to(xp.dtype) * outcome.reshape(n, 1).to(xp.dtype)  # [N, 2cp]
+    y_in = _solve(c[..., 0] + hit * c[..., 2], c[..., 1])
+    y = y + g * _own(y_in, group).unsqueeze(-1) + u * _own(hit, group).unsqueeze(-1)
+    return _unpieces(torch.where(m, y, 0.0), n)
