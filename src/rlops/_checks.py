@@ -68,9 +68,8 @@ def check_unit_interval(name: str, value: float | torch.Tensor) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
         raise TypeError(f"{name} must be a float or a tensor, got {type(value).__name__}")
     if isinstance(value, torch.Tensor):
-        if not (value.is_floating_point() or value.dtype == torch.bool):
-            if value.is_complex():
-                raise TypeError(f"{name} must be a real tensor, got {value.dtype}")
+        if value.is_complex():
+            raise TypeError(f"{name} must be a real tensor, got {value.dtype}")
         if values_checked(value) and value.numel() > 0:
             v = value.double()
             if bool(((v < 0) | (v > 1) | v.isnan()).any()):

@@ -1,0 +1,54 @@
+"""Estimators written as their definitions: a loop over time, vectorised over the batch only.
+
+Used for ``method="reference"`` and, in float64, as oracles in tests. Not exported.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["gae_reference"]
+
+
+def gae_reference(
+    rewards: torch.Tensor,
+    values: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    dones: torch.Tensor | None,
+    gamma: torch.Tensor,
+    gamma_lam: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over action tokens, ``[N, T]`` inputs in the compute dtype, ``gamma`` ``[N]``.
+
+    Walking back in time with the (value, advantage) of the next action token as state:
+
+        at a done:           state = (0, 0)               (nothing flows from t+1)
+        at an action token:  delta = r[t] + gamma * next_value - V[t]
+                             A[t]  = delta + gamma * lam * next_advantage
+                             state = (V[t], A[t])
+        at a mask-0 token:   A[t] = 0, state passes through unchanged
+
+    Returns ``(advantages, returns)``; without values, ``A`` is the discounted return (pass
+    ``gamma_lam = gamma``) and both outputs are the same tensor.
+    """
+    n, t_len = rewards.shape
+    zero = rewards.new_zeros(n)
+    next_value, next_adv = zero, zero
+    adv = torch.zeros_like(rewards)
+    for t in reversed(range(t_len)):
+        if dones is not None:
+            next_value = torch.where(dones[:, t], zero, next_value)
+            next_adv = torch.where(dones[:, t], zero, next_adv)
+        v_t = values[:, t] if values is not None else zero
+        delta = rewards[:, t] + gamma * next_value - v_t
+        a_t = delta + gamma_lam * next_adv
+        act = mask[:, t] if mask is not None else torch.ones_like(zero, dtype=torch.bool)
+        adv[:, t] = torch.where(act, a_t, zero)
+        next_adv = torch.where(act, a_t, next_adv)
+        next_value = torch.where(act, v_t, next_value)
+    if values is None:
+        return adv, adv
+    ret = values + adv
+    if mask is not None:
+        ret = torch.where(mask, ret, 0.0)
+    return adv, ret

@@ -1,0 +1,124 @@
+"""The discounted reverse scan, fully vectorised over time in chunks (any device, autograd).
+
+    y[t] = x[t] + a[t] * y[t+1],        y[T] = 0
+
+Split time into chunks of C steps. Inside chunk c, with the carry Y[c+1] = y at the first step
+of the next chunk,
+
+    y[t] = local[t] + (a[t] * a[t+1] * ... * a[end]) * Y[c+1]
+
+where ``local`` is the scan of the chunk alone. The carries obey the same recurrence one level
+up, ``Y[c] = local_c[0] + P_c * Y[c+1]`` with P_c the product of the chunk's decays, so they are
+solved by the same function on a sequence C times shorter: a recursion of depth log_C(T), with
+no Python loop whose length grows with T.
+
+Two chunk-local kernels:
+
+* decay constant along time (a float or one value per row): ``local = x_chunks @ W`` with the
+  C x C matrix W[k, t] = a^(k-t) (k >= t). Powers are formed in float64 over at most C steps,
+  never as a^(-t), so nothing overflows and a = 0 or 1 is exact.
+* decay per token: log2(C) doubling steps inside each chunk (Hillis-Steele), on products of the
+  decays themselves, no logarithms, so a decay of exactly 0 stays an exact cut.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["DEFAULT_CHUNK_ROWWISE", "DEFAULT_CHUNK_TOKENWISE", "scan_chunked"]
+
+DEFAULT_CHUNK_ROWWISE = 64
+DEFAULT_CHUNK_TOKENWISE = 16
+
+
+@contextlib.contextmanager
+def _ieee_matmul(device: torch.device):
+    """Keep float32 matmuls in full precision on CUDA (TF32 would cost ~3 decimal digits)."""
+    if device.type != "cuda":
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def _chunks(x: torch.Tensor, c: int, fill: float) -> torch.Tensor:
+    """``[N, T]`` -> ``[N, ceil(T/c), c]``, padding the end of time with ``fill``."""
+    n, t_len = x.shape
+    pad = -t_len % c
+    if pad:
+        x = F.pad(x, (0, pad), value=fill)
+    return x.reshape(n, -1, c)
+
+
+def _shift_next(y: torch.Tensor) -> torch.Tensor:
+    """``out[:, c] = y[:, c+1]``, 0 for the last position."""
+    return F.pad(y[:, 1:], (0, 1))
+
+
+def _scan_rowwise(x: torch.Tensor, w: torch.Tensor, c: int) -> torch.Tensor:
+    """x ``[N, T]``, w ``[N, 1]`` or ``[1, 1]`` (float64): decay constant along time."""
+    n, t_len = x.shape
+    c = min(c, t_len)
+    xc = _chunks(x, c, 0.0)  # [N, nC, C]
+    j = torch.arange(c + 1, device=x.device, dtype=torch.float64)
+    powers = w**j  # [N|1, C+1]: w^0 .. w^C, 0^0 = 1
+    lag = j[:c, None] - j[None, :c]  # [k, t] -> k - t
+    wt = torch.where(lag >= 0, powers[:, lag.clamp(min=0).long()], 0.0).to(x.dtype)
+    if wt.shape[0] == 1:
+        local = (xc.reshape(-1, c) @ wt[0]).view_as(xc)
+    else:
+        local = torch.matmul(xc, wt)
+    if xc.shape[1] == 1:
+        return local.view(n, -1)[:, :t_len]
+    carries = _scan_rowwise(local[:, :, 0], powers[:, c:], c)  # y at each chunk's first step
+    to_end = powers[:, 1:].flip(-1).to(x.dtype)  # [N|1, C]: w^(C-t)
+    local = local + _shift_next(carries).unsqueeze(-1) * to_end.unsqueeze(1)
+    return local.view(n, -1)[:, :t_len]
+
+
+def _scan_tokenwise(x: torch.Tensor, a: torch.Tensor, c: int) -> torch.Tensor:
+    """x ``[N, T]``, a ``[N, T]``: one decay per token."""
+    n, t_len = x.shape
+    c = min(c, t_len)
+    y = _chunks(x, c, 0.0)  # becomes the chunk-local scan
+    p = _chunks(a, c, 1.0)  # becomes prod a[t..end of chunk]
+    d = 1
+    while d < c:  # log2(C) doubling steps, each covering twice the span
+        y = torch.cat([y[..., :-d] + p[..., :-d] * y[..., d:], y[..., -d:]], dim=-1)
+        p = torch.cat([p[..., :-d] * p[..., d:], p[..., -d:]], dim=-1)
+        d *= 2
+    if y.shape[1] == 1:
+        return y.view(n, -1)[:, :t_len]
+    carries = _scan_tokenwise(y[:, :, 0], p[:, :, 0], c)
+    y = y + p * _shift_next(carries).unsqueeze(-1)
+    return y.reshape(n, -1)[:, :t_len]
+
+
+def scan_chunked(
+    x: torch.Tensor, decay: float | torch.Tensor, chunk_size: int | None = None
+) -> torch.Tensor:
+    """Reverse scan of ``x`` ``[N, T]``; ``decay`` a float, ``[N, 1]`` or ``[N, T]``.
+
+    ``x`` is in the compute dtype (float32 or float64); the result has its dtype. Differentiable
+    with respect to ``x`` (and a per-token ``decay``).
+    """
+    n, t_len = x.shape
+    if n == 0 or t_len == 0:
+        return x.clone()
+    with _ieee_matmul(x.device):
+        if isinstance(decay, torch.Tensor) and decay.shape[-1] == t_len and t_len > 1:
+            c = chunk_size or DEFAULT_CHUNK_TOKENWISE
+            return _scan_tokenwise(x, decay.to(x.dtype), max(c, 2))
+        c = chunk_size or DEFAULT_CHUNK_ROWWISE
+        if isinstance(decay, torch.Tensor):
+            w = decay.reshape(-1, 1).to(torch.float64)
+        else:
+            w = torch.tensor([[float(decay)]], dtype=torch.float64, device=x.device)
+        return _scan_rowwise(x, w, max(c, 2))

@@ -1,0 +1,30 @@
+"""The definition of the discounted reverse scan, written for clarity (a loop over time).
+
+    y[t] = x[t] + a[t] * y[t+1],        y[T] = 0
+
+Used as the oracle in tests (in float64) and as ``method="reference"``. Not exported.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["scan_reference"]
+
+
+def scan_reference(x: torch.Tensor, decay: float | torch.Tensor) -> torch.Tensor:
+    """Serial reverse scan of ``x`` ``[N, T]`` with ``decay`` a float, ``[N, 1]`` or ``[N, T]``."""
+    n, t_len = x.shape
+    per_token = isinstance(decay, torch.Tensor) and decay.shape[-1] == t_len and t_len > 1
+    carry = x.new_zeros(n)
+    out = []
+    for t in reversed(range(t_len)):
+        if isinstance(decay, torch.Tensor):
+            a_t = decay[:, t] if per_token else decay[:, 0]
+        else:
+            a_t = decay
+        carry = x[:, t] + a_t * carry
+        out.append(carry)
+    if not out:
+        return x.clone()
+    return torch.stack(out[::-1], dim=1)

@@ -1,0 +1,21 @@
+"""The public API is pinned: nothing leaks, nothing vanishes by accident."""
+
+import rlops
+
+EXPECTED = [
+    "discounted_cumsum",
+    "discounted_returns",
+    "gae",
+    "reinforce_plus_plus_returns",
+]
+
+
+def test_exports_are_pinned_and_sorted():
+    assert rlops.__all__ == sorted(rlops.__all__)
+    assert rlops.__all__ == EXPECTED
+
+
+def test_every_export_is_documented_with_an_example():
+    for name in rlops.__all__:
+        doc = getattr(rlops, name).__doc__
+        assert doc and ">>>" in doc, name
