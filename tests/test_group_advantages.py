@@ -8,6 +8,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from tests._losses_util import DTYPES, acc_dtype, assert_within_ref_error, random_mask
 
 from rlops.group_advantages import (
     _dense_group_ids,
@@ -17,32 +18,6 @@ from rlops.group_advantages import (
     rloo_advantages,
 )
 from rlops.stats import masked_whiten
-
-DTYPES = [torch.bfloat16, torch.float32, torch.float64]
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def random_mask(b: int, t: int, gen: torch.Generator) -> torch.Tensor:
-    """Response masks of random length with an interior 0-span per row; row 0 has no token."""
-    mask = torch.zeros(b, t, dtype=torch.long)
-    for i in range(1, b):
-        n = int(torch.randint(1, t + 1, (1,), generator=gen))
-        mask[i, :n] = 1
-        if n > 4:
-            s = int(torch.randint(1, n - 2, (1,), generator=gen))
-            mask[i, s : s + int(torch.randint(1, 3, (1,), generator=gen))] = 0
-    return mask
-
-
-def assert_within_ref_error(out, ref64, ref_same):
-    """|out − exact| ≤ 2·|same-dtype reference − exact| + the rounding of the output itself."""
-    err = (out.double() - ref64).abs().max()
-    ref_err = (ref_same.double() - ref64).abs().max()
-    rounding = torch.finfo(out.dtype).eps * ref64.abs().max()
-    assert err <= 2 * ref_err + rounding, (float(err), float(ref_err), float(rounding))
 
 
 def make_batch(dtype, seed, b=23, t=17):

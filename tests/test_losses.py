@@ -9,39 +9,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests._losses_util import DTYPES, acc_dtype, assert_within_ref_error, random_mask
 
 from rlops.losses import AGG_MODES, KL_KINDS, aggregate_loss, kl_penalty, policy_loss, value_loss
 
-DTYPES = [torch.bfloat16, torch.float32, torch.float64]
 mpmath.mp.dps = 40
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def random_mask(b: int, t: int, gen: torch.Generator) -> torch.Tensor:
-    """Response masks of random length with an interior 0-span per row; row 0 has no token."""
-    mask = torch.zeros(b, t, dtype=torch.long)
-    for i in range(1, b):
-        n = int(torch.randint(1, t + 1, (1,), generator=gen))
-        mask[i, :n] = 1
-        if n > 4:
-            s = int(torch.randint(1, n - 2, (1,), generator=gen))
-            mask[i, s : s + int(torch.randint(1, 3, (1,), generator=gen))] = 0
-    return mask
-
-
-def assert_within_ref_error(out, ref64, ref_same, scale=0.0):
-    """|out − exact| ≤ 2·|same-dtype reference − exact| + the rounding of the output itself.
-
-    For a reduction, ``scale`` is the same reduction of the terms' magnitudes (Σ|ℓ| / normaliser):
-    rounding each term in ``out``'s dtype can move a sum with cancellation by ``eps·scale``.
-    """
-    err = (out.double() - ref64).abs().max()
-    ref_err = (ref_same.double() - ref64).abs().max()
-    rounding = torch.finfo(out.dtype).eps * max(float(ref64.abs().max()), float(scale))
-    assert err <= 2 * ref_err + rounding, (float(err), float(ref_err), float(rounding))
 
 
 def make_inputs(dtype, seed, b=6, t=29, spread=0.3):
