@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from rlops._checks import as_float_tensor, check_same_device, compute_dtype, shape_error
-from rlops.stats import _check_mask, _check_nonneg, _inv_std, _variance, _weighted_moments
+from rlops.stats import _as_bool, _check_mask, _check_nonneg, _inv_std, _variance, _weighted_moments
 
 __all__ = [
     "grpo_advantages",
@@ -83,7 +83,7 @@ def _prepare(
         s = scores.to(compute_dtype(scores.dtype))
     else:
         raise shape_error("scores", f"[B] = {[b]} or [B, T] like mask", scores.shape)
-    keep = _check_mask("mask", mask, (b, t), "[B, T]")
+    _check_mask("mask", mask, (b, t), "[B, T]")
     if not isinstance(index, torch.Tensor):
         raise TypeError(f"index must be a torch.Tensor, got {type(index).__name__}")
     if index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
@@ -91,11 +91,12 @@ def _prepare(
     if tuple(index.shape) != (b,):
         raise shape_error("index", f"[B] = {[b]} like scores", index.shape)
     check_same_device("scores", scores, index=index, mask=mask)
-    return s, index, keep
+    return s, index, mask
 
 
-def _broadcast(a: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.where(keep, a[:, None], 0).to(dtype)
+def _broadcast(a: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a[b]`` on the action tokens of row ``b``, 0 elsewhere: one pass over ``[B, T]``."""
+    return (a[:, None] * mask).to(dtype)
 
 
 def grpo_advantages(
@@ -137,14 +138,14 @@ def grpo_advantages(
         tensor([ 0.7071, -0.7071, -0.7071,  0.7071])
     """
     eps = _check_nonneg("eps", eps)
-    s, index, keep = _prepare(scores, index, mask)
+    s, index, mask = _prepare(scores, index, mask)
     n, centred, m2 = _group_moments(s, index)
     alone = n == 1
     a = torch.where(alone, s, centred)
     if norm_std:
         std = torch.where(alone, 1, torch.sqrt(_variance(n, m2, unbiased=True)))
         a = a / (std + eps)
-    adv = _broadcast(a, keep, scores.dtype)
+    adv = _broadcast(a, mask, scores.dtype)
     return adv, adv
 
 
@@ -172,10 +173,10 @@ def rloo_advantages(
         >>> adv[:, 0]
         tensor([ 0.0000, -1.5000,  1.5000,  5.0000])
     """
-    s, index, keep = _prepare(scores, index, mask)
+    s, index, mask = _prepare(scores, index, mask)
     n, centred, _ = _group_moments(s, index)
     a = torch.where(n > 1, n / (n - 1).clamp_min(1) * centred, s)
-    adv = _broadcast(a, keep, scores.dtype)
+    adv = _broadcast(a, mask, scores.dtype)
     return adv, adv
 
 
@@ -212,13 +213,13 @@ def reinforce_plus_plus_baseline_advantages(
         tensor([ 0.5477, -0.5477,  1.0954, -1.0954])
     """
     eps = _check_nonneg("eps", eps)
-    s, index, keep = _prepare(scores, index, mask)
+    s, index, mask = _prepare(scores, index, mask)
     n, centred, _ = _group_moments(s, index)
     a = torch.where(n == 1, s, centred)
-    tokens = keep.sum(-1).to(a.dtype)
+    tokens = mask.sum(-1).to(a.dtype)
     count, batch_mean, m2 = _weighted_moments(a, tokens)
     a = (a - batch_mean) * _inv_std(_variance(count, m2, unbiased=True), eps)
-    adv = _broadcast(a, keep, scores.dtype)
+    adv = _broadcast(a, mask, scores.dtype)
     return adv, adv
 
 
@@ -250,7 +251,7 @@ def remax_advantages(
     as_float_tensor("rewards", rewards)
     as_float_tensor("reward_baselines", reward_baselines)
     b, t = _check_mask_2d(mask)
-    keep = _check_mask("mask", mask, (b, t), "[B, T]")
+    keep = _as_bool(_check_mask("mask", mask, (b, t), "[B, T]"))
     if tuple(reward_baselines.shape) != (b,):
         raise shape_error("reward_baselines", f"[B] = {[b]} like mask", reward_baselines.shape)
     check_same_device("rewards", rewards, reward_baselines=reward_baselines, mask=mask)

@@ -20,7 +20,7 @@ import math
 import torch
 
 from rlops._checks import as_float_tensor, compute_dtype, shape_error
-from rlops.stats import _check_mask, _check_same_shape
+from rlops.stats import _as_bool, _check_mask, _check_same_shape
 
 __all__ = [
     "AGG_MODES",
@@ -123,7 +123,7 @@ def aggregate_loss(
         [2.5, 5.0, 3.0, 1.6667]
     """
     _check_2d("loss_mat", loss_mat)
-    keep = _check_mask("mask", mask, loss_mat.shape, "loss_mat")
+    keep = _as_bool(_check_mask("mask", mask, loss_mat.shape, "loss_mat"))
     mode = _check_mode(mode)
     if loss_scale_factor is not None:
         loss_scale_factor = _check_positive("loss_scale_factor", loss_scale_factor)
@@ -250,7 +250,7 @@ def policy_loss(
     """
     _check_2d("logp", logp)
     _check_same_shape("logp", logp, old_logp=old_logp, advantages=advantages)
-    keep = _check_mask("mask", mask, logp.shape, "logp")
+    keep = _as_bool(_check_mask("mask", mask, logp.shape, "logp"))
     clip_low = _check_positive("clip_low", clip_low)
     clip_high = clip_low if clip_high is None else _check_positive("clip_high", clip_high)
     if dual_clip is not None:
@@ -318,7 +318,7 @@ def value_loss(
     """
     _check_2d("values", values)
     _check_same_shape("values", values, old_values=old_values, returns=returns)
-    keep = _check_mask("mask", mask, values.shape, "values")
+    keep = _as_bool(_check_mask("mask", mask, values.shape, "values"))
     if clip is not None:
         clip = _check_positive("clip", clip)
     agg = _check_mode(agg)

@@ -21,6 +21,7 @@ Conventions shared by all functions here:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -36,13 +37,20 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- shared checks
-def _check_mask(name: str, mask: object, shape: torch.Size, like: str) -> torch.Tensor:
-    """A 0/1 ``mask`` of exactly ``shape`` (the shape of argument ``like``); returns it as bool."""
+def _check_mask(name: str, mask: object, shape: Sequence[int], like: str) -> torch.Tensor:
+    """A 0/1 ``mask`` of exactly ``shape`` (the shape of argument ``like``); returned as is.
+
+    Its values are read once (on CPU; see ``rlops._checks``); a bool mask needs no such pass.
+    """
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
     if tuple(mask.shape) != tuple(shape):
         raise shape_error(name, f"{list(shape)} like {like}", mask.shape)
     check_indicator(name, mask, shape)
+    return mask
+
+
+def _as_bool(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
@@ -99,7 +107,7 @@ def _inv_std(var: torch.Tensor, eps: float) -> torch.Tensor:
 def _selected(x: torch.Tensor, mask: object) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate; return ``x`` in the computation dtype with mask-0 entries zeroed, and the mask."""
     as_float_tensor("x", x)
-    keep = _check_mask("mask", mask, x.shape, "x")
+    keep = _as_bool(_check_mask("mask", mask, x.shape, "x"))
     return torch.where(keep, x.to(compute_dtype(x.dtype)), 0), keep
 
 
