@@ -174,11 +174,13 @@ def test_remax_matches_loop_reference(dtype, outcome):
 def test_grpo_one_group_of_equal_scores_gives_zeros(dtype, value):
     scores = torch.full((7,), value, dtype=dtype)
     index, mask = torch.full((7,), 5), torch.ones(7, 3)
-    for norm_std in (True, False):
-        adv, _ = grpo_advantages(scores, index, mask, norm_std=norm_std)
+    for norm_std, eps in ((True, 1e-6), (True, 0.0), (False, 1e-6)):
+        adv, _ = grpo_advantages(scores, index, mask, norm_std=norm_std, eps=eps)
         assert (adv == 0).all()
     assert (rloo_advantages(scores, index, mask)[0] == 0).all()
-    assert torch.isfinite(reinforce_plus_plus_baseline_advantages(scores, index, mask)[0]).all()
+    for eps in (1e-8, 0.0):
+        adv, _ = reinforce_plus_plus_baseline_advantages(scores, index, mask, eps=eps)
+        assert (adv == 0).all()
 
 
 def test_rloo_equals_scaled_centred_score_and_grpo_without_std():

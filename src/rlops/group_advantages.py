@@ -69,10 +69,8 @@ def _check_mask_2d(mask: object) -> tuple[int, int]:
     return mask.shape[0], mask.shape[1]
 
 
-def _prepare(
-    scores: object, index: object, mask: object
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Validate; return ``[B]`` scores in the computation dtype, the index and the bool mask."""
+def _prepare(scores: object, index: object, mask: object) -> torch.Tensor:
+    """Validate the three arguments; return the ``[B]`` scores in the computation dtype."""
     as_float_tensor("scores", scores)
     b, t = _check_mask_2d(mask)
     if scores.dim() == 2:
@@ -91,7 +89,7 @@ def _prepare(
     if tuple(index.shape) != (b,):
         raise shape_error("index", f"[B] = {[b]} like scores", index.shape)
     check_same_device("scores", scores, index=index, mask=mask)
-    return s, index, mask
+    return s
 
 
 def _broadcast(a: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -115,7 +113,8 @@ def grpo_advantages(
         A_i =  s_i − μ_g                     (norm_std=False, Dr.GRPO)
 
     A group of one has ``μ = 0, σ = 1`` (verl), so its advantage is ``s_i / (1 + eps)`` (or
-    ``s_i``). A group of equal scores gives 0. ``eps`` is added to the std, not the variance.
+    ``s_i``). A group of equal scores gives exactly 0 (also with ``eps = 0``). ``eps`` is added
+    to the std, not the variance.
 
     GRPO: https://arxiv.org/abs/2402.03300 — Dr.GRPO: https://arxiv.org/abs/2503.20783
 
@@ -138,13 +137,13 @@ def grpo_advantages(
         tensor([ 0.7071, -0.7071, -0.7071,  0.7071])
     """
     eps = _check_nonneg("eps", eps)
-    s, index, mask = _prepare(scores, index, mask)
+    s = _prepare(scores, index, mask)
     n, centred, m2 = _group_moments(s, index)
     alone = n == 1
     a = torch.where(alone, s, centred)
     if norm_std:
-        std = torch.where(alone, 1, torch.sqrt(_variance(n, m2, unbiased=True)))
-        a = a / (std + eps)
+        den = torch.where(alone, 1, torch.sqrt(_variance(n, m2, unbiased=True))) + eps
+        a = a / torch.where(den > 0, den, 1)  # den = 0 only for equal scores and eps = 0: a = 0
     adv = _broadcast(a, mask, scores.dtype)
     return adv, adv
 
@@ -173,7 +172,7 @@ def rloo_advantages(
         >>> adv[:, 0]
         tensor([ 0.0000, -1.5000,  1.5000,  5.0000])
     """
-    s, index, mask = _prepare(scores, index, mask)
+    s = _prepare(scores, index, mask)
     n, centred, _ = _group_moments(s, index)
     a = torch.where(n > 1, n / (n - 1).clamp_min(1) * centred, s)
     adv = _broadcast(a, mask, scores.dtype)
@@ -213,7 +212,7 @@ def reinforce_plus_plus_baseline_advantages(
         tensor([ 0.5477, -0.5477,  1.0954, -1.0954])
     """
     eps = _check_nonneg("eps", eps)
-    s, index, mask = _prepare(scores, index, mask)
+    s = _prepare(scores, index, mask)
     n, centred, _ = _group_moments(s, index)
     a = torch.where(n == 1, s, centred)
     tokens = mask.sum(-1).to(a.dtype)
