@@ -325,6 +325,23 @@ def test_policy_loss_gradients(clip_low, clip_high, dual_clip, mode):
     assert torch.autograd.gradcheck(f, inputs)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_garbage_on_mask_0_tokens_reaches_no_gradient(dtype):
+    logp, old, adv, mask = make_inputs(dtype, 10)
+    off = mask == 0
+    nan = torch.tensor(torch.nan, dtype=dtype)
+    logp, old, adv = (torch.where(off, nan, x) for x in (logp, old, adv))
+    for mode in AGG_MODES:
+        leaves = [x.clone().requires_grad_(True) for x in (logp, old, adv)]
+        loss, metrics = policy_loss(*leaves, mask, dual_clip=3.0, agg=mode)
+        vloss, vmetrics = value_loss(*leaves, mask, clip=0.2, agg=mode)
+        (loss + vloss).backward()
+        assert torch.isfinite(loss) and torch.isfinite(vloss)
+        assert all(torch.isfinite(v) for v in (*metrics.values(), *vmetrics.values()))
+        for x in leaves:
+            assert torch.isfinite(x.grad).all() and (x.grad[off] == 0).all()
+
+
 # --------------------------------------------------------------------------- value loss
 def ref_value_token_losses(v, old, ret, clip):
     err = (v - ret) ** 2
@@ -376,10 +393,12 @@ def test_bad_input_errors_name_the_argument():
         kl_penalty(lp, old[:, :2], "k3")
     with pytest.raises(TypeError, match="logp"):
         kl_penalty(lp.long(), old, "k1")
-    with pytest.raises(ValueError, match="agg"):
+    with pytest.raises(ValueError, match="mode"):
         aggregate_loss(lp, m, "sum")
     with pytest.raises(ValueError, match="agg"):
         policy_loss(lp, old, adv, m, agg="seq-sum")
+    with pytest.raises(ValueError, match="agg"):
+        value_loss(lp, old, adv, m, agg="token-sum")
     with pytest.raises(ValueError, match="mask"):
         aggregate_loss(lp, m[:, :2], "token-mean")
     with pytest.raises(ValueError, match="loss_mat"):

@@ -8,9 +8,9 @@ Numerical rules:
 * Half-precision inputs are computed in float32. Scalar losses and metrics are returned in the
   computation dtype (float32 for half inputs, as under autocast); per-token KL values are
   returned in the input dtype, saturated to its finite range (float16 cannot hold ``e^20``).
-* Entries with mask 0 are dropped with ``torch.where`` before any sum, so NaN/inf there reaches
-  neither the loss nor its gradient. Nothing reads a value back to the host; metrics are
-  detached 0-dim tensors.
+* Entries with mask 0 are replaced with ``torch.where`` before any arithmetic, so NaN/inf there
+  (padding) reaches neither the loss nor any gradient: their gradient is exactly 0.
+* Nothing reads a value back to the host; metrics are detached 0-dim tensors.
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ def _check_positive(name: str, value: object, *, above: float = 0.0) -> float:
     return float(value)
 
 
-def _check_mode(mode: object) -> str:
+def _check_mode(name: str, mode: object) -> str:
     if mode not in AGG_MODES:
-        raise ValueError(f"agg mode must be one of {list(AGG_MODES)}, got {mode!r}")
+        raise ValueError(f"{name} must be one of {list(AGG_MODES)}, got {mode!r}")
     return mode
 
 
@@ -124,7 +124,7 @@ def aggregate_loss(
     """
     _check_2d("loss_mat", loss_mat)
     keep = _as_bool(_check_mask("mask", mask, loss_mat.shape, "loss_mat"))
-    mode = _check_mode(mode)
+    mode = _check_mode("mode", mode)
     if loss_scale_factor is not None:
         loss_scale_factor = _check_positive("loss_scale_factor", loss_scale_factor)
     return _aggregate(loss_mat.to(compute_dtype(loss_mat.dtype)), keep, mode, loss_scale_factor)
@@ -255,13 +255,14 @@ def policy_loss(
     clip_high = clip_low if clip_high is None else _check_positive("clip_high", clip_high)
     if dual_clip is not None:
         dual_clip = _check_positive("dual_clip", dual_clip, above=1.0)
-    agg = _check_mode(agg)
+    agg = _check_mode("agg", agg)
     if loss_scale_factor is not None:
         loss_scale_factor = _check_positive("loss_scale_factor", loss_scale_factor)
 
     dtype = compute_dtype(logp.dtype)
-    log_ratio = logp.to(dtype) - old_logp.to(dtype)
-    adv = advantages.to(dtype)
+    # Mask-0 entries are replaced before any arithmetic, so their gradient is exactly 0.
+    log_ratio = torch.where(keep, logp.to(dtype) - old_logp.to(dtype), 0)
+    adv = torch.where(keep, advantages.to(dtype), 0)
     ratio = torch.exp(log_ratio.clamp_max(MAX_EXP_ARG))
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -321,17 +322,17 @@ def value_loss(
     keep = _as_bool(_check_mask("mask", mask, values.shape, "values"))
     if clip is not None:
         clip = _check_positive("clip", clip)
-    agg = _check_mode(agg)
+    agg = _check_mode("agg", agg)
     if loss_scale_factor is not None:
         loss_scale_factor = _check_positive("loss_scale_factor", loss_scale_factor)
 
     dtype = compute_dtype(values.dtype)
-    v, ret = values.to(dtype), returns.to(dtype)
+    v, ret = (torch.where(keep, x.to(dtype), 0) for x in (values, returns))
     loss_mat = (v - ret).square()
     if clip is None:
         clipfrac = torch.zeros((), dtype=dtype, device=values.device)
     else:
-        old = old_values.to(dtype)
+        old = torch.where(keep, old_values.to(dtype), 0)
         clipped = (torch.clamp(v, old - clip, old + clip) - ret).square()
         clipfrac = _masked_frac(clipped > loss_mat, keep, dtype)
         loss_mat = torch.maximum(loss_mat, clipped)
