@@ -196,9 +196,11 @@ def masked_mean(
     """
     _check_group(group)
     xc, keep = _selected(x, mask)
-    dims = () if dim is None else dim
-    total = xc.sum(dim=dims)
-    count = keep.sum(dim=dims).to(xc.dtype)
+    if dim is None:
+        total, count = xc.sum(), keep.sum()
+    else:
+        total, count = xc.sum(dim=dim), keep.sum(dim=dim)
+    count = count.to(xc.dtype)
     return (total / count.clamp_min(1)).to(x.dtype)
 
 
