@@ -168,6 +168,20 @@ def test_remax_matches_loop_reference(dtype, outcome):
     assert_within_ref_error(adv, adv_exact, adv_same)
 
 
+def test_bool_int_and_float_masks_agree():
+    scores, index, mask = make_batch(torch.float32, 5)
+    rewards = torch.randn(mask.shape)
+    for fn, args in (
+        (grpo_advantages, (scores, index)),
+        (rloo_advantages, (scores, index)),
+        (reinforce_plus_plus_baseline_advantages, (scores, index)),
+        (remax_advantages, (rewards, scores)),
+    ):
+        outs = [fn(*args, m) for m in (mask, mask.bool(), mask.float(), mask.double())]
+        for out in outs[1:]:
+            assert all(torch.equal(x, y) for x, y in zip(out, outs[0], strict=True)), fn
+
+
 # --------------------------------------------------------------------------- identities
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("value", [0.1, 1.0, -3.7, 1e6 + 0.3])

@@ -94,6 +94,8 @@ def _prepare(scores: object, index: object, mask: object) -> torch.Tensor:
 
 def _broadcast(a: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``a[b]`` on the action tokens of row ``b``, 0 elsewhere: one pass over ``[B, T]``."""
+    if mask.dtype == torch.bool:  # a select; multiplying by a bool tensor is a slow mixed-dtype op
+        return torch.where(mask, a[:, None], 0).to(dtype)
     return (a[:, None] * mask).to(dtype)
 
 

@@ -1,0 +1,119 @@
+"""Group estimators: rlops vs the per-sample Python loop that verl ships (B=256, T=8192, CPU).
+
+    python benchmarks/group_advantages.py [--batch 256] [--seq-len 8192] [--group 8]
+
+Prints one line per estimator: median time of each side and their ratio, measured in this run.
+The loops below follow verl's ``compute_*_outcome_advantage`` (a dict of lists per group id,
+a Python loop over samples); ReMax has no loop in verl, so it is timed against verl's
+vectorised flip-cumsum form instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+import rlops.group_advantages as ga
+
+
+def verl_masked_whiten(x, mask):
+    n = mask.sum()
+    mean = (x * mask).sum() / n
+    var = ((x - mean) ** 2 * mask).sum() / n * (n / (n - 1))
+    return (x - mean) * torch.rsqrt(var + 1e-8)
+
+
+def loop_group(scores, index, mask, kind, eps=1e-6):
+    scores = scores.clone()
+    by_id, mean, std = defaultdict(list), {}, {}
+    for i in range(scores.shape[0]):
+        by_id[index[i]].append(scores[i])
+    for k, vals in by_id.items():
+        g = torch.stack(vals)
+        mean[k], std[k] = (g.mean(), g.std()) if len(vals) > 1 else (torch.tensor(0.0), 1.0)
+    for i in range(scores.shape[0]):
+        k, n = index[i], len(by_id[index[i]])
+        if kind == "grpo":
+            scores[i] = (scores[i] - mean[k]) / (std[k] + eps)
+        elif kind == "rloo" and n > 1:
+            scores[i] = (scores[i] - mean[k]) * n / (n - 1)
+        elif kind == "rfpp":
+            scores[i] = scores[i] - mean[k]
+    adv = scores[:, None] * mask
+    adv = verl_masked_whiten(adv, mask) * mask if kind == "rfpp" else adv
+    return adv, adv
+
+
+def verl_remax(rewards, baselines, mask):
+    returns = (rewards * mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+    return returns - baselines[:, None] * mask, returns
+
+
+def median_ms(fn, reps=7):
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--group", type=int, default=8)
+    a = p.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    b, t = a.batch, a.seq_len
+    scores = torch.randint(0, 2, (b,), generator=gen).float()
+    index = torch.randperm(b, generator=gen) // a.group * 7919  # arbitrary, non-contiguous ids
+    lengths = torch.randint(1, t + 1, (b, 1), generator=gen)
+    bool_mask = torch.arange(t) < lengths
+    rewards = torch.zeros(b, t).scatter_(1, lengths - 1, scores[:, None])
+    ids = index.tolist()  # verl passes a numpy array of uids; conversion not timed
+    print(f"B={b} T={t} group={a.group} float32, {torch.get_num_threads()} threads")
+    for mask in (bool_mask.float(), bool_mask):
+        checked = "its 0/1 values are checked" if mask.dtype != torch.bool else "no value check"
+        print(f"mask {mask.dtype} ({checked})")
+        run(scores, index, ids, rewards, mask)
+
+
+def run(scores, index, ids, rewards, mask) -> None:
+    fmask = mask.float()
+    cases = [
+        (
+            "grpo",
+            lambda: ga.grpo_advantages(scores, index, mask),
+            lambda: loop_group(scores, ids, fmask, "grpo"),
+        ),
+        (
+            "rloo",
+            lambda: ga.rloo_advantages(scores, index, mask),
+            lambda: loop_group(scores, ids, fmask, "rloo"),
+        ),
+        (
+            "reinforce++-baseline",
+            lambda: ga.reinforce_plus_plus_baseline_advantages(scores, index, mask),
+            lambda: loop_group(scores, ids, fmask, "rfpp"),
+        ),
+        (
+            "remax (vs verl vectorised)",
+            lambda: ga.remax_advantages(rewards, scores, mask),
+            lambda: verl_remax(rewards, scores, fmask),
+        ),
+    ]
+    for name, ours, theirs in cases:
+        torch.testing.assert_close(ours()[0], theirs()[0], rtol=1e-5, atol=1e-5)
+        t_ours, t_theirs = median_ms(ours), median_ms(theirs)
+        ratio = t_theirs / t_ours
+        print(f"{name:28s} rlops {t_ours:8.2f} ms   baseline {t_theirs:8.2f} ms   x{ratio:5.1f}")
+
+
+if __name__ == "__main__":
+    main()
