@@ -2,8 +2,8 @@
 
     python benchmarks/group_advantages.py [--batch 256] [--seq-len 8192] [--group 8]
 
-Prints one line per estimator: median time of each side and their ratio, measured in this run.
-The loops below follow verl's ``compute_*_outcome_advantage`` (a dict of lists per group id,
+
+
 a Python loop over samples); ReMax has no loop in verl, so it is timed against verl's
 vectorised flip-cumsum form instead.
 """
@@ -53,14 +53,17 @@ def verl_remax(rewards, baselines, mask):
     return returns - baselines[:, None] * mask, returns
 
 
-def median_ms(fn, reps=7):
-    fn()
-    times = []
+def time_pair(ours, theirs, reps=21):
+    """Interleaved timings (ms) of both sides: (median, min) each. On a shared machine the
+    minimum is the least disturbed run; both are printed."""
+    ours(), theirs()
+    t = {ours: [], theirs: []}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+        for fn in (ours, theirs):
+            t0 = time.perf_counter()
+            fn()
+            t[fn].append(1e3 * (time.perf_counter() - t0))
+    return [(statistics.median(t[f]), min(t[f])) for f in (ours, theirs)]
 
 
 def main() -> None:
@@ -110,9 +113,11 @@ def run(scores, index, ids, rewards, mask) -> None:
     ]
     for name, ours, theirs in cases:
         torch.testing.assert_close(ours()[0], theirs()[0], rtol=1e-5, atol=1e-5)
-        t_ours, t_theirs = median_ms(ours), median_ms(theirs)
-        ratio = t_theirs / t_ours
-        print(f"{name:28s} rlops {t_ours:8.2f} ms   baseline {t_theirs:8.2f} ms   x{ratio:5.1f}")
+        (med_o, min_o), (med_t, min_t) = time_pair(ours, theirs)
+        print(
+            f"{name:28s} rlops {med_o:7.2f} ms (min {min_o:6.2f})   baseline {med_t:7.2f} ms "
+            f"(min {min_t:6.2f})   x{med_t / med_o:5.1f} (min x{min_t / min_o:5.1f})"
+        )
 
 
 if __name__ == "__main__":
