@@ -2,8 +2,9 @@
 
     python benchmarks/group_advantages.py [--batch 256] [--seq-len 8192] [--group 8]
 
-
-
+Prints one line per estimator: median and minimum time of each side (interleaved runs) and their
+ratios, measured in this run, for a float mask (whose 0/1 values rlops checks) and a bool mask.
+The loops below follow verl's ``compute_*_outcome_advantage`` (a dict of lists per group id,
 a Python loop over samples); ReMax has no loop in verl, so it is timed against verl's
 vectorised flip-cumsum form instead.
 """
