@@ -70,9 +70,9 @@ def _masked_frac(flag: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype) -> 
 
 # --------------------------------------------------------------------------- aggregation
 def _aggregate(
-    loss_mat: torch.Tensor, keep: torch.Tensor, mode: str, loss_scale_factor: float | None
+    x: torch.Tensor, keep: torch.Tensor, mode: str, loss_scale_factor: float | None
 ) -> torch.Tensor:
-    x = torch.where(keep, loss_mat, 0)
+    """``mode`` reduction of ``x``, which must already be 0 where ``keep`` is False."""
     if mode == "token-mean":
         return x.sum() / keep.sum().to(x.dtype).clamp_min(1)
     tokens = keep.sum(-1).to(x.dtype)
@@ -81,7 +81,7 @@ def _aggregate(
         seq = seq / tokens.clamp_min(1)
     out = seq.sum() / (tokens > 0).sum().to(x.dtype).clamp_min(1)
     if mode == "seq-mean-token-sum-norm":
-        out = out / (loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+        out = out / (x.shape[-1] if loss_scale_factor is None else loss_scale_factor)
     return out
 
 
@@ -127,7 +127,8 @@ def aggregate_loss(
     mode = _check_mode("mode", mode)
     if loss_scale_factor is not None:
         loss_scale_factor = _check_positive("loss_scale_factor", loss_scale_factor)
-    return _aggregate(loss_mat.to(compute_dtype(loss_mat.dtype)), keep, mode, loss_scale_factor)
+    x = torch.where(keep, loss_mat.to(compute_dtype(loss_mat.dtype)), 0)
+    return _aggregate(x, keep, mode, loss_scale_factor)
 
 
 # --------------------------------------------------------------------------- KL estimators
