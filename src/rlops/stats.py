@@ -14,8 +14,10 @@ Conventions shared by all functions here:
 * An empty selection gives mean 0 and variance 0; a single selected element gives variance 0
   (also with ``unbiased=True``, where ``n − 1`` is clamped to 1). Nothing returns NaN or inf for
   finite selected inputs, and nothing reads a value back to the host.
-* ``group`` is reserved for a ``torch.distributed`` process group (statistics over DP×CP ranks);
-  only ``None`` (this process alone) is supported for now.
+* ``group`` is a ``torch.distributed`` process group (e.g. all DP×CP ranks that share a batch):
+  the statistic is then over the selected entries of every rank, from one ``all_gather`` of
+  ``(count, mean, M2)`` per rank merged with Chan's formula. Every rank of the group must call;
+  ranks holding no selected entry (count 0) join and contribute nothing.
 """
 
 from __future__ import annotations
@@ -72,12 +74,37 @@ def _check_nonneg(name: str, value: object) -> float:
     return float(value)
 
 
-def _check_group(group: object) -> None:
-    if group is not None:
-        raise NotImplementedError(
-            "group= (statistics over a torch.distributed process group) is not implemented yet; "
-            "gather masked_moments from each rank and combine them with merge_moments"
+def _group_size(group: object) -> int:
+    """World size of ``group`` (``None``: one process); every rank must call collectively."""
+    if group is None:
+        return 1
+    import torch.distributed as dist
+
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}"
         )
+    return dist.get_world_size(group)
+
+
+def _merge_over(
+    group: object, count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merge this rank's ``(count, mean, M2)`` with every other rank's: one ``all_gather`` of
+    three float64 numbers per rank, then Chan's formula. This rank's own entry stays the local
+    (differentiable) triple, so a gradient flows to this rank's ``x``."""
+    if _group_size(group) == 1:
+        return count, mean, m2
+    import torch.distributed as dist
+
+    local = torch.stack([count, mean, m2])
+    payload = local.detach().to(torch.float64)
+    parts = [torch.empty_like(payload) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, payload, group=group)
+    parts = [p.to(local.dtype) for p in parts]
+    parts[dist.get_rank(group)] = local
+    merged = torch.stack(parts)
+    return merge_moments(merged[:, 0], merged[:, 1], merged[:, 2])
 
 
 # --------------------------------------------------------------------------- moments
@@ -179,7 +206,8 @@ def masked_mean(
         x: floating tensor, e.g. ``[B, T]``.
         mask: 0/1 tensor of ``x``'s shape.
         dim: dimension(s) to reduce; ``None`` reduces everything to a 0-dim tensor.
-        group: reserved for a process group; must be ``None``.
+        group: a process group: the mean over every rank's selected entries (``dim=None``
+            only); one ``all_gather``.
 
     Returns:
         ``x``'s dtype; 0-dim for ``dim=None``, else ``x``'s shape without ``dim``
@@ -194,8 +222,12 @@ def masked_mean(
         >>> masked_mean(x, m, dim=-1)
         tensor([1.5000, 4.0000])
     """
-    _check_group(group)
     xc, keep = _selected(x, mask)
+    if _group_size(group) > 1:
+        if dim is not None:
+            raise ValueError("masked_mean with group= reduces everything: pass dim=None")
+        count, mean, _ = _merge_over(group, *_weighted_moments(xc, keep.to(xc.dtype)))
+        return mean.to(x.dtype)
     if dim is None:
         total, count = xc.sum(), keep.sum()
     else:
@@ -222,7 +254,8 @@ def masked_var(
         x: floating tensor, e.g. ``[B, T]``.
         mask: 0/1 tensor of ``x``'s shape.
         unbiased: divide by ``n − 1`` instead of ``n``.
-        group: reserved for a process group; must be ``None``.
+        group: a process group: the variance over every rank's selected entries (one
+            ``all_gather``).
 
     Returns:
         0-dim tensor in ``x``'s dtype.
@@ -234,8 +267,7 @@ def masked_var(
         >>> masked_var(torch.tensor([7.0, 50.0]), torch.tensor([1, 0]))
         tensor(0.)
     """
-    _check_group(group)
-    count, _, m2 = masked_moments(x, mask)
+    count, _, m2 = _merge_over(group, *masked_moments(x, mask))
     return _variance(count, m2, unbiased).to(x.dtype)
 
 
@@ -261,7 +293,9 @@ def masked_whiten(
         mask: 0/1 tensor of ``x``'s shape.
         shift_mean: subtract the mean (``True``) or keep it.
         eps: added to the variance before the square root; ``>= 0``.
-        group: reserved for a process group; must be ``None``.
+        group: a process group (e.g. DP×CP): mean and variance over every rank's selected
+            entries, from one ``all_gather`` of ``(count, mean, M2)``; each rank whitens its own
+            entries with them.
 
     Returns:
         Tensor of ``x``'s shape and dtype.
@@ -272,9 +306,8 @@ def masked_whiten(
         tensor([-1.,  0.,  1.,  0.])
     """
     eps = _check_nonneg("eps", eps)
-    _check_group(group)
     xc, keep = _selected(x, mask)
-    count, mean, m2 = _weighted_moments(xc, keep.to(xc.dtype))
+    count, mean, m2 = _merge_over(group, *_weighted_moments(xc, keep.to(xc.dtype)))
     out = (xc - mean) * _inv_std(_variance(count, m2, True), eps)
     if not shift_mean:
         out = out + mean
