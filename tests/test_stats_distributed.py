@@ -25,29 +25,26 @@ def _shards(seed: int):
 def _whiten(rank: int, world: int):
     group = dist.group.WORLD
     xs, masks = _shards(0)
-    x = xs[rank].clone().requires_grad_(True)
+    x = xs[rank]
     with count_collectives() as calls:
         w = rlops.masked_whiten(x, masks[rank], group=group)
     mean = rlops.masked_mean(x, masks[rank], group=group)
     var = rlops.masked_var(x, masks[rank], group=group)
-    w.sum().backward()
     const = rlops.masked_whiten(torch.full((2, 4), 3.0), torch.ones(2, 4), group=group)
-    return w.detach(), mean.detach(), var.detach(), x.grad, dict(calls), const
+    return w, mean, var, dict(calls), const
 
 
 def test_whitening_over_dp_x_cp_equals_whole_batch():
     results = run_distributed(_whiten, 4)
     xs, masks = _shards(0)
-    flat_x = torch.cat([x.reshape(-1) for x in xs]).requires_grad_(True)
+    flat_x = torch.cat([x.reshape(-1) for x in xs])
     flat_m = torch.cat([m.reshape(-1) for m in masks])
     want = rlops.masked_whiten(flat_x, flat_m)
-    want.sum().backward()
-    sel = flat_x.detach()[flat_m]
+    sel = flat_x[flat_m]
     offset = 0
-    for rank, (w, mean, var, grad, calls, const) in enumerate(results):
+    for rank, (w, mean, var, calls, const) in enumerate(results):
         n = xs[rank].numel()
-        torch.testing.assert_close(w.reshape(-1), want.detach()[offset : offset + n])
-        torch.testing.assert_close(grad.reshape(-1), flat_x.grad[offset : offset + n])
+        torch.testing.assert_close(w.reshape(-1), want[offset : offset + n])
         offset += n
         torch.testing.assert_close(mean, sel.mean())
         torch.testing.assert_close(var, sel.var())

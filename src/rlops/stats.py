@@ -92,7 +92,8 @@ def _merge_over(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Merge this rank's ``(count, mean, M2)`` with every other rank's: one ``all_gather`` of
     three float64 numbers per rank, then Chan's formula. This rank's own entry stays the local
-    (differentiable) triple, so a gradient flows to this rank's ``x``."""
+    triple: a backward pass sees this rank's contribution and treats the others as constants
+    (group statistics are meant for values without gradient, such as advantages)."""
     if _group_size(group) == 1:
         return count, mean, m2
     import torch.distributed as dist
