@@ -14,8 +14,6 @@ import zlib
 import numpy as np
 import pytest
 import torch
-
-from rlops import discounted_cumsum, discounted_returns, gae
 from tests.oracles import (
     EXTENDED,
     discounted_returns_oracle,
@@ -28,6 +26,8 @@ from tests.tolerances import (
     assert_within_reference,
     serial_bound,
 )
+
+from rlops import discounted_cumsum, discounted_returns, gae
 
 needs_numba = pytest.mark.skipif(
     importlib.util.find_spec("numba") is None, reason="method='compiled' needs numba"
@@ -264,22 +264,29 @@ def test_gamma_zero(method, dtype):
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inputs_on_mask_zero_tokens_are_ignored(method, dtype):
-    """Rewards (and values) on mask-0 tokens never enter the result: changing them changes
-    nothing, bit for bit."""
+    """Rewards (and values) on mask-0 tokens never enter the result: whatever they hold (large
+    values, NaN or inf padding), the outputs are the same bit for bit."""
     rewards, values, mask, dones = _identity_batch(13, dtype=dtype)
     off = ~mask
     noise = torch.randn(rewards.shape, generator=torch.Generator().manual_seed(0)).to(dtype)
-    rewards2 = torch.where(off, 1e4 * noise, rewards)
-    values2 = torch.where(off, -1e4 * noise, values)
     kw = {"gamma": 0.99, "mask": mask, "dones": dones, "method": method}
     adv, ret = gae(rewards, values, lam=0.95, **kw)
-    adv2, ret2 = gae(rewards2, values, lam=0.95, **kw)
-    adv3, ret3 = gae(rewards, values2, lam=0.95, **kw)
-    assert torch.equal(adv, adv2) and torch.equal(ret, ret2), "rewards on mask-0 tokens used"
-    assert torch.equal(adv, adv3) and torch.equal(ret, ret3), "values on mask-0 tokens used"
-    assert torch.equal(discounted_returns(rewards, **kw), discounted_returns(rewards2, **kw)), (
-        "rewards on mask-0 tokens used by discounted_returns"
-    )
+    g = discounted_returns(rewards, **kw)
+    for fill in (
+        1e4 * noise,
+        torch.full_like(noise, float("nan")),
+        torch.full_like(noise, -float("inf")),
+    ):
+        rewards2 = torch.where(off, fill, rewards)
+        values2 = torch.where(off, -fill, values)
+        adv2, ret2 = gae(rewards2, values, lam=0.95, **kw)
+        adv3, ret3 = gae(rewards, values2, lam=0.95, **kw)
+        what = f"fill {fill.flatten()[0].item()}"
+        assert torch.equal(adv, adv2) and torch.equal(ret, ret2), f"rewards on mask-0 used, {what}"
+        assert torch.equal(adv, adv3) and torch.equal(ret, ret3), f"values on mask-0 used, {what}"
+        assert torch.equal(g, discounted_returns(rewards2, **kw)), (
+            f"rewards on mask-0 tokens used by discounted_returns, {what}"
+        )
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -434,6 +441,27 @@ def test_inputs_not_modified(method):
     discounted_returns(rewards, gamma=0.99, mask=mask, dones=dones, method=method)
     for before, after in zip(saved, (rewards, values, mask, dones), strict=True):
         assert torch.equal(before, after)
+
+
+@needs_numba
+def test_compiled_splits_rows_over_threads():
+    """Enough rows and tokens for the compiled kernels to split groups of rows over threads:
+    every row equals the same kernel run on that row alone, bit for bit, and the serial
+    kernel stays within the serial loop's a priori bound of the oracle."""
+    B, T = 9, 1 << 16
+    rewards, values, mask, dones = make_batch(B, T, "mask+dones", torch.float32, 21)
+    kw = {"gamma": 0.99, "mask": mask, "dones": dones, "method": "compiled"}
+    adv, ret = gae(rewards, values, lam=0.95, **kw)
+    g = discounted_returns(rewards, **kw)
+    for b in (0, 3, 4, 8):
+        one = {**kw, "mask": mask[b : b + 1], "dones": dones[b : b + 1]}
+        adv_b, ret_b = gae(rewards[b : b + 1], values[b : b + 1], lam=0.95, **one)
+        assert torch.equal(adv[b : b + 1], adv_b) and torch.equal(ret[b : b + 1], ret_b), b
+        assert torch.equal(g[b : b + 1], discounted_returns(rewards[b : b + 1], **one)), b
+    adv_o, ret_o = gae_oracle(rewards, values, 0.99, 0.95, mask, dones, extended=EXTENDED)
+    scale_a, scale_r = _abs_scale(rewards, values, 0.99, 0.95, mask, dones)
+    assert_within_bound("advantages", adv, adv_o, serial_bound(T + 2, torch.float32, scale_a))
+    assert_within_bound("returns", ret, ret_o, serial_bound(T + 2, torch.float32, scale_r))
 
 
 # ------------------------------------------------------------------------ long sequences

@@ -13,8 +13,6 @@ import zlib
 
 import pytest
 import torch
-
-from rlops import discounted_cumsum
 from tests.oracles import EXTENDED, discounted_cumsum_oracle, reversed_cumsum_oracle
 from tests.tolerances import (
     assert_half_matches,
@@ -22,6 +20,8 @@ from tests.tolerances import (
     assert_within_reference,
     serial_bound,
 )
+
+from rlops import discounted_cumsum
 
 needs_numba = pytest.mark.skipif(
     importlib.util.find_spec("numba") is None, reason="method='compiled' needs numba"
@@ -175,6 +175,7 @@ DIM_CASES = {
     "2d-dim0-per-column": ((300, 3), 0, (1, 3)),
     "2d-dim0-per-token": ((300, 3), 0, (300, 3)),
     "2d-dim1": ((3, 300), 1, (3, 300)),
+    "2d-per-time": ((3, 300), -1, (300,)),
     "2d-dim-2": ((300, 3), -2, (300, 1)),
     "3d-last": ((2, 4, 300), -1, (2, 4, 300)),
     "3d-last-per-row": ((2, 4, 300), 2, (2, 1, 1)),
@@ -288,6 +289,25 @@ def test_long_sequence_at_discount_one(method):
     out = discounted_cumsum(x, 1.0, method=method)
     assert out.dtype == torch.float32
     assert_within_reference(f"T=131072 {method}", out, oracle, ref)
+
+
+@needs_numba
+def test_compiled_splits_rows_over_threads():
+    """Enough rows and tokens for the compiled kernel to split groups of rows over threads:
+    every row equals the kernel run on that row alone, bit for bit, and the serial kernel
+    stays within the serial loop's a priori bound of the oracle."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(9, 1 << 16, generator=gen)
+    for a in (0.99, make_discount("token", 0.99, tuple(x.shape), torch.float32, gen)):
+        y = discounted_cumsum(x, a, method="compiled")
+        for b in (0, 3, 4, 8):
+            a_b = a[b : b + 1] if isinstance(a, torch.Tensor) else a
+            assert torch.equal(
+                y[b : b + 1], discounted_cumsum(x[b : b + 1], a_b, method="compiled")
+            )
+        oracle = discounted_cumsum_oracle(x, a, extended=EXTENDED)
+        bound = serial_bound(x.shape[-1], torch.float32, discounted_cumsum_oracle(x.abs(), a))
+        assert_within_bound("compiled, threaded", y, oracle, bound)
 
 
 @functools.cache
