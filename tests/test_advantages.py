@@ -469,10 +469,11 @@ def test_compiled_splits_rows_over_threads():
 
 @functools.cache
 def _long_batch():
-    """T = 131072, gamma = lam = 1, a reward of 1e4 on the last token only, random values."""
+    """T = 131072, gamma = lam = 1, an outcome reward of 1e4 on the last token over small
+    per-token rewards (a KL-penalty-like 0.1 * N(0, 1)), random values."""
     T = 131072
     gen = torch.Generator().manual_seed(20)
-    rewards = torch.zeros(2, T)
+    rewards = 0.1 * torch.randn(2, T, generator=gen)
     rewards[:, -1] = 1e4
     values = torch.randn(2, T, generator=gen)
     # oracle, vectorised: delta[t] = r[t] + V[t+1] - V[t] (V = 0 past the end), A = sum_{k>=t}
@@ -488,6 +489,17 @@ def _long_batch():
     # operation (G = r + gamma * G); the scan's loop is the faster of the two to run.
     g_ref = discounted_cumsum(rewards, 1.0, method="reference")
     return rewards, values, (adv_o, ret_o), ref, g_o, g_ref
+
+
+def test_serial_returns_are_the_serial_scan():
+    """Without mask and dones the serial returns loop is the serial scan operation for
+    operation, so the long test below may take its (faster) float32 reference from the scan."""
+    rewards = torch.randn(2, 3000, generator=torch.Generator().manual_seed(22))
+    rewards[:, -1] = 1e4
+    assert torch.equal(
+        discounted_returns(rewards, gamma=1.0, method="reference"),
+        discounted_cumsum(rewards, 1.0, method="reference"),
+    )
 
 
 @pytest.mark.slow
