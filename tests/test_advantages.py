@@ -24,6 +24,7 @@ from tests.tolerances import (
     assert_half_matches,
     assert_within_bound,
     assert_within_reference,
+    for_each_method,
     serial_bound,
 )
 
@@ -32,7 +33,6 @@ from rlops import discounted_cumsum, discounted_returns, gae
 needs_numba = pytest.mark.skipif(
     importlib.util.find_spec("numba") is None, reason="method='compiled' needs numba"
 )
-METHOD_NAMES = ["reference", "chunked", "compiled", "auto"]
 METHODS = ["reference", "chunked", pytest.param("compiled", marks=needs_numba), "auto"]
 FAST_METHODS = ["chunked", pytest.param("compiled", marks=needs_numba), "auto"]
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -141,48 +141,42 @@ def check_estimate(name, out, oracle, ref, method, steps, abs_scale):
         assert_within_reference(name, out, oracle, ref)
 
 
-def _marks(method):
-    return [needs_numba] if method == "compiled" else []
-
-
 GAE_GRID = [
-    pytest.param(
-        (B, T, scenario, dt, disc), m, id=f"{dt}-{scenario}-{disc}-T{T}-B{B}-{m}", marks=_marks(m)
-    )
+    pytest.param((B, T, scenario, dt, disc), id=f"{dt}-{scenario}-{disc}-T{T}-B{B}")
     for dt, scenario, disc, (B, T) in itertools.product(
         DTYPES, SCENARIOS, [*DISCOUNTS, PER_ROW], SIZES
     )
     if (B, T) != LONG or dt == "float32"
-    for m in METHOD_NAMES
 ]
 
 
-@pytest.mark.parametrize(("case", "method"), GAE_GRID)
-def test_gae_matches_oracle(case, method):
+@pytest.mark.parametrize("case", GAE_GRID)
+def test_gae_matches_oracle(case):
     (rewards, values, mask, dones, gamma, lam), (adv_o, ret_o), (adv_r, ret_r) = gae_case(*case)
-    adv, ret = gae(
-        rewards, values, gamma=gamma, lam=lam, mask=mask, dones=dones, method=method
-    )  # fmt: skip
-    for out in (adv, ret):
-        assert out.dtype == rewards.dtype and out.shape == rewards.shape
-    if mask is not None:
-        off = ~mask
-        assert (adv[off] == 0).all() and (ret[off] == 0).all(), "nonzero on mask-0 tokens"
     scale_a, scale_r = _abs_scale(rewards, values, gamma, lam, mask, dones)
     T = rewards.shape[1]
-    check_estimate(f"{case} {method} advantages", adv, adv_o, adv_r, method, T, scale_a)
-    check_estimate(f"{case} {method} returns", ret, ret_o, ret_r, method, T, scale_r)
+
+    def check(method):
+        adv, ret = gae(
+            rewards, values, gamma=gamma, lam=lam, mask=mask, dones=dones, method=method
+        )  # fmt: skip
+        for out in (adv, ret):
+            assert out.dtype == rewards.dtype and out.shape == rewards.shape
+        if mask is not None:
+            off = ~mask
+            assert (adv[off] == 0).all() and (ret[off] == 0).all(), "nonzero on mask-0 tokens"
+        check_estimate(f"{case} advantages", adv, adv_o, adv_r, method, T, scale_a)
+        check_estimate(f"{case} returns", ret, ret_o, ret_r, method, T, scale_r)
+
+    for_each_method(check)
 
 
 RETURNS_GRID = [
-    pytest.param(
-        (B, T, scenario, dt, disc), m, id=f"{dt}-{scenario}-{disc}-T{T}-B{B}-{m}", marks=_marks(m)
-    )
+    pytest.param((B, T, scenario, dt, disc), id=f"{dt}-{scenario}-{disc}-T{T}-B{B}")
     for dt, scenario, disc, (B, T) in itertools.product(
         DTYPES, SCENARIOS, ["0.99-0.95", PER_ROW], SIZES
     )
     if (B, T) != LONG or dt == "float32"
-    for m in METHOD_NAMES
 ]
 
 
@@ -198,15 +192,19 @@ def returns_case(B, T, scenario, dtype_name, discounts):
     return (rewards, mask, dones, gamma), oracle, ref
 
 
-@pytest.mark.parametrize(("case", "method"), RETURNS_GRID)
-def test_discounted_returns_matches_oracle(case, method):
+@pytest.mark.parametrize("case", RETURNS_GRID)
+def test_discounted_returns_matches_oracle(case):
     (rewards, mask, dones, gamma), oracle, ref = returns_case(*case)
-    out = discounted_returns(rewards, gamma=gamma, mask=mask, dones=dones, method=method)
-    assert out.dtype == rewards.dtype and out.shape == rewards.shape
-    if mask is not None:
-        assert (out[~mask] == 0).all(), "nonzero on mask-0 tokens"
     scale = discounted_returns_oracle(rewards.double().abs(), gamma, mask, dones, extended=EXTENDED)
-    check_estimate(f"{case} {method}", out, oracle, ref, method, rewards.shape[1], scale)
+
+    def check(method):
+        out = discounted_returns(rewards, gamma=gamma, mask=mask, dones=dones, method=method)
+        assert out.dtype == rewards.dtype and out.shape == rewards.shape
+        if mask is not None:
+            assert (out[~mask] == 0).all(), "nonzero on mask-0 tokens"
+        check_estimate(str(case), out, oracle, ref, method, rewards.shape[1], scale)
+
+    for_each_method(check)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 7, 64, None])

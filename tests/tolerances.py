@@ -17,10 +17,14 @@
 
 from __future__ import annotations
 
+import importlib.util
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
 __all__ = [
+    "ALL_METHODS",
     "FLOOR_ULPS",
     "abs_diff",
     "assert_half_matches",
@@ -33,6 +37,23 @@ __all__ = [
 ]
 
 FLOOR_ULPS = 4
+
+# every method, less "compiled" where numba is not installed
+ALL_METHODS = ["reference", "chunked", "compiled", "auto"]
+if importlib.util.find_spec("numba") is None:
+    ALL_METHODS.remove("compiled")
+
+
+def for_each_method(check: Callable[[str], None]) -> None:
+    """Run ``check(method)`` for every method and fail once, listing every failing method
+    (one test item per case rather than per method keeps thousands of cases cheap)."""
+    failures = []
+    for method in ALL_METHODS:
+        try:
+            check(method)
+        except AssertionError as e:
+            failures.append(f"[method={method}] {e}")
+    assert not failures, "\n".join(failures)
 
 
 Oracle = torch.Tensor | np.ndarray  # float64 tensor, or a longdouble array (extended oracle)
