@@ -1,7 +1,11 @@
-"""``rlops.discounted_cumsum``: every method against the float64 oracle.
+"""``rlops.discounted_cumsum``: every method against the oracle.
 
-Tolerances come from the serial reference's own error on the same inputs (see
-``tests/tolerances.py``); the reference itself is held to its a priori error bound.
+The oracle is the serial loop in extended precision (float64 where no wider type exists).
+Accuracy rule (``tests/tolerances.py``): in float32 and float64 a method's max abs error is at
+most twice the serial reference's own error on the same inputs plus a few ulps of the output's
+magnitude; bfloat16/float16 outputs match the float32 serial reference rounded to their dtype
+within one ulp (plus the float32 budget); the reference itself is held to the serial loop's
+a priori error bound.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ def scan_case(B, T, dtype_name, kind, d):
 
 
 def check_output(name, out, x, a, oracle, ref, method, dim=-1):
-    """The accuracy rule for one output (see the module docstring)."""
+    """The accuracy rule for one output of ``method`` (see the module docstring)."""
     assert out.dtype == x.dtype, f"{name}: dtype {out.dtype}, expected {x.dtype}"
     assert out.shape == x.shape, f"{name}: shape {tuple(out.shape)}, expected {tuple(x.shape)}"
     assert out.device == x.device
