@@ -41,7 +41,9 @@ def gather_stats(stats: torch.Tensor, group: object, world: int) -> torch.Tensor
     if world == 1:
         return stats.unsqueeze(0)
     out = stats.new_empty((world * stats.shape[0], stats.shape[1]))
-    dist.all_gather_into_tensor(out, stats, group=group)
+    # Newer torch renames all_gather_into_tensor to all_gather_single and deprecates the old name.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, stats.contiguous(), group=group)
     return out.view(world, stats.shape[0], stats.shape[1])
 
 
@@ -66,8 +68,6 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
             kc = None if keep2 is None else keep2[i : i + chunk]
             _shard.stats_chunk(z, own, idx, in_range, kc, with_entropy, stats[i : i + chunk])
         logp, ent, saved = _shard.merge(gather_stats(stats, group, world), masked, with_entropy)
-        if ent is not None and not entropy_grad:
-            ctx.mark_non_differentiable(ent)
         saved = _shard.pack_saved(saved, masked, entropy_grad)
         ctx.set_materialize_grads(False)
         ctx.meta = (temperature, start, chunk)
@@ -75,6 +75,8 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
             ctx.save_for_backward(logits, target, keep, *saved)
         lead = logits.shape[:-1]
         ent_out = ent.view(lead) if ent is not None else logp.new_empty(0)
+        if ent is None or not entropy_grad:
+            ctx.mark_non_differentiable(ent_out)
         return logp.view(lead), ent_out
 
     @staticmethod
@@ -132,7 +134,7 @@ def logprobs_and_entropy(
 
     The vocabulary may be sharded over ``group`` (tensor parallel): rank ``r`` holds the
     logits of ids ``[r·V_local, (r+1)·V_local)``. Each shard reduces its slice to a few numbers
-    per token; the forward issues exactly one collective (``all_gather_into_tensor`` of
+    per token; the forward issues exactly one collective (an all-gather into one tensor of
     ``[N, k]``, ``k ≤ 6``) and the backward none. Every rank returns the full results and the
     gradient of its own shard. ``group=None`` means one process holding the whole vocabulary
     (no collective, even if ``torch.distributed`` is initialised).

@@ -62,6 +62,8 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
             ctx.save_for_backward(hidden, weight, target, *_shard.pack_saved(saved, False, True))
         lead = hidden.shape[:-1]
         ent_out = ent.view(lead) if ent is not None else logp.new_empty(0)
+        if ent is None:
+            ctx.mark_non_differentiable(ent_out)
         return logp.view(lead), ent_out
 
     @staticmethod
