@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["assert_as_accurate", "forward_backward"]
+__all__ = ["assert_as_accurate", "forward_backward", "nan_filled_empty"]
 
 EPS32 = torch.finfo(torch.float32).eps
 
@@ -45,3 +46,20 @@ def assert_as_accurate(
     floor = EPS32 * exact.abs().max().item()
     bound = max(factor * err_ref, floor)
     assert err_fast <= bound, f"{what}: error {err_fast:.3g} > {factor} x reference {err_ref:.3g}"
+
+
+@contextlib.contextmanager
+def nan_filled_empty() -> Iterator[None]:
+    """Within the block, ``torch.empty`` returns NaN-filled floating tensors, so that an
+    output element that the code forgets to write shows up as NaN instead of stale memory."""
+    original = torch.empty
+
+    def empty(*args, **kwargs):
+        t = original(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = original

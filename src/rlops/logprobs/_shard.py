@@ -144,13 +144,16 @@ def grad_chunk(
     g_logp: torch.Tensor | None,
     g_ent: torch.Tensor | None,
     inv_tau: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gradient w.r.t. the unscaled logits of one chunk, in ``z``'s dtype ``[C, V]``.
 
     ``saved``: the chunk's rows of :func:`merge`'s ``saved``, each ``[C, 1]``. ``g_logp``,
-    ``g_ent``: ``[C, 1]`` upstream gradients or None; at least one is given.
+    ``g_ent``: ``[C, 1]`` upstream gradients or None; at least one is given. ``out``: where to
+    write the result if it has ``z``'s dtype (saves a copy); the result is returned either way.
     """
     grad = None
+    dst = out if out is not None and out.dtype == z.dtype else None
     c_logp = None if g_logp is None else g_logp * (-inv_tau)
     if g_ent is not None:
         me, lse, h = saved[2:5]
@@ -160,7 +163,8 @@ def grad_chunk(
         a = g_ent * (-inv_tau)
         b = a * h if (c_logp is None or keep is not None) else a * h + c_logp
         d.clamp_(min=_FLOOR)
-        grad = torch.addcmul(b, d, a, out=d).mul_(p)  # p · (a·log p + b)
+        d = torch.addcmul(b, d, a, out=d)
+        grad = d.mul_(p) if dst is None else torch.mul(d, p, out=dst)  # p · (a·log p + b)
         if keep is None:
             c_logp = None  # already folded into b
     if c_logp is not None:
@@ -172,7 +176,10 @@ def grad_chunk(
             p_y = p.gather(1, idx)
             p.masked_fill_(~keep, 0.0)
             p.scatter_(1, idx, torch.where(in_range, p_y, p.gather(1, idx)))
-        grad = p.mul_(c_logp) if grad is None else grad.addcmul_(p, c_logp)
+        if grad is not None:
+            grad.addcmul_(p, c_logp)
+        else:
+            grad = p.mul_(c_logp) if dst is None else torch.mul(p, c_logp, out=dst)
     if g_logp is not None:
         onehot = torch.where(in_range, g_logp * inv_tau, torch.zeros_like(g_logp))
         grad.scatter_add_(1, idx, onehot)

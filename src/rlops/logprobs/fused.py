@@ -94,7 +94,7 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
         dtype = compute_dtype(logits.dtype)
         gl = None if g_logp is None else g_logp.reshape(-1, 1).to(dtype)
         ge = None if g_ent is None else g_ent.reshape(-1, 1).to(dtype)
-        grad = torch.empty_like(x, memory_format=torch.contiguous_format)
+        grad = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         inv_tau = 1.0 / temperature
         for i in range(0, x.shape[0], chunk):
             j = i + chunk
@@ -103,9 +103,10 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
             g = _shard.grad_chunk(
                 z, own, idx, in_range, None if keep2 is None else keep2[i:j],
                 [t[i:j] for t in saved], None if gl is None else gl[i:j],
-                None if ge is None else ge[i:j], inv_tau,
+                None if ge is None else ge[i:j], inv_tau, out=grad[i:j],
             )
-            grad[i:j] = g
+            if g.dtype != grad.dtype:  # half-precision logits: the chunk was computed in float32
+                grad[i:j] = g
         return grad.view(logits.shape), None, None, None, None, None, None, None
 
 
