@@ -96,7 +96,7 @@ def stats_chunk(
     if entropy:
         m, s, h = _softmax_stats(z, False, True)
         out[:, 3:4], out[:, 4:5], out[:, 5:6] = m, s, h
-    zk = z.masked_fill(~keep, float("-inf"))
+    zk = z.masked_fill_(~keep, float("-inf")) if own else z.masked_fill(~keep, float("-inf"))
     zk.scatter_(1, idx, torch.where(in_range, zy, zk.gather(1, idx)))  # the target is always kept
     mk, sk, _ = _softmax_stats(zk, True, False)
     out[:, 1:2], out[:, 2:3] = mk, sk
@@ -167,12 +167,10 @@ def grad_chunk(
         grad = d.mul_(p) if dst is None else torch.mul(d, p, out=dst)  # p · (a·log p + b)
         if keep is None:
             c_logp = None  # already folded into b
-    if c_logp is not None:
+    if c_logp is not None:  # − p · g_logp / τ, p over the kept logits
         mp, lsp = saved[0], saved[1]
-        if keep is None:
-            p = (z.sub_(mp) if own else z - mp).sub_(lsp).exp_()
-        else:
-            p = (z - mp).sub_(lsp).exp_()
+        p = (z.sub_(mp) if own else z - mp).sub_(lsp).exp_()
+        if keep is not None:
             p_y = p.gather(1, idx)
             p.masked_fill_(~keep, 0.0)
             p.scatter_(1, idx, torch.where(in_range, p_y, p.gather(1, idx)))

@@ -135,13 +135,22 @@ def logprobs_and_entropy(
 
     The vocabulary may be sharded over ``group`` (tensor parallel): rank ``r`` holds the
     logits of ids ``[r·V_local, (r+1)·V_local)``. Each shard reduces its slice to a few numbers
-    per token; the forward issues exactly one collective (an all-gather into one tensor of
-    ``[N, k]``, ``k ≤ 6``) and the backward none. Every rank returns the full results and the
-    gradient of its own shard. ``group=None`` means one process holding the whole vocabulary
-    (no collective, even if ``torch.distributed`` is initialised).
+    per token (max ``m_r``, ``s_r = Σ exp(z − m_r)``, its own entropy ``h_r``, the target logit
+    if it holds the target); the forward issues exactly one collective (an all-gather of
+    ``[N, k]``, ``k ≤ 6``) and the backward none (``∂logp/∂z = onehot − p``,
+    ``∂H/∂z = −p·(log p + H)``). Every rank returns the full results and the gradient of its
+    own shard. ``group=None`` means one process holding the whole vocabulary (no collective,
+    even if ``torch.distributed`` is initialised). Every rank of the group must call it.
+
+    Numerics: computed in float32 (float64 for float64 logits) relative to the row max; the
+    entropy is merged as ``H = Σ_r q_r·(h_r + (M − m_r) + (log S − log s_r))`` with
+    ``q_r`` the mass of shard ``r``, a sum of non-negative terms, so it does not cancel when
+    the logits are large. A ``-inf`` logit is a probability of zero (finite entropy and
+    gradients).
 
     Memory: float32 temporaries are ``[chunk_size, V_local]``; saved for the backward are the
     inputs and 2–5 numbers per token; the backward recomputes the softmax chunk by chunk.
+    Logits that cannot be viewed as ``[N, V_local]`` (e.g. a slice ``x[:, :-1]``) are copied.
 
     Args:
         logits: ``[..., V_local]`` float16 / bfloat16 / float32 / float64.
