@@ -245,3 +245,24 @@ def test_bad_inputs(change, error, match):
     logits, target = args.pop("logits"), args.pop("target")
     with pytest.raises(error, match=match):
         logprobs_and_entropy(logits, target, **args)
+
+
+def test_exports():
+    import rlops.logprobs
+
+    assert rlops.logprobs.__all__ == [
+        "copy_to_tensor_parallel_region",
+        "linear_logprobs_and_entropy",
+        "logprobs_and_entropy",
+    ]
+
+
+def test_default_chunk_bounds_the_temporaries():
+    from rlops.logprobs._inputs import default_chunk
+
+    cpu = torch.device("cpu")
+    for n, v in [(1, 1), (10, 5), (131072, 32000), (131072, 152064), (7, 10**8)]:
+        c = default_chunk(n, v, cpu)
+        assert 1 <= c <= max(n, 1)
+        assert c == 1 or c * v * 4 <= 4 << 20
+    assert default_chunk(0, 50, cpu) == 1
