@@ -9,6 +9,8 @@ EXPECTED = [
     "gae",
     "grpo_advantages",
     "kl_penalty",
+    "linear_logprobs_and_entropy",
+    "logprobs_and_entropy",
     "masked_mean",
     "masked_var",
     "masked_whiten",

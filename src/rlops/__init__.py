@@ -12,6 +12,7 @@ from rlops.group_advantages import (
     remax_advantages,
     rloo_advantages,
 )
+from rlops.logprobs import linear_logprobs_and_entropy, logprobs_and_entropy
 from rlops.losses import aggregate_loss, kl_penalty, policy_loss, value_loss
 from rlops.scan import discounted_cumsum
 from rlops.stats import masked_mean, masked_var, masked_whiten
@@ -25,6 +26,8 @@ __all__ = [
     "gae",
     "grpo_advantages",
     "kl_penalty",
+    "linear_logprobs_and_entropy",
+    "logprobs_and_entropy",
     "masked_mean",
     "masked_var",
     "masked_whiten",
