@@ -3,10 +3,23 @@
 import rlops
 
 EXPECTED = [
+    "aggregate_loss",
     "discounted_cumsum",
     "discounted_returns",
     "gae",
+    "grpo_advantages",
+    "kl_penalty",
+    "linear_logprobs_and_entropy",
+    "logprobs_and_entropy",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "policy_loss",
+    "reinforce_plus_plus_baseline_advantages",
     "reinforce_plus_plus_returns",
+    "remax_advantages",
+    "rloo_advantages",
+    "value_loss",
 ]
 
 

@@ -1,17 +1,40 @@
 """rlops: the numerical core of reinforcement learning on language models.
 
-Advantages and returns (one discounted reverse scan), log-probs and entropy, losses, and the
-distributed pieces they need, as pure functions on ``[B, T]`` tensors.
+Advantages and returns (one discounted reverse scan), group estimators, KL estimators, policy
+and value losses, masked statistics, log-probs and entropy, and the distributed pieces they
+need, as pure functions on ``[B, T]`` tensors.
 """
 
 from rlops.advantages import discounted_returns, gae, reinforce_plus_plus_returns
+from rlops.group_advantages import (
+    grpo_advantages,
+    reinforce_plus_plus_baseline_advantages,
+    remax_advantages,
+    rloo_advantages,
+)
+from rlops.logprobs import linear_logprobs_and_entropy, logprobs_and_entropy
+from rlops.losses import aggregate_loss, kl_penalty, policy_loss, value_loss
 from rlops.scan import discounted_cumsum
+from rlops.stats import masked_mean, masked_var, masked_whiten
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "aggregate_loss",
     "discounted_cumsum",
     "discounted_returns",
     "gae",
+    "grpo_advantages",
+    "kl_penalty",
+    "linear_logprobs_and_entropy",
+    "logprobs_and_entropy",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "policy_loss",
+    "reinforce_plus_plus_baseline_advantages",
     "reinforce_plus_plus_returns",
+    "remax_advantages",
+    "rloo_advantages",
+    "value_loss",
 ]

@@ -91,7 +91,12 @@ def check_indicator(name: str, t: torch.Tensor | None, shape: Sequence[int]) -> 
     if tuple(t.shape) != tuple(shape):
         raise shape_error(name, "[B, T] like rewards " + str(list(shape)), t.shape)
     if t.dtype != torch.bool and values_checked(t) and t.numel() > 0:
-        if bool(((t != 0) & (t != 1)).any()):
+        if t.is_floating_point():
+            bad = bool((t * (1 - t)).any())  # nonzero unless 0 or 1 (NaN and inf too)
+        else:
+            lo, hi = torch.aminmax(t)
+            bad = bool(lo < 0) or bool(hi > 1)
+        if bad:
             raise ValueError(f"{name} must hold only 0 and 1 (or be bool)")
 
 

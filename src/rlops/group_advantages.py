@@ -1,0 +1,268 @@
+"""Outcome-reward estimators with a baseline from a group of samples (or a greedy rollout).
+
+GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline and ReMax turn one scalar score per response into a
+per-token advantage. Responses to the same prompt share a group id in ``index``: any integers,
+not necessarily contiguous or sorted. Groups are found with one sort (no ``torch.unique``, whose
+output size forces a device synchronisation) and reduced with ``index_add``: no Python loop over
+samples or groups, no host read-back.
+
+Conventions (verl's, so results match ``compute_*_outcome_advantage`` there):
+
+* ``scores`` may be ``[B]`` or token-level rewards ``[B, T]``, which are summed over ``T``.
+* The group statistics use every sample of the group, also one whose row has no action token.
+* The group std is the unbiased one (Bessel's correction, ``torch.std``'s default).
+* A group of one sample has no baseline: its mean is taken as 0 (and its std as 1).
+* Advantages are the per-sample value broadcast over ``T`` and 0 on mask-0 tokens; the
+  estimators return ``(advantages, returns)`` and, as in verl, both are the same tensor.
+* Half-precision scores are reduced in float32; outputs have the dtype of ``scores``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlops._checks import as_float_tensor, check_same_device, compute_dtype, shape_error
+from rlops.stats import _as_bool, _check_mask, _check_nonneg, _inv_std, _variance, _weighted_moments
+
+__all__ = [
+    "grpo_advantages",
+    "reinforce_plus_plus_baseline_advantages",
+    "remax_advantages",
+    "rloo_advantages",
+]
+
+
+def _dense_group_ids(index: torch.Tensor) -> torch.Tensor:
+    """Map any integer ids ``[B]`` to dense ids in ``[0, B)``: sort, mark run starts, cumsum."""
+    sorted_ids, order = torch.sort(index)
+    starts = torch.ones_like(sorted_ids, dtype=torch.long)
+    starts[1:] = (sorted_ids[1:] != sorted_ids[:-1]).long()
+    dense = torch.empty_like(starts)
+    dense[order] = starts.cumsum(0) - 1
+    return dense
+
+
+def _group_moments(
+    s: torch.Tensor, index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per sample: ``(n, s − mean, M2)`` of its group.
+
+    Two passes on data shifted by the group max, so a group of equal scores gives exactly
+    ``s − mean = 0`` and ``M2 = 0`` (an unshifted ``Σs/n`` need not round back to ``s``).
+    """
+    gid = _dense_group_ids(index)
+    zeros = torch.zeros(s.shape[0], dtype=s.dtype, device=s.device)
+    shift = zeros.scatter_reduce(0, gid, s, "amax", include_self=False)[gid]
+    d = s - shift
+    n = zeros.index_add(0, gid, torch.ones_like(s))[gid]
+    mean_d = zeros.index_add(0, gid, d)[gid] / n
+    centred = d - mean_d
+    m2 = zeros.index_add(0, gid, centred.square())[gid]
+    return n, centred, m2
+
+
+def _check_mask_2d(mask: object) -> tuple[int, int]:
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+    if mask.dim() != 2:
+        raise shape_error("mask", "[B, T]", mask.shape)
+    return mask.shape[0], mask.shape[1]
+
+
+def _prepare(scores: object, index: object, mask: object) -> torch.Tensor:
+    """Validate the three arguments; return the ``[B]`` scores in the computation dtype."""
+    as_float_tensor("scores", scores)
+    b, t = _check_mask_2d(mask)
+    if scores.dim() == 2:
+        if tuple(scores.shape) != (b, t):
+            raise shape_error("scores", f"[B] or [B, T] = {[b, t]} like mask", scores.shape)
+        s = scores.to(compute_dtype(scores.dtype)).sum(-1)
+    elif tuple(scores.shape) == (b,):
+        s = scores.to(compute_dtype(scores.dtype))
+    else:
+        raise shape_error("scores", f"[B] = {[b]} or [B, T] like mask", scores.shape)
+    _check_mask("mask", mask, (b, t), "[B, T]")
+    if not isinstance(index, torch.Tensor):
+        raise TypeError(f"index must be a torch.Tensor, got {type(index).__name__}")
+    if index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
+        raise TypeError(f"index must be an integer tensor of group ids, got {index.dtype}")
+    if tuple(index.shape) != (b,):
+        raise shape_error("index", f"[B] = {[b]} like scores", index.shape)
+    check_same_device("scores", scores, index=index, mask=mask)
+    return s
+
+
+def _broadcast(a: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a[b]`` on the action tokens of row ``b``, 0 elsewhere: one pass over ``[B, T]``."""
+    if mask.dtype == torch.bool:  # a select; multiplying by a bool tensor is a slow mixed-dtype op
+        return torch.where(mask, a[:, None], 0).to(dtype)
+    return (a[:, None] * mask).to(dtype)
+
+
+def grpo_advantages(
+    scores: torch.Tensor,
+    index: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    norm_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO outcome advantages: each score standardised within its group.
+
+    For sample ``i`` in group ``g`` with ``n_g`` samples, mean ``μ_g`` and unbiased std ``σ_g``::
+
+        A_i = (s_i − μ_g) / (σ_g + eps)      (norm_std=True, GRPO)
+        A_i =  s_i − μ_g                     (norm_std=False, Dr.GRPO)
+
+    A group of one has ``μ = 0, σ = 1`` (verl), so its advantage is ``s_i / (1 + eps)`` (or
+    ``s_i``). A group of equal scores gives exactly 0 (also with ``eps = 0``). ``eps`` is added
+    to the std, not the variance.
+
+    GRPO: https://arxiv.org/abs/2402.03300 — Dr.GRPO: https://arxiv.org/abs/2503.20783
+
+    Args:
+        scores: ``[B]`` outcome scores (or ``[B, T]`` token rewards, summed over ``T``).
+        index: ``[B]`` integer group id per sample (e.g. the prompt id). From string ids:
+            ``torch.as_tensor(numpy.unique(uids, return_inverse=True)[1])``.
+        mask: ``[B, T]`` 0/1 action mask (``response_mask``).
+        norm_std: divide by the group std (GRPO) or not (Dr.GRPO).
+        eps: ``>= 0``, added to the std.
+
+    Returns:
+        ``(advantages, returns)``, both the same ``[B, T]`` tensor, 0 where ``mask`` is 0.
+
+    Example:
+        >>> import torch
+        >>> adv, _ = grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 2.0]),
+        ...                          torch.tensor([7, 7, 3, 3]), torch.ones(4, 2))
+        >>> adv[:, 0]
+        tensor([ 0.7071, -0.7071, -0.7071,  0.7071])
+    """
+    eps = _check_nonneg("eps", eps)
+    s = _prepare(scores, index, mask)
+    n, centred, m2 = _group_moments(s, index)
+    alone = n == 1
+    a = torch.where(alone, s, centred)
+    if norm_std:
+        den = torch.where(alone, 1, torch.sqrt(_variance(n, m2, unbiased=True))) + eps
+        a = a / torch.where(den > 0, den, 1)  # den = 0 only for equal scores and eps = 0: a = 0
+    adv = _broadcast(a, mask, scores.dtype)
+    return adv, adv
+
+
+def rloo_advantages(
+    scores: torch.Tensor, index: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO advantages: each score minus the mean of the *other* samples of its group.
+
+    ``A_i = s_i − (Σ_{j≠i} s_j)/(n − 1) = n/(n − 1)·(s_i − μ_g)`` for a group of ``n ≥ 2``
+    (computed in the centred right-hand form). A group of one keeps its score: ``A_i = s_i``
+    (verl). https://arxiv.org/abs/2402.14740
+
+    Args:
+        scores: ``[B]`` outcome scores (or ``[B, T]`` token rewards, summed over ``T``).
+        index: ``[B]`` integer group id per sample.
+        mask: ``[B, T]`` 0/1 action mask.
+
+    Returns:
+        ``(advantages, returns)``, both the same ``[B, T]`` tensor, 0 where ``mask`` is 0.
+
+    Example:
+        >>> import torch
+        >>> adv, _ = rloo_advantages(torch.tensor([1.0, 0.0, 2.0, 5.0]),
+        ...                          torch.tensor([0, 0, 0, 9]), torch.ones(4, 1))
+        >>> adv[:, 0]
+        tensor([ 0.0000, -1.5000,  1.5000,  5.0000])
+    """
+    s = _prepare(scores, index, mask)
+    n, centred, _ = _group_moments(s, index)
+    a = torch.where(n > 1, n / (n - 1).clamp_min(1) * centred, s)
+    adv = _broadcast(a, mask, scores.dtype)
+    return adv, adv
+
+
+def reinforce_plus_plus_baseline_advantages(
+    scores: torch.Tensor,
+    index: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline: subtract the group mean, then whiten over all action tokens.
+
+    ``a_i = s_i − μ_g`` (a group of one keeps ``s_i``), broadcast to the action tokens, then
+    ``A = (a − mean) / sqrt(var + eps)`` with the mean and unbiased variance taken over every
+    mask-1 token of the batch (verl's ``masked_whiten``; a row weighs as many times as it has
+    action tokens). Computed from per-row token counts in ``O(B)`` rather than over ``[B, T]``;
+    equal to :func:`rlops.stats.masked_whiten` of the broadcast values.
+    https://arxiv.org/abs/2501.03262
+
+    Args:
+        scores: ``[B]`` outcome scores (or ``[B, T]`` token rewards, summed over ``T``).
+        index: ``[B]`` integer group id per sample.
+        mask: ``[B, T]`` 0/1 action mask.
+        eps: ``>= 0``, added to the batch variance.
+
+    Returns:
+        ``(advantages, returns)``, both the same ``[B, T]`` tensor, 0 where ``mask`` is 0.
+
+    Example:
+        >>> import torch
+        >>> adv, _ = reinforce_plus_plus_baseline_advantages(
+        ...     torch.tensor([1.0, 0.0, 3.0, 1.0]), torch.tensor([0, 0, 1, 1]), torch.ones(4, 1))
+        >>> adv[:, 0]
+        tensor([ 0.5477, -0.5477,  1.0954, -1.0954])
+    """
+    eps = _check_nonneg("eps", eps)
+    s = _prepare(scores, index, mask)
+    n, centred, _ = _group_moments(s, index)
+    a = torch.where(n == 1, s, centred)
+    tokens = mask.sum(-1).to(a.dtype)
+    count, batch_mean, m2 = _weighted_moments(a, tokens)
+    a = (a - batch_mean) * _inv_std(_variance(count, m2, unbiased=True), eps)
+    adv = _broadcast(a, mask, scores.dtype)
+    return adv, adv
+
+
+def remax_advantages(
+    rewards: torch.Tensor, reward_baselines: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax: reward-to-go minus the reward of a greedy rollout of the same prompt.
+
+    ``G_t = Σ_{t' ≥ t} m_{t'}·r_{t'}`` (undiscounted; mask-0 tokens pass the sum through and
+    get 0) and ``A_t = G_t − b`` on action tokens, with ``b`` the greedy response's score.
+    With ``[B]`` outcome rewards (the reward on the last action token) ``G_t = r`` on every
+    action token. https://arxiv.org/abs/2310.10505
+
+    Args:
+        rewards: ``[B, T]`` token rewards, or ``[B]`` outcome rewards.
+        reward_baselines: ``[B]`` score of the greedy (argmax) response per sample.
+        mask: ``[B, T]`` 0/1 action mask.
+
+    Returns:
+        ``(advantages, returns)``, ``[B, T]`` each, 0 where ``mask`` is 0.
+
+    Example:
+        >>> import torch
+        >>> adv, ret = remax_advantages(torch.tensor([[0.0, 1.0, 0.0, 2.0]]), torch.tensor([1.5]),
+        ...                             torch.tensor([[1, 1, 0, 1]]))
+        >>> ret, adv
+        (tensor([[3., 3., 0., 2.]]), tensor([[1.5000, 1.5000, 0.0000, 0.5000]]))
+    """
+    as_float_tensor("rewards", rewards)
+    as_float_tensor("reward_baselines", reward_baselines)
+    b, t = _check_mask_2d(mask)
+    keep = _as_bool(_check_mask("mask", mask, (b, t), "[B, T]"))
+    if tuple(reward_baselines.shape) != (b,):
+        raise shape_error("reward_baselines", f"[B] = {[b]} like mask", reward_baselines.shape)
+    check_same_device("rewards", rewards, reward_baselines=reward_baselines, mask=mask)
+    dtype = compute_dtype(rewards.dtype)
+    if rewards.dim() == 2 and tuple(rewards.shape) == (b, t):
+        r = torch.where(keep, rewards.to(dtype), 0)
+        ret = torch.where(keep, r.flip(-1).cumsum(-1).flip(-1), 0)
+    elif tuple(rewards.shape) == (b,):
+        ret = torch.where(keep, rewards.to(dtype)[:, None], 0)
+    else:
+        raise shape_error("rewards", f"[B, T] = {[b, t]} or [B] like mask", rewards.shape)
+    adv = torch.where(keep, ret - reward_baselines.to(dtype)[:, None], 0)
+    return adv.to(rewards.dtype), ret.to(rewards.dtype)

@@ -1,0 +1,203 @@
+"""The maths shared by the fused ops: per-shard softmax statistics, their merge, the local gradient.
+
+One chunk of scaled logits ``z`` (``[C, V_local]``, float32 or float64) is reduced to a few
+numbers per token, the columns of a ``[C, k]`` statistics tensor:
+
+- ``zy``: the target logit if the target id lies in this shard, else 0;
+- ``m, s``: the shard's max and ``s = Σ exp(z − m)`` over the log-prob distribution (the kept
+  logits when a keep mask is given);
+- with entropy, ``m, s, h`` over the *unmasked* logits, where ``h = log s − Σ exp(z − m)(z − m)/s``
+  is the shard's own entropy (columns shared with the above when there is no keep mask).
+
+Shards merge these exactly: with ``M = max_r m_r``, ``S = Σ_r exp(m_r − M) s_r`` and
+``q_r = exp(m_r − M) s_r / S`` (the probability mass held by shard r),
+
+    lse = M + log S,      logp = (zy − M) − log S,
+    H   = Σ_r q_r · (h_r + (M − m_r) + (log S − log s_r)).
+
+Every term of the entropy sum is ≥ 0, so there is no cancellation however large the logits are
+(unlike ``lse − Σ p·z``). Only ``(M, log S, H)`` per token is kept for the backward, where
+
+    ∂logp/∂z = onehot(y) − p_keep,     ∂H/∂z = −p · (log p + H),
+
+both local to the shard.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "grad_chunk",
+    "merge",
+    "n_columns",
+    "pack_saved",
+    "stats_chunk",
+    "target_index",
+    "unpack_saved",
+]
+
+# Clamp of (z − max) in entropy terms so that a -inf logit (probability 0) contributes 0 · finite
+# instead of 0 · inf = NaN. exp(−1e30) is exactly 0 in every float type, so nothing else changes.
+_FLOOR = -1e30
+
+
+def n_columns(masked: bool, entropy: bool) -> int:
+    """Statistics per token: 3 for the log-prob, 0 more (no mask) or 3 more (mask) for entropy."""
+    return 3 + (3 if masked else 1) * entropy
+
+
+def target_index(
+    target: torch.Tensor, start: int, v_local: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([C, 1] column index clamped into the shard, [C, 1] bool: target in this shard)``."""
+    local = target.unsqueeze(1) - start
+    in_range = (local >= 0) & (local < v_local)
+    return local.clamp(0, v_local - 1), in_range
+
+
+def _softmax_stats(
+    z: torch.Tensor, own: bool, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Row max ``m``, ``s = Σ exp(z − m)`` and optionally the row entropy ``h``; may reuse ``z``."""
+    m = z.amax(dim=-1, keepdim=True)
+    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # an all -inf row: s = 0
+    d = z.sub_(m_safe) if own else z - m_safe
+    if not entropy:
+        return m, d.exp_().sum(dim=-1, keepdim=True), None
+    d.clamp_(min=_FLOOR)
+    e = d.exp()
+    s = e.sum(dim=-1, keepdim=True)
+    u = torch.linalg.vecdot(e, d).unsqueeze(1)  # Σ e·(z − m) ≤ 0
+    return m, s, s.log() - u / s
+
+
+def stats_chunk(
+    z: torch.Tensor,
+    own: bool,
+    idx: torch.Tensor,
+    in_range: torch.Tensor,
+    keep: torch.Tensor | None,
+    entropy: bool,
+    out: torch.Tensor,
+) -> None:
+    """Write the statistics of one chunk of scaled logits ``z`` ``[C, V]`` into ``out`` ``[C, k]``.
+
+    ``own``: ``z`` is a temporary that may be overwritten. ``keep``: the chunk's keep mask.
+    """
+    zy = z.gather(1, idx)
+    out[:, 0:1] = torch.where(in_range, zy, torch.zeros_like(zy))
+    if keep is None:
+        m, s, h = _softmax_stats(z, own, entropy)
+        out[:, 1:2], out[:, 2:3] = m, s
+        if h is not None:
+            out[:, 3:4] = h
+        return
+    if entropy:
+        m, s, h = _softmax_stats(z, False, True)
+        out[:, 3:4], out[:, 4:5], out[:, 5:6] = m, s, h
+    zk = z.masked_fill_(~keep, float("-inf")) if own else z.masked_fill(~keep, float("-inf"))
+    zk.scatter_(1, idx, torch.where(in_range, zy, zk.gather(1, idx)))  # the target is always kept
+    mk, sk, _ = _softmax_stats(zk, True, False)
+    out[:, 1:2], out[:, 2:3] = mk, sk
+
+
+def _merge_lse(m: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[R, N]`` per-shard ``(m, s)`` → ``(M, log S, q)``, ``q`` the shards' probability masses."""
+    big_m = m.amax(dim=0)
+    w = torch.exp(m - big_m) * s
+    total = w.sum(dim=0)
+    return big_m, total.log(), w / total
+
+
+def merge(
+    gathered: torch.Tensor, masked: bool, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]]:
+    """Merge ``[R, N, k]`` per-shard statistics into ``(logp [N], H [N] or None, saved)``.
+
+    ``saved`` is ``(M, log S)`` of the log-prob distribution, then, with entropy,
+    ``(M, log S, H)`` of the unmasked distribution (each ``[N]``).
+    """
+    zy = gathered[:, :, 0].sum(dim=0)  # exactly one shard holds a non-zero target logit
+    mp, lsp, q = _merge_lse(gathered[:, :, 1], gathered[:, :, 2])
+    logp = (zy - mp) - lsp
+    if not entropy:
+        return logp, None, (mp, lsp)
+    c = 3 if masked else 1
+    m, s, h = gathered[:, :, c], gathered[:, :, c + 1], gathered[:, :, c + 2]
+    if masked:
+        me, lse, q = _merge_lse(m, s)
+    else:
+        me, lse = mp, lsp
+    terms = q * (h + (me - m) + (lse - s.log()))
+    ent = torch.where(q > 0, terms, torch.zeros_like(terms)).sum(dim=0)
+    return logp, ent, (mp, lsp, me, lse, ent)
+
+
+def grad_chunk(
+    z: torch.Tensor,
+    own: bool,
+    idx: torch.Tensor,
+    in_range: torch.Tensor,
+    keep: torch.Tensor | None,
+    saved: tuple[torch.Tensor, ...],
+    g_logp: torch.Tensor | None,
+    g_ent: torch.Tensor | None,
+    inv_tau: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gradient w.r.t. the unscaled logits of one chunk, in ``z``'s dtype ``[C, V]``.
+
+    ``saved``: the chunk's rows of :func:`merge`'s ``saved``, each ``[C, 1]``. ``g_logp``,
+    ``g_ent``: ``[C, 1]`` upstream gradients or None; at least one is given. ``out``: where to
+    write the result if it has ``z``'s dtype (saves a copy); the result is returned either way.
+    """
+    grad = None
+    dst = out if out is not None and out.dtype == z.dtype else None
+    c_logp = None if g_logp is None else g_logp * (-inv_tau)
+    if g_ent is not None:
+        me, lse, h = saved[2:5]
+        d = z.sub(me) if (keep is not None or not own) else z.sub_(me)
+        d.sub_(lse)  # log p over the unmasked logits
+        p = d.exp()
+        a = g_ent * (-inv_tau)
+        b = a * h if (c_logp is None or keep is not None) else a * h + c_logp
+        d.clamp_(min=_FLOOR)
+        d = torch.addcmul(b, d, a, out=d)
+        grad = d.mul_(p) if dst is None else torch.mul(d, p, out=dst)  # p · (a·log p + b)
+        if keep is None:
+            c_logp = None  # already folded into b
+    if c_logp is not None:  # − p · g_logp / τ, p over the kept logits
+        mp, lsp = saved[0], saved[1]
+        p = (z.sub_(mp) if own else z - mp).sub_(lsp).exp_()
+        if keep is not None:
+            p_y = p.gather(1, idx)
+            p.masked_fill_(~keep, 0.0)
+            p.scatter_(1, idx, torch.where(in_range, p_y, p.gather(1, idx)))
+        if grad is not None:
+            grad.addcmul_(p, c_logp)
+        else:
+            grad = p.mul_(c_logp) if dst is None else torch.mul(p, c_logp, out=dst)
+    if g_logp is not None:
+        onehot = torch.where(in_range, g_logp * inv_tau, torch.zeros_like(g_logp))
+        grad.scatter_add_(1, idx, onehot)
+    return grad
+
+
+def pack_saved(saved: tuple[torch.Tensor, ...], masked: bool, entropy_grad: bool) -> tuple:
+    """What the backward keeps of :func:`merge`'s ``saved``: 2, 3 or 5 tensors of ``[N]``.
+
+    ``(M, log S)`` of the log-prob distribution; with an entropy gradient, also ``H``, and the
+    unmasked ``(M, log S)`` when a keep mask makes the two distributions differ.
+    """
+    if len(saved) == 2 or not entropy_grad:
+        return saved[:2]
+    return saved if masked else (*saved[:2], saved[4])
+
+
+def unpack_saved(saved: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], bool]:
+    """Inverse of :func:`pack_saved`: ``([C, 1]``-shaped list for :func:`grad_chunk`, has H)."""
+    cols = [t.unsqueeze(1) for t in saved]
+    if len(cols) == 3:
+        cols = [cols[0], cols[1], *cols]
+    return cols, len(cols) == 5

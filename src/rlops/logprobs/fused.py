@@ -1,0 +1,195 @@
+"""Fused, token-chunked, vocabulary-parallel log-probs and entropy from logits.
+
+The forward reduces each ``[chunk, V_local]`` slice of logits to a few numbers per token
+(see :mod:`rlops.logprobs._shard`), gathers them across the vocabulary shards in one collective
+and merges them; the backward recomputes the softmax chunk by chunk from the saved per-token
+statistics and needs no collective.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rlops._checks import check_chunk_size, check_same_device, compute_dtype
+from rlops.logprobs import _shard
+from rlops.logprobs._inputs import (
+    check_flags,
+    check_keep_mask,
+    check_logits,
+    check_target,
+    check_temperature,
+    default_chunk,
+    group_rank_size,
+)
+
+__all__ = ["gather_stats", "logprobs_and_entropy", "scaled_chunk"]
+
+
+def scaled_chunk(
+    x: torch.Tensor, dtype: torch.dtype, temperature: float
+) -> tuple[torch.Tensor, bool]:
+    """``(x / temperature in dtype, own)``; ``own``: the result is a fresh buffer, not ``x``."""
+    if x.dtype == dtype:
+        return (x, False) if temperature == 1.0 else (torch.div(x, temperature), True)
+    z = x.to(dtype)
+    return (z if temperature == 1.0 else z.div_(temperature)), True
+
+
+def gather_stats(stats: torch.Tensor, group: object, world: int) -> torch.Tensor:
+    """``[N, k]`` local statistics → ``[world, N, k]``: the forward's one collective."""
+    if world == 1:
+        return stats.unsqueeze(0)
+    out = stats.new_empty((world * stats.shape[0], stats.shape[1]))
+    # Newer torch renames all_gather_into_tensor to all_gather_single and deprecates the old name.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, stats.contiguous(), group=group)
+    return out.view(world, stats.shape[0], stats.shape[1])
+
+
+class _FusedLogprobsEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, keep, temperature, with_entropy, entropy_grad, group, chunk):
+        rank, world = group_rank_size(group)
+        v_local = logits.shape[-1]
+        x = logits.reshape(-1, v_local)
+        tgt = target.reshape(-1)
+        keep2 = None if keep is None else keep.reshape(-1, v_local)
+        n = x.shape[0]
+        dtype = compute_dtype(logits.dtype)
+        chunk = chunk or default_chunk(n, v_local, logits.device)
+        masked = keep is not None
+        stats = torch.empty((n, _shard.n_columns(masked, with_entropy)), dtype=dtype,
+                            device=logits.device)
+        start = rank * v_local
+        for i in range(0, n, chunk):
+            z, own = scaled_chunk(x[i : i + chunk], dtype, temperature)
+            idx, in_range = _shard.target_index(tgt[i : i + chunk], start, v_local)
+            kc = None if keep2 is None else keep2[i : i + chunk]
+            _shard.stats_chunk(z, own, idx, in_range, kc, with_entropy, stats[i : i + chunk])
+        logp, ent, saved = _shard.merge(gather_stats(stats, group, world), masked, with_entropy)
+        saved = _shard.pack_saved(saved, masked, entropy_grad)
+        ctx.set_materialize_grads(False)
+        ctx.meta = (temperature, start, chunk)
+        if ctx.needs_input_grad[0]:
+            ctx.save_for_backward(logits, target, keep, *saved)
+        lead = logits.shape[:-1]
+        ent_out = ent.view(lead) if ent is not None else logp.new_empty(0)
+        if ent is None or not entropy_grad:
+            ctx.mark_non_differentiable(ent_out)
+        return logp.view(lead), ent_out
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        temperature, start, chunk = ctx.meta
+        logits, target, keep, *saved = ctx.saved_tensors
+        saved, has_entropy = _shard.unpack_saved(saved)
+        g_ent = g_ent if has_entropy else None
+        if g_logp is None and g_ent is None:
+            return (None,) * 8
+        v_local = logits.shape[-1]
+        x = logits.reshape(-1, v_local)
+        tgt = target.reshape(-1)
+        keep2 = None if keep is None else keep.reshape(-1, v_local)
+        dtype = compute_dtype(logits.dtype)
+        gl = None if g_logp is None else g_logp.reshape(-1, 1).to(dtype)
+        ge = None if g_ent is None else g_ent.reshape(-1, 1).to(dtype)
+        grad = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        inv_tau = 1.0 / temperature
+        for i in range(0, x.shape[0], chunk):
+            j = i + chunk
+            z, own = scaled_chunk(x[i:j], dtype, temperature)
+            idx, in_range = _shard.target_index(tgt[i:j], start, v_local)
+            g = _shard.grad_chunk(
+                z, own, idx, in_range, None if keep2 is None else keep2[i:j],
+                [t[i:j] for t in saved], None if gl is None else gl[i:j],
+                None if ge is None else ge[i:j], inv_tau, out=grad[i:j],
+            )
+            if g.dtype != grad.dtype:  # half-precision logits: the chunk was computed in float32
+                grad[i:j] = g
+        return grad.view(logits.shape), None, None, None, None, None, None, None
+
+
+def logprobs_and_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    keep_mask: torch.Tensor | None = None,
+    with_entropy: bool = True,
+    entropy_grad: bool = True,
+    group: object = None,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Log-probabilities of the targets and the entropy of the softmax, fused and chunked.
+
+    With ``z = logits / temperature`` over the full vocabulary, for every token:
+
+    .. math::
+
+        \log p_y = z_y - \operatorname{lse}(z), \qquad
+        H = \operatorname{lse}(z) - \sum_v \operatorname{softmax}(z)_v\, z_v .
+
+    With ``keep_mask`` (top-p / top-k replay), the log-prob is taken over the kept logits only
+    (the target is always kept), while the entropy uses all logits.
+
+    The vocabulary may be sharded over ``group`` (tensor parallel): rank ``r`` holds the
+    logits of ids ``[r·V_local, (r+1)·V_local)``. Each shard reduces its slice to a few numbers
+    per token (max ``m_r``, ``s_r = Σ exp(z − m_r)``, its own entropy ``h_r``, the target logit
+    if it holds the target); the forward issues exactly one collective (an all-gather of
+    ``[N, k]``, ``k ≤ 6``) and the backward none (``∂logp/∂z = onehot − p``,
+    ``∂H/∂z = −p·(log p + H)``). Every rank returns the full results and the gradient of its
+    own shard. ``group=None`` means one process holding the whole vocabulary (no collective,
+    even if ``torch.distributed`` is initialised). Every rank of the group must call it.
+
+    Numerics: computed in float32 (float64 for float64 logits) relative to the row max; the
+    entropy is merged as ``H = Σ_r q_r·(h_r + (M − m_r) + (log S − log s_r))`` with
+    ``q_r`` the mass of shard ``r``, a sum of non-negative terms, so it does not cancel when
+    the logits are large. A ``-inf`` logit is a probability of zero (finite entropy and
+    gradients).
+
+    Memory: float32 temporaries are ``[chunk_size, V_local]``; saved for the backward are the
+    inputs and 2–5 numbers per token; the backward recomputes the softmax chunk by chunk.
+    Logits that cannot be viewed as ``[N, V_local]`` (e.g. a slice ``x[:, :-1]``) are copied.
+
+    Args:
+        logits: ``[..., V_local]`` float16 / bfloat16 / float32 / float64.
+        target: ``[...]`` integer ids in the global vocabulary ``[0, V_local · world)``.
+        temperature: ``> 0``; divides the logits before everything.
+        keep_mask: ``[..., V_local]`` bool, or None (keep all).
+        with_entropy: if False, skip all entropy work and return ``None`` for it.
+        entropy_grad: if False, the entropy is returned detached and nothing is saved for its
+            backward (use it when the entropy is only logged).
+        group: the tensor-parallel process group over which the vocabulary is sharded, or None.
+        chunk_size: tokens per chunk (``>= 1``); None picks a bound of a few MiB per
+            ``[chunk, V_local]`` float32 buffer on CPU and 128 MiB on accelerators.
+
+    Returns:
+        ``(logp, entropy)``, each ``[...]``, float32 (float64 for float64 logits);
+        ``entropy`` is None when ``with_entropy=False``. Differentiable w.r.t. ``logits``.
+
+    Example:
+        >>> import torch
+        >>> from rlops.logprobs import logprobs_and_entropy
+        >>> logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [2.0, 0.0, 0.0, -1.0]])
+        >>> logp, ent = logprobs_and_entropy(logits, torch.tensor([1, 0]))
+        >>> logp
+        tensor([-1.3863, -0.2780])
+        >>> ent  # log 4 for uniform logits
+        tensor([1.3863, 0.8011])
+    """
+    logits = check_logits("logits", logits)
+    if logits.shape[-1] == 0:
+        raise ValueError("logits must have a non-empty vocabulary dimension, got [..., 0]")
+    temperature = check_temperature(temperature)
+    check_flags(with_entropy=with_entropy, entropy_grad=entropy_grad)
+    check_chunk_size(chunk_size)
+    _, world = group_rank_size(group)
+    target = check_target(target, logits.shape[:-1], "[...] like logits[..., 0] "
+                          + str(list(logits.shape[:-1])), logits.shape[-1] * world)
+    keep_mask = check_keep_mask(keep_mask, logits)
+    check_same_device("logits", logits, target=target, keep_mask=keep_mask)
+    logp, ent = _FusedLogprobsEntropy.apply(
+        logits, target, keep_mask, temperature, with_entropy, entropy_grad, group, chunk_size
+    )
+    return logp, (ent if with_entropy else None)

@@ -1,0 +1,213 @@
+"""Fused output layer + log-probs + entropy: ``hidden @ weightᵀ`` chunk by chunk, never ``[N, V]``.
+
+Each token chunk's logits ``[chunk, V_local]`` are formed, reduced to per-token statistics and
+dropped; the backward recomputes them per chunk and accumulates the gradients of ``hidden`` and
+``weight``. Vocabulary-parallel as :func:`rlops.logprobs.logprobs_and_entropy`: one collective in
+the forward, none in the backward.
+
+The gradient of ``hidden`` sums over the whole vocabulary, so with a sharded vocabulary each
+rank can only compute its shard's part. As in Megatron's column-parallel output layer, the sum
+over ranks belongs to the layer's input: the hidden states enter the tensor-parallel region
+through an op that is the identity forward and all-reduces the gradient backward (Megatron's
+``copy_to_tensor_model_parallel_region``, or :func:`copy_to_tensor_parallel_region` here).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rlops._checks import check_chunk_size, check_same_device, compute_dtype, shape_error
+from rlops.logprobs import _shard
+from rlops.logprobs._inputs import (
+    check_flags,
+    check_logits,
+    check_target,
+    check_temperature,
+    default_chunk,
+    group_rank_size,
+)
+from rlops.logprobs.fused import gather_stats
+
+__all__ = ["copy_to_tensor_parallel_region", "linear_logprobs_and_entropy"]
+
+
+def _logits_chunk(h: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, temperature: float):
+    """``(h @ weightᵀ)`` in the inputs' dtype (as a materialised output layer), then ``/ τ``."""
+    z = (h @ weight.T).to(dtype)
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+class _FusedLinearLogprobsEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, temperature, with_entropy, group, chunk):
+        rank, world = group_rank_size(group)
+        v_local = weight.shape[0]
+        h2 = hidden.reshape(-1, hidden.shape[-1])
+        tgt = target.reshape(-1)
+        n = h2.shape[0]
+        dtype = compute_dtype(hidden.dtype)
+        chunk = chunk or default_chunk(n, v_local, hidden.device, linear=True)
+        stats = torch.empty((n, _shard.n_columns(False, with_entropy)), dtype=dtype,
+                            device=hidden.device)
+        start = rank * v_local
+        for i in range(0, n, chunk):
+            z = _logits_chunk(h2[i : i + chunk], weight, dtype, temperature)
+            idx, in_range = _shard.target_index(tgt[i : i + chunk], start, v_local)
+            _shard.stats_chunk(z, True, idx, in_range, None, with_entropy, stats[i : i + chunk])
+        logp, ent, saved = _shard.merge(gather_stats(stats, group, world), False, with_entropy)
+        ctx.set_materialize_grads(False)
+        ctx.meta = (temperature, start, chunk)
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            ctx.save_for_backward(hidden, weight, target, *_shard.pack_saved(saved, False, True))
+        lead = hidden.shape[:-1]
+        ent_out = ent.view(lead) if ent is not None else logp.new_empty(0)
+        if ent is None:
+            ctx.mark_non_differentiable(ent_out)
+        return logp.view(lead), ent_out
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        temperature, start, chunk = ctx.meta
+        hidden, weight, target, *saved = ctx.saved_tensors
+        saved, has_entropy = _shard.unpack_saved(saved)
+        g_ent = g_ent if has_entropy else None
+        if g_logp is None and g_ent is None:
+            return (None,) * 7
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        v_local = weight.shape[0]
+        h2 = hidden.reshape(-1, hidden.shape[-1])
+        tgt = target.reshape(-1)
+        dtype = compute_dtype(hidden.dtype)
+        gl = None if g_logp is None else g_logp.reshape(-1, 1).to(dtype)
+        ge = None if g_ent is None else g_ent.reshape(-1, 1).to(dtype)
+        grad_h = torch.empty_like(h2, memory_format=torch.contiguous_format) if need_h else None
+        # The weight gradient sums over all chunks: accumulate in float32 for half inputs.
+        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
+        for i in range(0, h2.shape[0], chunk):
+            j = i + chunk
+            hc = h2[i:j]
+            z = _logits_chunk(hc, weight, dtype, temperature)
+            idx, in_range = _shard.target_index(tgt[i:j], start, v_local)
+            g = _shard.grad_chunk(
+                z, True, idx, in_range, None, [t[i:j] for t in saved],
+                None if gl is None else gl[i:j], None if ge is None else ge[i:j],
+                1.0 / temperature,
+            ).to(hidden.dtype)
+            if need_h:
+                torch.mm(g, weight, out=grad_h[i:j])
+            if need_w:
+                if grad_w.dtype == g.dtype:
+                    grad_w.addmm_(g.T, hc)
+                else:
+                    grad_w += g.T @ hc
+        if need_h:
+            grad_h = grad_h.view(hidden.shape)
+        if need_w:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def linear_logprobs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = True,
+    group: object = None,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Log-probs and entropy of ``softmax(hidden @ weightᵀ / τ)`` without building the logits.
+
+    Equal to ``logprobs_and_entropy(hidden @ weight.T, target, ...)`` (the matmul in the
+    inputs' dtype, as a materialised output layer computes it), but only ``[chunk, V_local]``
+    logits exist at a time, in the forward and again in the backward:
+
+    .. math::
+
+        z = h W^\top / \tau, \qquad \log p_y = z_y - \operatorname{lse}(z), \qquad
+        H = \operatorname{lse}(z) - \sum_v \operatorname{softmax}(z)_v\, z_v .
+
+    Vocabulary-parallel over ``group``: rank ``r`` holds the rows ``[r·V_local, (r+1)·V_local)``
+    of the output weight. The forward issues one collective, the backward none. Every rank
+    returns the full ``(logp, entropy)``, the gradient of its own ``weight`` shard, and its
+    shard's *partial* gradient of ``hidden``: the full gradient is the sum over ranks, which the
+    column-parallel layer's input op performs (Megatron's
+    ``copy_to_tensor_model_parallel_region``, or :func:`copy_to_tensor_parallel_region`).
+
+    Args:
+        hidden: ``[..., H]`` (typically ``[N, H]``) float16 / bfloat16 / float32 / float64.
+        weight: ``[V_local, H]``, the output layer's weight (its shard), same dtype as hidden.
+        target: ``[...]`` integer ids in the global vocabulary ``[0, V_local · world)``.
+        temperature: ``> 0``; divides the logits.
+        with_entropy: if False, skip the entropy and return ``None`` for it.
+        group: the tensor-parallel process group, or None (one process, no collective).
+        chunk_size: tokens per chunk (``>= 1``); None picks a bound of 32 MiB per
+            ``[chunk, V_local]`` float32 buffer on CPU and 128 MiB on accelerators.
+
+    Returns:
+        ``(logp, entropy)``, each ``[...]``, float32 (float64 for float64 inputs); entropy is
+        None when ``with_entropy=False``. Differentiable w.r.t. ``hidden`` and ``weight``; the
+        weight gradient is accumulated in float32 for half-precision weights.
+
+    Example:
+        >>> import torch
+        >>> from rlops.logprobs import linear_logprobs_and_entropy
+        >>> hidden = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+        >>> weight = torch.tensor([[2.0, 0.0], [0.0, 1.0], [0.0, 0.0]])  # V = 3, H = 2
+        >>> logp, ent = linear_logprobs_and_entropy(hidden, weight, torch.tensor([0, 2]))
+        >>> logp, ent
+        (tensor([-0.2395, -1.0986]), tensor([0.6656, 1.0986]))
+    """
+    hidden = check_logits("hidden", hidden)
+    weight = check_logits("weight", weight)
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
+        raise shape_error("weight", f"[V_local, H] with V_local >= 1 and H = {hidden.shape[-1]}",
+                          weight.shape)
+    temperature = check_temperature(temperature)
+    check_flags(with_entropy=with_entropy)
+    check_chunk_size(chunk_size)
+    _, world = group_rank_size(group)
+    target = check_target(target, hidden.shape[:-1], "[...] like hidden[..., 0] "
+                          + str(list(hidden.shape[:-1])), weight.shape[0] * world)
+    check_same_device("hidden", hidden, weight=weight, target=target)
+    logp, ent = _FusedLinearLogprobsEntropy.apply(
+        hidden, weight, target, temperature, with_entropy, group, chunk_size
+    )
+    return logp, (ent if with_entropy else None)
+
+
+class _CopyToTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
+            dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def copy_to_tensor_parallel_region(x: torch.Tensor, group: object = None) -> torch.Tensor:
+    """Identity in the forward; all-reduce (sum) of the gradient over ``group`` in the backward.
+
+    The input op of a column-parallel layer: apply it to the replicated hidden states before
+    :func:`linear_logprobs_and_entropy` with a vocabulary-sharded weight, unless the framework
+    already does (Megatron's ``copy_to_tensor_model_parallel_region``), so that every rank gets
+    the full gradient of ``hidden``. ``group=None``: the identity both ways.
+
+    Example:
+        >>> import torch
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> copy_to_tensor_parallel_region(x).sum().backward()
+        >>> x.grad
+        tensor([1., 1.])
+    """
+    group_rank_size(group)
+    return _CopyToTensorParallelRegion.apply(x, group)

@@ -1,0 +1,315 @@
+"""Masked statistics: mean, variance and whitening over the valid entries of a tensor.
+
+Every statistic is built from one local triple ``(count, mean, M2)`` (``M2`` = sum of squared
+deviations from the mean), computed in two passes, never as ``E[x²] − E[x]²`` (which cancels
+catastrophically and can go negative on nearly constant data). Triples from several shards merge
+exactly with Chan, Golub and LeVeque's parallel formula (:func:`merge_moments`), so a
+process-group version needs one all-gather of ``[3]`` numbers per rank and nothing else.
+
+Conventions shared by all functions here:
+
+* ``mask`` has the shape of ``x`` and holds 0/1 (bool, integer or float). Entries with mask 0 never
+  reach the result, even when they are NaN or inf.
+* Half-precision inputs (bfloat16/float16) are accumulated in float32; results have ``x``'s dtype.
+* An empty selection gives mean 0 and variance 0; a single selected element gives variance 0
+  (also with ``unbiased=True``, where ``n − 1`` is clamped to 1). Nothing returns NaN or inf for
+  finite selected inputs, and nothing reads a value back to the host.
+* ``group`` is a ``torch.distributed`` process group (e.g. all DP×CP ranks that share a batch):
+  the statistic is then over the selected entries of every rank, from one ``all_gather`` of
+  ``(count, mean, M2)`` per rank merged with Chan's formula. Every rank of the group must call;
+  ranks holding no selected entry (count 0) join and contribute nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from rlops._checks import as_float_tensor, check_indicator, compute_dtype, shape_error
+
+__all__ = [
+    "masked_mean",
+    "masked_moments",
+    "masked_var",
+    "masked_whiten",
+    "merge_moments",
+]
+
+
+# --------------------------------------------------------------------------- shared checks
+def _check_mask(name: str, mask: object, shape: Sequence[int], like: str) -> torch.Tensor:
+    """A 0/1 ``mask`` of exactly ``shape`` (the shape of argument ``like``); returned as is.
+
+    Its values are read once (on CPU; see ``rlops._checks``); a bool mask needs no such pass.
+    """
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+    if tuple(mask.shape) != tuple(shape):
+        raise shape_error(name, f"{list(shape)} like {like}", mask.shape)
+    check_indicator(name, mask, shape)
+    return mask
+
+
+def _as_bool(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def _check_same_shape(ref_name: str, ref: torch.Tensor, **others: torch.Tensor) -> None:
+    for name, t in others.items():
+        as_float_tensor(name, t)
+        if t.shape != ref.shape:
+            raise shape_error(name, f"{list(ref.shape)} like {ref_name}", t.shape)
+        if t.device != ref.device:
+            raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
+
+
+def _check_nonneg(name: str, value: object) -> float:
+    """A finite real number >= 0 (``eps``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+    return float(value)
+
+
+def _group_size(group: object) -> int:
+    """World size of ``group`` (``None``: one process); every rank must call collectively."""
+    if group is None:
+        return 1
+    import torch.distributed as dist
+
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}"
+        )
+    return dist.get_world_size(group)
+
+
+def _merge_over(
+    group: object, count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merge this rank's ``(count, mean, M2)`` with every other rank's: one ``all_gather`` of
+    three float64 numbers per rank, then Chan's formula. This rank's own entry stays the local
+    triple: a backward pass sees this rank's contribution and treats the others as constants
+    (group statistics are meant for values without gradient, such as advantages)."""
+    if _group_size(group) == 1:
+        return count, mean, m2
+    import torch.distributed as dist
+
+    local = torch.stack([count, mean, m2])
+    payload = local.detach().to(torch.float64)
+    parts = [torch.empty_like(payload) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, payload, group=group)
+    parts = [p.to(local.dtype) for p in parts]
+    parts[dist.get_rank(group)] = local
+    merged = torch.stack(parts)
+    return merge_moments(merged[:, 0], merged[:, 1], merged[:, 2])
+
+
+# --------------------------------------------------------------------------- moments
+def _weighted_moments(
+    x: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(count, mean, M2)`` of ``x`` with integer-valued weights (a 0/1 mask or per-row counts).
+
+    ``x`` must already be in the computation dtype and hold finite values wherever weight > 0.
+    Two passes: the mean first, then the squared deviations from it.
+    """
+    count = weight.sum()
+    mean = (weight * x).sum() / count.clamp_min(1)
+    m2 = (weight * (x - mean).square()).sum()
+    return count, mean, m2
+
+
+def _variance(count: torch.Tensor, m2: torch.Tensor, unbiased: bool) -> torch.Tensor:
+    return m2 / ((count - 1) if unbiased else count).clamp_min(1)
+
+
+def _inv_std(var: torch.Tensor, eps: float) -> torch.Tensor:
+    """``1 / sqrt(var + eps)``, finite also for ``var + eps = 0`` (then it multiplies zeros)."""
+    return torch.rsqrt((var + eps).clamp_min(torch.finfo(var.dtype).tiny))
+
+
+def _selected(x: torch.Tensor, mask: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate; return ``x`` in the computation dtype with mask-0 entries zeroed, and the mask."""
+    as_float_tensor("x", x)
+    keep = _as_bool(_check_mask("mask", mask, x.shape, "x"))
+    return torch.where(keep, x.to(compute_dtype(x.dtype)), 0), keep
+
+
+def masked_moments(
+    x: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The local triple ``(count, mean, M2)`` of the entries of ``x`` where ``mask`` is 1.
+
+    ``M2 = Σ_i m_i (x_i − mean)²`` is computed in a second pass over the data. All three are
+    0-dim tensors in the computation dtype (float32 for half inputs); an empty selection gives
+    ``(0, 0, 0)``. Stack them (``torch.stack``) to all-gather one ``[3]`` tensor per rank, then
+    combine with :func:`merge_moments`.
+
+    Args:
+        x: floating tensor, any shape.
+        mask: 0/1 tensor of ``x``'s shape.
+
+    Example:
+        >>> import torch
+        >>> n, mean, m2 = masked_moments(torch.tensor([1.0, 2.0, 3.0, 100.0]),
+        ...                              torch.tensor([1, 1, 1, 0]))
+        >>> n.item(), mean.item(), m2.item()
+        (3.0, 2.0, 2.0)
+    """
+    xc, keep = _selected(x, mask)
+    return _weighted_moments(xc, keep.to(xc.dtype))
+
+
+def merge_moments(
+    count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Merge ``k`` partial triples (along dim 0, each ``[k]``) into one ``(count, mean, M2)``.
+
+    The exact parallel-variance formula (Chan, Golub & LeVeque, 1979, generalised from two
+    parts to ``k``)::
+
+        n = Σ_j n_j        mean = Σ_j n_j·mean_j / n        M2 = Σ_j M2_j + Σ_j n_j (mean_j − mean)²
+
+    Every term is non-negative, so the merged ``M2`` never goes negative. Parts with
+    ``n_j = 0`` contribute nothing; all parts empty gives ``(0, 0, 0)``.
+
+    Example:
+        >>> import torch
+        >>> x = torch.tensor([1.0, 2.0, 3.0, 4.0, 10.0], dtype=torch.float64)
+        >>> a, b = masked_moments(x[:2], torch.ones(2)), masked_moments(x[2:], torch.ones(3))
+        >>> n, mean, m2 = merge_moments(*(torch.stack(p) for p in zip(a, b)))
+        >>> n.item(), mean.item(), round(m2.item() / (n.item() - 1), 12) == x.var().item()
+        (5.0, 4.0, True)
+    """
+    n, mean_total, m2_between = _weighted_moments(mean, count)
+    return n, mean_total, m2.sum() + m2_between
+
+
+# --------------------------------------------------------------------------- public statistics
+def masked_mean(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    dim: int | tuple[int, ...] | None = None,
+    *,
+    group: object | None = None,
+) -> torch.Tensor:
+    """Mean of the entries of ``x`` where ``mask`` is 1, over all of ``x`` or along ``dim``.
+
+    ``mean = Σ m·x / Σ m``; a slice with no selected entry gives 0 (not NaN). Mask-0 entries are
+    dropped with ``torch.where`` before summing, so NaN/inf there does not leak into the result
+    (or its gradient). Differentiable in ``x``.
+
+    Args:
+        x: floating tensor, e.g. ``[B, T]``.
+        mask: 0/1 tensor of ``x``'s shape.
+        dim: dimension(s) to reduce; ``None`` reduces everything to a 0-dim tensor.
+        group: a process group: the mean over every rank's selected entries (``dim=None``
+            only); one ``all_gather``.
+
+    Returns:
+        ``x``'s dtype; 0-dim for ``dim=None``, else ``x``'s shape without ``dim``
+        (``[B]`` for ``dim=-1`` on ``[B, T]``).
+
+    Example:
+        >>> import torch
+        >>> x = torch.tensor([[1.0, 2.0, 9.0], [4.0, 0.0, 0.0]])
+        >>> m = torch.tensor([[1, 1, 0], [1, 0, 0]])
+        >>> masked_mean(x, m)
+        tensor(2.3333)
+        >>> masked_mean(x, m, dim=-1)
+        tensor([1.5000, 4.0000])
+    """
+    xc, keep = _selected(x, mask)
+    if _group_size(group) > 1:
+        if dim is not None:
+            raise ValueError("masked_mean with group= reduces everything: pass dim=None")
+        count, mean, _ = _merge_over(group, *_weighted_moments(xc, keep.to(xc.dtype)))
+        return mean.to(x.dtype)
+    if dim is None:
+        total, count = xc.sum(), keep.sum()
+    else:
+        total, count = xc.sum(dim=dim), keep.sum(dim=dim)
+    count = count.to(xc.dtype)
+    return (total / count.clamp_min(1)).to(x.dtype)
+
+
+def masked_var(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    unbiased: bool = True,
+    group: object | None = None,
+) -> torch.Tensor:
+    """Variance of the entries of ``x`` where ``mask`` is 1 (two-pass, numerically stable).
+
+    ``var = M2 / (n − 1)`` (``unbiased=True``, Bessel's correction, as verl and TRL) or
+    ``M2 / n``, with ``M2 = Σ m (x − mean)²``. The denominator is clamped to at least 1, so a
+    single selected element or an empty selection gives 0 instead of NaN (verl raises there).
+    The result is never negative.
+
+    Args:
+        x: floating tensor, e.g. ``[B, T]``.
+        mask: 0/1 tensor of ``x``'s shape.
+        unbiased: divide by ``n − 1`` instead of ``n``.
+        group: a process group: the variance over every rank's selected entries (one
+            ``all_gather``).
+
+    Returns:
+        0-dim tensor in ``x``'s dtype.
+
+    Example:
+        >>> import torch
+        >>> masked_var(torch.tensor([1.0, 2.0, 3.0, 50.0]), torch.tensor([1, 1, 1, 0]))
+        tensor(1.)
+        >>> masked_var(torch.tensor([7.0, 50.0]), torch.tensor([1, 0]))
+        tensor(0.)
+    """
+    count, _, m2 = _merge_over(group, *masked_moments(x, mask))
+    return _variance(count, m2, unbiased).to(x.dtype)
+
+
+def masked_whiten(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    group: object | None = None,
+) -> torch.Tensor:
+    """Standardise the selected entries of ``x``: ``(x − mean) / sqrt(var + eps)``.
+
+    ``mean`` and the unbiased ``var`` are those of :func:`masked_mean` / :func:`masked_var`
+    over all selected entries (verl's ``masked_whiten``: ``(x − mean)·rsqrt(var + eps)``).
+    With ``shift_mean=False`` the mean is added back (only the scale changes). Entries with
+    mask 0 are returned as 0. On constant data ``var = 0`` and the result is 0 (also with
+    ``eps = 0``: the inverse scale is then computed from the smallest normal number, and it
+    multiplies zeros); one selected element also gives 0.
+
+    Args:
+        x: floating tensor, e.g. advantages ``[B, T]``.
+        mask: 0/1 tensor of ``x``'s shape.
+        shift_mean: subtract the mean (``True``) or keep it.
+        eps: added to the variance before the square root; ``>= 0``.
+        group: a process group (e.g. DP×CP): mean and variance over every rank's selected
+            entries, from one ``all_gather`` of ``(count, mean, M2)``; each rank whitens its own
+            entries with them.
+
+    Returns:
+        Tensor of ``x``'s shape and dtype.
+
+    Example:
+        >>> import torch
+        >>> masked_whiten(torch.tensor([1.0, 2.0, 3.0, 50.0]), torch.tensor([1, 1, 1, 0]))
+        tensor([-1.,  0.,  1.,  0.])
+    """
+    eps = _check_nonneg("eps", eps)
+    xc, keep = _selected(x, mask)
+    count, mean, m2 = _merge_over(group, *_weighted_moments(xc, keep.to(xc.dtype)))
+    out = (xc - mean) * _inv_std(_variance(count, m2, True), eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(keep, out, 0).to(x.dtype)
