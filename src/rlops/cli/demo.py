@@ -295,8 +295,8 @@ def save_plot(result: dict, cfg: DemoConfig, path: str) -> None:
     ax.axhline(chance_reward(cfg), color="grey", lw=0.8, ls=":", label="chance")
     ax.set_xlabel("PPO iteration")
     ax.set_ylabel("reward")
-    task = "multi-turn, tool output masked" if cfg.multi_turn else "single turn"
-    ax.set_title(f"rlops demo: reverse {cfg.length} symbols of {cfg.symbols} ({task})")
+    turns = ", multi-turn (tool output masked)" if cfg.multi_turn else ""
+    ax.set_title(f"PPO: reverse {cfg.length} symbols (alphabet {cfg.symbols}){turns}", fontsize=10)
     ax.set_ylim(0, 1.05 * result["max_reward"])
     ax.legend(loc="lower right")
     fig.tight_layout()

@@ -18,9 +18,10 @@ losses                 PPO clip, clipped value loss, k3 KL      ``policy_loss``,
 backward               autograd                                 autograd
 =====================  ======================================  ===============================
 
-Each stage's time is the median over ``--repeats`` steps (after one warm-up step); its peak
-memory is measured in one more step: the most memory the stage held on top of what was live
-when it began (what it keeps for the backward included).
+Each stage's time is the median over ``--repeats`` steps per implementation (after one warm-up
+step; the two implementations take turns). Its peak memory is measured in one more step: the
+most memory the stage held on top of what was live when it began (what it keeps for the
+backward included).
 """
 
 from __future__ import annotations
@@ -154,43 +155,56 @@ def _release_free_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)
 
 
-def profile_step(model, data, device, repeats: int = 3, progress=None) -> dict:
-    """``{impl: {stage: {"seconds": median, "peak_bytes": int | None}}}`` for both impls."""
-    out = {}
-    for impl in IMPLS:
-        times = {s: [] for s in STAGES}
+def profile_step(model, data, device, repeats: int = 5, progress=None) -> dict:
+    """``{impl: {stage: {"seconds": median, "peak_bytes": int | None}}}`` for both impls.
 
+    The timed steps alternate between the implementations, so that both see the same
+    machine (other processes, clock speed) as closely as possible.
+    """
+    times = {impl: {s: [] for s in STAGES} for impl in IMPLS}
+    peaks = {impl: {} for impl in IMPLS}
+
+    def timed(impl):
         @contextlib.contextmanager
-        def timed(name, times=times):
+        def stage(name):
             sync(device)
             t0 = time.perf_counter()
             yield
             sync(device)
-            times[name].append(time.perf_counter() - t0)
+            times[impl][name].append(time.perf_counter() - t0)
 
-        peaks = {}
+        return stage
 
+    def measured(impl):
         @contextlib.contextmanager
-        def measured(name, peaks=peaks):
+        def stage(name):
             if device.type == "cpu":
                 _release_free_memory()
             with PeakMemory(device) as peak:
                 yield
-            peaks[name] = peak.bytes
+            peaks[impl][name] = peak.bytes
 
-        ppo_step(model, data, impl, lambda name: contextlib.nullcontext())  # warm-up
-        for _ in range(repeats):
-            ppo_step(model, data, impl, timed)
+        return stage
+
+    for impl in IMPLS:  # warm-up
+        ppo_step(model, data, impl, lambda name: contextlib.nullcontext())
+    for _ in range(repeats):
+        for impl in IMPLS:
+            ppo_step(model, data, impl, timed(impl))
             if progress is not None:
                 progress()
-        ppo_step(model, data, impl, measured)
+    for impl in IMPLS:
+        ppo_step(model, data, impl, measured(impl))
         if progress is not None:
             progress()
-        out[impl] = {
-            s: {"seconds": statistics.median(times[s]), "peak_bytes": peaks[s]} for s in STAGES
-        }
     model.zero_grad(set_to_none=True)
-    return out
+    return {
+        impl: {
+            s: {"seconds": statistics.median(times[impl][s]), "peak_bytes": peaks[impl][s]}
+            for s in STAGES
+        }
+        for impl in IMPLS
+    }
 
 
 def profile_whole_step(model, data, device) -> dict:
@@ -234,7 +248,12 @@ def add_arguments(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32",
                    help="model and logits dtype (default float32)")  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--repeats", type=_positive_int, default=3, help="timed steps (default 3)")
+    p.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=5,
+        help="timed steps per implementation (default 5)",
+    )
     p.add_argument(
         "--threads",
         type=_positive_int,
