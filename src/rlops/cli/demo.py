@@ -79,20 +79,18 @@ def rollout(policy, cfg: DemoConfig, gen: torch.Generator):
     first = strings[:, :half]
     prompt = torch.cat([torch.full((b, 1), bos), first, torch.full((b, 1), sep)], dim=1)
     seq = sample(policy, prompt, half, temperature=cfg.temperature, generator=gen)
-    targets = first.flip(1)
-    mask = [torch.ones(b, half)]
-    if cfg.multi_turn:
+    actions, targets = seq[:, -half:], first.flip(1)
+    mask = torch.ones(b, half)
+    if cfg.multi_turn:  # the environment answers with the rest of the string, then turn two
         second = strings[:, half:]
         tool = torch.cat([torch.full((b, 1), obs), second, torch.full((b, 1), sep)], dim=1)
-        seq = torch.cat([seq, tool], dim=1)
-        seq = sample(policy, seq, half, temperature=cfg.temperature, generator=gen)
+        seq = sample(policy, torch.cat([seq, tool], dim=1), half, temperature=cfg.temperature,
+                     generator=gen)  # fmt: skip
+        actions = torch.cat([actions, seq[:, -half:]], dim=1)
         targets = torch.cat([targets, second.flip(1)], dim=1)
-        mask += [torch.zeros(b, tool.shape[1]), torch.ones(b, half)]
-    mask = torch.cat(mask, dim=1)
-    p = prompt.shape[1]
-    actions = seq[:, p:][mask.bool()].view(b, -1)
+        mask = torch.cat([mask, torch.zeros(b, tool.shape[1]), torch.ones(b, half)], dim=1)
     reward = (actions == targets).float().mean(dim=1)
-    return seq, p, mask, reward
+    return seq, prompt.shape[1], mask, reward
 
 
 def model_config(cfg: DemoConfig) -> ModelConfig:
