@@ -8,8 +8,8 @@ import torch
 from rlops.cli import profile
 from rlops.cli.model import ModelConfig, TinyTransformer
 
-TINY = ["--batch", "2", "--seq-len", "16", "--vocab", "32", "--layers", "1", "--d-model", "16",
-        "--heads", "2", "--repeats", "1", "--device", "cpu"]  # fmt: skip
+TINY = "--batch 2 --seq-len 16 --vocab 32 --layers 1 --d-model 16 --heads 2 --repeats 1".split()
+TINY += ["--device", "cpu"]
 
 
 def parse(argv):

@@ -84,8 +84,9 @@ def rollout(policy, cfg: DemoConfig, gen: torch.Generator):
     if cfg.multi_turn:  # the environment answers with the rest of the string, then turn two
         second = strings[:, half:]
         tool = torch.cat([torch.full((b, 1), obs), second, torch.full((b, 1), sep)], dim=1)
-        seq = sample(policy, torch.cat([seq, tool], dim=1), half, temperature=cfg.temperature,
-                     generator=gen)  # fmt: skip
+        seq = sample(
+            policy, torch.cat([seq, tool], dim=1), half, temperature=cfg.temperature, generator=gen
+        )
         actions = torch.cat([actions, seq[:, -half:]], dim=1)
         targets = torch.cat([targets, second.flip(1)], dim=1)
         mask = torch.cat([mask, torch.zeros(b, tool.shape[1]), torch.ones(b, half)], dim=1)

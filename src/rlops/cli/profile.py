@@ -65,8 +65,14 @@ def make_batch(cfg: ModelConfig, batch: int, seq_len: int, device, gen: torch.Ge
     rewards = torch.zeros(batch, seq_len)
     last = (prompt + length - 1).squeeze(1)
     rewards[torch.arange(batch), last] = torch.rand(batch, generator=gen)
-    out = dict(tokens=tokens, mask=mask, old_logp=old_logp, ref_logp=ref_logp,
-               old_values=old_values, rewards=rewards)  # fmt: skip
+    out = dict(
+        tokens=tokens,
+        mask=mask,
+        old_logp=old_logp,
+        ref_logp=ref_logp,
+        old_values=old_values,
+        rewards=rewards,
+    )
     return {k: v.to(device) for k, v in out.items()}
 
 
@@ -245,8 +251,12 @@ def add_arguments(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--layers", type=_positive_int, default=2, help="blocks (default 2)")
     p.add_argument("--d-model", type=_positive_int, default=128, help="width (default 128)")
     p.add_argument("--heads", type=_positive_int, default=4, help="attention heads (default 4)")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32",
-                   help="model and logits dtype (default float32)")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        default="float32",
+        help="model and logits dtype (default float32)",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
         "--repeats",
@@ -299,19 +309,30 @@ def _rows(result: dict, step_peak: dict) -> list[list[str]]:
     rows = []
     for s in STAGES:
         n, r = result["naive"][s], result["rlops"][s]
-        rows.append([
-            s,
-            _ms(n["seconds"]), f"{100 * n['seconds'] / totals['naive']:.1f}%",
-            _ms(r["seconds"]), f"{100 * r['seconds'] / totals['rlops']:.1f}%",
-            "same code" if s in SAME_CODE else f"{n['seconds'] / r['seconds']:.2f}x",
-            _mib(n["peak_bytes"]), _mib(r["peak_bytes"]),
-        ])  # fmt: skip
-    rows.append([
-        "whole step",
-        _ms(totals["naive"]), "100%", _ms(totals["rlops"]), "100%",
-        f"{totals['naive'] / totals['rlops']:.2f}x",
-        _mib(step_peak["naive"]), _mib(step_peak["rlops"]),
-    ])  # fmt: skip
+        rows.append(
+            [
+                s,
+                _ms(n["seconds"]),
+                f"{100 * n['seconds'] / totals['naive']:.1f}%",
+                _ms(r["seconds"]),
+                f"{100 * r['seconds'] / totals['rlops']:.1f}%",
+                "same code" if s in SAME_CODE else f"{n['seconds'] / r['seconds']:.2f}x",
+                _mib(n["peak_bytes"]),
+                _mib(r["peak_bytes"]),
+            ]
+        )
+    rows.append(
+        [
+            "whole step",
+            _ms(totals["naive"]),
+            "100%",
+            _ms(totals["rlops"]),
+            "100%",
+            f"{totals['naive'] / totals['rlops']:.2f}x",
+            _mib(step_peak["naive"]),
+            _mib(step_peak["rlops"]),
+        ]
+    )
     return rows
 
 
@@ -326,14 +347,18 @@ def _print_table(title: str, rows: list[list[str]]) -> None:
         widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
         print(title)
         for r in [HEADER, *rows]:
-            print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
-                            enumerate(zip(r, widths))))  # fmt: skip
+            print(
+                "  ".join(
+                    c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+                )
+            )
         return
     console = Console()
     if not console.is_terminal:  # a file or a pipe: no need to wrap at 80 columns
         console.width = max(console.width, 110)
-    table = Table(title=title, caption="MiB: most memory a stage held beyond what was live at its "
-                  "start")  # fmt: skip
+    table = Table(
+        title=title, caption="MiB: most memory a stage held beyond what was live at its start"
+    )
     for i, h in enumerate(HEADER):
         table.add_column(h, justify="left" if i == 0 else "right")
     for i, r in enumerate(rows):
@@ -342,28 +367,35 @@ def _print_table(title: str, rows: list[list[str]]) -> None:
 
 
 def verdict(result: dict, step_peak: dict) -> str:
-    """Plain words: the step before and after, the stage rlops changed most, what is left."""
+    """Plain words: the step before and after, the stages rlops changed most, what is left."""
     totals = {i: sum(result[i][s]["seconds"] for s in STAGES) for i in IMPLS}
     differ = [s for s in STAGES if s not in SAME_CODE]
-    fast = max(differ, key=lambda s: result["naive"][s]["seconds"] - result["rlops"][s]["seconds"])
-    small = max(
-        differ,
-        key=lambda s: (
-            (result["naive"][s]["peak_bytes"] or 0) - (result["rlops"][s]["peak_bytes"] or 0)
-        ),
-    )
+
+    def saved(s: str, key: str) -> float:
+        return (result["naive"][s][key] or 0) - (result["rlops"][s][key] or 0)
+
+    fast = max(differ, key=lambda s: saved(s, "seconds"))
+    small = max(differ, key=lambda s: saved(s, "peak_bytes"))
     lines = [
         f"One PPO step: {_ms(totals['naive'])} ms -> {_ms(totals['rlops'])} ms "
         f"({totals['naive'] / totals['rlops']:.2f}x); peak memory "
         f"{_mib(step_peak['naive'])} -> {_mib(step_peak['rlops'])} MiB.",
     ]
-    pairs = (("gain", fast),) if fast == small else (("time gain", fast), ("memory gain", small))
-    for label, s in pairs:
+    gains = [
+        (label, s)
+        for label, s, key in (("time", fast, "seconds"), ("memory", small, "peak_bytes"))
+        if saved(s, key) > 0
+    ]
+    if len(gains) == 2 and fast == small:
+        gains = [("time and memory", fast)]
+    for label, s in gains:
         n, r = result["naive"][s], result["rlops"][s]
         lines.append(
-            f"Largest {label}: {s}, {_ms(n['seconds'])} -> {_ms(r['seconds'])} ms, "
+            f"Largest {label} gain: {s}, {_ms(n['seconds'])} -> {_ms(r['seconds'])} ms, "
             f"peak {_mib(n['peak_bytes'])} -> {_mib(r['peak_bytes'])} MiB."
         )
+    if not gains:
+        lines.append("No stage takes less time or memory with rlops at this size.")
     top = sorted(STAGES, key=lambda s: -result["rlops"][s]["seconds"])[:2]
     shares = ", ".join(
         f"{s} {100 * result['rlops'][s]['seconds'] / totals['rlops']:.0f}%" for s in top
@@ -444,8 +476,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         result = profile_step(model, data, device, args.repeats)
     step_peak = profile_whole_step(model, data, device)
-    _print_table(f"Stages of one PPO step [{args.batch}x{args.seq_len}, V={args.vocab}]",
-                 _rows(result, step_peak))  # fmt: skip
+    _print_table(
+        f"Stages of one PPO step [{args.batch}x{args.seq_len}, V={args.vocab}]",
+        _rows(result, step_peak),
+    )
     print(verdict(result, step_peak))
     if args.plot:
         save_plot(result, step_peak, title, args.plot)
