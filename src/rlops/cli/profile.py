@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import statistics
 import sys
@@ -154,13 +153,6 @@ def ppo_step(model: TinyTransformer, data: dict, impl: str, stage) -> torch.Tens
     return loss.detach()
 
 
-def _release_free_memory() -> None:
-    """Return the C allocator's free pages to the system (glibc), so that a stage that reuses
-    them shows up in the process's resident-set peak; a no-op elsewhere."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).malloc_trim(0)
-
-
 def profile_step(model, data, device, repeats: int = 5, progress=None) -> dict:
     """``{impl: {stage: {"seconds": median, "peak_bytes": int | None}}}`` for both impls.
 
@@ -184,8 +176,6 @@ def profile_step(model, data, device, repeats: int = 5, progress=None) -> dict:
     def measured(impl):
         @contextlib.contextmanager
         def stage(name):
-            if device.type == "cpu":
-                _release_free_memory()
             with PeakMemory(device) as peak:
                 yield
             peaks[impl][name] = peak.bytes
@@ -217,8 +207,6 @@ def profile_whole_step(model, data, device) -> dict:
     """``{impl: peak_bytes}`` of one whole step (memory live at its start excluded)."""
     out = {}
     for impl in IMPLS:
-        if device.type == "cpu":
-            _release_free_memory()
         with PeakMemory(device) as peak:
             ppo_step(model, data, impl, lambda name: contextlib.nullcontext())
         out[impl] = peak.bytes
