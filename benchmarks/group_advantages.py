@@ -14,44 +14,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections import defaultdict
 
 import torch
 
 import rlops.group_advantages as ga
-
-
-def verl_masked_whiten(x, mask):
-    n = mask.sum()
-    mean = (x * mask).sum() / n
-    var = ((x - mean) ** 2 * mask).sum() / n * (n / (n - 1))
-    return (x - mean) * torch.rsqrt(var + 1e-8)
-
-
-def loop_group(scores, index, mask, kind, eps=1e-6):
-    scores = scores.clone()
-    by_id, mean, std = defaultdict(list), {}, {}
-    for i in range(scores.shape[0]):
-        by_id[index[i]].append(scores[i])
-    for k, vals in by_id.items():
-        g = torch.stack(vals)
-        mean[k], std[k] = (g.mean(), g.std()) if len(vals) > 1 else (torch.tensor(0.0), 1.0)
-    for i in range(scores.shape[0]):
-        k, n = index[i], len(by_id[index[i]])
-        if kind == "grpo":
-            scores[i] = (scores[i] - mean[k]) / (std[k] + eps)
-        elif kind == "rloo" and n > 1:
-            scores[i] = (scores[i] - mean[k]) * n / (n - 1)
-        elif kind == "rfpp":
-            scores[i] = scores[i] - mean[k]
-    adv = scores[:, None] * mask
-    adv = verl_masked_whiten(adv, mask) * mask if kind == "rfpp" else adv
-    return adv, adv
-
-
-def verl_remax(rewards, baselines, mask):
-    returns = (rewards * mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
-    return returns - baselines[:, None] * mask, returns
+from rlops.cli.baselines import group_loop as loop_group
+from rlops.cli.baselines import remax_flip_cumsum as verl_remax
 
 
 def time_pair(ours, theirs, reps=21):

@@ -11,61 +11,13 @@ Ratios are fused / baseline, measured side by side in one run: below 1 is better
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from typing import Any
 
-import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
-
-from _measure import METHOD, measure_in_fresh_process
-
-from rlops.logprobs import linear_logprobs_and_entropy, logprobs_and_entropy
-from rlops.logprobs.reference import logprobs_and_entropy_reference
+from rlops.cli.measure import METHOD, measure_in_fresh_process
+from rlops.cli.workloads import setup_linear, setup_logits
 
 FULL = {"t": 4096, "v": 32000, "n": 8192, "h": 512}
 QUICK = {"t": 1024, "v": 8000, "n": 2048, "h": 128}
-
-
-def _backward(outs, grads) -> None:
-    torch.autograd.backward(list(outs), list(grads))
-
-
-def setup_logits(t: int, v: int, fused: bool) -> Any:
-    """Inputs ``[t, v]`` float32 logits; the step: (un)fused log-probs + entropy, both grads."""
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(t, v, generator=gen).requires_grad_()
-    target = torch.randint(0, v, (t,), generator=gen)
-    grads = (torch.randn(t, generator=gen), torch.randn(t, generator=gen))
-    fn = logprobs_and_entropy if fused else logprobs_and_entropy_reference
-
-    def step() -> None:
-        _backward(fn(logits, target), grads)
-        logits.grad = None
-
-    return step
-
-
-def setup_linear(n: int, v: int, h: int, fused: bool) -> Any:
-    """Inputs hidden ``[n, h]``, weight ``[v, h]``; the step: log-probs + entropy of
-    ``hidden @ weightᵀ``, fused or through materialised logits, gradients of both inputs."""
-    gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(n, h, generator=gen).requires_grad_()
-    weight = (torch.randn(v, h, generator=gen) / h**0.5).requires_grad_()
-    target = torch.randint(0, v, (n,), generator=gen)
-    grads = (torch.randn(n, generator=gen), torch.randn(n, generator=gen))
-
-    def step() -> None:
-        if fused:
-            outs = linear_logprobs_and_entropy(hidden, weight, target)
-        else:
-            outs = logprobs_and_entropy(hidden @ weight.T, target)
-        _backward(outs, grads)
-        hidden.grad = weight.grad = None
-
-    return step
 
 
 def run(quick: bool = False, threads: int = 1) -> dict[str, Any]:

@@ -5,14 +5,20 @@ import pytest
 from rlops.cli import main
 
 
-def test_bench_quick_writes_json(tmp_path, capsys):
-    path = tmp_path / "bench.json"
-    assert main(["bench", "--quick", "--batch", "2", "--json", str(path)]) == 0
+def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
+    path, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    argv = ["bench", "--quick", "--batch", "2", "--json", str(path), "--plot", str(png)]
+    assert main(argv) == 0
     data = json.loads(path.read_text())
-    methods = {r["method"] for r in data["rows"]}
+    rows = data["rows"]
+    assert {r["section"] for r in rows} == {"advantages", "group", "logprobs"}
+    methods = {r["method"] for r in rows}
     assert {"per-token loop", "chunk loop (C=256)", "rlops auto", "memory floor"} <= methods
-    assert all(r["seconds"] > 0 for r in data["rows"])
-    assert "faster than the per-token loop" in capsys.readouterr().out
+    assert {"unfused (log_softmax)", "rlops fused"} <= methods
+    assert all(r["seconds"] > 0 for r in rows)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    out = capsys.readouterr().out
+    assert "Verdict:" in out and "gae [2x2048]: per-token loop" in out
 
 
 @pytest.mark.parametrize(
@@ -21,6 +27,8 @@ def test_bench_quick_writes_json(tmp_path, capsys):
         ["bench", "--batch", "0"],
         ["bench", "--seq-len", "x"],
         ["bench", "--dtype", "int8"],
+        ["bench", "--sections", "nothing"],
+        ["bench", "--vocab", "-3"],
         ["nonsense"],
     ],
 )

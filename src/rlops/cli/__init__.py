@@ -12,6 +12,8 @@ import torch
 __all__ = ["main"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+SECTIONS = ("advantages", "group", "logprobs")
+_EXTRA_COMMANDS: list = []  # (name, module with add_arguments(subparsers) and run(args))
 
 
 def _positive_int(text: str) -> int:
@@ -27,14 +29,35 @@ def _positive_int(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlops", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="time rlops against the loops it replaces")
+    bench = sub.add_parser("bench", help="time rlops against the loops it replaces, on your shapes")
     bench.add_argument("--batch", type=_positive_int, default=8, help="rows B (default 8)")
     bench.add_argument(
         "--seq-len",
         type=_positive_int,
         nargs="+",
         default=[4096, 32768, 131072],
-        help="sequence lengths T (default 4096 32768 131072)",
+        help="sequence lengths T for the advantages (default 4096 32768 131072)",
+    )
+    bench.add_argument("--vocab", type=_positive_int, default=32000, help="vocabulary V")
+    bench.add_argument(
+        "--logprob-tokens",
+        type=_positive_int,
+        nargs="+",
+        default=[1024, 4096],
+        help="token counts for the log-prob section (default 1024 4096)",
+    )
+    bench.add_argument(
+        "--group-batch",
+        type=_positive_int,
+        default=256,
+        help="samples for the group estimators (groups of 8, T = the smallest --seq-len)",
+    )
+    bench.add_argument(
+        "--sections",
+        nargs="+",
+        choices=SECTIONS,
+        default=list(SECTIONS),
+        help="which sections to run (default: all)",
     )
     bench.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -43,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=_positive_int, default=10, help="timed runs per method")
     bench.add_argument("--quick", action="store_true", help="small shapes, seconds in all")
     bench.add_argument("--json", metavar="PATH", help="also write the measurements as JSON")
+    bench.add_argument("--plot", metavar="PATH", help="also draw time vs size as a PNG")
+    for _, module in _EXTRA_COMMANDS:
+        module.add_arguments(sub)
     return parser
 
 
@@ -52,7 +78,12 @@ def _fmt_ms(seconds: float, extrapolated: bool) -> str:
     return ("~" + text) if extrapolated else text
 
 
-def _print_table(title: str, header: list[str], lines: list[list[str]]) -> None:
+def _fmt_mib(n: int | None) -> str:
+    return "" if n is None else f"{n / 2**20:,.1f}"
+
+
+def print_table(title: str, header: list[str], lines: list[list[str]]) -> None:
+    """A rich table when rich is installed, else aligned plain text."""
     try:
         from rich.console import Console
         from rich.table import Table
@@ -71,8 +102,37 @@ def _print_table(title: str, header: list[str], lines: list[list[str]]) -> None:
     Console().print(table)
 
 
+class _Progress:
+    """A progress bar over the bench's steps (rich when installed; silent otherwise)."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self._bar = None
+        try:
+            from rich.progress import Progress
+
+            self._bar = Progress(transient=True)
+            self._task = self._bar.add_task("measuring", total=total)
+        except ImportError:
+            pass
+
+    def __enter__(self):
+        if self._bar is not None:
+            self._bar.start()
+        return self
+
+    def advance(self) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task)
+
+    def __exit__(self, *exc):
+        if self._bar is not None:
+            self._bar.stop()
+
+
 def _bench(args: argparse.Namespace) -> int:
-    from rlops.cli.bench import bench_advantages, ratio, tensor_bytes
+    from rlops.cli import bench as b
+    from rlops.cli.report import plot_rows, verdicts
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -81,67 +141,91 @@ def _bench(args: argparse.Namespace) -> int:
     if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
         print("rlops bench: error: --gamma and --lam must lie in [0, 1]", file=sys.stderr)
         return 2
-    seq_lens = [256, 2048] if args.quick else args.seq_len
-    repeats = 3 if args.quick else args.repeats
+    if args.quick:
+        args.seq_len, args.logprob_tokens = [256, 2048], [256]
+        args.vocab, args.group_batch, args.repeats = min(args.vocab, 4096), 64, 3
     dtype = _DTYPES[args.dtype]
     print(
-        f"GAE, B={args.batch}, {args.dtype}, gamma={args.gamma}, lam={args.lam}, "
-        f"device={device}, torch threads={torch.get_num_threads()}"
+        f"rlops bench: B={args.batch}, T={args.seq_len}, {args.dtype}, gamma={args.gamma}, "
+        f"lam={args.lam}, device={device}, torch threads={torch.get_num_threads()}"
     )
-    rows = bench_advantages(
-        args.batch,
-        seq_lens,
-        dtype=dtype,
-        device=device,
-        gamma=args.gamma,
-        lam=args.lam,
-        repeats=repeats,
+    rows: list = []
+    steps = (
+        len(args.seq_len) * ("advantages" in args.sections)
+        + len(args.logprob_tokens) * ("logprobs" in args.sections)
+        + ("group" in args.sections)
     )
-    verdicts = []
-    for t_len in seq_lens:
-        shape = f"{args.batch}x{t_len}"
-        by = {r.method: r for r in rows if r.shape == shape}
-        ours = by["rlops auto"].seconds
-        unit = tensor_bytes(args.batch, t_len, dtype)
-        lines = []
-        for r in by.values():
-            peak = "" if r.peak_bytes is None else f"{r.peak_bytes / unit:.2f}"
-            lines.append(
-                [
-                    r.method,
-                    _fmt_ms(r.seconds, r.extrapolated),
-                    f"{ratio(r.seconds, ours):.2f}",
-                    peak,
-                ]
+    with _Progress(steps) as progress:
+        if "advantages" in args.sections:
+            rows += b.bench_advantages(
+                args.batch,
+                args.seq_len,
+                dtype=dtype,
+                device=device,
+                gamma=args.gamma,
+                lam=args.lam,
+                repeats=args.repeats,
+                progress=progress.advance,
             )
-        _print_table(
-            f"GAE [{shape}]",
-            ["method", "median ms", "time / rlops auto", "peak extra ([B,T] tensors)"],
-            lines,
-        )
-        loop, chunk, floor = by["per-token loop"], by["chunk loop (C=256)"], by["memory floor"]
-        verdicts.append(
-            f"[{shape}] rlops {ours * 1e3:.3f} ms: {ratio(loop.seconds, ours):,.0f}x faster than "
-            f"the per-token loop{' (extrapolated)' if loop.extrapolated else ''}, "
-            f"{ratio(chunk.seconds, ours):.1f}x faster than the chunk loop, "
-            f"{ratio(ours, floor.seconds):.2f}x the memory floor."
-        )
-    print("\n".join(verdicts))
+        if "group" in args.sections:
+            rows += b.bench_group(
+                args.group_batch, min(args.seq_len), device=device, repeats=args.repeats
+            )
+            progress.advance()
+        if "logprobs" in args.sections:
+            rows += b.bench_logprobs(
+                args.logprob_tokens, args.vocab, device=device, progress=progress.advance
+            )
+    _print_rows(rows, args.batch, dtype)
+    for line in verdicts(rows, batch=args.batch, vocab=args.vocab):
+        print(line)
     if args.json:
         payload = {
             "command": "bench",
-            "config": {k: v for k, v in vars(args).items() if k != "json"},
+            "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
             "rows": [dataclasses.asdict(r) for r in rows],
         }
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=2)
+    if args.plot:
+        plot_rows(rows, args.plot)
+        print(f"plot written to {args.plot}")
     return 0
+
+
+def _print_rows(rows: list, batch: int, dtype: torch.dtype) -> None:
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    keys = list(dict.fromkeys((r.section, r.case, r.shape) for r in rows))
+    for section, case, shape in keys:
+        group = [r for r in rows if (r.section, r.case, r.shape) == (section, case, shape)]
+        ours = next((r for r in group if r.ours), group[-1])
+        lines = []
+        for r in group:
+            peak = _fmt_mib(r.peak_bytes)
+            if section != "logprobs" and r.peak_bytes is not None:
+                peak += f" ({r.peak_bytes / (batch * r.size * itemsize):.2f} x [B,T])"
+            lines.append(
+                [
+                    r.method,
+                    _fmt_ms(r.seconds, r.extrapolated),
+                    f"{r.seconds / ours.seconds:,.2f}",
+                    peak,
+                ]
+            )
+        print_table(
+            f"{case} [{shape}]",
+            ["method", "median ms", "time / rlops", "peak extra MiB"],
+            lines,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "bench":
         return _bench(args)
+    for name, module in _EXTRA_COMMANDS:
+        if args.command == name:
+            return module.run(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

@@ -4,13 +4,26 @@
   the batch only).
 * ``gae_chunk_loop``: the chunk-scan design (chunk-local matmul with a C x C decay matrix, then
   carries passed from chunk to chunk by a Python loop over T / C chunks), scalar decay only.
+  With ``values = 0`` and ``lam = 1`` it is the same design's discounted returns.
+* ``returns_token_loop``: discounted returns per sample, a loop over samples and tokens.
+* ``group_loop``: GRPO / RLOO / REINFORCE++-baseline with a dict of lists per group id and a
+  loop over samples; ``remax_flip_cumsum``: ReMax's vectorised flip-cumsum form.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import torch
 
-__all__ = ["gae_chunk_loop", "gae_token_loop"]
+__all__ = [
+    "gae_chunk_loop",
+    "gae_token_loop",
+    "group_loop",
+    "masked_whiten_moments",
+    "remax_flip_cumsum",
+    "returns_token_loop",
+]
 
 
 def gae_token_loop(rewards, values, gamma: float, lam: float):
@@ -50,3 +63,53 @@ def gae_chunk_loop(rewards, values, gamma: float, lam: float, chunk_size: int = 
         s_prev = s[:, -1:]
     adv = out.reshape(b, -1)[:, :t_len].flip(-1)
     return adv, values + adv
+
+
+def returns_token_loop(token_rewards: list[torch.Tensor], gamma: float) -> list[torch.Tensor]:
+    """Discounted returns per sample, a Python loop over samples and tokens (the REINFORCE++
+    returns as trainers first wrote them: one list entry per response)."""
+    out = []
+    for r in token_rewards:
+        ret = torch.empty_like(r)
+        running = r.new_zeros(())
+        for t in reversed(range(r.shape[0])):
+            running = r[t] + gamma * running
+            ret[t] = running
+        out.append(ret)
+    return out
+
+
+def masked_whiten_moments(x, mask):
+    """Whitening by ``E[x]`` and an unbiased variance from ``E[(x - mean)^2]``, as verl does."""
+    n = mask.sum()
+    mean = (x * mask).sum() / n
+    var = ((x - mean) ** 2 * mask).sum() / n * (n / (n - 1))
+    return (x - mean) * torch.rsqrt(var + 1e-8)
+
+
+def group_loop(scores, index, mask, kind, eps=1e-6):
+    """Group-baseline advantages with a dict of lists per group id and a loop over samples."""
+    scores = scores.clone()
+    by_id, mean, std = defaultdict(list), {}, {}
+    for i in range(scores.shape[0]):
+        by_id[index[i]].append(scores[i])
+    for k, vals in by_id.items():
+        g = torch.stack(vals)
+        mean[k], std[k] = (g.mean(), g.std()) if len(vals) > 1 else (torch.tensor(0.0), 1.0)
+    for i in range(scores.shape[0]):
+        k, n = index[i], len(by_id[index[i]])
+        if kind == "grpo":
+            scores[i] = (scores[i] - mean[k]) / (std[k] + eps)
+        elif kind == "rloo" and n > 1:
+            scores[i] = (scores[i] - mean[k]) * n / (n - 1)
+        elif kind == "rfpp":
+            scores[i] = scores[i] - mean[k]
+    adv = scores[:, None] * mask
+    adv = masked_whiten_moments(adv, mask) * mask if kind == "rfpp" else adv
+    return adv, adv
+
+
+def remax_flip_cumsum(rewards, baselines, mask):
+    """ReMax as a flip-cumsum over the masked rewards minus the greedy baseline."""
+    returns = (rewards * mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
+    return returns - baselines[:, None] * mask, returns

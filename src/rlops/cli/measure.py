@@ -1,14 +1,40 @@
-"""Timing and peak-memory measurement for the command-line tools."""
+"""Timing and peak-memory measurement for the command-line tools and the benchmarks.
+
+Two ways to see peak memory on CPU, where torch has no allocator statistics:
+
+* :class:`PeakMemory`, in this process: the resident-set high-water mark, reset on entry
+  through ``/proc/self/clear_refs`` (Linux). Cheap; warm up first so one-off costs (JIT, code
+  pages, thread pools) are not counted.
+* :func:`measure_in_fresh_process`: a spawned process builds the inputs and runs the step once;
+  peak RSS (``getrusage`` ``ru_maxrss``) minus the high-water once the inputs exist. A tiny
+  instance of the same workload runs first, so code paged in by a first call is not counted.
+  This sees every allocation torch makes on CPU (plain malloc, no cache to hide a peak).
+
+Time is always the median wall time of repeated calls after warm-up.
+"""
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import resource
 import statistics
+import sys
 import time
+import traceback
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-__all__ = ["PeakMemory", "sync", "time_median"]
+__all__ = [
+    "METHOD",
+    "PeakMemory",
+    "measure",
+    "measure_in_fresh_process",
+    "peak_rss_bytes",
+    "sync",
+    "time_median",
+]
 
 
 def sync(device: torch.device) -> None:
@@ -86,3 +112,89 @@ class PeakMemory:
         elif self._base is not None:
             peak = _status_kib("VmHWM")
             self.bytes = None if peak is None else max(0, peak - self._base) * 1024
+
+
+METHOD = (
+    "memory: peak RSS high-water (getrusage ru_maxrss) in a fresh spawned process per variant, "
+    "minus the high-water once its inputs exist; time: median wall time after warm-up"
+)
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size so far, in bytes."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+def measure(step: Callable[[], Any], *, repeats: int = 3, warmup: int = 1) -> dict[str, float]:
+    """``{"peak_extra_bytes", "time_s", "times_s"}`` of ``step()``; call it in a fresh process
+    right after building the inputs, so that the first call's peak is the step's own."""
+    base = peak_rss_bytes()
+    step()
+    extra = peak_rss_bytes() - base
+    for _ in range(max(warmup - 1, 0)):  # the first call above was a warm-up already
+        step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return {"peak_extra_bytes": float(extra), "time_s": statistics.median(times), "times_s": times}
+
+
+def _child(
+    setup: Callable[..., Callable[[], Any]],
+    kwargs: dict,
+    prime_kwargs: dict | None,
+    threads: int,
+    repeats: int,
+    warmup: int,
+    results: Any,
+) -> None:
+    try:
+        torch.set_num_threads(threads)
+        if prime_kwargs is not None:
+            # Run the same code on tiny inputs first: the pages of code and the threads that a
+            # first call brings in are then not counted as the workload's memory.
+            setup(**prime_kwargs)()
+        step = setup(**kwargs)
+        results.put((True, measure(step, repeats=repeats, warmup=warmup)))
+    except BaseException:
+        results.put((False, traceback.format_exc()))
+
+
+def measure_in_fresh_process(
+    setup: Callable[..., Callable[[], Any]],
+    kwargs: dict | None = None,
+    *,
+    prime_kwargs: dict | None = None,
+    threads: int = 1,
+    repeats: int = 3,
+    warmup: int = 1,
+    timeout: float = 900.0,
+) -> dict[str, float]:
+    """Spawn a process, build the workload with ``step = setup(**kwargs)`` and :func:`measure`.
+
+    ``setup`` must be a module-level function (it is pickled); it allocates the inputs and
+    returns the zero-argument step to measure. ``prime_kwargs``: a tiny instance of the same
+    workload run first (and dropped) so that one-off costs of a first call stay out of the
+    memory figure. Raises ``RuntimeError`` with the child's
+    traceback if it fails, ``TimeoutError`` after ``timeout`` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(
+        target=_child, args=(setup, kwargs or {}, prime_kwargs, threads, repeats, warmup, results)
+    )
+    proc.start()
+    try:
+        ok, payload = results.get(timeout=timeout)
+    except Exception as exc:
+        raise TimeoutError(f"{setup.__name__} did not finish within {timeout} s") from exc
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+    if not ok:
+        raise RuntimeError(f"{setup.__name__} failed:\n{payload}")
+    return payload

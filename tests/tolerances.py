@@ -1,0 +1,182 @@
+"""Tolerances measured from the serial reference's own error: no fixed atol anywhere.
+
+* Full-precision dtypes (float32, float64): a method's max abs error against the oracle must be
+  at most twice the error of the serial reference (``method="reference"``) in the same dtype on
+  the same inputs, plus a floor of a few ulps of the output's magnitude for inputs on which the
+  reference happens to be exact. For float64 outputs the oracle must be the extended-precision
+  one (a float64 oracle reproduces the float64 serial loop bit for bit, so the reference's
+  measured error would be 0); where no wider type exists, float64 falls back to
+  ``serial_bound``.
+* Half dtypes (bfloat16, float16) accumulate in float32: the output must match the float32
+  serial reference rounded to the half dtype within one half-dtype ulp of each element, plus
+  the float32 error budget above (the two float32 results may differ by that much before
+  rounding).
+* ``serial_bound``: the a priori forward-error bound of the serial loop itself, used to check
+  the reference (and identities computed in float64) without comparing a method to itself.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+__all__ = [
+    "ALL_METHODS",
+    "FLOOR_ULPS",
+    "abs_diff",
+    "assert_half_matches",
+    "assert_within_bound",
+    "assert_within_reference",
+    "max_abs_err",
+    "serial_bound",
+    "ulp",
+    "ulp_at",
+]
+
+FLOOR_ULPS = 4
+
+# every method, less "compiled" where numba is not installed
+ALL_METHODS = ["reference", "chunked", "compiled", "auto"]
+if importlib.util.find_spec("numba") is None:
+    ALL_METHODS.remove("compiled")
+
+
+def for_each_method(check: Callable[[str], None]) -> None:
+    """Run ``check(method)`` for every method and fail once, listing every failing method
+    (one test item per case rather than per method keeps thousands of cases cheap)."""
+    failures = []
+    for method in ALL_METHODS:
+        try:
+            check(method)
+        except AssertionError as e:
+            failures.append(f"[method={method}] {e}")
+    assert not failures, "\n".join(failures)
+
+
+Oracle = torch.Tensor | np.ndarray  # float64 tensor, or a longdouble array (extended oracle)
+
+
+def _np(t: Oracle, like: Oracle | None = None) -> np.ndarray:
+    """``t`` as numpy, in the oracle's precision when ``like`` is a longdouble array."""
+    a = t.detach().cpu().double().numpy() if isinstance(t, torch.Tensor) else np.asarray(t)
+    wide = isinstance(like, np.ndarray) and like.dtype == np.longdouble
+    return a.astype(np.longdouble) if wide else a
+
+
+def abs_diff(out: torch.Tensor, oracle: Oracle) -> np.ndarray:
+    """``|out - oracle|`` elementwise in the oracle's precision; NaN becomes inf."""
+    diff = np.abs(_np(out, oracle) - _np(oracle, oracle))
+    return np.where(np.isnan(diff), np.inf, diff)
+
+
+def max_abs_err(out: torch.Tensor, oracle: Oracle) -> float:
+    """Max abs difference from the oracle; NaN or inf anywhere counts as an infinite error."""
+    return float(abs_diff(out, oracle).max()) if out.numel() else 0.0
+
+
+def _magnitude(t: Oracle) -> float:
+    a = _np(t)
+    return float(np.abs(a).max()) if a.size else 0.0
+
+
+def assert_within_reference(
+    name: str,
+    out: torch.Tensor,
+    oracle: Oracle,
+    ref_out: torch.Tensor,
+    magnitude: Oracle | None = None,
+) -> tuple[float, float]:
+    """``err(out) <= 2 * err(ref_out) + floor``, errors measured against the oracle.
+
+    ``out`` and ``ref_out`` share a dtype (float32 or float64). The floor is ``FLOOR_ULPS``
+    ulps of the largest ``|oracle|``, or of the largest ``magnitude`` when given (property
+    tests pass the scan of ``|x|``: with arbitrary inputs the output may cancel to far below
+    its terms). Returns ``(err, ref_err)``.
+    """
+    assert out.dtype == ref_out.dtype, (out.dtype, ref_out.dtype)
+    assert tuple(out.shape) == tuple(oracle.shape), (out.shape, oracle.shape)
+    err = max_abs_err(out, oracle)
+    ref_err = max_abs_err(ref_out, oracle)
+    scale = _magnitude(oracle if magnitude is None else magnitude)
+    floor = FLOOR_ULPS * ulp_at(out.dtype, scale)
+    assert err <= 2 * ref_err + floor, (
+        f"{name}: max abs error {err:.4g} vs float64 exceeds 2 x the serial {out.dtype} "
+        f"reference's {ref_err:.4g} + floor {floor:.3g}"
+    )
+    return err, ref_err
+
+
+def ulp_at(dtype: torch.dtype, magnitude: float) -> float:
+    """An upper bound on the ulp of ``dtype`` at ``magnitude``: ``eps * magnitude``, and never
+    below the spacing of subnormals (``smallest_normal * eps``)."""
+    info = torch.finfo(dtype)
+    return info.eps * max(magnitude, info.smallest_normal)
+
+
+def ulp(dtype: torch.dtype, magnitude: torch.Tensor) -> torch.Tensor:
+    """Elementwise ulp of ``dtype`` at ``magnitude`` (normal range), as float64."""
+    bits = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24, torch.float64: 53}[dtype]
+    _, exponent = torch.frexp(magnitude.double())
+    return torch.pow(2.0, (exponent - bits).double())
+
+
+def assert_half_matches(
+    name: str,
+    out: torch.Tensor,
+    ref32: torch.Tensor,
+    oracle: Oracle,
+) -> None:
+    """A half-dtype ``out`` vs the float32 serial reference ``ref32`` rounded to that dtype.
+
+    Allowed per element: one half-dtype ulp at the element's magnitude (the two float32 values
+    may round to neighbouring half values), plus the float32 budget ``3 * err(ref32) + floor``
+    (``out`` was accumulated in float32 and may sit ``2 * err + floor`` from the oracle, which
+    sits ``err`` from ``ref32``).
+    """
+    assert ref32.dtype == torch.float32
+    assert tuple(out.shape) == tuple(oracle.shape), (out.shape, oracle.shape)
+    if out.numel() == 0:
+        return
+    got = out.detach().cpu().double()
+    expected = ref32.to(out.dtype).double()
+    ref_err = max_abs_err(ref32, oracle)
+    floor = FLOOR_ULPS * ulp_at(torch.float32, _magnitude(oracle))
+    tol = ulp(out.dtype, torch.maximum(got.abs(), expected.abs())) + 3 * ref_err + floor
+    diff = torch.nan_to_num((got - expected).abs(), nan=float("inf"))
+    worst = int((diff - tol).argmax())
+    assert float((diff - tol).max()) <= 0, (
+        f"{name}: {out.dtype} output differs from the float32 reference rounded to "
+        f"{out.dtype} by {float(diff.flatten()[worst]):.4g} at flat index {worst} "
+        f"(allowed {float(tol.flatten()[worst]):.4g}: 1 ulp + float32 budget)"
+    )
+
+
+def serial_bound(steps: int, dtype: torch.dtype, abs_oracle: Oracle) -> np.ndarray:
+    """Forward-error bound of the serial loop run in ``dtype``, elementwise.
+
+    ``abs_oracle`` is the exact scan of ``|x|`` (every term counted with its magnitude). Each
+    step rounds one product and one sum, and a discount given in float64 is rounded once to
+    ``dtype``, so each term carries at most ``3 * steps`` relative roundings:
+    ``|err| <= gamma_{3 steps} * abs_oracle`` with ``gamma_n = n u / (1 - n u)``. Underflow
+    adds at most half a subnormal spacing per rounding, ``n`` of them in all.
+    """
+    info = torch.finfo(dtype)
+    u = info.eps / 2
+    n = 3 * max(steps, 1)
+    underflow = n * info.smallest_normal * info.eps / 2
+    return (n * u / (1 - n * u)) * _np(abs_oracle) + underflow
+
+
+def assert_within_bound(name: str, out: torch.Tensor, oracle: Oracle, bound: np.ndarray) -> None:
+    """``|out - oracle| <= bound`` elementwise (NaN fails)."""
+    if out.numel() == 0:
+        return
+    diff = abs_diff(out, oracle)
+    worst = int(np.argmax(diff - bound))
+    assert (diff <= bound).all(), (
+        f"{name}: error {float(diff.flat[worst]):.4g} at flat index {worst} exceeds "
+        f"the bound {float(bound.flat[worst]):.4g}"
+    )
