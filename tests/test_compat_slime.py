@@ -306,3 +306,17 @@ def test_bad_lists_are_rejected():
     with pytest.raises(ValueError, match="loss_masks"):
         slime.get_reinforce_plus_plus_returns(torch.ones(1), [torch.zeros(3)],
                                               [torch.ones(2)], [3], [5], 0.1, 1.0)
+
+
+def test_exports_are_pinned_and_documented():
+    assert slime.__all__ == sorted(slime.__all__)
+    assert slime.__all__ == [
+        "add_outcome_rewards", "all_gather_with_cp", "calculate_log_probs_and_entropy",
+        "chunked_discounted_returns", "chunked_gae", "compute_approx_kl", "compute_policy_loss",
+        "distributed_masked_whiten", "get_advantages_and_returns_batch", "get_grpo_returns",
+        "get_reinforce_plus_plus_baseline_advantages", "get_reinforce_plus_plus_returns",
+        "slice_log_prob_with_cp", "vanilla_gae",
+    ]
+    for name in slime.__all__:
+        doc = getattr(slime, name).__doc__
+        assert doc and ">>>" in doc, name

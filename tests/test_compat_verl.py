@@ -325,3 +325,18 @@ def test_logprobs_and_entropy_from_logits():
     zz = z.clone().requires_grad_()
     g_ref, = torch.autograd.grad((-(zz.softmax(-1) * zz.log_softmax(-1)).sum(-1)).sum(), zz)
     torch.testing.assert_close(g.double(), g_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_exports_are_pinned_and_documented():
+    assert verl.__all__ == sorted(verl.__all__)
+    assert verl.__all__ == [
+        "agg_loss", "compute_gae_advantage_return", "compute_grpo_outcome_advantage",
+        "compute_policy_loss", "compute_policy_loss_vanilla",
+        "compute_reinforce_plus_plus_baseline_outcome_advantage",
+        "compute_reinforce_plus_plus_outcome_advantage", "compute_remax_outcome_advantage",
+        "compute_rloo_outcome_advantage", "compute_value_loss", "entropy_from_logits",
+        "kl_penalty", "logprobs_from_logits", "masked_whiten",
+    ]
+    for name in verl.__all__:
+        doc = getattr(verl, name).__doc__
+        assert doc and ">>>" in doc, name

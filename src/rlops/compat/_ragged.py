@@ -1,7 +1,8 @@
-"""Per-sample lists of 1-D tensors <-> one padded ``[B, T_max]`` batch with a mask.
+"""Per-sample lists of 1-D tensors <-> one padded ``[B, T_max]`` batch.
 
-The only Python loops here run over samples (to read lengths and to place pieces), never over
-tokens; the data moves in one ``pad_sequence`` / one boolean gather each way.
+The only Python loops here run over samples (to read lengths and to cut views), never over
+tokens: the data goes in with one ``pad_sequence`` (or one indexed scatter for the
+context-parallel layout) and comes back as row views (or one indexed gather).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-__all__ = ["as_1d_list", "lengths_mask", "pad", "place", "split", "take"]
+__all__ = ["as_1d_list", "pad", "place", "split", "take"]
 
 
 def as_1d_list(name: str, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -27,25 +28,17 @@ def as_1d_list(name: str, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def lengths_mask(lengths: Sequence[int], t_max: int, device: torch.device) -> torch.Tensor:
-    """Bool ``[B, t_max]``: True on the first ``lengths[b]`` entries of row ``b``."""
-    n = torch.as_tensor(list(lengths), dtype=torch.long, device=device)
-    return torch.arange(t_max, device=device) < n[:, None]
-
-
-def pad(xs: list[torch.Tensor], t_max: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad 1-D tensors with zeros into ``[B, T_max]``; return ``(padded, mask)``."""
-    lengths = [x.numel() for x in xs]
+def pad(xs: list[torch.Tensor], t_max: int | None = None) -> torch.Tensor:
+    """Right-pad 1-D tensors with zeros into ``[B, T_max]`` (at least ``t_max`` wide)."""
     padded = pad_sequence(xs, batch_first=True)
-    width = max(lengths, default=0) if t_max is None else t_max
-    if padded.shape[1] < width:
-        padded = torch.nn.functional.pad(padded, (0, width - padded.shape[1]))
-    return padded, lengths_mask(lengths, width, padded.device)
+    if t_max is not None and padded.shape[1] < t_max:
+        padded = torch.nn.functional.pad(padded, (0, t_max - padded.shape[1]))
+    return padded
 
 
-def split(padded: torch.Tensor, mask: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
-    """Inverse of :func:`pad`: the mask-1 entries of each row, as a list of 1-D tensors."""
-    return list(padded[mask].split(list(lengths)))
+def split(padded: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+    """Inverse of :func:`pad`: the first ``lengths[b]`` entries of each row, as views."""
+    return [row[:n] for row, n in zip(padded, lengths)]
 
 
 def place(
@@ -56,6 +49,12 @@ def place(
     Returns ``(batch, mask, index)``; ``index`` (rows, cols) reads the pieces back in order with
     :func:`take`.
     """
+    for i, (x, c) in enumerate(zip(xs, cols)):
+        if x.numel() != c.numel():
+            raise ValueError(
+                f"sample {i} holds {x.numel()} tokens on this rank, but its lengths give "
+                f"{c.numel()} (a list entry that is not this rank's piece of the response?)"
+            )
     device = xs[0].device if xs else torch.device("cpu")
     dtype = dtype or (xs[0].dtype if xs else torch.float32)
     rows = torch.repeat_interleave(

@@ -226,6 +226,9 @@ def add_outcome_rewards(
             local = x.numel() - 1
         else:
             held, _ = held_response_index(total_lengths[i], response_lengths[i], size, rank)
+            if held.numel() != x.numel():
+                raise ValueError(f"token_level_rewards[{i}] has {x.numel()} entries but this "
+                                 f"rank holds {held.numel()} of that response")
             hit = (held == response_lengths[i] - 1).nonzero()
             local = int(hit[0, 0]) if hit.numel() else -1
         if local >= 0:

@@ -159,11 +159,11 @@ def get_advantages_and_returns_batch(
     with torch.no_grad():
         if size == 1:
             lengths = list(response_lengths)
-            v, mask = _ragged.pad([x[:n] for x, n in zip(values_list, lengths)])
-            r, _ = _ragged.pad([x[:n] for x, n in zip(rewards_list, lengths)], v.shape[1])
+            v = _ragged.pad([x[:n] for x, n in zip(values_list, lengths)])
+            r = _ragged.pad([x[:n] for x, n in zip(rewards_list, lengths)], v.shape[1])
             # Zero right-padding bootstraps V = 0 after each response: no mask needed.
             adv, ret = rlops.gae(r, v, gamma=gamma, lam=lambd)
-            return _ragged.split(adv, mask, lengths), _ragged.split(ret, mask, lengths)
+            return _ragged.split(adv, lengths), _ragged.split(ret, lengths)
         _, cols, width = local_columns(total_lengths, response_lengths, size, rank)
         lengths = [c.numel() for c in cols]
         dtype = torch.promote_types(values_list[0].dtype, rewards_list[0].dtype)
@@ -196,8 +196,9 @@ def get_reinforce_plus_plus_returns(
     Differences: a mask-0 token (tool output) is *skipped*, not a discount step: the outcome
     reaches an action before a tool span discounted once per action step (slime discounts once
     per token, tool tokens included), and the return on mask-0 tokens is 0 (slime carries the
-    running return through them). With ``gamma = 1`` the action-token values agree. A sample with
-    no mask-1 token gets zeros (slime asserts). The CP layout is right for every length.
+    running return through them). With ``gamma = 1`` the action-token values agree (slime versions
+    that did not mask the KL also add the KL of mask-0 tokens). A sample with no mask-1 token
+    gets zeros (slime asserts). The CP layout is right for every length.
 
     Example:
         >>> import torch
@@ -219,11 +220,11 @@ def get_reinforce_plus_plus_returns(
             if k.numel() != m.numel():
                 raise ValueError(f"kl[{i}] has {k.numel()} entries but loss_masks[{i}] has "
                                  f"{m.numel()}")
-        k, real = _ragged.pad(kl)
-        m, _ = _ragged.pad([x.to(k.device) for x in loss_masks], k.shape[1])
-        out = rlops.reinforce_plus_plus_returns(scores, k, real & (m != 0), kl_coef=kl_coef,
-                                                gamma=gamma)
-        return _ragged.split(out, real, [x.numel() for x in kl])
+        k = _ragged.pad(kl)
+        m = _ragged.pad([x.to(k.device) for x in loss_masks], k.shape[1])
+        # right padding has mask 0 (m is zero-padded)
+        out = rlops.reinforce_plus_plus_returns(scores, k, m != 0, kl_coef=kl_coef, gamma=gamma)
+        return _ragged.split(out, [x.numel() for x in kl])
     held, cols, width = local_columns(total_lengths, response_lengths, size, rank)
     local_masks = [m.to(kl[0].device)[h.to(kl[0].device)] for m, h in zip(loss_masks, held)]
     k, real, index = _ragged.place(kl, cols, width)
@@ -249,10 +250,10 @@ def get_reinforce_plus_plus_baseline_advantages(rewards, kl, kl_coef: float, los
     kl = _ragged.as_1d_list("kl", kl)
     if not kl:
         return []
-    k, mask = _ragged.pad(kl)
+    k = _ragged.pad(kl)
     scores = _scores(rewards, k.device)
     out = scores[:, None] - kl_coef * k
-    return _ragged.split(out, mask, [x.numel() for x in kl])
+    return _ragged.split(out, [x.numel() for x in kl])
 
 
 def get_grpo_returns(rewards, kl) -> list[torch.Tensor]:

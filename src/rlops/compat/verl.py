@@ -1,12 +1,14 @@
 """Drop-in replacements for verl's advantage estimators, losses and torch utilities, on rlops.
 
 Names, arguments and return tuples follow verl's ``verl/trainer/ppo/core_algos.py`` and
-``verl/utils/torch_functional.py`` (signatures as of verl's main branch in 2025: estimators
+``verl/utils/torch_functional.py`` (signatures as of verl's main branch once ``agg_loss`` took
+``dp_size``, ``batch_num_tokens``, ``global_batch_size`` and ``loss_scale_factor``: estimators
 return ``(advantages, returns)``, ``compute_policy_loss`` returns
-``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``, ``agg_loss`` takes ``dp_size``,
-``batch_num_tokens``, ``global_batch_size`` and ``loss_scale_factor``). Tensors are
-``[bs, response_length]`` with a 0/1 ``response_mask``; every adapter is one rlops call, with no
-Python loop over tokens, samples or groups (verl's GRPO/RLOO loop over samples and groups).
+``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``; later versions that return a metrics
+dict from the registered policy losses need a thin wrapper). Tensors are
+``[bs, response_length]`` with a 0/1 ``response_mask``; every adapter is one or two rlops calls,
+with no Python loop over tokens, samples or groups (verl's GAE and REINFORCE++ loop over tokens,
+its GRPO and RLOO over samples and groups).
 
 Deliberate differences, detailed in each docstring: tokens with ``response_mask = 0`` get 0 in
 every output (verl leaves whitened or carried values there; no loss reads them); REINFORCE++
@@ -18,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import numpy as np
 import torch
 
 import rlops
@@ -54,6 +55,8 @@ def _group_ids(index: object, device: torch.device) -> torch.Tensor:
     """verl's ``index`` (an array of uids, often strings) as integer group ids ``[bs]``."""
     if isinstance(index, torch.Tensor) and not index.is_floating_point():
         return index.to(device)
+    import numpy as np  # verl passes numpy arrays of uids; numpy comes with verl
+
     ids = np.unique(np.asarray(index), return_inverse=True)[1]
     return torch.as_tensor(ids.reshape(-1), device=device)
 
