@@ -275,6 +275,20 @@ def test_policy_loss(mode):
         verl.compute_policy_loss(old, new, adv, m)
 
 
+def test_policy_loss_clamps_only_the_exp_side():
+    """Deliberate difference: verl clamps the log-ratio to [−20, 20], rlops only above."""
+    old = torch.zeros(1, 2, dtype=torch.float64)
+    new = torch.tensor([[-30.0, 30.0]], dtype=torch.float64)
+    adv, m = torch.ones(1, 2, dtype=torch.float64), torch.ones(1, 2)
+    loss, _, ppo_kl, _ = verl.compute_policy_loss(old, new, adv, m, cliprange=0.2)
+    want = ref_policy_loss(old, new, adv, m, 0.2, 0.2, 3.0, "token-mean")
+    torch.testing.assert_close(loss, want[0])  # the ratios differ by ~1e-9 only
+    assert ppo_kl == 0.0 and want[2] == 0.0  # ±30 vs ±20: both cancel here
+    one = [x[:, :1] for x in (old, new, adv, m)]
+    assert verl.compute_policy_loss(*one, cliprange=0.2)[2] == 30.0
+    assert ref_policy_loss(*one, 0.2, 0.2, 3.0, "token-mean")[2] == 20.0  # verl reports 20
+
+
 def test_value_loss():
     gen = _gen(9)
     vpreds, values, returns = (torch.randn(B, T, generator=gen, dtype=torch.float64)
