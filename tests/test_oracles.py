@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from tests.oracles import (
     compact_sequences,
     discounted_cumsum_oracle,

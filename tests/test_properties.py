@@ -15,8 +15,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
-
-from rlops import discounted_cumsum, gae
 from tests.oracles import (
     EXTENDED,
     compact_sequences,
@@ -25,6 +23,8 @@ from tests.oracles import (
     gae_oracle,
 )
 from tests.tolerances import assert_within_bound, assert_within_reference, serial_bound
+
+from rlops import discounted_cumsum, gae
 
 METHODS = ["reference", "chunked", "auto"]
 if importlib.util.find_spec("numba") is not None:

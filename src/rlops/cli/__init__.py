@@ -9,11 +9,14 @@ import sys
 
 import torch
 
+from rlops.cli import demo, profile
+
 __all__ = ["main"]
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 SECTIONS = ("advantages", "group", "logprobs")
-_EXTRA_COMMANDS: list = []  # (name, module with add_arguments(subparsers) and run(args))
+# (name, module with add_arguments(subparsers) and run(args))
+_EXTRA_COMMANDS: list = [("demo", demo), ("profile", profile)]
 
 
 def _positive_int(text: str) -> int:

@@ -77,6 +77,17 @@ def _status_kib(field: str) -> int | None:
     return None
 
 
+def _release_free_heap() -> None:
+    """Return freed heap pages to the system (glibc ``malloc_trim``), so that a block's new
+    allocations raise the resident size instead of silently reusing freed pages."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 class PeakMemory:
     """Peak memory a block adds on top of what was live when it started, in bytes.
 
@@ -97,6 +108,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
         else:
+            _release_free_heap()
             try:
                 with open("/proc/self/clear_refs", "w") as f:
                     f.write("5")
