@@ -1,0 +1,427 @@
+"""Drop-in replacements for slime's advantage, KL, loss and log-prob functions, on rlops.
+
+Names, arguments and return values follow slime's ``slime/utils/ppo_utils.py``,
+``slime/backends/megatron_utils/cp_utils.py`` and ``slime/utils/distributed_utils.py``
+(signatures as of slime's main branch in mid-2026: the version with ``chunked_discounted_returns``
+and the fused log-prob/entropy). Per-sample inputs are lists of 1-D tensors of varying length;
+each adapter pads them into one ``[B, T_max]`` batch with a mask, makes one rlops call and splits
+the result back (the only Python loops run over samples).
+
+Where slime reads Megatron's global state (``mpu.get_context_parallel_*``), the adapter takes the
+group as a keyword argument instead: ``cp_group=None`` means no context parallelism. With a CP
+group the lists hold this rank's compact response pieces (slime's layout, see
+:mod:`rlops.compat._slime_cp`), and the scans exchange one carry per chunk instead of
+all-gathering every response and slicing it back.
+
+Deliberate differences from slime are listed in each docstring; in short: REINFORCE++ skips
+mask-0 tokens instead of counting them as discount steps; whitening is finite on constant
+advantages; log-ratios are clamped before ``exp``; the CP layout is right for every length,
+also when a rank holds no response token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import rlops
+from rlops.compat import _ragged
+from rlops.compat._slime_cp import (
+    add_outcome_rewards,
+    all_gather_with_cp,
+    cp_rank_size,
+    local_columns,
+    slice_log_prob_with_cp,
+)
+from rlops.losses import MAX_EXP_ARG
+
+__all__ = [
+    "add_outcome_rewards",
+    "all_gather_with_cp",
+    "calculate_log_probs_and_entropy",
+    "chunked_discounted_returns",
+    "chunked_gae",
+    "compute_approx_kl",
+    "compute_policy_loss",
+    "distributed_masked_whiten",
+    "get_advantages_and_returns_batch",
+    "get_grpo_returns",
+    "get_reinforce_plus_plus_baseline_advantages",
+    "get_reinforce_plus_plus_returns",
+    "slice_log_prob_with_cp",
+    "vanilla_gae",
+]
+
+
+def _check_2d(name: str, x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a [B, T] tensor, got {shape}")
+
+
+def _scores(rewards: object, device: torch.device) -> torch.Tensor:
+    r = torch.as_tensor(rewards, device=device)
+    return r if r.is_floating_point() else r.float()
+
+
+# --------------------------------------------------------------------------- [B, T] estimators
+def vanilla_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lambd: float):
+    """GAE on a padded ``[B, T]`` batch: ``(advantages, returns)`` (slime's serial reference).
+
+    ``δ_t = r_t + γ·V_{t+1} − V_t`` with ``V_T = 0``, ``A_t = δ_t + γλ·A_{t+1}``,
+    ``returns = A + V``; computed by :func:`rlops.gae`, which runs no Python loop over time.
+
+    Example:
+        >>> import torch
+        >>> adv, ret = vanilla_gae(torch.tensor([[0.0, 1.0]]), torch.tensor([[0.5, 0.5]]), 1.0, 1.0)
+        >>> adv, ret
+        (tensor([[0.5000, 0.5000]]), tensor([[1., 1.]]))
+    """
+    _check_2d("rewards", rewards)
+    return rlops.gae(rewards, values, gamma=gamma, lam=lambd)
+
+
+def chunked_gae(
+    rewards: torch.Tensor, values: torch.Tensor, gamma: float, lambd: float, chunk_size: int = 128
+):
+    """GAE on a padded ``[B, T]`` batch, as :func:`vanilla_gae` (slime's chunked-scan version).
+
+    ``chunk_size`` is accepted for compatibility and ignored: rlops picks its own scan (a
+    compiled single pass on CPU, a chunked scan with vectorised carries elsewhere), with no
+    Python loop over chunks.
+
+    Example:
+        >>> import torch
+        >>> adv, _ = chunked_gae(torch.tensor([[1.0, 1.0]]), torch.zeros(1, 2), 0.5, 1.0)
+        >>> adv
+        tensor([[1.5000, 1.0000]])
+    """
+    _check_2d("rewards", rewards)
+    return rlops.gae(rewards, values, gamma=gamma, lam=lambd)
+
+
+def chunked_discounted_returns(
+    rewards: torch.Tensor, discount: float, chunk_size: int = 128
+) -> torch.Tensor:
+    """Discounted returns ``G_t = r_t + discount·G_{t+1}`` of a ``[B, T]`` batch.
+
+    ``chunk_size`` is accepted and ignored (see :func:`chunked_gae`).
+
+    Example:
+        >>> import torch
+        >>> chunked_discounted_returns(torch.tensor([[1.0, 0.0, 2.0]]), 0.5)
+        tensor([[1.5000, 1.0000, 2.0000]])
+    """
+    _check_2d("rewards", rewards)
+    return rlops.discounted_cumsum(rewards, discount)
+
+
+# --------------------------------------------------------------------------- per-sample lists
+def get_advantages_and_returns_batch(
+    total_lengths,
+    response_lengths,
+    values_list,
+    rewards_list,
+    gamma,
+    lambd,
+    chunked: bool = True,
+    *,
+    cp_group: object | None = None,
+):
+    """Batched GAE over per-sample response tensors: ``(advantages_list, returns_list)``.
+
+    Every response token is a step (no loss mask, as in slime). Without ``cp_group`` the lists
+    hold whole responses (``values_list[i][:response_lengths[i]]`` is used) and the result has
+    ``response_lengths[i]`` entries per sample. With ``cp_group`` they hold this rank's compact
+    pieces (slime's CP layout) and so do the results; where slime all-gathers every response and
+    slices it back, this runs rlops' CP GAE, which exchanges five numbers per chunk and sample.
+    ``chunked`` is accepted and ignored. Computed without gradient, as in slime.
+
+    Difference: the CP layout is right for every length, including samples of which this rank
+    holds no response token.
+
+    Example:
+        >>> import torch
+        >>> adv, ret = get_advantages_and_returns_batch(
+        ...     [5, 4], [2, 1], [torch.tensor([0.5, 0.5]), torch.tensor([0.0])],
+        ...     [torch.tensor([0.0, 1.0]), torch.tensor([2.0])], 1.0, 1.0)
+        >>> adv
+        [tensor([0.5000, 0.5000]), tensor([2.])]
+    """
+    values_list = _ragged.as_1d_list("values_list", values_list)
+    rewards_list = _ragged.as_1d_list("rewards_list", rewards_list)
+    if not len(values_list) == len(rewards_list) == len(response_lengths):
+        raise ValueError("values_list, rewards_list and response_lengths must have one entry "
+                         "per sample")
+    if not values_list:
+        return [], []
+    rank, size = cp_rank_size(cp_group)
+    with torch.no_grad():
+        if size == 1:
+            lengths = list(response_lengths)
+            v = _ragged.pad([x[:n] for x, n in zip(values_list, lengths)])
+            r = _ragged.pad([x[:n] for x, n in zip(rewards_list, lengths)], v.shape[1])
+            # Zero right-padding bootstraps V = 0 after each response: no mask needed.
+            adv, ret = rlops.gae(r, v, gamma=gamma, lam=lambd)
+            return _ragged.split(adv, lengths), _ragged.split(ret, lengths)
+        _, cols, width = local_columns(total_lengths, response_lengths, size, rank)
+        lengths = [c.numel() for c in cols]
+        dtype = torch.promote_types(values_list[0].dtype, rewards_list[0].dtype)
+        v, mask, index = _ragged.place(values_list, cols, width, dtype)
+        r, _, _ = _ragged.place(rewards_list, cols, width, dtype)
+        adv, ret = rlops.gae(r, v, gamma=gamma, lam=lambd, mask=mask, cp_group=cp_group)
+        return _ragged.take(adv, index, lengths), _ragged.take(ret, index, lengths)
+
+
+def get_reinforce_plus_plus_returns(
+    rewards,
+    kl,
+    loss_masks,
+    response_lengths,
+    total_lengths,
+    kl_coef: float,
+    gamma: float,
+    *,
+    cp_group: object | None = None,
+) -> list[torch.Tensor]:
+    """REINFORCE++ returns per sample (https://arxiv.org/abs/2501.03262).
+
+    Token reward ``−kl_coef·kl_t`` on loss-mask-1 tokens plus ``rewards[i]`` on the last of
+    them; returns are discounted over the action tokens (:func:`rlops.reinforce_plus_plus_returns`).
+    ``kl[i]`` is the whole response, or this rank's compact CP piece with ``cp_group``;
+    ``loss_masks[i]`` is always the whole response's mask, as in slime. Returns are shaped like
+    ``kl[i]``. With ``cp_group`` one collective of a few numbers per chunk and sample replaces
+    slime's all-gather of every KL tensor.
+
+    Differences: a mask-0 token (tool output) is *skipped*, not a discount step: the outcome
+    reaches an action before a tool span discounted once per action step (slime discounts once
+    per token, tool tokens included), and the return on mask-0 tokens is 0 (slime carries the
+    running return through them). With ``gamma = 1`` the action-token values agree (slime versions
+    that did not mask the KL also add the KL of mask-0 tokens). A sample with no mask-1 token
+    gets zeros (slime asserts). The CP layout is right for every length.
+
+    Example:
+        >>> import torch
+        >>> get_reinforce_plus_plus_returns(
+        ...     torch.tensor([1.0]), [torch.zeros(4)], [torch.tensor([1, 0, 1, 0])], [4], [9],
+        ...     kl_coef=0.1, gamma=0.5)
+        [tensor([0.5000, 0.0000, 1.0000, 0.0000])]
+    """
+    kl = _ragged.as_1d_list("kl", kl)
+    loss_masks = _ragged.as_1d_list("loss_masks", loss_masks)
+    if not len(kl) == len(loss_masks) == len(response_lengths):
+        raise ValueError("kl, loss_masks and response_lengths must have one entry per sample")
+    if not kl:
+        return []
+    scores = _scores(rewards, kl[0].device)
+    rank, size = cp_rank_size(cp_group)
+    if size == 1:
+        for i, (k, m) in enumerate(zip(kl, loss_masks)):
+            if k.numel() != m.numel():
+                raise ValueError(f"kl[{i}] has {k.numel()} entries but loss_masks[{i}] has "
+                                 f"{m.numel()}")
+        k = _ragged.pad(kl)
+        m = _ragged.pad([x.to(k.device) for x in loss_masks], k.shape[1])
+        # right padding has mask 0 (m is zero-padded)
+        out = rlops.reinforce_plus_plus_returns(scores, k, m != 0, kl_coef=kl_coef, gamma=gamma)
+        return _ragged.split(out, [x.numel() for x in kl])
+    held, cols, width = local_columns(total_lengths, response_lengths, size, rank)
+    local_masks = [m.to(kl[0].device)[h.to(kl[0].device)] for m, h in zip(loss_masks, held)]
+    k, real, index = _ragged.place(kl, cols, width)
+    m, _, _ = _ragged.place([x.to(k.dtype) for x in local_masks], cols, width)
+    out = rlops.reinforce_plus_plus_returns(scores, k, real & (m != 0), kl_coef=kl_coef,
+                                            gamma=gamma, cp_group=cp_group)
+    return _ragged.take(out, index, [c.numel() for c in cols])
+
+
+def get_reinforce_plus_plus_baseline_advantages(rewards, kl, kl_coef: float, loss_masks=None):
+    """Unwhitened REINFORCE++-baseline advantages: ``rewards[i] − kl_coef·kl[i]`` per token.
+
+    ``rewards`` already has the group baseline subtracted (as in slime); whitening comes later
+    (:func:`distributed_masked_whiten`). ``loss_masks`` is accepted for the older signature
+    ``(rewards, kl, loss_masks, kl_coef)`` called by keyword, and unused.
+
+    Example:
+        >>> import torch
+        >>> get_reinforce_plus_plus_baseline_advantages(
+        ...     torch.tensor([1.0, -1.0]), [torch.tensor([0.0, 1.0]), torch.tensor([2.0])], 0.5)
+        [tensor([1.0000, 0.5000]), tensor([-2.])]
+    """
+    kl = _ragged.as_1d_list("kl", kl)
+    if not kl:
+        return []
+    k = _ragged.pad(kl)
+    scores = _scores(rewards, k.device)
+    out = scores[:, None] - kl_coef * k
+    return _ragged.split(out, [x.numel() for x in kl])
+
+
+def get_grpo_returns(rewards, kl) -> list[torch.Tensor]:
+    """``rewards[i]`` (already group-normalised) broadcast to the shape of ``kl[i]``.
+
+    Example:
+        >>> import torch
+        >>> get_grpo_returns(torch.tensor([0.5, -0.5]), [torch.zeros(2), torch.zeros(3)])
+        [tensor([0.5000, 0.5000]), tensor([-0.5000, -0.5000, -0.5000])]
+    """
+    kl = _ragged.as_1d_list("kl", kl)
+    if not kl:
+        return []
+    scores = _scores(rewards, kl[0].device)
+    counts = torch.as_tensor([x.numel() for x in kl], device=scores.device)
+    dtype = torch.promote_types(kl[0].dtype, scores.dtype)
+    flat = torch.repeat_interleave(scores, counts).to(dtype)
+    return list(flat.split(counts.tolist()))
+
+
+# --------------------------------------------------------------------------- KL, losses, stats
+def compute_approx_kl(
+    log_probs: torch.Tensor,
+    log_probs_base: torch.Tensor,
+    kl_loss_type: str,
+    importance_ratio: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token KL estimate (k1, k2, k3, low_var_kl) in float32, optionally IS-weighted.
+
+    With ``d = log_probs − log_probs_base``: k1 ``d``, k2 ``d²/2``, k3 ``e^{−d} − 1 + d``;
+    ``importance_ratio`` multiplies the estimate; ``low_var_kl`` is k3, weighted, then clamped
+    to ``[−10, 10]``. Computed by :func:`rlops.kl_penalty`.
+
+    Difference: k3's ``e^{−d}`` is evaluated with ``−d ≤ 20`` (``expm1`` form), so it stays
+    finite where slime's overflows to inf (``d < −88`` in float32).
+
+    Example:
+        >>> import torch
+        >>> compute_approx_kl(torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0]), "k3")
+        tensor([0.1065, 0.7183])
+    """
+    if kl_loss_type not in ("k1", "k2", "k3", "low_var_kl"):
+        raise ValueError(f"Unknown kl_loss_type: {kl_loss_type}")
+    kind = "k3" if kl_loss_type == "low_var_kl" else kl_loss_type
+    kl = rlops.kl_penalty(log_probs.float(), log_probs_base.float(), kind)
+    if importance_ratio is not None:
+        kl = importance_ratio * kl
+    if kl_loss_type == "low_var_kl":
+        kl = kl.clamp(-10.0, 10.0)
+    return kl
+
+
+def compute_policy_loss(
+    ppo_kl: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_clip: float,
+    eps_clip_high: float,
+    eps_clip_c: float | None = None,
+):
+    """Per-token PPO clipped loss and clip indicator: ``(pg_losses, clipfrac)``.
+
+    ``ratio = exp(−ppo_kl)`` (``ppo_kl = old_log_probs − log_probs``),
+    ``ℓ = max(−A·ratio, −A·clip(ratio, 1 − eps_clip, 1 + eps_clip_high))`` and, with
+    ``eps_clip_c = c > 1`` (dual-clip), ``min(ℓ, −A·c)`` where ``A < 0``. ``clipfrac`` is 1.0
+    where the clipped term is the larger. Same formula as :func:`rlops.policy_loss`, unreduced
+    (slime reduces per sample afterwards), so it is written out here.
+
+    Difference: the log-ratio is clamped to at most 20 before ``exp`` (rlops' rule): no inf
+    or NaN loss for a token whose probability rose by more than ``e^20``; its gradient is then 0.
+
+    Example:
+        >>> import torch
+        >>> pg, frac = compute_policy_loss(torch.tensor([0.0, -0.5]), torch.tensor([1.0, 1.0]),
+        ...                                0.2, 0.2)
+        >>> pg, frac
+        (tensor([-1.0000, -1.2000]), tensor([0., 1.]))
+    """
+    if eps_clip_c is not None and not eps_clip_c > 1.0:
+        raise ValueError(f"eps_clip_c (dual-clip) must be > 1.0, got {eps_clip_c}")
+    ratio = torch.exp((-ppo_kl).clamp(max=MAX_EXP_ARG))
+    unclipped = -ratio * advantages
+    clipped = -ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * advantages
+    loss = torch.maximum(unclipped, clipped)
+    clipfrac = torch.gt(clipped, unclipped).float()
+    if eps_clip_c is not None:
+        loss = torch.where(advantages < 0, torch.minimum(-eps_clip_c * advantages, loss), loss)
+    return loss, clipfrac
+
+
+def distributed_masked_whiten(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    process_group: object | None = None,
+    shift_mean: bool = True,
+    epsilon: float = 1e-8,
+) -> torch.Tensor:
+    """Whiten ``values`` with the mean and unbiased variance of the mask-1 entries of every
+    rank of ``process_group`` (``None``: the default group when torch.distributed is
+    initialised, as in slime; one process otherwise).
+
+    Computed by :func:`rlops.masked_whiten` with ``group=``: one all-gather of (count, mean, M2)
+    merged exactly (Chan et al.), where slime all-reduces (Σx, Σx², n) and takes
+    ``E[x²] − E[x]²``.
+
+    Differences: the variance never goes negative, so constant (or nearly constant)
+    advantages whiten to finite values near 0 (the rounding of the mean, scaled by
+    ``1/sqrt(epsilon)``) instead of NaN; mask-0 entries are returned as 0 (slime whitens
+    them too; no loss reads them); an all-masked batch gives zeros instead of raising;
+    ``shift_mean=False`` adds the mean back.
+
+    Example:
+        >>> import torch
+        >>> distributed_masked_whiten(torch.tensor([1.0, 2.0, 3.0, 9.0]),
+        ...                           torch.tensor([1, 1, 1, 0]))
+        tensor([-1.,  0.,  1.,  0.])
+    """
+    group = process_group
+    if group is None and dist.is_available() and dist.is_initialized():
+        group = dist.group.WORLD
+    return rlops.masked_whiten(values, mask, shift_mean=shift_mean, eps=epsilon, group=group)
+
+
+# --------------------------------------------------------------------------- log-probs
+def _tensor_parallel(group: object) -> object:
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    return None if dist.get_world_size(group) == 1 else group
+
+
+def calculate_log_probs_and_entropy(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    tp_group,
+    with_entropy: bool = False,
+    chunk_size: int = -1,
+    log_prob_keep_mask: torch.Tensor | None = None,
+    with_entropy_grad: bool = True,
+):
+    """Log-probs of ``tokens`` and (optionally) the entropy, from vocabulary-parallel logits.
+
+    ``logits`` ``[T, V_local]`` (already divided by the temperature), sharded over ``tp_group``
+    by vocabulary; ``tokens`` ``[T]`` global ids. Returns ``(log_prob [T, 1], entropy [T] or
+    None)`` in float32, as slime. ``log_prob_keep_mask`` (top-p replay) applies to the log-prob
+    only; the target is always kept. ``chunk_size > 0`` bounds the float32 temporaries to
+    ``[chunk_size, V_local]`` (otherwise rlops picks a bound). ``with_entropy_grad=False``
+    returns a detached entropy.
+
+    Computed by :func:`rlops.logprobs_and_entropy`: one all-gather of a few numbers per token in
+    the forward, none in the backward (slime: three all-reduces forward, in-place buffers
+    saved for the backward).
+
+    Example:
+        >>> import torch
+        >>> logp, ent = calculate_log_probs_and_entropy(
+        ...     torch.zeros(2, 4), torch.tensor([1, 3]), None, with_entropy=True)
+        >>> logp.shape, ent
+        (torch.Size([2, 1]), tensor([1.3863, 1.3863]))
+    """
+    if logits.size(0) == 0:
+        empty = logits.new_zeros((0,), dtype=torch.float32)
+        return empty, (empty.clone() if with_entropy else None)
+    logp, entropy = rlops.logprobs_and_entropy(
+        logits,
+        tokens,
+        keep_mask=log_prob_keep_mask,
+        with_entropy=with_entropy,
+        entropy_grad=with_entropy_grad,
+        group=_tensor_parallel(tp_group),
+        chunk_size=chunk_size if chunk_size > 0 else None,
+    )
+    return logp.unsqueeze(-1), entropy

@@ -1,0 +1,438 @@
+"""Drop-in replacements for verl's advantage estimators, losses and torch utilities, on rlops.
+
+Names, arguments and return tuples follow verl's ``verl/trainer/ppo/core_algos.py`` and
+``verl/utils/torch_functional.py`` (signatures as of verl's main branch once ``agg_loss`` took
+``dp_size``, ``batch_num_tokens``, ``global_batch_size`` and ``loss_scale_factor``: estimators
+return ``(advantages, returns)``, ``compute_policy_loss`` returns
+``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``; later versions that return a metrics
+dict from the registered policy losses need a thin wrapper). Tensors are
+``[bs, response_length]`` with a 0/1 ``response_mask``; every adapter is one or two rlops calls,
+with no Python loop over tokens, samples or groups (verl's GAE and REINFORCE++ loop over tokens,
+its GRPO and RLOO over samples and groups).
+
+Deliberate differences, detailed in each docstring: tokens with ``response_mask = 0`` get 0 in
+every output (verl leaves whitened or carried values there; no loss reads them); REINFORCE++
+skips mask-0 tokens instead of resetting its return there; whitening a single or no selected
+token gives 0 instead of raising or NaN; bfloat16 log-probs and entropies come back in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+import rlops
+
+__all__ = [
+    "agg_loss",
+    "compute_gae_advantage_return",
+    "compute_grpo_outcome_advantage",
+    "compute_policy_loss",
+    "compute_policy_loss_vanilla",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage",
+    "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_remax_outcome_advantage",
+    "compute_rloo_outcome_advantage",
+    "compute_value_loss",
+    "entropy_from_logits",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "masked_whiten",
+]
+
+
+def _config(config: object, name: str, default: object = None) -> object:
+    """``config.name`` for attribute-style configs (dataclass, OmegaConf), else ``config[name]``."""
+    if config is None:
+        return default
+    if isinstance(config, Mapping):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+def _group_ids(index: object, device: torch.device) -> torch.Tensor:
+    """verl's ``index`` (an array of uids, often strings) as integer group ids ``[bs]``."""
+    if isinstance(index, torch.Tensor) and not index.is_floating_point():
+        return index.to(device)
+    import numpy as np  # verl passes numpy arrays of uids; numpy comes with verl
+
+    ids = np.unique(np.asarray(index), return_inverse=True)[1]
+    return torch.as_tensor(ids.reshape(-1), device=device)
+
+
+# --------------------------------------------------------------------------- estimators
+def compute_gae_advantage_return(
+    token_level_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma,
+    lam,
+):
+    """GAE with observation tokens skipped, advantages whitened: ``(advantages, returns)``.
+
+    On action tokens (mask 1): ``δ_t = r_t + γ·V_next − V_t`` and ``A_t = δ_t + γλ·A_next``,
+    where "next" is the next action token (mask-0 tokens pass values and advantages through,
+    as verl's multi-turn GAE); ``returns = A + V``; advantages are then whitened over the
+    mask-1 tokens (:func:`masked_whiten`). One :func:`rlops.gae` call.
+
+    Difference: on mask-0 tokens both outputs are 0 (verl leaves the carried advantage, whitened,
+    and ``A + V`` there).
+
+    Example:
+        >>> import torch
+        >>> r = torch.tensor([[0.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+        >>> adv, ret = compute_gae_advantage_return(r, torch.zeros(2, 3), torch.ones(2, 3),
+        ...                                         gamma=1.0, lam=1.0)
+        >>> ret
+        tensor([[1., 1., 1.],
+                [1., 1., 0.]])
+    """
+    with torch.no_grad():
+        mask = response_mask.bool()
+        adv, ret = rlops.gae(token_level_rewards, values, gamma=gamma, lam=lam, mask=mask)
+        return rlops.masked_whiten(adv, mask), ret
+
+
+def compute_grpo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    config=None,
+):
+    """GRPO (or Dr.GRPO with ``norm_adv_by_std_in_grpo=False``) outcome advantages.
+
+    Score = sum of the row's token rewards, standardised within its group (``index``: one uid
+    per row, any hashable values): ``(s − mean) / (std + epsilon)`` with the unbiased std; a
+    group of one has mean 0 and std 1. Broadcast over the mask-1 tokens; returns
+    ``(advantages, advantages)``. One :func:`rlops.grpo_advantages` call (no loop over samples
+    or groups).
+
+    Example:
+        >>> import numpy as np, torch
+        >>> adv, _ = compute_grpo_outcome_advantage(
+        ...     torch.tensor([[0.0, 1.0], [0.0, 0.0]]), torch.ones(2, 2), np.array(["a", "a"]))
+        >>> adv
+        tensor([[ 0.7071,  0.7071],
+                [-0.7071, -0.7071]])
+    """
+    with torch.no_grad():
+        ids = _group_ids(index, token_level_rewards.device)
+        return rlops.grpo_advantages(token_level_rewards, ids, response_mask,
+                                     norm_std=norm_adv_by_std_in_grpo, eps=epsilon)
+
+
+def compute_rloo_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index,
+    epsilon: float = 1e-6,
+    config=None,
+    **kwargs,
+):
+    """RLOO: each score minus the mean of the other scores of its group (a group of one keeps
+    its score), broadcast over the mask-1 tokens; ``(advantages, advantages)``.
+
+    Example:
+        >>> import torch
+        >>> adv, _ = compute_rloo_outcome_advantage(
+        ...     torch.tensor([[1.0], [0.0], [2.0]]), torch.ones(3, 1), [0, 0, 0])
+        >>> adv[:, 0]
+        tensor([ 0.0000, -1.5000,  1.5000])
+    """
+    with torch.no_grad():
+        ids = _group_ids(index, token_level_rewards.device)
+        return rlops.rloo_advantages(token_level_rewards, ids, response_mask)
+
+
+def compute_reinforce_plus_plus_baseline_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index,
+    epsilon: float = 1e-6,
+    config=None,
+    **kwargs,
+):
+    """REINFORCE++-baseline: score minus its group mean, broadcast, whitened over the mask-1
+    tokens of the batch; ``(advantages, advantages)``. ``epsilon`` is unused, as in verl (the
+    whitening adds 1e-8 to the variance).
+
+    Example:
+        >>> import torch
+        >>> adv, _ = compute_reinforce_plus_plus_baseline_outcome_advantage(
+        ...     torch.tensor([[1.0], [0.0], [3.0], [1.0]]), torch.ones(4, 1), [0, 0, 1, 1])
+        >>> adv[:, 0]
+        tensor([ 0.5477, -0.5477,  1.0954, -1.0954])
+    """
+    with torch.no_grad():
+        ids = _group_ids(index, token_level_rewards.device)
+        return rlops.reinforce_plus_plus_baseline_advantages(token_level_rewards, ids,
+                                                             response_mask, eps=1e-8)
+
+
+def compute_reinforce_plus_plus_outcome_advantage(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor, config=None, **kwargs
+):
+    """REINFORCE++: discounted returns over the action tokens, whitened; ``(advantages,
+    returns)``. ``gamma`` is read from ``config`` (``config.gamma`` or ``config["gamma"]``).
+
+    ``G_t = r_t + γ·G_next`` with "next" the next mask-1 token
+    (:func:`rlops.discounted_returns` with ``mask``); advantages are ``G`` whitened over the
+    mask-1 tokens.
+
+    Difference: verl resets its running return at every mask-0 token ("reset after EOS"). With
+    interior mask-0 spans (tool output in multi-turn rollouts) that drops the outcome reward for
+    every action before the span. Here mask-0 tokens are skipped: the outcome reaches every
+    earlier action, discounted once per action step, and returns are 0 on mask-0 tokens (verl
+    keeps the token's own reward there). Without interior mask-0 spans the two agree.
+
+    Example:
+        >>> import torch
+        >>> r = torch.tensor([[0.0, 0.0, 0.0, 1.0]])
+        >>> m = torch.tensor([[1, 0, 0, 1]])  # two tool tokens between two actions
+        >>> compute_reinforce_plus_plus_outcome_advantage(r, m, {"gamma": 0.5})[1]
+        tensor([[0.5000, 0.0000, 0.0000, 1.0000]])
+    """
+    gamma = _config(config, "gamma")
+    if gamma is None:
+        raise ValueError("config must provide gamma (config.gamma or config['gamma'])")
+    with torch.no_grad():
+        mask = response_mask.bool()
+        returns = rlops.discounted_returns(token_level_rewards, gamma=gamma, mask=mask)
+        return rlops.masked_whiten(returns, mask), returns
+
+
+def compute_remax_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    reward_baselines: torch.Tensor,
+    response_mask: torch.Tensor,
+    config=None,
+    **kwargs,
+):
+    """ReMax: undiscounted reward-to-go minus the greedy rollout's reward; ``(advantages,
+    returns)``.
+
+    Difference: 0 on mask-0 tokens (verl carries the reward-to-go there).
+
+    Example:
+        >>> import torch
+        >>> adv, ret = compute_remax_outcome_advantage(
+        ...     torch.tensor([[0.0, 1.0]]), torch.tensor([0.25]), torch.ones(1, 2))
+        >>> adv
+        tensor([[0.7500, 0.7500]])
+    """
+    with torch.no_grad():
+        return rlops.remax_advantages(token_level_rewards, reward_baselines, response_mask)
+
+
+# --------------------------------------------------------------------------- KL and losses
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty) -> torch.Tensor:
+    """Per-token KL estimate: ``"kl"``/``"k1"``, ``"abs"``, ``"mse"``/``"k2"``,
+    ``"low_var_kl"``/``"k3"`` (clamped to [−10, 10], as verl), and the straight-through ``"+"``
+    variants (value of the kind, gradient of k2). ``"full"`` raises ``NotImplementedError``.
+
+    Example:
+        >>> import torch
+        >>> kl_penalty(torch.tensor([-1.0, -20.0]), torch.tensor([-1.5, -1.0]), "k3")
+        tensor([ 0.1065, 10.0000])
+    """
+    kind = kl_penalty
+    if kind == "full":
+        raise NotImplementedError("kl_penalty 'full' needs the whole distribution")
+    base = kind.rstrip("+")
+    if base == "k3":  # verl's k3 is its low_var_kl (clamped at 10)
+        kind = "low_var_kl" + kind[len(base):]
+    return rlops.kl_penalty(logprob, ref_logprob, kind)
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str,
+    dp_size: int = 1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+    loss_scale_factor=None,
+) -> torch.Tensor:
+    """Aggregate a ``[bs, T]`` loss to a scalar with verl's ``loss_agg_mode`` names.
+
+    ``token-mean`` = Σ m·ℓ / N, ``seq-mean-token-sum`` = Σ_seq Σ_t m·ℓ / S,
+    ``seq-mean-token-mean`` = Σ_seq mean_t / S, ``seq-mean-token-sum-norm`` = the token-sum
+    form divided by ``loss_scale_factor`` (default T). ``N`` is ``batch_num_tokens`` (default:
+    this micro-batch's mask-1 tokens) and ``S`` is ``global_batch_size`` (default: its rows with
+    a mask-1 token), each result multiplied by ``dp_size`` so that averaging over data-parallel
+    ranks gives the global value, as in verl. :func:`rlops.aggregate_loss` computes the local
+    part.
+
+    Difference: an empty batch gives 0 (verl: NaN, or 0 in newer versions).
+
+    Example:
+        >>> import torch
+        >>> loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+        >>> m = torch.tensor([[1, 1, 1], [1, 0, 0]])
+        >>> agg_loss(loss, m, "token-mean"), agg_loss(loss, m, "seq-mean-token-mean")
+        (tensor(2.5000), tensor(3.))
+    """
+    local = rlops.aggregate_loss(loss_mat, loss_mask, loss_agg_mode,
+                                 loss_scale_factor=loss_scale_factor)
+    if dp_size == 1 and batch_num_tokens is None and global_batch_size is None:
+        return local
+    keep = loss_mask != 0
+    if loss_agg_mode == "token-mean":
+        count, denom, what = keep.sum(), batch_num_tokens, "batch_num_tokens"
+    else:
+        count, denom, what = (keep.sum(-1) > 0).sum(), global_batch_size, "global_batch_size"
+    if denom is None:
+        if dp_size > 1:
+            raise ValueError(f"{what} is required when dp_size > 1")
+        denom = count
+    denom = torch.as_tensor(denom, dtype=local.dtype, device=local.device)
+    return local * count.to(local.dtype) / denom.clamp_min(1) * dp_size
+
+
+def compute_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange=None,
+    cliprange_low=None,
+    cliprange_high=None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+):
+    """PPO clipped loss with dual-clip: ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``.
+
+    ``ratio = exp(log_prob − old_log_prob)``; per token
+    ``max(−A·ratio, −A·clip(ratio, 1 − low, 1 + high))``, bounded by ``−A·clip_ratio_c`` where
+    ``A < 0``; aggregated with ``loss_agg_mode``. ``cliprange_low``/``cliprange_high`` default
+    to ``cliprange``. One :func:`rlops.policy_loss` call; metrics are detached tensors.
+
+    Difference: verl clamps the log-ratio to [−20, 20]; rlops clamps only its upper end (the
+    ``exp`` side). Below −20 the ratio is ``e^{log-ratio}`` rather than ``e^{−20}`` (both
+    ~1e-9), and ``ppo_kl`` is the mean of the unclamped ``old_log_prob − log_prob``.
+
+    Example:
+        >>> import torch
+        >>> old = torch.zeros(1, 2)
+        >>> loss, clipfrac, ppo_kl, lower = compute_policy_loss(
+        ...     old, torch.tensor([[0.5, 0.0]]), torch.ones(1, 2), torch.ones(1, 2), cliprange=0.2)
+        >>> loss, clipfrac
+        (tensor(-1.1000), tensor(0.5000))
+    """
+    low = cliprange if cliprange_low is None else cliprange_low
+    high = cliprange if cliprange_high is None else cliprange_high
+    if low is None or high is None:
+        raise ValueError("cliprange (or both cliprange_low and cliprange_high) must be given")
+    loss, metrics = rlops.policy_loss(
+        log_prob, old_log_prob, advantages, response_mask,
+        clip_low=low, clip_high=high, dual_clip=clip_ratio_c, agg=loss_agg_mode,
+    )
+    return loss, metrics["pg_clipfrac"], metrics["ppo_kl"], metrics["pg_clipfrac_lower"]
+
+
+def compute_policy_loss_vanilla(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+):
+    """The registered ``"vanilla"`` policy loss: :func:`compute_policy_loss` with the clip
+    ranges read from the actor config (``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``,
+    ``clip_ratio_c`` with default 3.0). Same 4-tuple.
+
+    Example:
+        >>> import torch
+        >>> out = compute_policy_loss_vanilla(torch.zeros(1, 2), torch.zeros(1, 2),
+        ...                                   torch.ones(1, 2), torch.ones(1, 2),
+        ...                                   config={"clip_ratio": 0.2})
+        >>> out[0]
+        tensor(-1.)
+    """
+    if config is None:
+        raise ValueError("config (the actor config with clip_ratio) must be given")
+    clip = _config(config, "clip_ratio")
+    return compute_policy_loss(
+        old_log_prob, log_prob, advantages, response_mask,
+        cliprange=clip,
+        cliprange_low=_config(config, "clip_ratio_low"),
+        cliprange_high=_config(config, "clip_ratio_high"),
+        clip_ratio_c=_config(config, "clip_ratio_c", 3.0),
+        loss_agg_mode=loss_agg_mode,
+    )
+
+
+def compute_value_loss(
+    vpreds: torch.Tensor,
+    returns: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+):
+    """Clipped value loss ``0.5·agg(max((V − R)², (clip(V, V_old ± c) − R)²))`` and the
+    fraction of tokens where the clipped error is the larger: ``(vf_loss, vf_clipfrac)``.
+    One :func:`rlops.value_loss` call.
+
+    Example:
+        >>> import torch
+        >>> vf_loss, frac = compute_value_loss(torch.tensor([[1.0, 3.0]]), torch.zeros(1, 2),
+        ...                                    torch.tensor([[1.0, 1.0]]), torch.ones(1, 2), 0.5)
+        >>> vf_loss, frac
+        (tensor(2.5000), tensor(0.))
+    """
+    loss, metrics = rlops.value_loss(vpreds, values, returns, response_mask,
+                                     clip=cliprange_value, agg=loss_agg_mode)
+    return loss, metrics["vf_clipfrac"]
+
+
+# --------------------------------------------------------------------------- torch utilities
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True):
+    """``(values − mean)·rsqrt(var + 1e-8)`` with the mean and unbiased variance of the mask-1
+    entries; ``shift_mean=False`` adds the mean back. :func:`rlops.masked_whiten`.
+
+    Differences: mask-0 entries are returned as 0 (verl whitens them too); a single selected
+    entry gives 0 (verl raises ``ValueError``) and no selected entry gives zeros (verl: NaN).
+    The variance is two-pass in both, so constant inputs are finite in both.
+
+    Example:
+        >>> import torch
+        >>> masked_whiten(torch.tensor([1.0, 2.0, 3.0, 50.0]), torch.tensor([1, 1, 1, 0]))
+        tensor([-1.,  0.,  1.,  0.])
+    """
+    return rlops.masked_whiten(values, mask, shift_mean=shift_mean, eps=1e-8)
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward=True):
+    """Log-probability of ``labels`` under ``softmax(logits)``, shape ``logits.shape[:-1]``.
+
+    Fused and chunked (:func:`rlops.logprobs_and_entropy`): no ``[..., V]`` float32 copy of the
+    logits, softmax recomputed in the backward. ``inplace_backward`` is accepted and ignored.
+
+    Difference: the result is float32 for bfloat16/float16 logits (verl's fallback path returns
+    the logits' dtype).
+
+    Example:
+        >>> import torch
+        >>> logprobs_from_logits(torch.tensor([[[0.0, 0.0], [2.0, 0.0]]]), torch.tensor([[1, 0]]))
+        tensor([[-0.6931, -0.1269]])
+    """
+    return rlops.logprobs_and_entropy(logits, labels, with_entropy=False)[0]
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` over the last dimension, shape ``logits.shape[:-1]``.
+
+    Fused and chunked; differentiable. Difference: float32 for half-precision logits.
+
+    Example:
+        >>> import torch
+        >>> entropy_from_logits(torch.zeros(2, 4))
+        tensor([1.3863, 1.3863])
+    """
+    target = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+    return rlops.logprobs_and_entropy(logits, target, with_entropy=True)[1]

@@ -1,0 +1,356 @@
+"""rlops.compat.verl against our own restatement of verl's documented formulas.
+
+The restatements are plain loops written from the formulas in verl's docstrings and comments
+(float64), not copies of its code. Deliberate differences are tested as differences.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from rlops.compat import verl
+
+B, T = 6, 23
+
+
+def _gen(extra: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(9000 + extra)
+
+
+def _prefix_mask(gen: torch.Generator) -> torch.Tensor:
+    """Right-padded response masks (``[EOS]`` masks); the last row is full."""
+    n = torch.randint(2, T + 1, (B,), generator=gen)
+    n[-1] = T
+    return (torch.arange(T) < n[:, None]).long()
+
+
+def _with_tool_spans(mask: torch.Tensor) -> torch.Tensor:
+    m = mask.clone()
+    m[:, 3:6] = 0  # tool output between actions, in every row
+    m[:, 0] = 1
+    m[:, 7] = 1
+    return m
+
+
+# --------------------------------------------------------------------------- restatements
+def ref_whiten(x: torch.Tensor, m: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """verl: mean and two-pass unbiased variance over mask-1 entries; raises on < 2 entries."""
+    m = m.double()
+    n = m.sum()
+    mean = (x * m).sum() / n
+    if n < 2:
+        raise ValueError("at least two selected entries are needed")
+    var = (((x - mean) ** 2) * m).sum() / n * n / (n - 1)
+    out = (x - mean) * torch.rsqrt(var + 1e-8)
+    return out + mean if not shift_mean else out
+
+
+def ref_gae(r, v, m, gamma, lam):
+    """verl's multi-turn GAE: mask-0 tokens pass the next value and advantage through."""
+    adv = torch.zeros_like(r)
+    for i in range(r.shape[0]):
+        nxt, last = 0.0, 0.0
+        for t in reversed(range(r.shape[1])):
+            if m[i, t]:
+                last = r[i, t] + gamma * nxt - v[i, t] + gamma * lam * last
+                nxt = v[i, t]
+            adv[i, t] = last
+    return ref_whiten(adv, m), adv + v
+
+
+def ref_group_scores(scores, index, how: str, eps: float = 1e-6, norm: bool = True):
+    groups = defaultdict(list)
+    for i, g in enumerate(index):
+        groups[g].append(float(scores[i]))
+    out = torch.zeros_like(scores)
+    for i, g in enumerate(index):
+        s = torch.tensor(groups[g], dtype=torch.float64)
+        n = len(s)
+        if how == "grpo":
+            mean, std = (0.0, 1.0) if n == 1 else (s.mean(), s.std())
+            out[i] = (scores[i] - mean) / (std + eps) if norm else scores[i] - mean
+        elif how == "rloo":
+            out[i] = scores[i] if n == 1 else (scores[i] * n - s.sum()) / (n - 1)
+        else:  # group mean only
+            out[i] = scores[i] - (0.0 if n == 1 else s.mean())
+    return out
+
+
+def ref_reinforce(r, m, gamma):
+    """verl: the running return resets after every mask-0 token."""
+    ret = torch.zeros_like(r)
+    for i in range(r.shape[0]):
+        g = 0.0
+        for t in reversed(range(r.shape[1])):
+            g = r[i, t] + gamma * g
+            ret[i, t] = g
+            g = g * m[i, t]
+    return ref_whiten(ret, m) * m, ret
+
+
+def ref_agg(loss, m, mode, dp_size=1, n_tok=None, n_seq=None, scale=None):
+    m = m.double()
+    seq_tokens = m.sum(-1)
+    if mode == "token-mean":
+        return (loss * m).sum() / (seq_tokens.sum() if n_tok is None else n_tok) * dp_size
+    seq = (loss * m).sum(-1)
+    if mode == "seq-mean-token-mean":
+        seq = seq / (seq_tokens + 1e-8)
+    has = (seq_tokens > 0).double()
+    out = (seq * has).sum() / (has.sum() if n_seq is None else n_seq) * dp_size
+    if mode == "seq-mean-token-sum-norm":
+        out = out / (loss.shape[-1] if scale is None else scale)
+    return out
+
+
+def ref_policy_loss(old, new, adv, m, low, high, c, mode):
+    nkl = (new - old).clamp(-20, 20)
+    ratio = nkl.exp()
+    l1, l2 = -adv * ratio, -adv * ratio.clamp(1 - low, 1 + high)
+    c1 = torch.maximum(l1, l2)
+    l3 = -adv * c
+    losses = torch.where(adv < 0, torch.minimum(l3, c1), c1)
+    md = m.double()
+
+    def mean(x):
+        return (x * md).sum() / md.sum()
+
+    return (ref_agg(losses, m, mode), mean((l2 > l1).double()), mean(-nkl),
+            mean(((c1 > l3) & (adv < 0)).double()))
+
+
+def ref_kl(lp, ref, kind):
+    d = lp - ref
+    if kind in ("k1", "kl"):
+        return d
+    if kind == "abs":
+        return d.abs()
+    if kind in ("k2", "mse"):
+        return 0.5 * d**2
+    kl = (ref - lp).clamp(-20, 20)
+    return (kl.exp() - kl - 1).clamp(-10, 10)
+
+
+# --------------------------------------------------------------------------- estimators
+def test_gae_matches_on_action_tokens_and_is_zero_elsewhere():
+    gen = _gen(1)
+    r = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    m = _with_tool_spans(_prefix_mask(gen))
+    adv, ret = verl.compute_gae_advantage_return(r, v, m, gamma=0.99, lam=0.95)
+    want_adv, want_ret = ref_gae(r, v, m, 0.99, 0.95)
+    act = m.bool()
+    torch.testing.assert_close(adv[act], want_adv[act], rtol=0, atol=1e-10)
+    torch.testing.assert_close(ret[act], want_ret[act], rtol=0, atol=1e-10)
+    assert adv[~act].eq(0).all() and ret[~act].eq(0).all()
+    assert want_adv[~act].abs().max() > 0  # verl leaves values on observation tokens
+    g = torch.tensor(0.9, dtype=torch.float64)  # verl types gamma and lam as tensors
+    torch.testing.assert_close(verl.compute_gae_advantage_return(r, v, m, g, g)[0][act],
+                               ref_gae(r, v, m, 0.9, 0.9)[0][act], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_grpo_rloo_and_baseline_with_string_uids(norm):
+    gen = _gen(2)
+    r = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    m = _prefix_mask(gen)
+    index = np.array(["b", "a", "b", "c", "a", "b"], dtype=object)  # "c" is a group of one
+    scores = r.sum(-1)
+    adv, ret = verl.compute_grpo_outcome_advantage(r, m, index, norm_adv_by_std_in_grpo=norm)
+    assert adv is ret
+    torch.testing.assert_close(adv, ref_group_scores(scores, index, "grpo", norm=norm)[:, None] * m)
+    adv, _ = verl.compute_rloo_outcome_advantage(r, m, index)
+    torch.testing.assert_close(adv, ref_group_scores(scores, index, "rloo")[:, None] * m)
+    adv, _ = verl.compute_reinforce_plus_plus_baseline_outcome_advantage(r, m, list(index))
+    centred = ref_group_scores(scores, index, "mean")[:, None].expand(B, T) * m
+    torch.testing.assert_close(adv, ref_whiten(centred, m) * m)
+    ids = torch.tensor([7, 3, 7, 9, 3, 7])  # integer ids work the same
+    torch.testing.assert_close(verl.compute_rloo_outcome_advantage(r, m, ids)[0],
+                               ref_group_scores(scores, index, "rloo")[:, None] * m)
+
+
+def test_reinforce_plus_plus_matches_without_tool_spans():
+    gen = _gen(3)
+    m = _prefix_mask(gen)
+    r = torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.1 * m
+    cfg = SimpleNamespace(gamma=0.9)
+    for got, want in zip(verl.compute_reinforce_plus_plus_outcome_advantage(r, m, cfg),
+                         ref_reinforce(r, m, 0.9)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    with pytest.raises(ValueError, match="gamma"):
+        verl.compute_reinforce_plus_plus_outcome_advantage(r, m, {})
+
+
+def test_reinforce_plus_plus_keeps_the_outcome_across_tool_spans():
+    """Deliberate difference: verl's reset drops the outcome for actions before a tool span."""
+    gen = _gen(4)
+    m = _with_tool_spans(_prefix_mask(gen))
+    last = T - 1 - m.flip(-1).argmax(-1)
+    r = torch.zeros(B, T, dtype=torch.float64)
+    r[torch.arange(B), last] = 1.0  # the outcome on the last action token
+    _, ret = verl.compute_reinforce_plus_plus_outcome_advantage(r, m, {"gamma": 1.0})
+    _, verl_ret = ref_reinforce(r, m, 1.0)
+    act = m.bool()
+    assert ret[act].eq(1.0).all()  # every action sees the outcome (γ = 1)
+    assert verl_ret[:, :3].eq(0).all()  # verl: actions before the span see nothing
+    for i in range(B):
+        idx = m[i].nonzero().flatten()
+        want = torch.zeros(T, dtype=torch.float64)
+        g = 0.0
+        for t in reversed(idx.tolist()):  # γ = 0.5 on the compacted sequence
+            g = r[i, t] + 0.5 * g
+            want[t] = g
+        torch.testing.assert_close(
+            verl.compute_reinforce_plus_plus_outcome_advantage(r, m, {"gamma": 0.5})[1][i], want)
+
+
+def test_remax():
+    gen = _gen(5)
+    m = _with_tool_spans(_prefix_mask(gen))
+    r = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    base = torch.randn(B, generator=gen, dtype=torch.float64)
+    adv, ret = verl.compute_remax_outcome_advantage(r, base, m)
+    want_ret = (r * m).flip(-1).cumsum(-1).flip(-1)
+    act = m.bool()
+    torch.testing.assert_close(ret[act], want_ret[act])
+    torch.testing.assert_close(adv[act], (want_ret - base[:, None] * m)[act])
+    assert adv[~act].eq(0).all()
+
+
+# --------------------------------------------------------------------------- KL and losses
+@pytest.mark.parametrize("kind", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"])
+def test_kl_penalty(kind):
+    gen = _gen(6)
+    lp = torch.randn(B, T, generator=gen, dtype=torch.float64) * 4
+    ref = torch.randn(B, T, generator=gen, dtype=torch.float64) * 4
+    lp[0, :4] = torch.tensor([-60.0, 60.0, -25.0, 25.0])  # beyond verl's ±20 clamp
+    torch.testing.assert_close(verl.kl_penalty(lp, ref, kind), ref_kl(lp, ref, kind))
+    plus = verl.kl_penalty(lp.requires_grad_(), ref, kind + "+")
+    g, = torch.autograd.grad(plus.sum(), lp)
+    torch.testing.assert_close(plus.detach(), ref_kl(lp.detach(), ref, kind))
+    torch.testing.assert_close(g, (lp - ref).detach())  # straight-through: k2's gradient
+    with pytest.raises(NotImplementedError):
+        verl.kl_penalty(lp, ref, "full")
+
+
+MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_agg_loss(mode):
+    gen = _gen(7)
+    loss = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    m = _prefix_mask(gen)
+    m[1] = 0  # a row with no token
+    torch.testing.assert_close(verl.agg_loss(loss, m, mode), ref_agg(loss, m, mode))
+    kw = dict(dp_size=4, batch_num_tokens=200, global_batch_size=20, loss_scale_factor=64)
+    torch.testing.assert_close(verl.agg_loss(loss, m, mode, **kw),
+                               ref_agg(loss, m, mode, 4, 200, 20, 64))
+    with pytest.raises(ValueError, match="required when dp_size"):
+        verl.agg_loss(loss, m, mode, dp_size=2)
+    assert verl.agg_loss(loss, torch.zeros_like(m), mode) == 0  # verl: NaN or 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_policy_loss(mode):
+    gen = _gen(8)
+    old = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    new = old + torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.4
+    adv = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    m = _with_tool_spans(_prefix_mask(gen))
+    got = verl.compute_policy_loss(old, new, adv, m, cliprange=0.2, cliprange_high=0.28,
+                                   clip_ratio_c=3.0, loss_agg_mode=mode)
+    want = ref_policy_loss(old, new, adv, m, 0.2, 0.28, 3.0, mode)
+    for g, w in zip(got, want):  # verl's seq-mean-token-mean adds 1e-8 to each count
+        torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-12)
+    cfg = {"clip_ratio": 0.2, "clip_ratio_high": 0.28, "clip_ratio_low": None}
+    for g, w in zip(verl.compute_policy_loss_vanilla(old, new, adv, m, mode, config=cfg), want):
+        torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-12)
+    with pytest.raises(ValueError, match="cliprange"):
+        verl.compute_policy_loss(old, new, adv, m)
+
+
+def test_policy_loss_clamps_only_the_exp_side():
+    """Deliberate difference: verl clamps the log-ratio to [−20, 20], rlops only above."""
+    old = torch.zeros(1, 2, dtype=torch.float64)
+    new = torch.tensor([[-30.0, 30.0]], dtype=torch.float64)
+    adv, m = torch.ones(1, 2, dtype=torch.float64), torch.ones(1, 2)
+    loss, _, ppo_kl, _ = verl.compute_policy_loss(old, new, adv, m, cliprange=0.2)
+    want = ref_policy_loss(old, new, adv, m, 0.2, 0.2, 3.0, "token-mean")
+    torch.testing.assert_close(loss, want[0])  # the ratios differ by ~1e-9 only
+    assert ppo_kl == 0.0 and want[2] == 0.0  # ±30 vs ±20: both cancel here
+    one = [x[:, :1] for x in (old, new, adv, m)]
+    assert verl.compute_policy_loss(*one, cliprange=0.2)[2] == 30.0
+    assert ref_policy_loss(*one, 0.2, 0.2, 3.0, "token-mean")[2] == 20.0  # verl reports 20
+
+
+def test_value_loss():
+    gen = _gen(9)
+    vpreds, values, returns = (torch.randn(B, T, generator=gen, dtype=torch.float64)
+                               for _ in range(3))
+    m = _prefix_mask(gen)
+    loss, frac = verl.compute_value_loss(vpreds, returns, values, m, 0.5, "seq-mean-token-mean")
+    clipped = torch.maximum(torch.minimum(vpreds, values + 0.5), values - 0.5)
+    l1, l2 = (vpreds - returns) ** 2, (clipped - returns) ** 2
+    torch.testing.assert_close(loss, 0.5 * ref_agg(torch.maximum(l1, l2), m,
+                                                   "seq-mean-token-mean"))
+    torch.testing.assert_close(frac, ((l2 > l1).double() * m).sum() / m.sum())
+
+
+# --------------------------------------------------------------------------- torch utilities
+def test_masked_whiten_matches_and_is_finite_where_verl_is_not():
+    gen = _gen(10)
+    x = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    m = _prefix_mask(gen)
+    for shift in (True, False):
+        got = verl.masked_whiten(x, m, shift_mean=shift)
+        torch.testing.assert_close(got * m, ref_whiten(x, m, shift) * m)
+        assert got[m == 0].eq(0).all()
+    one = torch.zeros_like(m)
+    one[0, 0] = 1
+    with pytest.raises(ValueError):
+        ref_whiten(x, one)  # verl raises on a single selected token
+    assert torch.equal(verl.masked_whiten(x, one), torch.zeros_like(x))
+    none = torch.zeros_like(m)
+    assert torch.isnan((x * none).sum() / none.sum())  # verl's mean of nothing
+    assert torch.equal(verl.masked_whiten(x, none), torch.zeros_like(x))
+    const = torch.full((B, T), 0.3, dtype=torch.float32)
+    assert torch.isfinite(verl.masked_whiten(const, m)).all()
+
+
+def test_logprobs_and_entropy_from_logits():
+    gen = _gen(11)
+    logits = torch.randn(2, 5, 33, generator=gen) * 3
+    labels = torch.randint(0, 33, (2, 5), generator=gen)
+    z = logits.double()
+    want_logp = z.log_softmax(-1).gather(-1, labels[..., None])[..., 0]
+    want_ent = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
+    torch.testing.assert_close(verl.logprobs_from_logits(logits, labels).double(), want_logp)
+    torch.testing.assert_close(verl.entropy_from_logits(logits).double(), want_ent)
+    half = verl.logprobs_from_logits(logits.bfloat16(), labels)
+    assert half.dtype == torch.float32 and half.shape == (2, 5)
+    leaf = logits.clone().requires_grad_()
+    g, = torch.autograd.grad(verl.entropy_from_logits(leaf).sum(), leaf)
+    zz = z.clone().requires_grad_()
+    g_ref, = torch.autograd.grad((-(zz.softmax(-1) * zz.log_softmax(-1)).sum(-1)).sum(), zz)
+    torch.testing.assert_close(g.double(), g_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_exports_are_pinned_and_documented():
+    assert verl.__all__ == sorted(verl.__all__)
+    assert verl.__all__ == [
+        "agg_loss", "compute_gae_advantage_return", "compute_grpo_outcome_advantage",
+        "compute_policy_loss", "compute_policy_loss_vanilla",
+        "compute_reinforce_plus_plus_baseline_outcome_advantage",
+        "compute_reinforce_plus_plus_outcome_advantage", "compute_remax_outcome_advantage",
+        "compute_rloo_outcome_advantage", "compute_value_loss", "entropy_from_logits",
+        "kl_penalty", "logprobs_from_logits", "masked_whiten",
+    ]
+    for name in verl.__all__:
+        doc = getattr(verl, name).__doc__
+        assert doc and ">>>" in doc, name
