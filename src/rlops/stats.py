@@ -115,12 +115,22 @@ def _weighted_moments(
     """``(count, mean, M2)`` of ``x`` with integer-valued weights (a 0/1 mask or per-row counts).
 
     ``x`` must already be in the computation dtype and hold finite values wherever weight > 0.
-    Two passes: the mean first, then the squared deviations from it.
+    Two passes: the mean first, then the squared deviations from it. Both on data shifted by
+    the largest selected value, so constant data gives exactly ``mean = x`` and ``M2 = 0``
+    (an unshifted ``Σx / n`` need not round back to ``x``, and whitening would then divide
+    the remainder by ``sqrt(eps)``).
     """
     count = weight.sum()
-    mean = (weight * x).sum() / count.clamp_min(1)
-    m2 = (weight * (x - mean).square()).sum()
-    return count, mean, m2
+    selected = weight > 0
+    if x.numel() == 0:
+        shift = x.new_zeros(())
+    else:
+        shift = torch.where(selected, x, -torch.inf).amax()
+        shift = torch.where(count > 0, shift, 0.0)
+    d = torch.where(selected, x - shift, 0.0)
+    mean_d = (weight * d).sum() / count.clamp_min(1)
+    m2 = (weight * (d - mean_d).square()).sum()
+    return count, shift + mean_d, m2
 
 
 def _variance(count: torch.Tensor, m2: torch.Tensor, unbiased: bool) -> torch.Tensor:
