@@ -10,6 +10,7 @@ import sys
 import torch
 
 from rlops.cli import demo, profile
+from rlops.cli.options import positive_int
 
 __all__ = ["main"]
 
@@ -19,39 +20,29 @@ SECTIONS = ("advantages", "group", "logprobs")
 _EXTRA_COMMANDS: list = [("demo", demo), ("profile", profile)]
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlops", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="time rlops against the loops it replaces, on your shapes")
-    bench.add_argument("--batch", type=_positive_int, default=8, help="rows B (default 8)")
+    bench.add_argument("--batch", type=positive_int, default=8, help="rows B (default 8)")
     bench.add_argument(
         "--seq-len",
-        type=_positive_int,
+        type=positive_int,
         nargs="+",
         default=[4096, 32768, 131072],
         help="sequence lengths T for the advantages (default 4096 32768 131072)",
     )
-    bench.add_argument("--vocab", type=_positive_int, default=32000, help="vocabulary V")
+    bench.add_argument("--vocab", type=positive_int, default=32000, help="vocabulary V")
     bench.add_argument(
         "--logprob-tokens",
-        type=_positive_int,
+        type=positive_int,
         nargs="+",
         default=[1024, 4096],
         help="token counts for the log-prob section (default 1024 4096)",
     )
     bench.add_argument(
         "--group-batch",
-        type=_positive_int,
+        type=positive_int,
         default=256,
         help="samples for the group estimators (groups of 8, T = the smallest --seq-len)",
     )
@@ -66,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     bench.add_argument("--gamma", type=float, default=1.0)
     bench.add_argument("--lam", type=float, default=0.95)
-    bench.add_argument("--repeats", type=_positive_int, default=10, help="timed runs per method")
+    bench.add_argument("--repeats", type=positive_int, default=10, help="timed runs per method")
     bench.add_argument("--quick", action="store_true", help="small shapes, seconds in all")
     bench.add_argument("--json", metavar="PATH", help="also write the measurements as JSON")
     bench.add_argument("--plot", metavar="PATH", help="also draw time vs size as a PNG")

@@ -28,6 +28,7 @@ import torch
 
 import rlops
 from rlops.cli.model import ModelConfig, TinyTransformer, sample
+from rlops.cli.options import positive_int
 
 __all__ = ["DemoConfig", "add_arguments", "run", "train"]
 
@@ -187,16 +188,6 @@ def check_config(cfg: DemoConfig) -> None:
         raise ValueError(f"--multi-turn needs an even --length >= 2, got {cfg.length}")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def add_arguments(subparsers) -> argparse.ArgumentParser:
     """Register ``demo`` on an ``argparse`` subparsers object; returns its parser."""
     d = DemoConfig()
@@ -208,31 +199,31 @@ def add_arguments(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--iterations",
-        type=_positive_int,
+        type=positive_int,
         default=d.iterations,
         help=f"PPO iterations (default {d.iterations})",
     )
     p.add_argument(
         "--batch",
-        type=_positive_int,
+        type=positive_int,
         default=d.batch,
         help=f"rollouts per iteration (default {d.batch})",
     )
     p.add_argument(
         "--epochs",
-        type=_positive_int,
+        type=positive_int,
         default=d.epochs,
         help=f"optimisation passes over each batch (default {d.epochs})",
     )
     p.add_argument(
         "--length",
-        type=_positive_int,
+        type=positive_int,
         default=d.length,
         help=f"symbols per string (default {d.length})",
     )
     p.add_argument(
         "--symbols",
-        type=_positive_int,
+        type=positive_int,
         default=d.symbols,
         help=f"alphabet size (default {d.symbols})",
     )

@@ -39,6 +39,7 @@ import rlops
 from rlops.cli import baselines
 from rlops.cli.measure import PeakMemory, sync
 from rlops.cli.model import ModelConfig, TinyTransformer
+from rlops.cli.options import positive_int
 
 __all__ = ["STAGES", "add_arguments", "profile_step", "run"]
 
@@ -215,16 +216,6 @@ def profile_whole_step(model, data, device) -> dict:
 
 
 # --------------------------------------------------------------------------- command line
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def add_arguments(subparsers) -> argparse.ArgumentParser:
     """Register ``profile`` on an ``argparse`` subparsers object; returns its parser."""
     p = subparsers.add_parser(
@@ -233,12 +224,12 @@ def add_arguments(subparsers) -> argparse.ArgumentParser:
         description="One PPO training step on a tiny transformer: per-stage time and peak "
         "memory, the common naive implementations beside rlops.",
     )
-    p.add_argument("--batch", type=_positive_int, default=2, help="rows B (default 2)")
-    p.add_argument("--seq-len", type=_positive_int, default=1024, help="tokens T (default 1024)")
-    p.add_argument("--vocab", type=_positive_int, default=16384, help="V (default 16384)")
-    p.add_argument("--layers", type=_positive_int, default=2, help="blocks (default 2)")
-    p.add_argument("--d-model", type=_positive_int, default=128, help="width (default 128)")
-    p.add_argument("--heads", type=_positive_int, default=4, help="attention heads (default 4)")
+    p.add_argument("--batch", type=positive_int, default=2, help="rows B (default 2)")
+    p.add_argument("--seq-len", type=positive_int, default=1024, help="tokens T (default 1024)")
+    p.add_argument("--vocab", type=positive_int, default=16384, help="V (default 16384)")
+    p.add_argument("--layers", type=positive_int, default=2, help="blocks (default 2)")
+    p.add_argument("--d-model", type=positive_int, default=128, help="width (default 128)")
+    p.add_argument("--heads", type=positive_int, default=4, help="attention heads (default 4)")
     p.add_argument(
         "--dtype",
         choices=sorted(_DTYPES),
@@ -248,13 +239,13 @@ def add_arguments(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
         "--repeats",
-        type=_positive_int,
+        type=positive_int,
         default=5,
         help="timed steps per implementation (default 5)",
     )
     p.add_argument(
         "--threads",
-        type=_positive_int,
+        type=positive_int,
         help="torch intra-op threads (default: torch's choice); 1 gives steadier numbers on "
         "a machine whose cores are busy with other work",
     )
