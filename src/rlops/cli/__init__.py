@@ -126,8 +126,10 @@ class _Progress:
 
 def _bench(args: argparse.Namespace) -> int:
     from rlops.cli import bench as b
+    from rlops.cli.measure import keep_freed_memory
     from rlops.cli.report import plot_rows, verdicts
 
+    tuned = keep_freed_memory()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("rlops bench: error: --device cuda but no CUDA device is available", file=sys.stderr)
@@ -142,6 +144,7 @@ def _bench(args: argparse.Namespace) -> int:
     print(
         f"rlops bench: B={args.batch}, T={args.seq_len}, {args.dtype}, gamma={args.gamma}, "
         f"lam={args.lam}, device={device}, torch threads={torch.get_num_threads()}"
+        + (", malloc keeps freed memory" if tuned else "")
     )
     rows: list = []
     steps = (

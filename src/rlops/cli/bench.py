@@ -100,69 +100,30 @@ def bench_advantages(
     rlops.gae(r0, v0, gamma=gamma, lam=lam)  # compile / warm every path once
     rlops.reinforce_plus_plus_returns(r0[:, 0], r0, r0 > 0, kl_coef=0.1, gamma=gamma)
     outcome = torch.ones(batch, dtype=dtype, device=device)
-    for t_len in seq_lens:
+    data = {t_len: (*make(t_len), *make_returns(t_len)) for t_len in seq_lens}
 
-        def row(case, method, seconds, ours=False, extra=False, peak=None, t_len=t_len):
-            rows.append(
-                Row(
-                    "advantages",
-                    case,
-                    t_len,
-                    f"{batch}x{t_len}",
-                    method,
-                    seconds,
-                    ours,
-                    extra,
-                    peak,
-                )
-            )
+    def row(t_len, case, method, seconds, ours=False, extra=False, peak=None):
+        shape = f"{batch}x{t_len}"
+        rows.append(Row("advantages", case, t_len, shape, method, seconds, ours, extra, peak))
 
-        r, v = make(t_len)
-        s, x = _time_or_extrapolate(
-            make, lambda a, b: baselines.gae_token_loop(a, b, gamma, lam), t_len, device, repeats
-        )
-        row("gae", "per-token loop", s, extra=x)
-        s, x = _time_or_extrapolate(
-            make, lambda a, b: baselines.gae_chunk_loop(a, b, gamma, lam), t_len, device, repeats
-        )
-        row("gae", "chunk loop (C=256)", s, extra=x)
+    def token_rewards(kl):
+        tr = -0.1 * kl
+        tr[:, -1] += 1.0
+        return tr
+
+    # rlops and the floor first, for every length: the slow baselines below leave the heap
+    # fragmented by millions of tiny tensors, which would slow every later allocation
+    for t_len, (r, v, kl) in data.items():
         for method in ("chunked", "auto"):
             s, peak = _ours(
                 lambda m=method, r=r, v=v: rlops.gae(r, v, gamma=gamma, lam=lam, method=m),
                 device,
                 repeats,
             )
-            row("gae", f"rlops {method}", s, ours=method == "auto", peak=peak)
+            row(t_len, "gae", f"rlops {method}", s, ours=method == "auto", peak=peak)
         s = time_median(lambda r=r, v=v: (torch.add(r, v), r.clone()), device, repeats=repeats)
-        row("gae", "memory floor", s)
-
-        # REINFORCE++ returns: -kl_coef * kl per token, the outcome on the last token
-        (kl,) = make_returns(t_len)
+        row(t_len, "gae", "memory floor", s)
         mask = torch.ones(batch, t_len, dtype=torch.bool, device=device)
-
-        def token_rewards(kl):
-            tr = -0.1 * kl
-            tr[:, -1] += 1.0
-            return tr
-
-        s, x = _time_or_extrapolate(
-            make_returns,
-            lambda kl: baselines.returns_token_loop(list(token_rewards(kl)), gamma),
-            t_len,
-            device,
-            repeats,
-        )
-        row("reinforce++ returns", "per-sample token loop", s, extra=x)
-        s, x = _time_or_extrapolate(
-            make_returns,
-            lambda kl: baselines.gae_chunk_loop(
-                token_rewards(kl), torch.zeros_like(kl), gamma, 1.0
-            ),
-            t_len,
-            device,
-            repeats,
-        )
-        row("reinforce++ returns", "chunk loop (C=256)", s, extra=x)
         s, peak = _ours(
             lambda kl=kl, mask=mask: rlops.reinforce_plus_plus_returns(
                 outcome, kl, mask, kl_coef=0.1, gamma=gamma
@@ -170,9 +131,43 @@ def bench_advantages(
             device,
             repeats,
         )
-        row("reinforce++ returns", "rlops auto", s, ours=True, peak=peak)
+        row(t_len, "reinforce++ returns", "rlops auto", s, ours=True, peak=peak)
+    for t_len in seq_lens:
+        s, x = _time_or_extrapolate(
+            make, lambda a, b: baselines.gae_chunk_loop(a, b, gamma, lam), t_len, device, repeats
+        )
+        row(t_len, "gae", "chunk loop (C=256)", s, extra=x)
+        s, x = _time_or_extrapolate(
+            make_returns,
+            lambda kl: baselines.gae_chunk_loop(token_rewards(kl), torch.zeros_like(kl), gamma, 1),
+            t_len,
+            device,
+            repeats,
+        )
+        row(t_len, "reinforce++ returns", "chunk loop (C=256)", s, extra=x)
+        s, x = _time_or_extrapolate(
+            make, lambda a, b: baselines.gae_token_loop(a, b, gamma, lam), t_len, device, repeats
+        )
+        row(t_len, "gae", "per-token loop", s, extra=x)
+        s, x = _time_or_extrapolate(
+            make_returns,
+            lambda kl: baselines.returns_token_loop(list(token_rewards(kl)), gamma),
+            t_len,
+            device,
+            repeats,
+        )
+        row(t_len, "reinforce++ returns", "per-sample token loop", s, extra=x)
         if progress is not None:
             progress()
+    order = [
+        "per-token loop",
+        "per-sample token loop",
+        "chunk loop (C=256)",
+        "rlops chunked",
+        "rlops auto",
+        "memory floor",
+    ]
+    rows.sort(key=lambda r: (seq_lens.index(r.size), r.case != "gae", order.index(r.method)))
     return rows
 
 
