@@ -7,7 +7,6 @@ dones fall anywhere, mask-0 tokens included. Tolerances as in ``tests/tolerances
 from __future__ import annotations
 
 import functools
-import importlib.util
 import itertools
 import zlib
 
@@ -21,20 +20,18 @@ from tests.oracles import (
     reversed_cumsum_oracle,
 )
 from tests.tolerances import (
+    FAST_METHODS,
+    METHODS,
     assert_half_matches,
     assert_within_bound,
     assert_within_reference,
     for_each_method,
+    needs_numba,
     serial_bound,
 )
 
 from rlops import discounted_cumsum, discounted_returns, gae
 
-needs_numba = pytest.mark.skipif(
-    importlib.util.find_spec("numba") is None, reason="method='compiled' needs numba"
-)
-METHODS = ["reference", "chunked", pytest.param("compiled", marks=needs_numba), "auto"]
-FAST_METHODS = ["chunked", pytest.param("compiled", marks=needs_numba), "auto"]
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 HALF = (torch.bfloat16, torch.float16)
 SIZES = [(1, 1), (3, 1), (1, 127), (3, 128), (3, 129), (3, 1000), (3, 4097)]  # (B, T)

@@ -11,7 +11,6 @@ a priori error bound.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import itertools
 import zlib
 
@@ -19,20 +18,18 @@ import pytest
 import torch
 from tests.oracles import EXTENDED, discounted_cumsum_oracle, reversed_cumsum_oracle
 from tests.tolerances import (
+    FAST_METHODS,
+    METHODS,
     assert_half_matches,
     assert_within_bound,
     assert_within_reference,
     for_each_method,
+    needs_numba,
     serial_bound,
 )
 
 from rlops import discounted_cumsum
 
-needs_numba = pytest.mark.skipif(
-    importlib.util.find_spec("numba") is None, reason="method='compiled' needs numba"
-)
-METHODS = ["reference", "chunked", pytest.param("compiled", marks=needs_numba), "auto"]
-FAST_METHODS = ["chunked", pytest.param("compiled", marks=needs_numba), "auto"]
 DISCOUNTS = [0.0, 0.5, 0.9405, 0.99, 1.0]
 LENGTHS = [1, 127, 128, 129, 1000, 4097]
 BATCHES = [1, 3]

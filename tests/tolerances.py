@@ -21,6 +21,7 @@ import importlib.util
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 import torch
 
 __all__ = [
@@ -37,6 +38,13 @@ __all__ = [
 ]
 
 FLOOR_ULPS = 4
+
+# parametrisations: every method, or the fast ones, skipping "compiled" without numba
+needs_numba = pytest.mark.skipif(
+    importlib.util.find_spec("numba") is None, reason="method='compiled' needs numba"
+)
+METHODS = ["reference", "chunked", pytest.param("compiled", marks=needs_numba), "auto"]
+FAST_METHODS = ["chunked", pytest.param("compiled", marks=needs_numba), "auto"]
 
 # every method, less "compiled" where numba is not installed
 ALL_METHODS = ["reference", "chunked", "compiled", "auto"]
