@@ -180,3 +180,28 @@ def test_odd_local_length_is_rejected_without_a_collective():
         from rlops.distributed.context_parallel import cp_scan
 
         cp_scan(torch.zeros(1, 3), 0.5, None, "chunked")
+
+
+def test_zigzag_round_trip_and_bad_arguments():
+    x = torch.arange(2 * 13).reshape(2, 13)
+    shards = [zigzag_shard(x, cp_size=3, cp_rank=r) for r in range(3)]
+    assert all(s.shape == (2, 6) for s in shards)  # padded to 18, two chunks of 3 per rank
+    assert torch.equal(zigzag_unshard(shards[0], group=None, length=6), shards[0])
+    with pytest.raises(ValueError, match="cp_rank"):
+        zigzag_shard(x, cp_size=2, cp_rank=2)
+    with pytest.raises(ValueError, match="cp_size"):
+        zigzag_shard(x, cp_size=0, cp_rank=0)
+    with pytest.raises(TypeError, match="cp_size"):
+        zigzag_shard(x, cp_size=2.0, cp_rank=0)
+    with pytest.raises(ValueError, match="response_length"):
+        zigzag_shard_response(x, total_length=13, response_length=14, cp_size=1, cp_rank=0)
+    with pytest.raises(ValueError, match="response_length"):
+        zigzag_shard_response(x, total_length=20, response_length=5, cp_size=1, cp_rank=0)
+
+
+def test_cp_group_must_be_a_process_group():
+    x = torch.zeros(1, 4)
+    with pytest.raises(TypeError, match="cp_group must be a torch.distributed.ProcessGroup"):
+        rlops.gae(x, x, gamma=1.0, lam=1.0, cp_group=object())
+    with pytest.raises(TypeError, match="cp_group"):
+        rlops.discounted_cumsum(x, 0.5, cp_group="world")

@@ -76,15 +76,9 @@ def _check_nonneg(name: str, value: object) -> float:
 
 def _group_size(group: object) -> int:
     """World size of ``group`` (``None``: one process); every rank must call collectively."""
-    if group is None:
-        return 1
-    import torch.distributed as dist
+    from rlops.distributed.groups import group_rank_size
 
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}"
-        )
-    return dist.get_world_size(group)
+    return group_rank_size(group)[1]
 
 
 def _merge_over(

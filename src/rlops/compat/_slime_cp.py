@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from rlops.compat import _ragged
 from rlops.distributed import zigzag_indices
+from rlops.distributed.groups import group_rank_size
 
 __all__ = [
     "add_outcome_rewards",
@@ -37,13 +38,7 @@ __all__ = [
 
 def cp_rank_size(group: object) -> tuple[int, int]:
     """``(rank, size)`` of ``group``; ``(0, 1)`` for ``None`` (no context parallelism)."""
-    if group is None:
-        return 0, 1
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("cp_group was given but torch.distributed is not initialised")
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"cp_group must be a torch.distributed ProcessGroup or None, got {group!r}")
-    return dist.get_rank(group), dist.get_world_size(group)
+    return group_rank_size(group, "cp_group")
 
 
 def _check_lengths(total_length: int, response_length: int) -> None:
@@ -227,8 +222,10 @@ def add_outcome_rewards(
         else:
             held, _ = held_response_index(total_lengths[i], response_lengths[i], size, rank)
             if held.numel() != x.numel():
-                raise ValueError(f"token_level_rewards[{i}] has {x.numel()} entries but this "
-                                 f"rank holds {held.numel()} of that response")
+                raise ValueError(
+                    f"token_level_rewards[{i}] has {x.numel()} entries but this "
+                    f"rank holds {held.numel()} of that response"
+                )
             hit = (held == response_lengths[i] - 1).nonzero()
             local = int(hit[0, 0]) if hit.numel() else -1
         if local >= 0:

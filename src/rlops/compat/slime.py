@@ -151,8 +151,9 @@ def get_advantages_and_returns_batch(
     values_list = _ragged.as_1d_list("values_list", values_list)
     rewards_list = _ragged.as_1d_list("rewards_list", rewards_list)
     if not len(values_list) == len(rewards_list) == len(response_lengths):
-        raise ValueError("values_list, rewards_list and response_lengths must have one entry "
-                         "per sample")
+        raise ValueError(
+            "values_list, rewards_list and response_lengths must have one entry per sample"
+        )
     if not values_list:
         return [], []
     rank, size = cp_rank_size(cp_group)
@@ -218,8 +219,9 @@ def get_reinforce_plus_plus_returns(
     if size == 1:
         for i, (k, m) in enumerate(zip(kl, loss_masks)):
             if k.numel() != m.numel():
-                raise ValueError(f"kl[{i}] has {k.numel()} entries but loss_masks[{i}] has "
-                                 f"{m.numel()}")
+                raise ValueError(
+                    f"kl[{i}] has {k.numel()} entries but loss_masks[{i}] has {m.numel()}"
+                )
         k = _ragged.pad(kl)
         m = _ragged.pad([x.to(k.device) for x in loss_masks], k.shape[1])
         # right padding has mask 0 (m is zero-padded)
@@ -229,8 +231,9 @@ def get_reinforce_plus_plus_returns(
     local_masks = [m.to(kl[0].device)[h.to(kl[0].device)] for m, h in zip(loss_masks, held)]
     k, real, index = _ragged.place(kl, cols, width)
     m, _, _ = _ragged.place([x.to(k.dtype) for x in local_masks], cols, width)
-    out = rlops.reinforce_plus_plus_returns(scores, k, real & (m != 0), kl_coef=kl_coef,
-                                            gamma=gamma, cp_group=cp_group)
+    out = rlops.reinforce_plus_plus_returns(
+        scores, k, real & (m != 0), kl_coef=kl_coef, gamma=gamma, cp_group=cp_group
+    )
     return _ragged.take(out, index, [c.numel() for c in cols])
 
 

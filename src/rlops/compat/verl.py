@@ -120,8 +120,9 @@ def compute_grpo_outcome_advantage(
     """
     with torch.no_grad():
         ids = _group_ids(index, token_level_rewards.device)
-        return rlops.grpo_advantages(token_level_rewards, ids, response_mask,
-                                     norm_std=norm_adv_by_std_in_grpo, eps=epsilon)
+        return rlops.grpo_advantages(
+            token_level_rewards, ids, response_mask, norm_std=norm_adv_by_std_in_grpo, eps=epsilon
+        )
 
 
 def compute_rloo_outcome_advantage(
@@ -168,8 +169,9 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     """
     with torch.no_grad():
         ids = _group_ids(index, token_level_rewards.device)
-        return rlops.reinforce_plus_plus_baseline_advantages(token_level_rewards, ids,
-                                                             response_mask, eps=1e-8)
+        return rlops.reinforce_plus_plus_baseline_advantages(
+            token_level_rewards, ids, response_mask, eps=1e-8
+        )
 
 
 def compute_reinforce_plus_plus_outcome_advantage(
@@ -243,7 +245,7 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty) -> 
         raise NotImplementedError("kl_penalty 'full' needs the whole distribution")
     base = kind.rstrip("+")
     if base == "k3":  # verl's k3 is its low_var_kl (clamped at 10)
-        kind = "low_var_kl" + kind[len(base):]
+        kind = "low_var_kl" + kind[len(base) :]
     return rlops.kl_penalty(logprob, ref_logprob, kind)
 
 
@@ -275,8 +277,9 @@ def agg_loss(
         >>> agg_loss(loss, m, "token-mean"), agg_loss(loss, m, "seq-mean-token-mean")
         (tensor(2.5000), tensor(3.))
     """
-    local = rlops.aggregate_loss(loss_mat, loss_mask, loss_agg_mode,
-                                 loss_scale_factor=loss_scale_factor)
+    local = rlops.aggregate_loss(
+        loss_mat, loss_mask, loss_agg_mode, loss_scale_factor=loss_scale_factor
+    )
     if dp_size == 1 and batch_num_tokens is None and global_batch_size is None:
         return local
     keep = loss_mask != 0
@@ -327,8 +330,14 @@ def compute_policy_loss(
     if low is None or high is None:
         raise ValueError("cliprange (or both cliprange_low and cliprange_high) must be given")
     loss, metrics = rlops.policy_loss(
-        log_prob, old_log_prob, advantages, response_mask,
-        clip_low=low, clip_high=high, dual_clip=clip_ratio_c, agg=loss_agg_mode,
+        log_prob,
+        old_log_prob,
+        advantages,
+        response_mask,
+        clip_low=low,
+        clip_high=high,
+        dual_clip=clip_ratio_c,
+        agg=loss_agg_mode,
     )
     return loss, metrics["pg_clipfrac"], metrics["ppo_kl"], metrics["pg_clipfrac_lower"]
 
@@ -357,7 +366,10 @@ def compute_policy_loss_vanilla(
         raise ValueError("config (the actor config with clip_ratio) must be given")
     clip = _config(config, "clip_ratio")
     return compute_policy_loss(
-        old_log_prob, log_prob, advantages, response_mask,
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
         cliprange=clip,
         cliprange_low=_config(config, "clip_ratio_low"),
         cliprange_high=_config(config, "clip_ratio_high"),
@@ -385,8 +397,9 @@ def compute_value_loss(
         >>> vf_loss, frac
         (tensor(2.5000), tensor(0.))
     """
-    loss, metrics = rlops.value_loss(vpreds, values, returns, response_mask,
-                                     clip=cliprange_value, agg=loss_agg_mode)
+    loss, metrics = rlops.value_loss(
+        vpreds, values, returns, response_mask, clip=cliprange_value, agg=loss_agg_mode
+    )
     return loss, metrics["vf_clipfrac"]
 
 

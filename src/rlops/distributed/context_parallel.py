@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rlops.distributed.groups import group_rank_size
 from rlops.scan import scan
 from rlops.scan.reference import scan_reference
 
@@ -41,7 +42,7 @@ _DTYPES = {torch.float32: 1, torch.float64: 2}
 
 
 def cp_size_of(group: dist.ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+    return group_rank_size(group, "cp_group")[1]
 
 
 def _pieces(x: torch.Tensor) -> torch.Tensor:
@@ -132,7 +133,7 @@ def cp_scan(
 def _own(per_chunk: torch.Tensor, group) -> torch.Tensor:
     """This rank's two chunks' entries of a ``[N, 2cp]`` tensor, as ``[2N]`` (piece order)."""
     cp = cp_size_of(group)
-    rank = 0 if group is None else dist.get_rank(group)
+    rank = group_rank_size(group, "cp_group")[0]
     return torch.cat([per_chunk[:, rank], per_chunk[:, 2 * cp - 1 - rank]])
 
 

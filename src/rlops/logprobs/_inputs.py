@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from rlops._checks import as_float_tensor, shape_error, values_checked
 
@@ -16,7 +15,6 @@ __all__ = [
     "check_target",
     "check_temperature",
     "default_chunk",
-    "group_rank_size",
 ]
 
 # Bytes of one ``[chunk, V_local]`` float32 temporary when ``chunk_size`` is None. On CPU a
@@ -37,20 +35,6 @@ def default_chunk(
     else:
         budget = _CHUNK_BYTES_DEVICE
     return max(1, min(max(n_tokens, 1), budget // (4 * max(v_local, 1))))
-
-
-def group_rank_size(group: object) -> tuple[int, int]:
-    """``(rank, world_size)`` in ``group``; ``(0, 1)`` for ``None`` (one process, no collective)."""
-    if group is None:
-        return 0, 1
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("group was given but torch.distributed is not initialised")
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {group!r}")
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError("this process is not a member of group")
-    return rank, dist.get_world_size(group)
 
 
 def check_logits(name: str, x: object, ndim: int | None = None) -> torch.Tensor:
@@ -100,8 +84,9 @@ def check_keep_mask(keep_mask: object, logits: torch.Tensor) -> torch.Tensor | N
     if keep_mask.dtype != torch.bool:
         raise TypeError(f"keep_mask must be a bool tensor, got {keep_mask.dtype}")
     if keep_mask.shape != logits.shape:
-        raise shape_error("keep_mask", f"[..., V_local] like logits {list(logits.shape)}",
-                          keep_mask.shape)
+        raise shape_error(
+            "keep_mask", f"[..., V_local] like logits {list(logits.shape)}", keep_mask.shape
+        )
     return keep_mask
 
 
@@ -109,4 +94,3 @@ def check_flags(**flags: object) -> None:
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-

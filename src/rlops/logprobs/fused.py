@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from rlops._checks import check_chunk_size, check_same_device, compute_dtype
+from rlops.distributed.groups import group_rank_size
 from rlops.logprobs import _shard
 from rlops.logprobs._inputs import (
     check_flags,
@@ -20,7 +21,6 @@ from rlops.logprobs._inputs import (
     check_target,
     check_temperature,
     default_chunk,
-    group_rank_size,
 )
 
 __all__ = ["gather_stats", "logprobs_and_entropy", "scaled_chunk"]
@@ -59,8 +59,9 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
         dtype = compute_dtype(logits.dtype)
         chunk = chunk or default_chunk(n, v_local, logits.device)
         masked = keep is not None
-        stats = torch.empty((n, _shard.n_columns(masked, with_entropy)), dtype=dtype,
-                            device=logits.device)
+        stats = torch.empty(
+            (n, _shard.n_columns(masked, with_entropy)), dtype=dtype, device=logits.device
+        )
         start = rank * v_local
         for i in range(0, n, chunk):
             z, own = scaled_chunk(x[i : i + chunk], dtype, temperature)
@@ -101,9 +102,16 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
             z, own = scaled_chunk(x[i:j], dtype, temperature)
             idx, in_range = _shard.target_index(tgt[i:j], start, v_local)
             g = _shard.grad_chunk(
-                z, own, idx, in_range, None if keep2 is None else keep2[i:j],
-                [t[i:j] for t in saved], None if gl is None else gl[i:j],
-                None if ge is None else ge[i:j], inv_tau, out=grad[i:j],
+                z,
+                own,
+                idx,
+                in_range,
+                None if keep2 is None else keep2[i:j],
+                [t[i:j] for t in saved],
+                None if gl is None else gl[i:j],
+                None if ge is None else ge[i:j],
+                inv_tau,
+                out=grad[i:j],
             )
             if g.dtype != grad.dtype:  # half-precision logits: the chunk was computed in float32
                 grad[i:j] = g
@@ -185,8 +193,12 @@ def logprobs_and_entropy(
     check_flags(with_entropy=with_entropy, entropy_grad=entropy_grad)
     check_chunk_size(chunk_size)
     _, world = group_rank_size(group)
-    target = check_target(target, logits.shape[:-1], "[...] like logits[..., 0] "
-                          + str(list(logits.shape[:-1])), logits.shape[-1] * world)
+    target = check_target(
+        target,
+        logits.shape[:-1],
+        "[...] like logits[..., 0] " + str(list(logits.shape[:-1])),
+        logits.shape[-1] * world,
+    )
     keep_mask = check_keep_mask(keep_mask, logits)
     check_same_device("logits", logits, target=target, keep_mask=keep_mask)
     logp, ent = _FusedLogprobsEntropy.apply(

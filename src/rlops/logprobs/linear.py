@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from rlops._checks import check_chunk_size, check_same_device, compute_dtype, shape_error
+from rlops.distributed.groups import group_rank_size
 from rlops.logprobs import _shard
 from rlops.logprobs._inputs import (
     check_flags,
@@ -25,7 +26,6 @@ from rlops.logprobs._inputs import (
     check_target,
     check_temperature,
     default_chunk,
-    group_rank_size,
 )
 from rlops.logprobs.fused import gather_stats
 
@@ -48,8 +48,9 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
         n = h2.shape[0]
         dtype = compute_dtype(hidden.dtype)
         chunk = chunk or default_chunk(n, v_local, hidden.device, linear=True)
-        stats = torch.empty((n, _shard.n_columns(False, with_entropy)), dtype=dtype,
-                            device=hidden.device)
+        stats = torch.empty(
+            (n, _shard.n_columns(False, with_entropy)), dtype=dtype, device=hidden.device
+        )
         start = rank * v_local
         for i in range(0, n, chunk):
             z = _logits_chunk(h2[i : i + chunk], weight, dtype, temperature)
@@ -90,8 +91,14 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
             z = _logits_chunk(hc, weight, dtype, temperature)
             idx, in_range = _shard.target_index(tgt[i:j], start, v_local)
             g = _shard.grad_chunk(
-                z, True, idx, in_range, None, [t[i:j] for t in saved],
-                None if gl is None else gl[i:j], None if ge is None else ge[i:j],
+                z,
+                True,
+                idx,
+                in_range,
+                None,
+                [t[i:j] for t in saved],
+                None if gl is None else gl[i:j],
+                None if ge is None else ge[i:j],
                 1.0 / temperature,
             ).to(hidden.dtype)
             if need_h:
@@ -165,14 +172,19 @@ def linear_logprobs_and_entropy(
     if weight.dtype != hidden.dtype:
         raise TypeError(f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
-        raise shape_error("weight", f"[V_local, H] with V_local >= 1 and H = {hidden.shape[-1]}",
-                          weight.shape)
+        raise shape_error(
+            "weight", f"[V_local, H] with V_local >= 1 and H = {hidden.shape[-1]}", weight.shape
+        )
     temperature = check_temperature(temperature)
     check_flags(with_entropy=with_entropy)
     check_chunk_size(chunk_size)
     _, world = group_rank_size(group)
-    target = check_target(target, hidden.shape[:-1], "[...] like hidden[..., 0] "
-                          + str(list(hidden.shape[:-1])), weight.shape[0] * world)
+    target = check_target(
+        target,
+        hidden.shape[:-1],
+        "[...] like hidden[..., 0] " + str(list(hidden.shape[:-1])),
+        weight.shape[0] * world,
+    )
     check_same_device("hidden", hidden, weight=weight, target=target)
     logp, ent = _FusedLinearLogprobsEntropy.apply(
         hidden, weight, target, temperature, with_entropy, group, chunk_size
