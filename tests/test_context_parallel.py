@@ -201,7 +201,7 @@ def test_zigzag_round_trip_and_bad_arguments():
 
 def test_cp_group_must_be_a_process_group():
     x = torch.zeros(1, 4)
-    with pytest.raises(TypeError, match="cp_group must be a torch.distributed.ProcessGroup"):
+    with pytest.raises(TypeError, match=r"cp_group must be a torch\.distributed\.ProcessGroup"):
         rlops.gae(x, x, gamma=1.0, lam=1.0, cp_group=object())
     with pytest.raises(TypeError, match="cp_group"):
         rlops.discounted_cumsum(x, 0.5, cp_group="world")

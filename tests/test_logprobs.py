@@ -235,7 +235,7 @@ BAD = [
     ({"chunk_size": 0}, ValueError, "chunk_size must be >= 1"),
     ({"chunk_size": 2.5}, TypeError, "chunk_size must be an int"),
     ({"with_entropy": 1}, TypeError, "with_entropy must be a bool"),
-    ({"group": object()}, TypeError, "group must be a torch.distributed.ProcessGroup"),
+    ({"group": object()}, TypeError, r"group must be a torch\.distributed\.ProcessGroup"),
 ]
 
 
