@@ -1,11 +1,20 @@
 """Vocabulary-parallel log-probs and entropy on real Gloo groups of 4 and of 2 processes.
 
-Each rank holds ``V / tp`` columns of the same logits (or rows of the same output weight); its
-outputs and gradient shard must equal the single-process result on the full vocabulary, with
-exactly one collective in the forward and none in the backward.
+Each rank holds a slice of the columns of the same logits (or rows of the same output weight);
+its outputs and gradient shard must equal the single-process result on the full vocabulary.
+The forward makes one all-gather of 11 numbers per rank (the consistency check) and one of the
+statistics; with ``RLOPS_TP_CHECK=0`` only the latter; the backward none. Ranks that make
+mismatched calls all raise ``ValueError`` (the harness turns a hang into a timeout error).
+
+Spawning processes is the slow part, so one spawn of 4 processes serves every test here: the
+vocabulary sharded over all 4, then over two groups of 2 side by side (ranks {0, 1} and {2, 3}).
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
+import re
 
 import pytest
 import torch
@@ -21,6 +30,9 @@ from rlops.logprobs import (
 pytestmark = pytest.mark.distributed
 
 N, V, H = 23, 52, 6  # V divisible by 2 and 4; N not a multiple of any chunk size used
+TPS = (4, 2)
+# Shard sizes that differ (each sums to V): rank r holds the next SIZES[tp][r] ids.
+UNEQUAL = {4: (10, 17, 12, 13), 2: (20, 32)}
 
 # name -> (dtype, keyword arguments of logprobs_and_entropy; "mask" adds a keep mask)
 CASES = {
@@ -35,6 +47,9 @@ LINEAR_CASES = {
     "linear": (torch.float64, {"temperature": 1.7, "chunk_size": 5}),
     "linear float32": (torch.float32, {"with_entropy": False}),
 }
+# Run again on shards of unequal size, and again with the check off (equal shards).
+UNEQUAL_CASES = ("masked", "no entropy", "linear")
+UNCHECKED_CASES = ("masked", "linear")
 
 
 def _case(name: str, dtype: torch.dtype, kw: dict):
@@ -67,21 +82,27 @@ def _backward(outs, grads):
     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 
-def _run_cases(group, r: int, tp: int) -> dict:
-    cols = slice(r * V // tp, (r + 1) * V // tp)
-    res = {}
-    for name, (dtype, kw) in CASES.items():
-        logits, target, grads, kw = _case(name, dtype, kw)
-        if "keep_mask" in kw:
-            kw["keep_mask"] = kw["keep_mask"][:, cols]
-        x = logits[:, cols].clone().requires_grad_()
-        with count_collectives() as fwd:
-            outs = logprobs_and_entropy(x, target, group=group, **kw)
-        with count_collectives() as bwd:
-            _backward(outs, grads)
-        res[name] = {"outs": outs, "grads": [x.grad], "fwd": dict(fwd), "bwd": dict(bwd)}
-    for name, (dtype, kw) in LINEAR_CASES.items():
-        hidden, weight, target, grads, kw = _linear_case(name, dtype, kw)
+@contextlib.contextmanager
+def _tp_check(value: str):
+    """``RLOPS_TP_CHECK=value`` inside the block (in this process)."""
+    old = os.environ.get("RLOPS_TP_CHECK")
+    os.environ["RLOPS_TP_CHECK"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["RLOPS_TP_CHECK"]
+        else:
+            os.environ["RLOPS_TP_CHECK"] = old
+
+
+def _columns(r: int, sizes: tuple[int, ...]) -> slice:
+    return slice(sum(sizes[:r]), sum(sizes[: r + 1]))
+
+
+def _run_case(name: str, group, cols: slice) -> dict:
+    if name in LINEAR_CASES:
+        hidden, weight, target, grads, kw = _linear_case(name, *LINEAR_CASES[name])
         h = hidden.clone().requires_grad_()
         w = weight[cols].clone().requires_grad_()
         with count_collectives() as fwd:
@@ -95,24 +116,106 @@ def _run_cases(group, r: int, tp: int) -> dict:
         )
         with count_collectives() as bwd_layer:
             _backward(outs_full, grads)
-        res[name] = {"outs": outs, "grads": [h.grad, w.grad], "fwd": dict(fwd), "bwd": dict(bwd),
-                     "bwd_layer": dict(bwd_layer), "h_full": h_full.grad}
+        return {"outs": outs, "grads": [h.grad, w.grad], "fwd": dict(fwd), "bwd": dict(bwd),
+                "bwd_layer": dict(bwd_layer), "h_full": h_full.grad}
+    logits, target, grads, kw = _case(name, *CASES[name])
+    if "keep_mask" in kw:
+        kw["keep_mask"] = kw["keep_mask"][:, cols]
+    x = logits[:, cols].clone().requires_grad_()
+    with count_collectives() as fwd:
+        outs = logprobs_and_entropy(x, target, group=group, **kw)
+    with count_collectives() as bwd:
+        _backward(outs, grads)
+    return {"outs": outs, "grads": [x.grad], "fwd": dict(fwd), "bwd": dict(bwd)}
+
+
+def _mismatches(r: int) -> dict:
+    """name -> a call in which group rank 1 (only) differs from the others."""
+    odd = r == 1
+    logits, target, _, _ = _case("plain", torch.float64, {})
+    hidden, weight, _, _, _ = _linear_case("linear", torch.float64, {})
+    x, w = logits[:, :13], weight[:13]  # any shard will do: the check runs first
+    keep = torch.ones_like(x, dtype=torch.bool)
+    other_target = target.clone()
+    other_target[5] = (target[5] + 1) % V
+
+    def fused(**kw):
+        return lambda group: logprobs_and_entropy(kw.pop("x", x), kw.pop("t", target),
+                                                  group=group, **kw)
+
+    def linear(**kw):
+        return lambda group: linear_logprobs_and_entropy(
+            kw.pop("h", hidden), kw.pop("w", w), kw.pop("t", target), group=group, **kw)
+
+    return {
+        "tokens": fused(x=x[:-1] if odd else x, t=target[:-1] if odd else target),
+        "with_entropy": fused(with_entropy=not odd),
+        "entropy_grad": fused(entropy_grad=not odd),
+        "keep_mask given": fused(keep_mask=keep if odd else None),
+        "temperature": fused(temperature=1.5 if odd else 1.0),
+        "dtype": fused(x=x.float() if odd else x),
+        "target ids": fused(t=other_target if odd else target),
+        "operation": linear() if odd else fused(),
+        "hidden size": linear(h=torch.randn(N, H + odd, dtype=torch.float64),
+                              w=torch.randn(13, H + odd, dtype=torch.float64)),
+        "linear with_entropy": linear(with_entropy=not odd),
+        "bad keep_mask": fused(keep_mask=keep[:, :-1] if odd else keep),
+        "bad temperature": fused(temperature="1" if odd else 1.0),
+        "bad hidden": linear(h=hidden.long() if odd else hidden),
+    }
+
+
+def _raised(fn) -> tuple[str, str] | None:
+    try:
+        fn()
+    except Exception as exc:  # the test compares the type and message on every rank
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def _double_backward(group, cols: slice) -> tuple[str, str] | None:
+    logits, target, _, _ = _case("plain", torch.float64, {})
+    x = logits[:, cols].clone().requires_grad_()
+    logp, ent = logprobs_and_entropy(x, target, group=group)
+    return _raised(lambda: torch.autograd.grad((logp + ent).sum(), x, create_graph=True))
+
+
+def _run_tp(group, r: int, tp: int) -> dict:
+    equal = (V // tp,) * tp
+    with _tp_check("1"):
+        res = {"checked": {name: _run_case(name, group, _columns(r, equal))
+                           for name in (*CASES, *LINEAR_CASES)}}
+        res["unequal"] = {name: _run_case(name, group, _columns(r, UNEQUAL[tp]))
+                          for name in UNEQUAL_CASES}
+        res["mismatch"] = {name: _raised(lambda fn=fn: fn(group))
+                           for name, fn in _mismatches(r).items()}
+        res["double backward"] = _double_backward(group, _columns(r, equal))
+        res["after"] = _run_case("plain", group, _columns(r, equal))  # still in step
+    with _tp_check("0"):
+        res["unchecked"] = {name: _run_case(name, group, _columns(r, equal))
+                            for name in UNCHECKED_CASES}
     return res
 
 
-def _worker(rank: int, world_size: int, tps: tuple[int, ...]) -> dict:
+def _worker(rank: int, world_size: int) -> dict:
     out = {}
-    for tp in tps:
+    for tp in TPS:
         if tp == world_size:
             group = dist.group.WORLD
         else:  # several tensor-parallel groups side by side: every rank creates every group
             groups = [dist.new_group(list(range(s, s + tp))) for s in range(0, world_size, tp)]
             group = groups[rank // tp]
-        out[tp] = _run_cases(group, dist.get_rank(group), tp)
+        out[tp] = _run_tp(group, dist.get_rank(group), tp)
     return out
 
 
-def _expected() -> dict:
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_distributed(_worker, 4, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def expected() -> dict:
     """Single-process results on the full vocabulary."""
     exp = {}
     for name, (dtype, kw) in CASES.items():
@@ -139,35 +242,91 @@ def _close(a, b, msg):
                                   else {}))
 
 
-def _check(results: list[dict], tp: int) -> None:
-    exp = _expected()
+def _check_values(results: list[dict], tp: int, part: str, sizes: tuple[int, ...],
+                  expected: dict, n_forward: int) -> None:
     for rank, per_tp in enumerate(results):
-        res, r = per_tp[tp], rank % tp
-        cols = slice(r * V // tp, (r + 1) * V // tp)
+        res, r = per_tp[tp][part], rank % tp
+        cols = _columns(r, sizes)
         for name, got in res.items():
-            where = f"tp={tp} rank={rank} {name}"
-            fwd_calls, bwd_calls = sum(got["fwd"].values()), sum(got["bwd"].values())
-            assert fwd_calls == 1 and "gather" in next(iter(got["fwd"])), (where, got["fwd"])
-            assert bwd_calls == 0, (where, got["bwd"])
-            for k, (a, b) in enumerate(zip(got["outs"], exp[name]["outs"], strict=True)):
+            where = f"{part} tp={tp} rank={rank} {name}"
+            assert sum(got["fwd"].values()) == n_forward, (where, got["fwd"])
+            assert all("gather" in k for k in got["fwd"]), (where, got["fwd"])
+            assert got["bwd"] == {}, (where, got["bwd"])
+            for k, (a, b) in enumerate(zip(got["outs"], expected[name]["outs"], strict=True)):
                 _close(a, b, f"{where} output {k}")
             if name in LINEAR_CASES:
-                _close(got["grads"][1], exp[name]["grads"][1][cols], f"{where} grad weight")
+                _close(got["grads"][1], expected[name]["grads"][1][cols], f"{where} grad weight")
                 group_ranks = range(rank - r, rank - r + tp)
-                summed = sum(results[q][tp][name]["grads"][0] for q in group_ranks)
-                _close(summed, exp[name]["grads"][0], f"{where} sum of partial grad hidden")
-                _close(got["h_full"], exp[name]["grads"][0], f"{where} reduced grad hidden")
+                summed = sum(results[q][tp][part][name]["grads"][0] for q in group_ranks)
+                _close(summed, expected[name]["grads"][0], f"{where} sum of partial grad hidden")
+                _close(got["h_full"], expected[name]["grads"][0], f"{where} reduced grad hidden")
                 assert got["bwd_layer"] == {"all_reduce": 1}, (where, got["bwd_layer"])
             else:
-                _close(got["grads"][0], exp[name]["grads"][0][:, cols], f"{where} grad")
+                _close(got["grads"][0], expected[name]["grads"][0][:, cols], f"{where} grad")
 
 
-def test_groups_of_four_and_of_two():
-    """One spawn of 4 processes (spawning is the slow part): the vocabulary sharded over all 4,
-    then over two groups of 2 side by side (ranks {0, 1} and {2, 3}, group ranks 0 and 1)."""
-    results = run_distributed(_worker, 4, (4, 2), timeout=180)
-    _check(results, 4)
-    _check(results, 2)
+@pytest.mark.parametrize("tp", TPS)
+def test_matches_single_process_with_two_forward_collectives(results, expected, tp):
+    """Check on: one gather of the headers, one of the statistics; none in the backward."""
+    _check_values(results, tp, "checked", (V // tp,) * tp, expected, n_forward=2)
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_check_off_leaves_exactly_one_collective(results, expected, tp):
+    _check_values(results, tp, "unchecked", (V // tp,) * tp, expected, n_forward=1)
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_shards_of_unequal_size(results, expected, tp):
+    """Rank r holds the ids after the shards of ranks < r, whatever their sizes."""
+    _check_values(results, tp, "unequal", UNEQUAL[tp], expected, n_forward=2)
+
+
+def _expected_mismatch(name: str, tp: int, r: int) -> tuple[str, str]:
+    """(exception type, a regex of its message) on group rank ``r`` for :func:`_mismatches`."""
+    def per_rank(usual, odd):
+        return re.escape(str([odd if q == 1 else usual for q in range(tp)]))
+
+    if name.startswith("bad "):
+        arg = name[4:]
+        if r == 1:
+            return ("TypeError" if arg in ("temperature", "hidden") else "ValueError",
+                    f"^{arg} must ")
+        return "ValueError", rf"rank\(s\) \[1\] of the group rejected their argument\(s\) " \
+                             rf"\['{arg}'\]"
+    field, values = {
+        "tokens": ("tokens", per_rank(N, N - 1)),
+        "with_entropy": ("with_entropy", per_rank(True, False)),
+        "entropy_grad": ("entropy_grad", per_rank(True, False)),
+        "keep_mask given": ("keep_mask given", per_rank(False, True)),
+        "temperature": ("temperature", per_rank(1.0, 1.5)),
+        "dtype": ("dtype", per_rank(torch.float64, torch.float32)),
+        "target ids": (r"target ids \(position-weighted checksum\)", ""),
+        "operation": ("operation", per_rank("logprobs_and_entropy",
+                                            "linear_logprobs_and_entropy")),
+        "hidden size": ("hidden size", per_rank(H, H + 1)),
+        "linear with_entropy": ("with_entropy", per_rank(True, False)),
+    }[name]
+    return "ValueError", f"^tensor-parallel ranks disagree on .*{field}: {values}"
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_mismatched_calls_raise_value_error_on_every_rank(results, tp):
+    for rank, per_tp in enumerate(results):
+        r = rank % tp
+        for name, got in per_tp[tp]["mismatch"].items():
+            kind, pattern = _expected_mismatch(name, tp, r)
+            assert got is not None, f"tp={tp} rank={rank} {name}: nothing raised"
+            assert got[0] == kind and re.search(pattern, got[1]), (tp, rank, name, got, pattern)
+        assert sum(per_tp[tp]["after"]["fwd"].values()) == 2  # the group is still usable
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_double_backward_raises_with_a_group(results, tp):
+    for rank, per_tp in enumerate(results):
+        kind, msg = per_tp[tp]["double backward"]
+        assert kind == "RuntimeError" and "double backward" in msg, (tp, rank, msg)
+        assert "not supported with a tensor-parallel group" in msg
 
 
 def _check_calls_single(group):

@@ -13,6 +13,7 @@ __all__ = [
     "check_keep_mask",
     "check_logits",
     "check_target",
+    "check_target_range",
     "check_temperature",
     "default_chunk",
 ]
@@ -48,23 +49,28 @@ def check_logits(name: str, x: object, ndim: int | None = None) -> torch.Tensor:
     return x
 
 
-def check_target(target: object, shape: torch.Size, expected: str, vocab: int) -> torch.Tensor:
-    """An integer tensor of ``shape`` whose values lie in ``[0, vocab)`` (checked on CPU)."""
+def check_target(target: object, shape: torch.Size, expected: str) -> torch.Tensor:
+    """An integer tensor of ``shape`` (its values: :func:`check_target_range`), as int64."""
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
     if target.dtype == torch.bool or target.is_floating_point() or target.is_complex():
         raise TypeError(f"target must be an integer tensor of vocabulary ids, got {target.dtype}")
     if tuple(target.shape) != tuple(shape):
         raise shape_error("target", expected, target.shape)
+    return target.long()
+
+
+def check_target_range(target: torch.Tensor, vocab: int) -> None:
+    """Every id lies in ``[0, vocab)`` (read on CPU only, see :func:`values_checked`)."""
     if values_checked(target) and target.numel() > 0:
-        lo, hi = int(target.min()), int(target.max())
+        lo, hi = torch.aminmax(target)
+        lo, hi = int(lo), int(hi)
         if lo < 0 or hi >= vocab:
             bad = lo if lo < 0 else hi
             raise ValueError(
                 f"target must hold vocabulary ids in [0, {vocab}) (the full vocabulary: "
-                f"V_local x group size), got {bad}"
+                f"the sum of V_local over the group), got {bad}"
             )
-    return target.long()
 
 
 def check_temperature(temperature: object) -> float:

@@ -29,6 +29,7 @@ import torch
 
 __all__ = [
     "grad_chunk",
+    "grad_differentiable",
     "merge",
     "n_columns",
     "pack_saved",
@@ -181,6 +182,36 @@ def grad_chunk(
     if g_logp is not None:
         onehot = torch.where(in_range, g_logp * inv_tau, torch.zeros_like(g_logp))
         grad.scatter_add_(1, idx, onehot)
+    return grad
+
+
+def grad_differentiable(
+    z: torch.Tensor,
+    idx: torch.Tensor,
+    keep: torch.Tensor | None,
+    g_logp: torch.Tensor | None,
+    g_ent: torch.Tensor | None,
+    inv_tau: float,
+) -> torch.Tensor:
+    """:func:`grad_chunk` on one process's whole vocabulary with differentiable, out-of-place
+    ops, for a backward that builds a graph (double backward).
+
+    ``z``: ``[N, V]`` scaled logits, part of the graph; ``idx``: ``[N, 1]`` target ids. The
+    same formulas, ``(g_logp·(onehot − p_keep) − g_ent·p·(log p + H)) / τ``, with ``lse`` and
+    ``H`` recomputed from ``z`` so that their own dependence on ``z`` is differentiated too.
+    """
+    grad = torch.zeros_like(z)
+    if g_ent is not None:
+        log_p = z - torch.logsumexp(z, dim=-1, keepdim=True)
+        p = log_p.exp()
+        log_p = log_p.clamp(min=_FLOOR)  # a -inf logit: p = 0 and finite terms, as grad_chunk
+        ent = -(p * log_p).sum(dim=-1, keepdim=True)
+        grad = grad - (g_ent * inv_tau) * p * (log_p + ent)
+    if g_logp is not None:
+        onehot = torch.zeros_like(z, dtype=torch.bool).scatter_(1, idx, True)
+        zk = z if keep is None else z.masked_fill(~(keep | onehot), float("-inf"))
+        p_keep = (zk - torch.logsumexp(zk, dim=-1, keepdim=True)).exp()
+        grad = grad + (g_logp * inv_tau) * (onehot.to(z.dtype) - p_keep)
     return grad
 
 

@@ -2,8 +2,9 @@
 
 The forward reduces each ``[chunk, V_local]`` slice of logits to a few numbers per token
 (see :mod:`rlops.logprobs._shard`), gathers them across the vocabulary shards in one collective
-and merges them; the backward recomputes the softmax chunk by chunk from the saved per-token
-statistics and needs no collective.
+(preceded by a small consistency check, :mod:`rlops.logprobs._tp`) and merges them; the backward
+recomputes the softmax chunk by chunk from the saved per-token statistics and needs no
+collective.
 """
 
 from __future__ import annotations
@@ -13,17 +14,18 @@ import torch.distributed as dist
 
 from rlops._checks import check_chunk_size, check_same_device, compute_dtype
 from rlops.distributed.groups import group_rank_size
-from rlops.logprobs import _shard
+from rlops.logprobs import _shard, _tp
 from rlops.logprobs._inputs import (
     check_flags,
     check_keep_mask,
     check_logits,
     check_target,
+    check_target_range,
     check_temperature,
     default_chunk,
 )
 
-__all__ = ["gather_stats", "logprobs_and_entropy", "scaled_chunk"]
+__all__ = ["gather_stats", "logits_grad_with_graph", "logprobs_and_entropy", "scaled_chunk"]
 
 
 def scaled_chunk(
@@ -37,7 +39,7 @@ def scaled_chunk(
 
 
 def gather_stats(stats: torch.Tensor, group: object, world: int) -> torch.Tensor:
-    """``[N, k]`` local statistics → ``[world, N, k]``: the forward's one collective."""
+    """``[N, k]`` local statistics → ``[world, N, k]``: the forward's one data collective."""
     if world == 1:
         return stats.unsqueeze(0)
     out = stats.new_empty((world * stats.shape[0], stats.shape[1]))
@@ -47,10 +49,41 @@ def gather_stats(stats: torch.Tensor, group: object, world: int) -> torch.Tensor
     return out.view(world, stats.shape[0], stats.shape[1])
 
 
+def logits_grad_with_graph(
+    x: torch.Tensor,
+    target: torch.Tensor,
+    keep: torch.Tensor | None,
+    temperature: float,
+    g_logp: torch.Tensor | None,
+    g_ent: torch.Tensor | None,
+    world: int,
+    op: str,
+) -> torch.Tensor:
+    """Gradient w.r.t. the logits ``x`` ``[N, V]`` as a differentiable function of ``x`` and of
+    the upstream gradients ``[N, 1]``: the backward when autograd records it (double backward).
+
+    One process only: with a sharded vocabulary the second derivatives couple the shards (and
+    the replicated outputs' gradients would be partial per rank), so it raises RuntimeError.
+    """
+    if world > 1:
+        raise RuntimeError(
+            f"double backward (create_graph=True) through {op} is not supported with a "
+            f"tensor-parallel group of {world} ranks; use the unfused reference "
+            "(rlops.logprobs.reference) on the full vocabulary for higher derivatives"
+        )
+    z = x.to(compute_dtype(x.dtype)) / temperature
+    grad = _shard.grad_differentiable(
+        z, target.reshape(-1, 1), keep, g_logp, g_ent, 1.0 / temperature
+    )
+    return grad.to(x.dtype)
+
+
 class _FusedLogprobsEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, keep, temperature, with_entropy, entropy_grad, group, chunk):
-        rank, world = group_rank_size(group)
+    def forward(
+        ctx, logits, target, keep, temperature, with_entropy, entropy_grad, group, chunk, start
+    ):
+        _, world = group_rank_size(group)
         v_local = logits.shape[-1]
         x = logits.reshape(-1, v_local)
         tgt = target.reshape(-1)
@@ -62,7 +95,6 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
         stats = torch.empty(
             (n, _shard.n_columns(masked, with_entropy)), dtype=dtype, device=logits.device
         )
-        start = rank * v_local
         for i in range(0, n, chunk):
             z, own = scaled_chunk(x[i : i + chunk], dtype, temperature)
             idx, in_range = _shard.target_index(tgt[i : i + chunk], start, v_local)
@@ -71,7 +103,7 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
         logp, ent, saved = _shard.merge(gather_stats(stats, group, world), masked, with_entropy)
         saved = _shard.pack_saved(saved, masked, entropy_grad)
         ctx.set_materialize_grads(False)
-        ctx.meta = (temperature, start, chunk)
+        ctx.meta = (temperature, start, chunk, world)
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(logits, target, keep, *saved)
         lead = logits.shape[:-1]
@@ -82,12 +114,13 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        temperature, start, chunk = ctx.meta
+        temperature, start, chunk, world = ctx.meta
         logits, target, keep, *saved = ctx.saved_tensors
         saved, has_entropy = _shard.unpack_saved(saved)
         g_ent = g_ent if has_entropy else None
+        nones = (None,) * 8
         if g_logp is None and g_ent is None:
-            return (None,) * 8
+            return (None, *nones)
         v_local = logits.shape[-1]
         x = logits.reshape(-1, v_local)
         tgt = target.reshape(-1)
@@ -95,6 +128,11 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
         dtype = compute_dtype(logits.dtype)
         gl = None if g_logp is None else g_logp.reshape(-1, 1).to(dtype)
         ge = None if g_ent is None else g_ent.reshape(-1, 1).to(dtype)
+        if torch.is_grad_enabled():  # create_graph=True: a differentiable backward
+            grad = logits_grad_with_graph(
+                x, tgt, keep2, temperature, gl, ge, world, "logprobs_and_entropy"
+            )
+            return (grad.view(logits.shape), *nones)
         grad = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         inv_tau = 1.0 / temperature
         for i in range(0, x.shape[0], chunk):
@@ -115,7 +153,7 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
             )
             if g.dtype != grad.dtype:  # half-precision logits: the chunk was computed in float32
                 grad[i:j] = g
-        return grad.view(logits.shape), None, None, None, None, None, None, None
+        return (grad.view(logits.shape), *nones)
 
 
 def logprobs_and_entropy(
@@ -142,13 +180,27 @@ def logprobs_and_entropy(
     (the target is always kept), while the entropy uses all logits.
 
     The vocabulary may be sharded over ``group`` (tensor parallel): rank ``r`` holds the
-    logits of ids ``[r·V_local, (r+1)·V_local)``. Each shard reduces its slice to a few numbers
-    per token (max ``m_r``, ``s_r = Σ exp(z − m_r)``, its own entropy ``h_r``, the target logit
-    if it holds the target); the forward issues exactly one collective (an all-gather of
-    ``[N, k]``, ``k ≤ 6``) and the backward none (``∂logp/∂z = onehot − p``,
+    logits of the ids that follow the shards of ranks ``< r`` (``[r·V_local, (r+1)·V_local)``
+    when all shards have one size). Each shard reduces its slice to a few numbers per token
+    (max ``m_r``, ``s_r = Σ exp(z − m_r)``, its own entropy ``h_r``, the target logit if it
+    holds the target); the statistics travel in exactly one collective (an all-gather of
+    ``[N, k]``, ``k ≤ 6``) and the backward needs none (``∂logp/∂z = onehot − p``,
     ``∂H/∂z = −p·(log p + H)``). Every rank returns the full results and the gradient of its
     own shard. ``group=None`` means one process holding the whole vocabulary (no collective,
     even if ``torch.distributed`` is initialised). Every rank of the group must call it.
+
+    Consistency check (tensor parallel): before the statistics, one all-gather of 11 numbers
+    per rank compares the tokens, the target ids (a checksum), the dtype, the flags, whether a
+    keep mask is given and the temperature, and collects the shard sizes (which may differ).
+    Every rank then raises the same ``ValueError`` naming what disagrees, instead of returning
+    wrong values or aborting in the collective; a rank whose own arguments are invalid raises
+    its error and the others a ``ValueError`` naming it. Reading the 11 numbers is a host
+    synchronisation; ``RLOPS_TP_CHECK=0`` (on every rank) skips the check, leaving the one
+    collective, and then requires shards of equal size.
+
+    Double backward (``create_graph=True``) is supported in one process: the backward is then
+    recomputed with differentiable operations on the whole ``[N, V]`` (memory as the unfused
+    reference). With a tensor-parallel group of more than one rank it raises RuntimeError.
 
     Numerics: computed in float32 (float64 for float64 logits) relative to the row max; the
     entropy is merged as ``H = Σ_r q_r·(h_r + (M − m_r) + (log S − log s_r))`` with
@@ -162,7 +214,7 @@ def logprobs_and_entropy(
 
     Args:
         logits: ``[..., V_local]`` float16 / bfloat16 / float32 / float64.
-        target: ``[...]`` integer ids in the global vocabulary ``[0, V_local · world)``.
+        target: ``[...]`` integer ids in the global vocabulary ``[0, Σ_r V_local_r)``.
         temperature: ``> 0``; divides the logits before everything.
         keep_mask: ``[..., V_local]`` bool, or None (keep all).
         with_entropy: if False, skip all entropy work and return ``None`` for it.
@@ -186,22 +238,49 @@ def logprobs_and_entropy(
         >>> ent  # log 4 for uniform logits
         tensor([1.3863, 0.8011])
     """
+    rank, world = group_rank_size(group)
+    checked = world > 1 and _tp.check_enabled()
+    try:
+        logits, target, keep_mask, temperature = _checked(
+            logits, target, temperature, keep_mask, with_entropy, entropy_grad, chunk_size
+        )
+    except (TypeError, ValueError) as exc:
+        if checked:  # the other ranks are about to exchange headers: join them, then raise
+            _tp.fail_together(group, world, exc, getattr(logits, "device", None))
+        raise
+    v_local = logits.shape[-1]
+    if checked:
+        call = _tp.Call(
+            op="logprobs_and_entropy",
+            v_local=v_local,
+            tokens=target.numel(),
+            hidden=0,
+            dtype=logits.dtype,
+            with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+            masked=keep_mask is not None,
+            temperature=temperature,
+        )
+        start, vocab = _tp.shard_layout(group, rank, world, call, target)
+    else:
+        start, vocab = rank * v_local, world * v_local
+    check_target_range(target, vocab)
+    args = (with_entropy, entropy_grad, group, chunk_size, start)
+    logp, ent = _FusedLogprobsEntropy.apply(logits, target, keep_mask, temperature, *args)
+    return logp, (ent if with_entropy else None)
+
+
+def _checked(logits, target, temperature, keep_mask, with_entropy, entropy_grad, chunk_size):
+    """This rank's own argument checks: ``(logits, target as int64, keep_mask, temperature)``."""
     logits = check_logits("logits", logits)
     if logits.shape[-1] == 0:
         raise ValueError("logits must have a non-empty vocabulary dimension, got [..., 0]")
     temperature = check_temperature(temperature)
     check_flags(with_entropy=with_entropy, entropy_grad=entropy_grad)
     check_chunk_size(chunk_size)
-    _, world = group_rank_size(group)
     target = check_target(
-        target,
-        logits.shape[:-1],
-        "[...] like logits[..., 0] " + str(list(logits.shape[:-1])),
-        logits.shape[-1] * world,
+        target, logits.shape[:-1], "[...] like logits[..., 0] " + str(list(logits.shape[:-1]))
     )
     keep_mask = check_keep_mask(keep_mask, logits)
     check_same_device("logits", logits, target=target, keep_mask=keep_mask)
-    logp, ent = _FusedLogprobsEntropy.apply(
-        logits, target, keep_mask, temperature, with_entropy, entropy_grad, group, chunk_size
-    )
-    return logp, (ent if with_entropy else None)
+    return logits, target, keep_mask, temperature

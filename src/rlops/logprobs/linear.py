@@ -3,7 +3,7 @@
 Each token chunk's logits ``[chunk, V_local]`` are formed, reduced to per-token statistics and
 dropped; the backward recomputes them per chunk and accumulates the gradients of ``hidden`` and
 ``weight``. Vocabulary-parallel as :func:`rlops.logprobs.logprobs_and_entropy`: one collective in
-the forward, none in the backward.
+the forward (after the same consistency check), none in the backward.
 
 The gradient of ``hidden`` sums over the whole vocabulary, so with a sharded vocabulary each
 rank can only compute its shard's part. As in Megatron's column-parallel output layer, the sum
@@ -19,15 +19,16 @@ import torch.distributed as dist
 
 from rlops._checks import check_chunk_size, check_same_device, compute_dtype, shape_error
 from rlops.distributed.groups import group_rank_size
-from rlops.logprobs import _shard
+from rlops.logprobs import _shard, _tp
 from rlops.logprobs._inputs import (
     check_flags,
     check_logits,
     check_target,
+    check_target_range,
     check_temperature,
     default_chunk,
 )
-from rlops.logprobs.fused import gather_stats
+from rlops.logprobs.fused import gather_stats, logits_grad_with_graph
 
 __all__ = ["copy_to_tensor_parallel_region", "linear_logprobs_and_entropy"]
 
@@ -40,8 +41,8 @@ def _logits_chunk(h: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, tem
 
 class _FusedLinearLogprobsEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, temperature, with_entropy, group, chunk):
-        rank, world = group_rank_size(group)
+    def forward(ctx, hidden, weight, target, temperature, with_entropy, group, chunk, start):
+        _, world = group_rank_size(group)
         v_local = weight.shape[0]
         h2 = hidden.reshape(-1, hidden.shape[-1])
         tgt = target.reshape(-1)
@@ -51,14 +52,13 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
         stats = torch.empty(
             (n, _shard.n_columns(False, with_entropy)), dtype=dtype, device=hidden.device
         )
-        start = rank * v_local
         for i in range(0, n, chunk):
             z = _logits_chunk(h2[i : i + chunk], weight, dtype, temperature)
             idx, in_range = _shard.target_index(tgt[i : i + chunk], start, v_local)
             _shard.stats_chunk(z, True, idx, in_range, None, with_entropy, stats[i : i + chunk])
         logp, ent, saved = _shard.merge(gather_stats(stats, group, world), False, with_entropy)
         ctx.set_materialize_grads(False)
-        ctx.meta = (temperature, start, chunk)
+        ctx.meta = (temperature, start, chunk, world)
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             ctx.save_for_backward(hidden, weight, target, *_shard.pack_saved(saved, False, True))
         lead = hidden.shape[:-1]
@@ -69,12 +69,13 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        temperature, start, chunk = ctx.meta
+        temperature, start, chunk, world = ctx.meta
         hidden, weight, target, *saved = ctx.saved_tensors
         saved, has_entropy = _shard.unpack_saved(saved)
         g_ent = g_ent if has_entropy else None
+        nones = (None,) * 6
         if g_logp is None and g_ent is None:
-            return (None,) * 7
+            return (None, None, *nones)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         v_local = weight.shape[0]
         h2 = hidden.reshape(-1, hidden.shape[-1])
@@ -82,6 +83,11 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
         dtype = compute_dtype(hidden.dtype)
         gl = None if g_logp is None else g_logp.reshape(-1, 1).to(dtype)
         ge = None if g_ent is None else g_ent.reshape(-1, 1).to(dtype)
+        if torch.is_grad_enabled():  # create_graph=True: a differentiable backward
+            op = "linear_logprobs_and_entropy"
+            g = logits_grad_with_graph(h2 @ weight.T, tgt, None, temperature, gl, ge, world, op)
+            grad_h = (g @ weight).view(hidden.shape) if need_h else None
+            return (grad_h, g.T @ h2 if need_w else None, *nones)
         grad_h = torch.empty_like(h2, memory_format=torch.contiguous_format) if need_h else None
         # The weight gradient sums over all chunks: accumulate in float32 for half inputs.
         grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
@@ -112,7 +118,7 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
             grad_h = grad_h.view(hidden.shape)
         if need_w:
             grad_w = grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None
+        return (grad_h, grad_w, *nones)
 
 
 def linear_logprobs_and_entropy(
@@ -136,8 +142,13 @@ def linear_logprobs_and_entropy(
         z = h W^\top / \tau, \qquad \log p_y = z_y - \operatorname{lse}(z), \qquad
         H = \operatorname{lse}(z) - \sum_v \operatorname{softmax}(z)_v\, z_v .
 
-    Vocabulary-parallel over ``group``: rank ``r`` holds the rows ``[r·V_local, (r+1)·V_local)``
-    of the output weight. The forward issues one collective, the backward none. Every rank
+    Vocabulary-parallel over ``group``: rank ``r`` holds the rows of the output weight for the
+    ids that follow the shards of ranks ``< r`` (``[r·V_local, (r+1)·V_local)`` for equal
+    shards). The forward issues one collective for the statistics, after the consistency check
+    of :func:`rlops.logprobs.logprobs_and_entropy` (11 numbers per rank, the hidden size among
+    them; ``RLOPS_TP_CHECK=0`` skips it and then requires equal shards); the backward issues
+    none. Double backward (``create_graph=True``) is supported in one process and raises
+    RuntimeError with a group of more than one rank. Every rank
     returns the full ``(logp, entropy)``, the gradient of its own ``weight`` shard, and its
     shard's *partial* gradient of ``hidden``: the full gradient is the sum over ranks, which the
     column-parallel layer's input op performs (Megatron's
@@ -146,7 +157,7 @@ def linear_logprobs_and_entropy(
     Args:
         hidden: ``[..., H]`` (typically ``[N, H]``) float16 / bfloat16 / float32 / float64.
         weight: ``[V_local, H]``, the output layer's weight (its shard), same dtype as hidden.
-        target: ``[...]`` integer ids in the global vocabulary ``[0, V_local · world)``.
+        target: ``[...]`` integer ids in the global vocabulary ``[0, Σ_r V_local_r)``.
         temperature: ``> 0``; divides the logits.
         with_entropy: if False, skip the entropy and return ``None`` for it.
         group: the tensor-parallel process group, or None (one process, no collective).
@@ -167,6 +178,41 @@ def linear_logprobs_and_entropy(
         >>> logp, ent
         (tensor([-0.2395, -1.0986]), tensor([0.6656, 1.0986]))
     """
+    rank, world = group_rank_size(group)
+    checked = world > 1 and _tp.check_enabled()
+    try:
+        hidden, weight, target, temperature = _checked(
+            hidden, weight, target, temperature, with_entropy, chunk_size
+        )
+    except (TypeError, ValueError) as exc:
+        if checked:  # the other ranks are about to exchange headers: join them, then raise
+            _tp.fail_together(group, world, exc, getattr(hidden, "device", None))
+        raise
+    v_local = weight.shape[0]
+    if checked:
+        call = _tp.Call(
+            op="linear_logprobs_and_entropy",
+            v_local=v_local,
+            tokens=target.numel(),
+            hidden=weight.shape[1],
+            dtype=hidden.dtype,
+            with_entropy=with_entropy,
+            entropy_grad=True,
+            masked=False,
+            temperature=temperature,
+        )
+        start, vocab = _tp.shard_layout(group, rank, world, call, target)
+    else:
+        start, vocab = rank * v_local, world * v_local
+    check_target_range(target, vocab)
+    logp, ent = _FusedLinearLogprobsEntropy.apply(
+        hidden, weight, target, temperature, with_entropy, group, chunk_size, start
+    )
+    return logp, (ent if with_entropy else None)
+
+
+def _checked(hidden, weight, target, temperature, with_entropy, chunk_size):
+    """This rank's own argument checks: ``(hidden, weight, target as int64, temperature)``."""
     hidden = check_logits("hidden", hidden)
     weight = check_logits("weight", weight)
     if weight.dtype != hidden.dtype:
@@ -178,18 +224,11 @@ def linear_logprobs_and_entropy(
     temperature = check_temperature(temperature)
     check_flags(with_entropy=with_entropy)
     check_chunk_size(chunk_size)
-    _, world = group_rank_size(group)
     target = check_target(
-        target,
-        hidden.shape[:-1],
-        "[...] like hidden[..., 0] " + str(list(hidden.shape[:-1])),
-        weight.shape[0] * world,
+        target, hidden.shape[:-1], "[...] like hidden[..., 0] " + str(list(hidden.shape[:-1]))
     )
     check_same_device("hidden", hidden, weight=weight, target=target)
-    logp, ent = _FusedLinearLogprobsEntropy.apply(
-        hidden, weight, target, temperature, with_entropy, group, chunk_size
-    )
-    return logp, (ent if with_entropy else None)
+    return hidden, weight, target, temperature
 
 
 class _CopyToTensorParallelRegion(torch.autograd.Function):
