@@ -96,17 +96,6 @@ def test_chunk_sizes_agree():
             torch.testing.assert_close(a, b, rtol=0, atol=0)  # rows are independent
 
 
-def test_gradcheck_float64():
-    gen = torch.Generator().manual_seed(4)
-    logits = torch.randn(2, 3, 5, dtype=torch.float64, generator=gen, requires_grad=True)
-    target = torch.randint(0, 5, (2, 3), generator=gen)
-    keep = torch.rand(2, 3, 5, generator=gen) < 0.5
-    for kw in ({}, {"temperature": 0.7, "chunk_size": 2}, {"keep_mask": keep, "chunk_size": 4}):
-        assert torch.autograd.gradcheck(
-            lambda x, kw=kw: logprobs_and_entropy(x, target, **kw), (logits,)
-        )
-
-
 def test_float64_stays_float64():
     logits, target, _, grads = _data((4,), 9, seed=5)
     lp, ent, g = forward_backward(logits_fn({}), (logits.double(), target), grads)

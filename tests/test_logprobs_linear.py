@@ -99,17 +99,6 @@ def test_without_entropy_and_one_input_grad():
     assert w.grad is not None
 
 
-def test_gradcheck_float64():
-    gen = torch.Generator().manual_seed(5)
-    hidden = torch.randn(4, 3, dtype=torch.float64, generator=gen, requires_grad=True)
-    weight = torch.randn(6, 3, dtype=torch.float64, generator=gen, requires_grad=True)
-    target = torch.randint(0, 6, (4,), generator=gen)
-    for kw in ({}, {"temperature": 1.7, "chunk_size": 3}):
-        assert torch.autograd.gradcheck(
-            lambda h, w, kw=kw: linear_logprobs_and_entropy(h, w, target, **kw), (hidden, weight)
-        )
-
-
 def test_extreme_weights_are_finite():
     hidden, weight, target, grads = _data(8, 16, 4, seed=6)
     weight = weight.sign() * 2e3  # logits of order ±1e4
