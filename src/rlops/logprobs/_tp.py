@@ -46,7 +46,9 @@ FIELDS = (
     "temperature",
     "target ids (position-weighted checksum)",
 )
-_BAD, _OP, _V_LOCAL, _TOKENS, _TARGET = 0, 1, 2, 3, len(FIELDS) - 1
+_BAD, _OP, _V_LOCAL, _TOKENS, _HIDDEN, _TARGET = 0, 1, 2, 3, 4, len(FIELDS) - 1
+# A difference in the key implies one in the value: only the key is reported.
+_IMPLIED = {_TOKENS: _TARGET, _OP: _HIDDEN}
 _OPS = ("logprobs_and_entropy", "linear_logprobs_and_entropy")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Arguments a rank may reject locally; an error message starts with the argument's name.
@@ -83,6 +85,7 @@ class Call:
     temperature: float
 
     def header(self) -> list[int]:
+        """The :data:`FIELDS` but the target checksum (computed on the device)."""
         bits = struct.unpack("<q", struct.pack("<d", self.temperature))[0]
         return [
             0,
@@ -95,7 +98,6 @@ class Call:
             int(self.entropy_grad),
             int(self.masked),
             bits,
-            0,
         ]
 
 
@@ -152,7 +154,7 @@ def shard_layout(
 ) -> tuple[int, int]:
     """Exchange the headers; return ``(this shard's first id, full vocabulary size)`` or raise
     the same ``ValueError`` on every rank. ``target``: this rank's ids (the header's device)."""
-    head = torch.tensor(call.header()[:-1], dtype=torch.int64, device=target.device)
+    head = torch.tensor(call.header(), dtype=torch.int64, device=target.device)
     rows = _gather(torch.cat([head, _checksum(target)]), group, world)
     bad = [r for r, row in enumerate(rows) if row[_BAD]]
     if bad:
@@ -164,10 +166,9 @@ def shard_layout(
             f"tensor-parallel rank(s) {bad} of the group rejected their argument(s) {names} "
             "(see the error raised there); every rank of group must make the same call"
         )
-    differ = [j for j in range(len(FIELDS)) if any(row[j] != rows[0][j] for row in rows)]
-    if _TOKENS in differ:  # then the target checksums differ too: say nothing of them
-        differ.remove(_TARGET)
-    wrong = [f"{FIELDS[j]}: {_shown(j, [row[j] for row in rows])}" for j in differ if j != _V_LOCAL]
+    differ = {j for j in range(len(FIELDS)) if any(row[j] != rows[0][j] for row in rows)}
+    differ -= {_V_LOCAL} | {_IMPLIED[j] for j in differ if j in _IMPLIED}
+    wrong = [f"{FIELDS[j]}: {_shown(j, [row[j] for row in rows])}" for j in sorted(differ)]
     if wrong:
         raise ValueError(
             "tensor-parallel ranks disagree on " + "; ".join(wrong) + " (one value per rank; "
