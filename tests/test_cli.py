@@ -16,6 +16,7 @@ def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
     assert {"per-token loop", "chunk loop (C=256)", "rlops auto", "memory floor"} <= methods
     assert {"unfused (log_softmax)", "rlops fused"} <= methods
     assert all(r["seconds"] > 0 for r in rows)
+    assert all(r["peak_bytes"] > 0 for r in rows if r["section"] == "logprobs")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     out = capsys.readouterr().out
     assert "Verdict:" in out and "gae [2x2048]: per-token loop" in out

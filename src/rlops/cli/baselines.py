@@ -6,8 +6,14 @@
   carries passed from chunk to chunk by a Python loop over T / C chunks), scalar decay only.
   With ``values = 0`` and ``lam = 1`` it is the same design's discounted returns.
 * ``returns_token_loop``: discounted returns per sample, a loop over samples and tokens.
+* ``masked_whiten_moments``: whitening over the response tokens, as verl writes it.
 * ``group_loop``: GRPO / RLOO / REINFORCE++-baseline with a dict of lists per group id and a
   loop over samples; ``remax_flip_cumsum``: ReMax's vectorised flip-cumsum form.
+* ``logprobs_entropy_unfused``: ``log_softmax`` + gather and the softmax entropy over the full
+  vocabulary, every ``[..., V]`` temporary materialised (as verl's ``entropy_from_logits``).
+
+``tests/test_cli_baselines.py`` checks that each gives the values of the rlops function it is
+measured against.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ __all__ = [
     "gae_chunk_loop",
     "gae_token_loop",
     "group_loop",
+    "logprobs_entropy_unfused",
     "masked_whiten_moments",
     "remax_flip_cumsum",
     "returns_token_loop",
@@ -113,3 +120,13 @@ def remax_flip_cumsum(rewards, baselines, mask):
     """ReMax as a flip-cumsum over the masked rewards minus the greedy baseline."""
     returns = (rewards * mask).flip(dims=[-1]).cumsum(dim=-1).flip(dims=[-1])
     return returns - baselines[:, None] * mask, returns
+
+
+def logprobs_entropy_unfused(logits: torch.Tensor, target: torch.Tensor):
+    """``log_softmax`` + ``gather`` and the softmax entropy ``logsumexp(z) - sum(p * z)``,
+    materialised in float32 (or the logits' dtype if wider)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    probs = torch.softmax(logits, dim=-1)
+    entropy = torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+    return logp, entropy

@@ -1,258 +1,300 @@
-"""``rlops bench``: rlops against the implementations it replaces, on the user's shapes.
+"""``rlops bench``: on your shapes and machine, rlops beside the implementations it replaces.
 
-Sections (each a list of :class:`Row`, measured side by side in one run):
-
-* ``advantages``: for each T, GAE (per-token loop, chunk loop, rlops chunked / auto, and the
-  memory floor: one add plus one copy over the bytes GAE must read and write) and REINFORCE++
-  returns (per-sample token loop, chunk loop, rlops), on ``[B, T]``.
-* ``group``: GRPO and RLOO advantages at ``[group_batch, T_min]`` against the per-sample loop.
-* ``logprobs``: log-prob + entropy, forward and backward, fused vs unfused (log_softmax +
-  gather, softmax entropy), time and peak extra memory, each in a fresh process (CPU) or with
-  the CUDA allocator's peak.
-
-Slow baselines are timed at a short length and extrapolated (linear in T) when the full
-length would take more than ``SLOW_LIMIT_S``; such rows are marked ``extrapolated``.
+The options, the run (one table per case and shape, printed as each section completes), the
+closing verdict in plain words, and the optional JSON and plot. What is measured, and how, is
+in :mod:`rlops.cli.bench_sections`.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from collections.abc import Callable
+import json
+import sys
+from collections import defaultdict
 
 import torch
 
-import rlops
-from rlops.cli import baselines
-from rlops.cli.measure import PeakMemory, measure_in_fresh_process, sync, time_median
-from rlops.cli.workloads import setup_logits
+from rlops.cli import bench_sections, options
+from rlops.cli.display import Progress, fmt_mib, fmt_ms, print_table, say
+from rlops.cli.options import positive_int
 
-__all__ = ["SLOW_LIMIT_S", "Row", "bench_advantages", "bench_group", "bench_logprobs"]
+__all__ = ["DEFAULTS", "QUICK", "SECTIONS", "add_arguments", "plot_rows", "run", "verdicts"]
 
-SLOW_LIMIT_S = 10.0
-
-
-@dataclasses.dataclass
-class Row:
-    section: str  # "advantages", "group", "logprobs"
-    case: str  # "gae", "reinforce++ returns", "grpo", "log-prob + entropy", ...
-    size: int  # T (or tokens for logprobs)
-    shape: str
-    method: str
-    seconds: float
-    ours: bool = False
-    extrapolated: bool = False
-    peak_bytes: int | None = None
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+SECTIONS = ("advantages", "group", "logprobs")
+# Sizes without --quick and with it; an option given explicitly wins over both.
+DEFAULTS = dict(
+    seq_len=[4096, 32768, 131072],
+    logprob_tokens=[1024, 4096],
+    vocab=32000,
+    group_batch=256,
+    repeats=10,
+)
+QUICK = dict(seq_len=[256, 2048], logprob_tokens=[256], vocab=4096, group_batch=64, repeats=3)
 
 
-def _time_or_extrapolate(
-    make: Callable[[int], tuple], fn: Callable, t_len: int, device, repeats: int
-) -> tuple[float, bool]:
-    """Time a baseline linear in T; extrapolate from a shorter T when it would take too long."""
-    probe = min(t_len, 1024)
-    args = make(probe)
-    t_probe = time_median(lambda: fn(*args), device, repeats=1, warmup=0)
-    if probe == t_len:
-        return time_median(lambda: fn(*args), device, repeats=repeats, budget_s=2.0), False
-    estimate = t_probe * t_len / probe
-    if estimate > SLOW_LIMIT_S:
-        return estimate, True
-    args = make(t_len)
-    if estimate > 1.0:  # one run is enough for a baseline this slow (the probe warmed it up)
-        return time_median(lambda: fn(*args), device, repeats=1, warmup=0), False
-    return time_median(lambda: fn(*args), device, repeats=max(1, min(repeats, 3))), False
+def _sizes(name: str) -> str:
+    """``(default ...; --quick: ...)`` for a size option's help."""
+
+    def text(v) -> str:
+        return " ".join(map(str, v)) if isinstance(v, list) else str(v)
+
+    return f"(default {text(DEFAULTS[name])}; --quick: {text(QUICK[name])})"
 
 
-def _ours(fn: Callable, device, repeats: int) -> tuple[float, int | None]:
-    seconds = time_median(fn, device, repeats=repeats)
-    with PeakMemory(device) as peak:
-        out = fn()
-        sync(device)
-    del out
-    return seconds, peak.bytes
+def add_arguments(subparsers) -> argparse.ArgumentParser:
+    """Register ``bench`` on an ``argparse`` subparsers object; returns its parser."""
+    p = subparsers.add_parser(
+        "bench",
+        help="time rlops against the loops it replaces, on your shapes",
+        description="Time rlops beside the implementations it replaces (per-token and "
+        "chunk loops for GAE and returns, per-sample loops for group estimators, log_softmax "
+        "for log-probs), side by side in one run, and say in plain words what it buys.",
+    )
+    p.add_argument("--batch", metavar="B", type=positive_int, default=8, help="rows (default 8)")
+    p.add_argument(
+        "--seq-len",
+        metavar="T",
+        type=positive_int,
+        nargs="+",
+        help=f"sequence lengths T for the advantages {_sizes('seq_len')}",
+    )
+    p.add_argument(
+        "--vocab", metavar="V", type=positive_int, help=f"vocabulary size {_sizes('vocab')}"
+    )
+    p.add_argument(
+        "--logprob-tokens",
+        metavar="N",
+        type=positive_int,
+        nargs="+",
+        help=f"token counts for the log-prob section {_sizes('logprob_tokens')}",
+    )
+    p.add_argument(
+        "--group-batch",
+        metavar="N",
+        type=positive_int,
+        help="samples for the group estimators, in groups of 8, at T = the smallest --seq-len "
+        + _sizes("group_batch"),
+    )
+    p.add_argument(
+        "--sections",
+        nargs="+",
+        choices=SECTIONS,
+        default=list(SECTIONS),
+        help="which sections to run (default: all)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="float32",
+        help="dtype of the rewards and values in the advantages section (default float32)",
+    )
+    options.add_device(p)
+    p.add_argument("--gamma", type=float, default=1.0, help="discount, in [0, 1] (default 1.0)")
+    p.add_argument("--lam", type=float, default=0.95, help="GAE lambda, in [0, 1] (default 0.95)")
+    p.add_argument(
+        "--repeats",
+        metavar="N",
+        type=positive_int,
+        help=f"timed runs per method {_sizes('repeats')}",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smaller default sizes, seconds in all (options given explicitly still apply)",
+    )
+    options.add_outputs(
+        p, json="also write the measurements as JSON", plot="also draw time vs size as a PNG"
+    )
+    return p
 
 
-def bench_advantages(
-    batch: int,
-    seq_lens: list[int],
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-    gamma: float = 1.0,
-    lam: float = 0.95,
-    repeats: int = 10,
-    progress: Callable[[], None] | None = None,
-) -> list[Row]:
-    """GAE and REINFORCE++ returns at ``[batch, T]`` for each T, every method side by side."""
-    device = torch.device(device)
-    rows: list[Row] = []
-    gen = torch.Generator(device="cpu").manual_seed(0)
+def run(args: argparse.Namespace) -> int:
+    """``rlops bench``: measure the chosen sections, print a table per case and shape as each
+    section completes, then the verdict; optionally write the JSON and the plot."""
+    from rlops.cli.measure import keep_freed_memory
 
-    def make(t_len: int):
-        r = torch.randn(batch, t_len, generator=gen, dtype=dtype).to(device)
-        v = torch.randn(batch, t_len, generator=gen, dtype=dtype).to(device)
-        return r, v
-
-    def make_returns(t_len: int):
-        kl = torch.randn(batch, t_len, generator=gen, dtype=dtype).to(device) * 0.01
-        return (kl,)
-
-    r0, v0 = make(64)
-    rlops.gae(r0, v0, gamma=gamma, lam=lam)  # compile / warm every path once
-    rlops.reinforce_plus_plus_returns(r0[:, 0], r0, r0 > 0, kl_coef=0.1, gamma=gamma)
-    outcome = torch.ones(batch, dtype=dtype, device=device)
-    data = {t_len: (*make(t_len), *make_returns(t_len)) for t_len in seq_lens}
-
-    def row(t_len, case, method, seconds, ours=False, extra=False, peak=None):
-        shape = f"{batch}x{t_len}"
-        rows.append(Row("advantages", case, t_len, shape, method, seconds, ours, extra, peak))
-
-    def token_rewards(kl):
-        tr = -0.1 * kl
-        tr[:, -1] += 1.0
-        return tr
-
-    # rlops and the floor first, for every length: the slow baselines below leave the heap
-    # fragmented by millions of tiny tensors, which would slow every later allocation
-    for t_len, (r, v, kl) in data.items():
-        for method in ("chunked", "auto"):
-            s, peak = _ours(
-                lambda m=method, r=r, v=v: rlops.gae(r, v, gamma=gamma, lam=lam, method=m),
-                device,
-                repeats,
-            )
-            row(t_len, "gae", f"rlops {method}", s, ours=method == "auto", peak=peak)
-        s = time_median(lambda r=r, v=v: (torch.add(r, v), r.clone()), device, repeats=repeats)
-        row(t_len, "gae", "memory floor", s)
-        mask = torch.ones(batch, t_len, dtype=torch.bool, device=device)
-        s, peak = _ours(
-            lambda kl=kl, mask=mask: rlops.reinforce_plus_plus_returns(
-                outcome, kl, mask, kl_coef=0.1, gamma=gamma
-            ),
-            device,
-            repeats,
-        )
-        row(t_len, "reinforce++ returns", "rlops auto", s, ours=True, peak=peak)
-    for t_len in seq_lens:
-        s, x = _time_or_extrapolate(
-            make, lambda a, b: baselines.gae_chunk_loop(a, b, gamma, lam), t_len, device, repeats
-        )
-        row(t_len, "gae", "chunk loop (C=256)", s, extra=x)
-        s, x = _time_or_extrapolate(
-            make_returns,
-            lambda kl: baselines.gae_chunk_loop(token_rewards(kl), torch.zeros_like(kl), gamma, 1),
-            t_len,
-            device,
-            repeats,
-        )
-        row(t_len, "reinforce++ returns", "chunk loop (C=256)", s, extra=x)
-        s, x = _time_or_extrapolate(
-            make, lambda a, b: baselines.gae_token_loop(a, b, gamma, lam), t_len, device, repeats
-        )
-        row(t_len, "gae", "per-token loop", s, extra=x)
-        s, x = _time_or_extrapolate(
-            make_returns,
-            lambda kl: baselines.returns_token_loop(list(token_rewards(kl)), gamma),
-            t_len,
-            device,
-            repeats,
-        )
-        row(t_len, "reinforce++ returns", "per-sample token loop", s, extra=x)
-        if progress is not None:
-            progress()
-    order = [
-        "per-token loop",
-        "per-sample token loop",
-        "chunk loop (C=256)",
-        "rlops chunked",
-        "rlops auto",
-        "memory floor",
-    ]
-    rows.sort(key=lambda r: (seq_lens.index(r.size), r.case != "gae", order.index(r.method)))
-    return rows
-
-
-def bench_group(
-    group_batch: int,
-    t_len: int,
-    *,
-    group_size: int = 8,
-    device: torch.device | str = "cpu",
-    repeats: int = 10,
-) -> list[Row]:
-    """GRPO and RLOO at ``[group_batch, t_len]`` (bool mask, arbitrary group ids)."""
-    device = torch.device(device)
-    gen = torch.Generator().manual_seed(0)
-    b = group_batch
-    scores = torch.randint(0, 2, (b,), generator=gen).float().to(device)
-    index = (torch.randperm(b, generator=gen) // group_size * 7919).to(device)
-    lengths = torch.randint(1, t_len + 1, (b, 1), generator=gen).to(device)
-    mask = torch.arange(t_len, device=device) < lengths
-    ids = index.tolist()
-    fmask = mask.float()
-    shape = f"{b}x{t_len}"
-    rows = []
-    for case, ours, kind in (
-        ("grpo", rlops.grpo_advantages, "grpo"),
-        ("rloo", rlops.rloo_advantages, "rloo"),
-    ):
-        s = time_median(
-            lambda k=kind: baselines.group_loop(scores, ids, fmask, k), device, repeats=repeats
-        )
-        rows.append(Row("group", case, t_len, shape, "per-sample loop", s))
-        s, peak = _ours(lambda f=ours: f(scores, index, mask), device, repeats)
-        rows.append(Row("group", case, t_len, shape, "rlops", s, True, False, peak))
-    return rows
-
-
-def _cuda_logprobs(tokens: int, vocab: int, fused: bool, device) -> tuple[float, int | None]:
-    with torch.device(device):
-        step = setup_logits(tokens, vocab, fused)
-    step()
-    seconds = time_median(step, device, repeats=5)
-    with PeakMemory(device) as peak:
-        step()
-    return seconds, peak.bytes
-
-
-def bench_logprobs(
-    token_counts: list[int],
-    vocab: int,
-    *,
-    device: torch.device | str = "cpu",
-    repeats: int = 3,
-    progress: Callable[[], None] | None = None,
-) -> list[Row]:
-    """Log-prob + entropy over ``[tokens, vocab]`` fp32 logits, forward + backward: fused vs
-    unfused, time and peak extra memory (CPU: each variant in a fresh process)."""
-    device = torch.device(device)
-    rows = []
-    for tokens in token_counts:
-        shape = f"{tokens}x{vocab}"
-        for fused, label in ((False, "unfused (log_softmax)"), (True, "rlops fused")):
-            if device.type == "cuda":
-                seconds, peak = _cuda_logprobs(tokens, vocab, fused, device)
+    if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
+        print("rlops bench: error: --gamma and --lam must lie in [0, 1]", file=sys.stderr)
+        return 2
+    for name, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    tuned = keep_freed_memory()
+    dev, dtype = torch.device(args.device), DTYPES[args.dtype]
+    say(
+        f"rlops bench: B={args.batch}, T={args.seq_len}, {args.dtype}, gamma={args.gamma}, "
+        f"lam={args.lam}, device={dev}, torch threads={torch.get_num_threads()}"
+        + (", malloc keeps freed memory" if tuned else "")
+    )
+    rows: list[bench_sections.Row] = []
+    steps = (
+        len(args.seq_len) * ("advantages" in args.sections)
+        + len(args.logprob_tokens) * ("logprobs" in args.sections)
+        + ("group" in args.sections)
+    )
+    with Progress(steps) as progress:
+        for section in (s for s in SECTIONS if s in args.sections):
+            if section == "advantages":
+                new = bench_sections.bench_advantages(
+                    args.batch,
+                    args.seq_len,
+                    dtype=dtype,
+                    device=dev,
+                    gamma=args.gamma,
+                    lam=args.lam,
+                    repeats=args.repeats,
+                    progress=progress.update,
+                )
+            elif section == "group":
+                new = bench_sections.bench_group(
+                    args.group_batch, min(args.seq_len), device=dev, repeats=args.repeats
+                )
+                progress.update()
             else:
-                m = measure_in_fresh_process(
-                    setup_logits,
-                    {"t": tokens, "v": vocab, "fused": fused},
-                    prime_kwargs={"t": 8, "v": 64, "fused": fused},
-                    threads=torch.get_num_threads(),
-                    repeats=repeats,
+                new = bench_sections.bench_logprobs(
+                    args.logprob_tokens, args.vocab, device=dev, progress=progress.update
                 )
-                seconds, peak = m["time_s"], int(m["peak_extra_bytes"])
-            rows.append(
-                Row(
-                    "logprobs",
-                    "log-prob + entropy",
-                    tokens,
-                    shape,
-                    label,
-                    seconds,
-                    fused,
-                    False,
-                    peak,
+            print_rows(new, args.batch, dtype)
+            rows += new
+    say("", "Verdict:", *verdicts(rows))
+    if args.json:
+        payload = {
+            "command": "bench",
+            "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
+            "rows": [dataclasses.asdict(r) for r in rows],
+        }
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=2)
+        say(f"measurements written to {args.json}")
+    if args.plot:
+        plot_rows(rows, args.plot)
+        say(f"plot written to {args.plot}")
+    return 0
+
+
+def print_rows(rows: list, batch: int, dtype: torch.dtype) -> None:
+    """One table per (case, shape): median time, time over rlops', peak extra memory."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    keys = list(dict.fromkeys((r.section, r.case, r.shape) for r in rows))
+    for section, case, shape in keys:
+        group = [r for r in rows if (r.section, r.case, r.shape) == (section, case, shape)]
+        ours = next((r for r in group if r.ours), group[-1])
+        lines = []
+        for r in group:
+            peak = "" if r.peak_bytes is None else fmt_mib(r.peak_bytes)
+            if section != "logprobs" and r.peak_bytes is not None:
+                peak += f" ({r.peak_bytes / (batch * r.size * itemsize):.2f} x [B,T])"
+            ms = ("~" if r.extrapolated else "") + fmt_ms(r.seconds)
+            lines.append([r.method, ms, f"{r.seconds / ours.seconds:,.2f}", peak])
+        print_table(
+            f"{case} [{shape}]", ["method", "median ms", "time / rlops", "peak extra MiB"], lines
+        )
+
+
+def _times(x: float) -> str:
+    return f"{x:,.0f}x" if x >= 10 else f"{x:.1f}x"
+
+
+def verdicts(rows) -> list[str]:
+    """One line per case at its largest size: each baseline's ``X ms -> Y ms (Z x)``; for
+    advantages, how close rlops is to the memory floor; for log-probs, the memory too."""
+    out = []
+    by_case = defaultdict(list)
+    for r in rows:
+        by_case[(r.section, r.case)].append(r)
+    for (section, case), group in by_case.items():
+        size = max(r.size for r in group)
+        at = [r for r in group if r.size == size]
+        ours = next(r for r in at if r.ours)
+        if section == "logprobs":
+            base = next(r for r in at if not r.ours)
+            mem = ""
+            if base.peak_bytes and ours.peak_bytes is not None:
+                mem = (
+                    f"; peak extra memory {fmt_mib(base.peak_bytes)} MiB -> "
+                    f"{fmt_mib(ours.peak_bytes)} MiB ({ours.peak_bytes / base.peak_bytes:.2f}x)"
                 )
+            speed = base.seconds / ours.seconds
+            how = f"{speed:.1f}x faster" if speed >= 1 else f"{1 / speed:.1f}x slower"
+            out.append(
+                f"- {case} [{ours.shape}], forward + backward: {fmt_ms(base.seconds)} ms -> "
+                f"{fmt_ms(ours.seconds)} ms ({how}){mem}."
             )
-        if progress is not None:
-            progress()
-    return rows
+            continue
+        parts = [
+            f"{r.method} {fmt_ms(r.seconds)} ms{' (extrapolated)' if r.extrapolated else ''} -> "
+            f"{fmt_ms(ours.seconds)} ms ({_times(r.seconds / ours.seconds)})"
+            for r in at
+            if not (r.ours or r.method.startswith("rlops") or r.method == "memory floor")
+        ]
+        line = f"- {case} [{ours.shape}]: " + "; ".join(parts) + "."
+        floor = next((r for r in at if r.method == "memory floor"), None)
+        if floor is not None:
+            line += f" rlops runs at {ours.seconds / floor.seconds:.1f}x the memory floor."
+        out.append(line)
+    return out
+
+
+def plot_rows(rows, path: str) -> None:
+    """One panel per section: time vs size, log-log, where a section has several sizes (hollow
+    markers: extrapolated); bars from zero where it has one. Legends below the panels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sections = list(dict.fromkeys(r.section for r in rows))
+    fig, axes = plt.subplots(1, len(sections), figsize=(6 * len(sections), 4.5), squeeze=False)
+    xlabel = {"advantages": "T (tokens per row)", "group": "T", "logprobs": "tokens"}
+    for ax, section in zip(axes[0], sections):
+        mine = [r for r in rows if r.section == section]
+        if len({r.size for r in mine}) == 1:
+            _bars(ax, mine)
+            ax.set_title(f"{section} [{mine[0].shape}]")
+        else:
+            _lines(ax, mine)
+            ax.set_xlabel(xlabel.get(section, "size"))
+            ax.set_title(section)
+        ax.set_ylabel("median time (ms)")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _lines(ax, rows) -> None:
+    lines = defaultdict(list)
+    for r in rows:
+        lines[f"{r.case}: {r.method}"].append(r)
+    for label, pts in lines.items():
+        pts.sort(key=lambda r: r.size)
+        ms = [r.seconds * 1e3 for r in pts]
+        width = 2 if pts[0].ours else 1
+        (line,) = ax.plot([r.size for r in pts], ms, marker="o", label=label, lw=width)
+        hollow = [(r.size, r.seconds * 1e3) for r in pts if r.extrapolated]
+        if hollow:
+            ax.plot(*zip(*hollow), ls="", marker="o", mfc="white", color=line.get_color())
+    sizes = sorted({r.size for r in rows})
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(sizes, [f"{s:,}" for s in sizes])
+    ax.minorticks_off()
+    ax.grid(True, which="major", alpha=0.3)
+
+
+def _bars(ax, rows) -> None:
+    cases = list(dict.fromkeys(r.case for r in rows))
+    methods = list(dict.fromkeys(r.method for r in rows))
+    width = 0.8 / len(methods)
+    for j, method in enumerate(methods):
+        pts = [
+            (i, r) for i, c in enumerate(cases) for r in rows if (r.case, r.method) == (c, method)
+        ]
+        xs = [i + (j - (len(methods) - 1) / 2) * width for i, _ in pts]
+        bars = ax.bar(xs, [r.seconds * 1e3 for _, r in pts], width, label=method)
+        ax.bar_label(bars, [f"{fmt_ms(r.seconds)} ms" for _, r in pts], fontsize=7)
+    ax.set_xticks(range(len(cases)), cases)
+    ax.margins(y=0.12)
+    ax.grid(True, axis="y", alpha=0.3)

@@ -27,8 +27,9 @@ import time
 import torch
 
 import rlops
+from rlops.cli import options
+from rlops.cli.display import Progress, say
 from rlops.cli.model import ModelConfig, TinyTransformer, sample
-from rlops.cli.options import positive_int
 
 __all__ = ["DemoConfig", "add_arguments", "run", "train"]
 
@@ -197,44 +198,30 @@ def add_arguments(subparsers) -> argparse.ArgumentParser:
         description="Train a tiny transformer with PPO to reverse strings of symbols (reward: "
         "fraction reversed correctly, max 1), with every RL computation from rlops.",
     )
-    p.add_argument(
-        "--iterations",
-        type=positive_int,
-        default=d.iterations,
-        help=f"PPO iterations (default {d.iterations})",
-    )
-    p.add_argument(
-        "--batch",
-        type=positive_int,
-        default=d.batch,
-        help=f"rollouts per iteration (default {d.batch})",
-    )
-    p.add_argument(
-        "--epochs",
-        type=positive_int,
-        default=d.epochs,
-        help=f"optimisation passes over each batch (default {d.epochs})",
-    )
-    p.add_argument(
-        "--length",
-        type=positive_int,
-        default=d.length,
-        help=f"symbols per string (default {d.length})",
-    )
-    p.add_argument(
-        "--symbols",
-        type=positive_int,
-        default=d.symbols,
-        help=f"alphabet size (default {d.symbols})",
-    )
+    for name, text in (
+        ("iterations", "PPO iterations"),
+        ("batch", "rollouts per iteration"),
+        ("epochs", "optimisation passes over each batch"),
+        ("length", "symbols per string"),
+        ("symbols", "alphabet size"),
+    ):
+        default = getattr(d, name)
+        p.add_argument(
+            f"--{name}",
+            metavar="N",
+            type=options.positive_int,
+            default=default,
+            help=f"{text} (default {default})",
+        )
     p.add_argument(
         "--multi-turn",
         action="store_true",
         help="the second half of the string arrives as tool output (mask 0) after the first answer",
     )
     p.add_argument("--seed", type=int, default=d.seed, help=f"(default {d.seed})")
-    p.add_argument("--plot", metavar="PATH", help="save the reward curve as a PNG")
-    p.add_argument("--json", metavar="PATH", help="write the reward curve as JSON")
+    options.add_outputs(
+        p, json="write the reward curve as JSON", plot="save the reward curve as a PNG"
+    )
     return p
 
 
@@ -288,49 +275,10 @@ def save_plot(result: dict, cfg: DemoConfig, path: str) -> None:
     turns = ", multi-turn (tool output masked)" if cfg.multi_turn else ""
     ax.set_title(f"PPO: reverse {cfg.length} symbols (alphabet {cfg.symbols}){turns}", fontsize=10)
     ax.set_ylim(0, 1.05 * result["max_reward"])
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)  # beside the curve
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
-
-
-def _progress(total: int):
-    """``(callback, close)``: a rich progress bar, or a line every tenth of the run."""
-    try:
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
-    except ImportError:
-        step = max(1, total // 10)
-
-        def plain(i: int, s: dict) -> None:
-            if (i + 1) % step == 0 or i + 1 == total:
-                print(
-                    f"iteration {i + 1}/{total}: reward {s['reward']:.3f}, "
-                    f"KL {s['kl']:.3f}, entropy {s['entropy']:.3f}",
-                    flush=True,
-                )
-
-        return plain, lambda: None
-    bar = Progress(
-        TextColumn("PPO"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.description}"),
-    )
-    task = bar.add_task("", total=total)
-    bar.start()
-
-    def update(i: int, s: dict) -> None:
-        text = f"reward {s['reward']:.3f}  KL {s['kl']:.3f}  entropy {s['entropy']:.3f}"
-        bar.update(task, completed=i + 1, description=text)
-
-    return update, bar.stop
 
 
 def run(args: argparse.Namespace) -> int:
@@ -342,21 +290,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"rlops demo: error: {err}", file=sys.stderr)
         return 2
     mode = "multi-turn: the second half arrives as tool output" if cfg.multi_turn else "one turn"
-    print(
+    say(
         f"PPO on a tiny transformer: reverse strings of {cfg.length} symbols out of "
         f"{cfg.symbols} ({mode}); {cfg.iterations} iterations of {cfg.batch} rollouts."
     )
-    update, close = _progress(cfg.iterations)
-    try:
-        result = train(cfg, update)
-    finally:
-        close()
-    print(summary(result, cfg))
+    with Progress(cfg.iterations, "PPO", keep=True) as progress:
+        result = train(
+            cfg,
+            lambda i, s: progress.update(
+                f"reward {s['reward']:.3f}  KL {s['kl']:.3f}  entropy {s['entropy']:.3f}"
+            ),
+        )
+    say(summary(result, cfg))
     if args.plot:
         save_plot(result, cfg, args.plot)
-        print(f"reward curve saved to {args.plot}")
+        say(f"reward curve saved to {args.plot}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-        print(f"reward curve written to {args.json}")
+        say(f"reward curve written to {args.json}")
     return 0

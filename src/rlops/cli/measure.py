@@ -6,7 +6,7 @@ Two ways to see peak memory on CPU, where torch has no allocator statistics:
   through ``/proc/self/clear_refs`` (Linux). Cheap; warm up first so one-off costs (JIT, code
   pages, thread pools) are not counted.
 * :func:`measure_in_fresh_process`: a spawned process builds the inputs and runs the step once;
-  peak RSS (``getrusage`` ``ru_maxrss``) minus the high-water once the inputs exist. A tiny
+  its resident-set high-water mark minus the high-water once the inputs exist. A tiny
   instance of the same workload runs first, so code paged in by a first call is not counted.
   This sees every allocation torch makes on CPU (plain malloc, no cache to hide a peak).
 
@@ -150,13 +150,21 @@ class PeakMemory:
 
 
 METHOD = (
-    "memory: peak RSS high-water (getrusage ru_maxrss) in a fresh spawned process per variant, "
+    "memory: peak RSS high-water (VmHWM) in a fresh spawned process per variant, "
     "minus the high-water once its inputs exist; time: median wall time after warm-up"
 )
 
 
 def peak_rss_bytes() -> int:
-    """The process's peak resident set size so far, in bytes."""
+    """The process's peak resident set size so far, in bytes.
+
+    Linux: ``VmHWM``, the high-water of this process's own memory map. Not ``ru_maxrss``:
+    that one carries over ``exec`` the resident size of the forked parent, so a spawned child
+    of a large parent would see no growth below the parent's size. Elsewhere ``ru_maxrss``.
+    """
+    hwm = _status_kib("VmHWM")
+    if hwm is not None:
+        return hwm * 1024
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
 

@@ -36,7 +36,8 @@ import time
 import torch
 
 import rlops
-from rlops.cli import baselines
+from rlops.cli import baselines, options
+from rlops.cli.display import Progress, fmt_mib, fmt_ms, print_table, say
 from rlops.cli.measure import PeakMemory, sync
 from rlops.cli.model import ModelConfig, TinyTransformer
 from rlops.cli.options import positive_int
@@ -77,23 +78,10 @@ def make_batch(cfg: ModelConfig, batch: int, seq_len: int, device, gen: torch.Ge
 
 
 # --------------------------------------------------------------------------- naive stages
-def naive_logprobs_and_entropy(logits: torch.Tensor, target: torch.Tensor):
-    """``log_softmax`` + ``gather`` and the softmax entropy, materialised in float32 (or the
-    logits' dtype if wider)."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    probs = torch.softmax(logits, dim=-1)
-    entropy = torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
-    return logp, entropy
-
-
 def naive_advantages(rewards, values, mask):
     """Per-token Python loop GAE, then whitening over the response tokens."""
     adv, ret = baselines.gae_token_loop(rewards * mask, values * mask, GAMMA, LAM)
-    n = mask.sum()
-    mean = (adv * mask).sum() / n
-    var = (((adv - mean) ** 2) * mask).sum() / (n - 1)
-    return (adv - mean) * torch.rsqrt(var + 1e-8) * mask, ret * mask
+    return baselines.masked_whiten_moments(adv, mask) * mask, ret * mask
 
 
 def naive_losses(logp, entropy, values, adv, ret, data):
@@ -139,7 +127,7 @@ def ppo_step(model: TinyTransformer, data: dict, impl: str, stage) -> torch.Tens
         hidden = model.trunk(tokens[:, :-1])
         logits = model.logits(hidden)
     with stage("log-prob + entropy"):
-        fn = naive_logprobs_and_entropy if naive else rlops.logprobs_and_entropy
+        fn = baselines.logprobs_entropy_unfused if naive else rlops.logprobs_and_entropy
         logp, entropy = fn(logits, tokens[:, 1:])
     with stage("value head"):
         values = model.values(hidden).float()
@@ -224,63 +212,58 @@ def add_arguments(subparsers) -> argparse.ArgumentParser:
         description="One PPO training step on a tiny transformer: per-stage time and peak "
         "memory, the common naive implementations beside rlops.",
     )
-    p.add_argument("--batch", type=positive_int, default=2, help="rows B (default 2)")
-    p.add_argument("--seq-len", type=positive_int, default=1024, help="tokens T (default 1024)")
-    p.add_argument("--vocab", type=positive_int, default=16384, help="V (default 16384)")
-    p.add_argument("--layers", type=positive_int, default=2, help="blocks (default 2)")
-    p.add_argument("--d-model", type=positive_int, default=128, help="width (default 128)")
-    p.add_argument("--heads", type=positive_int, default=4, help="attention heads (default 4)")
+    for name, metavar, default, text in (
+        ("batch", "B", 2, "rows"),
+        ("seq-len", "T", 1024, "tokens per row"),
+        ("vocab", "V", 16384, "vocabulary size"),
+        ("layers", "N", 2, "transformer blocks"),
+        ("d-model", "D", 128, "model width"),
+        ("heads", "N", 4, "attention heads"),
+        ("repeats", "N", 5, "timed steps per implementation"),
+    ):
+        p.add_argument(
+            f"--{name}",
+            metavar=metavar,
+            type=positive_int,
+            default=default,
+            help=f"{text} (default {default})",
+        )
     p.add_argument(
         "--dtype",
         choices=sorted(_DTYPES),
         default="float32",
         help="model and logits dtype (default float32)",
     )
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument(
-        "--repeats",
-        type=positive_int,
-        default=5,
-        help="timed steps per implementation (default 5)",
-    )
+    options.add_device(p)
     p.add_argument(
         "--threads",
+        metavar="N",
         type=positive_int,
         help="torch intra-op threads (default: torch's choice); 1 gives steadier numbers on "
         "a machine whose cores are busy with other work",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", metavar="PATH", help="save time and memory per stage as a PNG")
-    p.add_argument("--json", metavar="PATH", help="also write the measurements as JSON")
+    p.add_argument("--seed", type=int, default=0, help="(default 0)")
+    options.add_outputs(
+        p,
+        json="also write the measurements as JSON",
+        plot="save time and memory per stage as a PNG",
+    )
     return p
 
 
 def _check(args: argparse.Namespace) -> str | None:
-    """An error message for options that parse but cannot run, else None."""
+    """An error message for options that parse but cannot run together, else None."""
     if args.seq_len < 2:
         return f"--seq-len must be at least 2, got {args.seq_len}"
     if args.vocab < 2:
         return f"--vocab must be at least 2, got {args.vocab}"
     if args.d_model % args.heads:
         return f"--d-model {args.d_model} is not a multiple of --heads {args.heads}"
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        return f"--device {args.device!r} is not a device"
-    if device.type == "cuda" and not torch.cuda.is_available():
-        return "--device cuda but no CUDA device is available"
-    if device.type not in ("cpu", "cuda"):
-        return f"--device must be cpu or cuda, got {args.device!r}"
     return None
 
 
-def _mib(n: int | None) -> str:
-    return "n/a" if n is None else f"{n / 2**20:,.1f}"
-
-
-def _ms(seconds: float) -> str:
-    ms = seconds * 1e3
-    return f"{ms:,.3f}" if ms < 10 else f"{ms:,.1f}"
+HEADER = ["stage", "naive ms", "%", "rlops ms", "%", "speed-up", "naive MiB", "rlops MiB"]
+CAPTION = "MiB: most memory a stage held beyond what was live at its start"
 
 
 def _rows(result: dict, step_peak: dict) -> list[list[str]]:
@@ -291,88 +274,61 @@ def _rows(result: dict, step_peak: dict) -> list[list[str]]:
         rows.append(
             [
                 s,
-                _ms(n["seconds"]),
+                fmt_ms(n["seconds"]),
                 f"{100 * n['seconds'] / totals['naive']:.1f}%",
-                _ms(r["seconds"]),
+                fmt_ms(r["seconds"]),
                 f"{100 * r['seconds'] / totals['rlops']:.1f}%",
                 "same code" if s in SAME_CODE else f"{n['seconds'] / r['seconds']:.2f}x",
-                _mib(n["peak_bytes"]),
-                _mib(r["peak_bytes"]),
+                fmt_mib(n["peak_bytes"]),
+                fmt_mib(r["peak_bytes"]),
             ]
         )
     rows.append(
         [
             "whole step",
-            _ms(totals["naive"]),
+            fmt_ms(totals["naive"]),
             "100%",
-            _ms(totals["rlops"]),
+            fmt_ms(totals["rlops"]),
             "100%",
             f"{totals['naive'] / totals['rlops']:.2f}x",
-            _mib(step_peak["naive"]),
-            _mib(step_peak["rlops"]),
+            fmt_mib(step_peak["naive"]),
+            fmt_mib(step_peak["rlops"]),
         ]
     )
     return rows
 
 
-HEADER = ["stage", "naive ms", "%", "rlops ms", "%", "speed-up", "naive MiB", "rlops MiB"]
-
-
-def _print_table(title: str, rows: list[list[str]]) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
-        print(title)
-        for r in [HEADER, *rows]:
-            print(
-                "  ".join(
-                    c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
-                )
-            )
-        return
-    console = Console()
-    if not console.is_terminal:  # a file or a pipe: no need to wrap at 80 columns
-        console.width = max(console.width, 110)
-    table = Table(
-        title=title, caption="MiB: most memory a stage held beyond what was live at its start"
-    )
-    for i, h in enumerate(HEADER):
-        table.add_column(h, justify="left" if i == 0 else "right")
-    for i, r in enumerate(rows):
-        table.add_row(*r, end_section=i == len(rows) - 2)
-    console.print(table)
-
-
 def verdict(result: dict, step_peak: dict) -> str:
-    """Plain words: the step before and after, the stages rlops changed most, what is left."""
+    """Plain words: the step before and after, the stage that gained most time (in ms) and the
+    one that gained most memory (in MiB), and what dominates the step with rlops."""
     totals = {i: sum(result[i][s]["seconds"] for s in STAGES) for i in IMPLS}
     differ = [s for s in STAGES if s not in SAME_CODE]
 
     def saved(s: str, key: str) -> float:
         return (result["naive"][s][key] or 0) - (result["rlops"][s][key] or 0)
 
-    fast = max(differ, key=lambda s: saved(s, "seconds"))
-    small = max(differ, key=lambda s: saved(s, "peak_bytes"))
+    def change(s: str, key: str) -> str:
+        n, r = result["naive"][s][key], result["rlops"][s][key]
+        if key == "seconds":
+            return f"{fmt_ms(n)} -> {fmt_ms(r)} ms"
+        return f"peak {fmt_mib(n)} -> {fmt_mib(r)} MiB"
+
     lines = [
-        f"One PPO step: {_ms(totals['naive'])} ms -> {_ms(totals['rlops'])} ms "
+        f"One PPO step: {fmt_ms(totals['naive'])} ms -> {fmt_ms(totals['rlops'])} ms "
         f"({totals['naive'] / totals['rlops']:.2f}x); peak memory "
-        f"{_mib(step_peak['naive'])} -> {_mib(step_peak['rlops'])} MiB.",
+        f"{fmt_mib(step_peak['naive'])} -> {fmt_mib(step_peak['rlops'])} MiB.",
     ]
-    gains = [
-        (label, s)
-        for label, s, key in (("time", fast, "seconds"), ("memory", small, "peak_bytes"))
-        if saved(s, key) > 0
-    ]
-    if len(gains) == 2 and fast == small:
-        gains = [("time and memory", fast)]
-    for label, s in gains:
-        n, r = result["naive"][s], result["rlops"][s]
+    best = {key: max(differ, key=lambda s, k=key: saved(s, k)) for key in ("seconds", "peak_bytes")}
+    gains = [(key, s) for key, s in best.items() if saved(s, key) > 0]
+    if len(gains) == 2 and best["seconds"] == best["peak_bytes"]:
+        s = best["seconds"]
         lines.append(
-            f"Largest {label} gain: {s}, {_ms(n['seconds'])} -> {_ms(r['seconds'])} ms, "
-            f"peak {_mib(n['peak_bytes'])} -> {_mib(r['peak_bytes'])} MiB."
+            f"Largest time and memory gain: {s}, {change(s, 'seconds')}, {change(s, 'peak_bytes')}."
         )
+    else:
+        for key, s in gains:
+            label = "time" if key == "seconds" else "memory"
+            lines.append(f"Largest {label} gain: {s}, {change(s, key)}.")
     if not gains:
         lines.append("No stage takes less time or memory with rlops at this size.")
     top = sorted(STAGES, key=lambda s: -result["rlops"][s]["seconds"])[:2]
@@ -440,29 +396,21 @@ def run(args: argparse.Namespace) -> int:
         f"One PPO step, B={args.batch}, T={args.seq_len}, V={args.vocab}, layers={args.layers}, "
         f"d_model={args.d_model}, {args.dtype}, {device}, torch threads={torch.get_num_threads()}"
     )
-    print(title)
-    total = 2 * (args.repeats + 1)
-    try:
-        from rich.progress import Progress
-
-        bar = Progress(transient=True)
-    except ImportError:
-        bar = None
-    if bar is not None:
-        with bar:
-            task = bar.add_task("measuring", total=total)
-            result = profile_step(model, data, device, args.repeats, lambda: bar.advance(task))
-    else:
-        result = profile_step(model, data, device, args.repeats)
+    say(title)
+    with Progress(2 * (args.repeats + 1), "PPO steps") as progress:
+        result = profile_step(model, data, device, args.repeats, progress.update)
     step_peak = profile_whole_step(model, data, device)
-    _print_table(
+    print_table(
         f"Stages of one PPO step [{args.batch}x{args.seq_len}, V={args.vocab}]",
+        HEADER,
         _rows(result, step_peak),
+        caption=CAPTION,
+        total_row=True,
     )
-    print(verdict(result, step_peak))
+    say(verdict(result, step_peak))
     if args.plot:
         save_plot(result, step_peak, title, args.plot)
-        print(f"plot saved to {args.plot}")
+        say(f"plot saved to {args.plot}")
     if args.json:
         payload = {
             "command": "profile",
@@ -473,5 +421,5 @@ def run(args: argparse.Namespace) -> int:
         }
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=2)
-        print(f"measurements written to {args.json}")
+        say(f"measurements written to {args.json}")
     return 0

@@ -9,20 +9,21 @@ from collections.abc import Callable
 
 import torch
 
-from rlops.logprobs import linear_logprobs_and_entropy, logprobs_and_entropy
-from rlops.logprobs.reference import logprobs_and_entropy_reference
+from rlops import linear_logprobs_and_entropy, logprobs_and_entropy
+from rlops.cli.baselines import logprobs_entropy_unfused
 
 __all__ = ["setup_linear", "setup_logits"]
 
 
 def setup_logits(t: int, v: int, fused: bool) -> Callable[[], None]:
-    """Float32 logits ``[t, v]``; the step: (un)fused log-probs + entropy, forward and backward
-    with random upstream gradients for both outputs."""
+    """Float32 logits ``[t, v]``; the step: log-probs + entropy, fused (rlops) or unfused
+    (``log_softmax`` + gather, softmax entropy), forward and backward with random upstream
+    gradients for both outputs."""
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(t, v, generator=gen).requires_grad_()
     target = torch.randint(0, v, (t,), generator=gen)
     grads = [torch.randn(t, generator=gen), torch.randn(t, generator=gen)]
-    fn = logprobs_and_entropy if fused else logprobs_and_entropy_reference
+    fn = logprobs_and_entropy if fused else logprobs_entropy_unfused
 
     def step() -> None:
         torch.autograd.backward(list(fn(logits, target)), grads)

@@ -1,0 +1,24 @@
+"""Peak memory seen by a fresh process does not depend on the size of the process that
+started it."""
+
+from __future__ import annotations
+
+import torch
+
+from rlops.cli.measure import measure_in_fresh_process
+from rlops.cli.workloads import setup_logits
+
+
+def test_fresh_process_peak_ignores_a_large_parent():
+    """Unfused log-probs + entropy over [256, 4096] float32 logits (4 MiB each) materialise
+    several [256, 4096] temporaries; the parent holds 256 MiB meanwhile. ``ru_maxrss`` would
+    start the child at the parent's size and see no growth."""
+    ballast = torch.ones(64 * 2**20)  # 256 MiB, resident
+    m = measure_in_fresh_process(
+        setup_logits,
+        {"t": 256, "v": 4096, "fused": False},
+        prime_kwargs={"t": 8, "v": 64, "fused": False},
+        repeats=1,
+    )
+    assert ballast[-1] == 1
+    assert m["peak_extra_bytes"] >= 3 * 256 * 4096 * 4

@@ -1,0 +1,137 @@
+"""The ``rlops`` command line: version, help texts, option checks made before any measurement,
+explicit options over ``--quick``, tables printed as each section completes, verdict wording."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+import rlops
+from rlops.cli import bench, bench_sections, main, parser, profile
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as err:
+        main(["--version"])
+    assert err.value.code == 0
+    assert capsys.readouterr().out.strip() == f"rlops {rlops.__version__}"
+
+
+def subparsers() -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize("command", ["bench", "demo", "profile"])
+def test_help_is_plain_and_shows_every_default(command):
+    sub = subparsers()[command]
+    text = sub.format_help()
+    assert "``" not in text and ":class:" not in text
+    for action in sub._actions:
+        if action.help in (None, argparse.SUPPRESS) or isinstance(action, argparse._HelpAction):
+            continue
+        if action.default not in (None, False) or action.dest in bench.DEFAULTS:
+            assert "default" in action.help, f"rlops {command} {action.option_strings[0]}"
+
+
+@pytest.mark.parametrize("command", ["bench", "profile"])
+@pytest.mark.parametrize("name", ["gpu", "tpu9", "cuda:x", "meta"])
+def test_unknown_device_is_a_usage_error(command, name, capsys):
+    with pytest.raises(SystemExit) as err:
+        main([command, "--device", name])
+    assert err.value.code == 2
+    text = capsys.readouterr().err
+    assert f"rlops {command}: error: argument --device" in text and "Traceback" not in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+@pytest.mark.parametrize("command", ["bench", "profile"])
+def test_absent_cuda_is_a_usage_error(command, capsys):
+    with pytest.raises(SystemExit) as err:
+        main([command, "--device", "cuda"])
+    assert err.value.code == 2
+    assert "no CUDA device is available" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["bench", "demo", "profile"])
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_unwritable_output_fails_before_measuring(command, option, tmp_path, capsys):
+    for path in (tmp_path / "no-such-folder" / "out", tmp_path):  # missing folder; a folder
+        with pytest.raises(SystemExit) as err:
+            main([command, option, str(path)])
+        assert err.value.code == 2
+        assert f"argument {option}: " in capsys.readouterr().err
+
+
+def test_explicit_options_win_over_quick(tmp_path, capsys):
+    path = tmp_path / "b.json"
+    argv = ["bench", "--quick", "--sections", "group", "--seq-len", "48", "--group-batch", "16"]
+    assert main([*argv, "--repeats", "2", "--json", str(path)]) == 0
+    config = json.loads(path.read_text())["config"]
+    assert config["seq_len"] == [48] and config["group_batch"] == 16 and config["repeats"] == 2
+    assert config["vocab"] == bench.QUICK["vocab"]  # not given: the --quick default
+    assert "grpo [16x48]" in capsys.readouterr().out
+
+
+def test_each_section_is_printed_when_it_completes(monkeypatch, capsys):
+    """The group table is out before the log-prob section starts."""
+    seen = []
+
+    def logprobs(*args, **kwargs):
+        seen.append(capsys.readouterr().out)
+        return []
+
+    monkeypatch.setattr(bench_sections, "bench_logprobs", logprobs)
+    argv = ["bench", "--quick", "--sections", "group", "logprobs", "--seq-len", "32"]
+    assert main([*argv, "--group-batch", "16", "--repeats", "1"]) == 0
+    assert "grpo [16x32]" in seen[0] and "rloo [16x32]" in seen[0]
+
+
+def test_bench_verdict_compares_measured_shapes_only():
+    rows = [
+        bench_sections.Row("advantages", "gae", 64, "2x64", "per-token loop", 2e-3),
+        bench_sections.Row("advantages", "gae", 64, "2x64", "rlops auto", 1e-5, ours=True),
+        bench_sections.Row("advantages", "gae", 64, "2x64", "memory floor", 5e-6),
+        bench_sections.Row("logprobs", "log-prob + entropy", 8, "8x16", "unfused", 2e-4),
+        bench_sections.Row("logprobs", "log-prob + entropy", 8, "8x16", "rlops fused", 1e-4, True),
+    ]
+    lines = bench.verdicts(rows)
+    assert lines[0] == (
+        "- gae [2x64]: per-token loop 2.000 ms -> 0.010 ms (200x). "
+        "rlops runs at 2.0x the memory floor."
+    )
+    assert "For scale" not in " ".join(lines)
+    assert lines[1].startswith("- log-prob + entropy [8x16], forward + backward: 0.200 ms")
+
+
+def stage_results(naive: dict, ours: dict) -> dict:
+    """``{impl: {stage: {"seconds", "peak_bytes"}}}`` from ``{stage: (ms, MiB)}``."""
+    out = {}
+    for impl, given in (("naive", naive), ("rlops", ours)):
+        out[impl] = {
+            s: {
+                "seconds": given.get(s, (1.0, 1.0))[0] / 1e3,
+                "peak_bytes": given.get(s, (1, 1))[1] * 2**20,
+            }
+            for s in profile.STAGES
+        }
+    return out
+
+
+def test_profile_verdict_shows_time_in_ms_and_memory_in_mib():
+    """The stage that saves most memory here is slower: its line speaks of memory only."""
+    result = stage_results(
+        {"backward": (1809.2, 900.0), "advantages": (50.0, 2.0)},
+        {"backward": (2380.4, 300.0), "advantages": (1.0, 2.0)},
+    )
+    text = profile.verdict(result, {"naive": 2**30, "rlops": 2**29})
+    assert "Largest time gain: advantages, 50.0 -> 1.000 ms." in text
+    assert "Largest memory gain: backward, peak 900.0 -> 300.0 MiB." in text
+    result = stage_results({"backward": (20.0, 900.0)}, {"backward": (10.0, 300.0)})
+    text = profile.verdict(result, {"naive": 2**30, "rlops": 2**29})
+    assert (
+        "Largest time and memory gain: backward, 20.0 -> 10.0 ms, peak 900.0 -> 300.0 MiB." in text
+    )
