@@ -177,7 +177,7 @@ def test_mismatched_shards_raise_instead_of_hanging():
 
 def test_odd_local_length_is_rejected_without_a_collective():
     with pytest.raises(ValueError, match="two zigzag chunks"):
-        from rlops.distributed.context_parallel import cp_scan
+        from rlops.advantages.context_parallel import cp_scan
 
         cp_scan(torch.zeros(1, 3), 0.5, None, "chunked")
 

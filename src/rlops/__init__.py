@@ -5,7 +5,12 @@ and value losses, masked statistics, log-probs and entropy, and the distributed 
 need, as pure functions on ``[B, T]`` tensors.
 """
 
-from rlops.advantages import discounted_returns, gae, reinforce_plus_plus_returns
+from rlops.advantages import (
+    discounted_cumsum,
+    discounted_returns,
+    gae,
+    reinforce_plus_plus_returns,
+)
 from rlops.group_advantages import (
     grpo_advantages,
     reinforce_plus_plus_baseline_advantages,
@@ -14,7 +19,6 @@ from rlops.group_advantages import (
 )
 from rlops.logprobs import linear_logprobs_and_entropy, logprobs_and_entropy
 from rlops.losses import aggregate_loss, kl_penalty, policy_loss, value_loss
-from rlops.scan import discounted_cumsum
 from rlops.stats import masked_mean, masked_var, masked_whiten
 
 __version__ = "0.1.0"

@@ -1,27 +1,41 @@
-"""Input validation shared by every public function.
+"""Input validation shared by every public function: the one place where arguments are checked.
 
 Errors name the argument and what was expected. Checks on tensor *values* (a discount in
 [0, 1], a 0/1 mask) need to read the data; on CPU that costs one cheap reduction and no device
 synchronisation, so they always run there. On accelerators they would stall the stream, so they
 run only when ``RLOPS_CHECK_VALUES=1`` is set in the environment.
+
+Scalar parameters (``gamma``, ``eps``, clip ranges, ...) accept Python numbers, numpy scalars
+(``np.float32`` as verl passes them) and 0-dim tensors (read once, on the host).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from collections.abc import Sequence
 
 import torch
 
 __all__ = [
+    "as_bool_mask",
     "as_float_tensor",
+    "as_real",
+    "as_tensor",
+    "check_2d",
+    "check_choice",
     "check_chunk_size",
+    "check_cp_rank",
+    "check_dim",
     "check_indicator",
-    "check_method",
+    "check_nonneg",
+    "check_positive",
     "check_same_device",
-    "check_shape",
+    "check_same_shape",
     "check_unit_interval",
     "compute_dtype",
+    "per_row_discount",
     "shape_error",
     "values_checked",
 ]
@@ -37,6 +51,12 @@ def values_checked(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" or os.environ.get("RLOPS_CHECK_VALUES", "0") == "1"
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype we accumulate in: float32 for half types, else the input's own."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+# --------------------------------------------------------------------------- tensors
 def as_float_tensor(name: str, x: object) -> torch.Tensor:
     """Return ``x`` if it is a floating-point tensor, else raise ``TypeError`` naming ``name``."""
     if not isinstance(x, torch.Tensor):
@@ -49,39 +69,44 @@ def as_float_tensor(name: str, x: object) -> torch.Tensor:
     return x
 
 
-def check_shape(name: str, t: torch.Tensor, shape: Sequence[int], expected: str) -> None:
-    if tuple(t.shape) != tuple(shape):
-        raise shape_error(name, expected, t.shape)
+def as_tensor(name: str, x: object, min_dim: int = 1) -> torch.Tensor:
+    """Any tensor with at least ``min_dim`` dimensions (e.g. a sequence dimension)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < min_dim:
+        raise ValueError(f"{name} must have at least {min_dim} dimension(s), got {x.dim()}")
+    return x
 
 
-def check_same_device(ref_name: str, ref: torch.Tensor, **others: torch.Tensor | None) -> None:
+def check_2d(name: str, x: object) -> torch.Tensor:
+    """A floating ``[B, T]`` tensor."""
+    as_float_tensor(name, x)
+    if x.dim() != 2:
+        raise shape_error(name, "[B, T]", x.shape)
+    return x
+
+
+def check_same_shape(ref_name: str, ref: torch.Tensor, **others: object) -> None:
+    """Each of ``others`` is a floating tensor of ``ref``'s shape, on ``ref``'s device."""
     for name, t in others.items():
-        if t is not None and t.device != ref.device:
+        as_float_tensor(name, t)
+        if t.shape != ref.shape:
+            raise shape_error(name, f"{list(ref.shape)} like {ref_name}", t.shape)
+    check_same_device(ref_name, ref, **others)
+
+
+def check_same_device(ref_name: str, ref: torch.Tensor, **others: object) -> None:
+    for name, t in others.items():
+        if isinstance(t, torch.Tensor) and t.device != ref.device:
             raise ValueError(
                 f"{name} is on {t.device} but {ref_name} is on {ref.device}; "
                 "all tensors must be on one device"
             )
 
 
-def check_unit_interval(name: str, value: float | torch.Tensor) -> None:
-    """Raise ``ValueError`` unless every entry of ``value`` lies in [0, 1] (NaN is rejected)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
-        raise TypeError(f"{name} must be a float or a tensor, got {type(value).__name__}")
-    if isinstance(value, torch.Tensor):
-        if value.is_complex():
-            raise TypeError(f"{name} must be a real tensor, got {value.dtype}")
-        if values_checked(value) and value.numel() > 0:
-            v = value.double()
-            if bool(((v < 0) | (v > 1) | v.isnan()).any()):
-                bad = v[(v < 0) | (v > 1) | v.isnan()][0].item()
-                raise ValueError(f"{name} must lie in [0, 1], got a value {bad}")
-        return
-    if not 0.0 <= float(value) <= 1.0:  # also False for NaN
-        raise ValueError(f"{name} must lie in [0, 1], got {value}")
-
-
-def check_indicator(name: str, t: torch.Tensor | None, shape: Sequence[int]) -> None:
-    """A 0/1 indicator tensor (``mask``, ``dones``): bool, integer or floating, of ``shape``."""
+def check_indicator(name: str, t: object, shape: Sequence[int], like: str = "rewards") -> None:
+    """A 0/1 indicator tensor (``mask``, ``dones``) or None: bool, integer or floating 0/1, of
+    exactly ``shape`` (the shape of argument ``like``)."""
     if t is None:
         return
     if not isinstance(t, torch.Tensor):
@@ -89,7 +114,7 @@ def check_indicator(name: str, t: torch.Tensor | None, shape: Sequence[int]) -> 
     if t.is_complex():
         raise TypeError(f"{name} must be bool, integer or floating 0/1, got {t.dtype}")
     if tuple(t.shape) != tuple(shape):
-        raise shape_error(name, "[B, T] like rewards " + str(list(shape)), t.shape)
+        raise shape_error(name, f"{list(shape)} like {like}", t.shape)
     if t.dtype != torch.bool and values_checked(t) and t.numel() > 0:
         if t.is_floating_point():
             bad = bool((t * (1 - t)).any())  # nonzero unless 0 or 1 (NaN and inf too)
@@ -100,20 +125,116 @@ def check_indicator(name: str, t: torch.Tensor | None, shape: Sequence[int]) -> 
             raise ValueError(f"{name} must hold only 0 and 1 (or be bool)")
 
 
-def check_method(method: str, allowed: Sequence[str]) -> None:
-    if method not in allowed:
-        raise ValueError(f"method must be one of {list(allowed)}, got {method!r}")
+def as_bool_mask(
+    name: str, mask: object, shape: Sequence[int], like: str, ref: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A required 0/1 ``mask`` of exactly ``shape`` (on ``ref``'s device), returned as bool.
+
+    Its values are read once (on CPU, see the module docstring); a bool mask needs no such pass.
+    """
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+    check_indicator(name, mask, shape, like)
+    if ref is not None:
+        check_same_device(like, ref, **{name: mask})
+    return mask if mask.dtype == torch.bool else mask != 0
 
 
-def check_chunk_size(chunk_size: int | None) -> None:
+# --------------------------------------------------------------------------- scalars
+def as_real(name: str, value: object) -> float:
+    """A real number as a float: Python and numpy numbers, or a 0-dim real tensor."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex():
+        if value.dtype != torch.bool:
+            return float(value)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    kind = f"a {value.dim()}-dim tensor" if isinstance(value, torch.Tensor) else type(value)
+    raise TypeError(f"{name} must be a real number, got {getattr(kind, '__name__', kind)}")
+
+
+def check_positive(name: str, value: object, *, above: float = 0.0) -> float:
+    """A real number ``> above``; ``inf`` is allowed (e.g. no clipping)."""
+    v = as_real(name, value)
+    if math.isnan(v) or v <= above:
+        raise ValueError(f"{name} must be > {above:g}, got {value}")
+    return v
+
+
+def check_nonneg(name: str, value: object) -> float:
+    """A finite real number >= 0 (``eps``)."""
+    v = as_real(name, value)
+    if not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+    return v
+
+
+def check_unit_interval(name: str, value: object) -> float | torch.Tensor:
+    """A number or a real tensor with every entry in [0, 1] (NaN is rejected).
+
+    Returns a float for a number (numpy scalars included), else the tensor unchanged."""
+    if isinstance(value, torch.Tensor):
+        if value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be a real floating tensor, got {value.dtype}")
+        if values_checked(value) and value.numel() > 0:
+            v = value.double()
+            bad = (v < 0) | (v > 1) | v.isnan()
+            if bool(bad.any()):
+                raise ValueError(f"{name} must lie in [0, 1], got a value {v[bad][0].item()}")
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float or a tensor, got {type(value).__name__}")
+    if not 0.0 <= float(value) <= 1.0:  # also False for NaN
+        raise ValueError(f"{name} must lie in [0, 1], got {value}")
+    return float(value)
+
+
+def per_row_discount(
+    name: str, value: object, b: int, ref: torch.Tensor
+) -> float | torch.Tensor:
+    """A discount in [0, 1] given as a number or a ``[B]`` (or ``[B, 1]``, or 0-dim) tensor:
+    returned as a float, or a ``[B, 1]`` tensor on ``ref``'s device."""
+    value = check_unit_interval(name, value)
+    if not isinstance(value, torch.Tensor):
+        return value
+    check_same_device("rewards", ref, **{name: value})
+    if value.dim() == 0:
+        return value.reshape(1, 1).expand(b, 1)
+    if tuple(value.shape) not in ((b,), (b, 1)):
+        raise shape_error(name, f"[B] = [{b}] (one per row), or a float", value.shape)
+    return value.reshape(b, 1)
+
+
+def check_choice(name: str, value: object, choices: Sequence[object]) -> object:
+    """``value`` must be one of ``choices`` (a method, mode or kind name)."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return value
+
+
+def check_chunk_size(chunk_size: object) -> None:
     if chunk_size is None:
         return
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
         raise TypeError(f"chunk_size must be an int or None, got {type(chunk_size).__name__}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype we accumulate in: float32 for half types, else the input's own."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+def check_dim(dim: object, ndim: int) -> int:
+    """A valid dimension index of a tensor with ``ndim`` dims, returned non-negative."""
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"dim must be in [{-ndim}, {ndim - 1}] for x of {ndim} dims, got {dim}")
+    return int(dim) % ndim
+
+
+def check_cp_rank(cp_size: object, cp_rank: object) -> None:
+    """A context-parallel world size >= 1 and a rank in [0, cp_size)."""
+    for name, v in (("cp_size", cp_size), ("cp_rank", cp_rank)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if cp_size < 1:
+        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be in [0, {cp_size - 1}], got {cp_rank}")

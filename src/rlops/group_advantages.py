@@ -21,8 +21,15 @@ from __future__ import annotations
 
 import torch
 
-from rlops._checks import as_float_tensor, check_same_device, compute_dtype, shape_error
-from rlops.stats import _as_bool, _check_mask, _check_nonneg, _inv_std, _variance, _weighted_moments
+from rlops._checks import (
+    as_bool_mask,
+    as_float_tensor,
+    check_nonneg,
+    check_same_device,
+    compute_dtype,
+    shape_error,
+)
+from rlops.stats import inv_std, variance, weighted_moments
 
 __all__ = [
     "grpo_advantages",
@@ -61,7 +68,8 @@ def _group_moments(
     return n, centred, m2
 
 
-def _check_mask_2d(mask: object) -> tuple[int, int]:
+def _mask_shape(mask: object) -> tuple[int, int]:
+    """``(B, T)`` of a ``[B, T]`` mask (its values are checked by ``as_bool_mask``)."""
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
     if mask.dim() != 2:
@@ -72,7 +80,7 @@ def _check_mask_2d(mask: object) -> tuple[int, int]:
 def _prepare(scores: object, index: object, mask: object) -> torch.Tensor:
     """Validate the three arguments; return the ``[B]`` scores in the computation dtype."""
     as_float_tensor("scores", scores)
-    b, t = _check_mask_2d(mask)
+    b, t = _mask_shape(mask)
     if scores.dim() == 2:
         if tuple(scores.shape) != (b, t):
             raise shape_error("scores", f"[B] or [B, T] = {[b, t]} like mask", scores.shape)
@@ -81,7 +89,7 @@ def _prepare(scores: object, index: object, mask: object) -> torch.Tensor:
         s = scores.to(compute_dtype(scores.dtype))
     else:
         raise shape_error("scores", f"[B] = {[b]} or [B, T] like mask", scores.shape)
-    _check_mask("mask", mask, (b, t), "[B, T]")
+    as_bool_mask("mask", mask, (b, t), "[B, T]")
     if not isinstance(index, torch.Tensor):
         raise TypeError(f"index must be a torch.Tensor, got {type(index).__name__}")
     if index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
@@ -138,13 +146,13 @@ def grpo_advantages(
         >>> adv[:, 0]
         tensor([ 0.7071, -0.7071, -0.7071,  0.7071])
     """
-    eps = _check_nonneg("eps", eps)
+    eps = check_nonneg("eps", eps)
     s = _prepare(scores, index, mask)
     n, centred, m2 = _group_moments(s, index)
     alone = n == 1
     a = torch.where(alone, s, centred)
     if norm_std:
-        den = torch.where(alone, 1, torch.sqrt(_variance(n, m2, unbiased=True))) + eps
+        den = torch.where(alone, 1, torch.sqrt(variance(n, m2, unbiased=True))) + eps
         a = a / torch.where(den > 0, den, 1)  # den = 0 only for equal scores and eps = 0: a = 0
     adv = _broadcast(a, mask, scores.dtype)
     return adv, adv
@@ -213,13 +221,13 @@ def reinforce_plus_plus_baseline_advantages(
         >>> adv[:, 0]
         tensor([ 0.5477, -0.5477,  1.0954, -1.0954])
     """
-    eps = _check_nonneg("eps", eps)
+    eps = check_nonneg("eps", eps)
     s = _prepare(scores, index, mask)
     n, centred, _ = _group_moments(s, index)
     a = torch.where(n == 1, s, centred)
     tokens = mask.sum(-1).to(a.dtype)
-    count, batch_mean, m2 = _weighted_moments(a, tokens)
-    a = (a - batch_mean) * _inv_std(_variance(count, m2, unbiased=True), eps)
+    count, batch_mean, m2 = weighted_moments(a, tokens)
+    a = (a - batch_mean) * inv_std(variance(count, m2, unbiased=True), eps)
     adv = _broadcast(a, mask, scores.dtype)
     return adv, adv
 
@@ -251,8 +259,8 @@ def remax_advantages(
     """
     as_float_tensor("rewards", rewards)
     as_float_tensor("reward_baselines", reward_baselines)
-    b, t = _check_mask_2d(mask)
-    keep = _as_bool(_check_mask("mask", mask, (b, t), "[B, T]"))
+    b, t = _mask_shape(mask)
+    keep = as_bool_mask("mask", mask, (b, t), "[B, T]")
     if tuple(reward_baselines.shape) != (b,):
         raise shape_error("reward_baselines", f"[B] = {[b]} like mask", reward_baselines.shape)
     check_same_device("rewards", rewards, reward_baselines=reward_baselines, mask=mask)

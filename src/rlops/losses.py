@@ -19,8 +19,15 @@ import math
 
 import torch
 
-from rlops._checks import as_float_tensor, compute_dtype, shape_error
-from rlops.stats import _as_bool, _check_mask, _check_same_shape
+from rlops._checks import (
+    as_bool_mask,
+    as_float_tensor,
+    check_2d,
+    check_choice,
+    check_positive,
+    check_same_shape,
+    compute_dtype,
+)
 
 __all__ = [
     "AGG_MODES",
@@ -39,29 +46,7 @@ _KL_BASE = ("k1", "abs", "k2", "k3", "low_var_kl")
 KL_KINDS = (*_KL_BASE, *_KL_ALIASES, *(k + "+" for k in (*_KL_BASE, *_KL_ALIASES)))
 
 
-# --------------------------------------------------------------------------- checks
-def _check_2d(name: str, x: object) -> torch.Tensor:
-    as_float_tensor(name, x)
-    if x.dim() != 2:
-        raise shape_error(name, "[B, T]", x.shape)
-    return x
-
-
-def _check_positive(name: str, value: object, *, above: float = 0.0) -> float:
-    """A real number ``> above``; ``inf`` is allowed (no clipping)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    if math.isnan(value) or value <= above:
-        raise ValueError(f"{name} must be > {above:g}, got {value}")
-    return float(value)
-
-
-def _check_mode(name: str, mode: object) -> str:
-    if mode not in AGG_MODES:
-        raise ValueError(f"{name} must be one of {list(AGG_MODES)}, got {mode!r}")
-    return mode
-
-
+# --------------------------------------------------------------------------- helpers
 def _masked_frac(flag: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Fraction of mask-1 tokens where ``flag`` holds (0 when there are none); detached."""
     hits = (flag & keep).sum().to(dtype)
@@ -70,9 +55,12 @@ def _masked_frac(flag: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype) -> 
 
 # --------------------------------------------------------------------------- aggregation
 def _aggregate(
-    x: torch.Tensor, keep: torch.Tensor, mode: str, loss_scale_factor: float | None
+    x: torch.Tensor, keep: torch.Tensor, mode: str | None, loss_scale_factor: float | None
 ) -> torch.Tensor:
-    """``mode`` reduction of ``x``, which must already be 0 where ``keep`` is False."""
+    """``mode`` reduction of ``x``, which must already be 0 where ``keep`` is False;
+    ``mode=None`` returns ``x`` itself (the per-token matrix)."""
+    if mode is None:
+        return x
     if mode == "token-mean":
         return x.sum() / keep.sum().to(x.dtype).clamp_min(1)
     tokens = keep.sum(-1).to(x.dtype)
@@ -83,6 +71,15 @@ def _aggregate(
     if mode == "seq-mean-token-sum-norm":
         out = out / (x.shape[-1] if loss_scale_factor is None else loss_scale_factor)
     return out
+
+
+def _check_agg(name: str, mode: object, loss_scale_factor: object) -> float | None:
+    """Check an aggregation mode (or None) and its normaliser; return the normaliser."""
+    if mode is not None:
+        check_choice(name, mode, AGG_MODES)
+    if loss_scale_factor is None:
+        return None
+    return check_positive("loss_scale_factor", loss_scale_factor)
 
 
 def aggregate_loss(
@@ -101,10 +98,14 @@ def aggregate_loss(
         seq-mean-token-mean      (1/B') Σ_b (Σ_t m·ℓ) / n_b
         seq-mean-token-sum-norm  (1/B') Σ_b Σ_t m·ℓ / L      (Dr.GRPO; L = loss_scale_factor or T)
 
-    Rows with no action token are left out of the sequence means (as current verl); an empty
-    batch gives 0. The normaliser of ``seq-mean-token-sum-norm`` defaults to ``T`` and should be
-    a fixed maximum response length when ``T`` varies between micro-batches
-    (https://arxiv.org/abs/2503.20783).
+    ``seq-mean-token-sum-norm`` is Dr.GRPO's objective (https://arxiv.org/abs/2503.20783):
+    the mean over sequences of each sequence's token *sum*, divided by a constant ``L`` instead
+    of each sequence's own length. This is verl's definition since February 2026 (its
+    ``agg_loss`` shares the ``seq-mean-token-sum`` branch and then divides by
+    ``loss_scale_factor``); earlier verl releases divided the plain token sum by ``L`` without
+    the mean over sequences (``B'`` times larger). ``L`` defaults to ``T`` and should be a fixed
+    maximum response length when ``T`` varies between micro-batches. Rows with no action token
+    are left out of the sequence means (as current verl); an empty batch gives 0.
 
     Args:
         loss_mat: ``[B, T]`` per-token loss.
@@ -122,11 +123,11 @@ def aggregate_loss(
         >>> [round(aggregate_loss(loss, m, mode).item(), 4) for mode in AGG_MODES]
         [2.5, 5.0, 3.0, 1.6667]
     """
-    _check_2d("loss_mat", loss_mat)
-    keep = _as_bool(_check_mask("mask", mask, loss_mat.shape, "loss_mat"))
-    mode = _check_mode("mode", mode)
-    if loss_scale_factor is not None:
-        loss_scale_factor = _check_positive("loss_scale_factor", loss_scale_factor)
+    check_2d("loss_mat", loss_mat)
+    keep = as_bool_mask("mask", mask, loss_mat.shape, "loss_mat", loss_mat)
+    if mode is None:
+        raise ValueError(f"mode must be one of {list(AGG_MODES)}, got None")
+    loss_scale_factor = _check_agg("mode", mode, loss_scale_factor)
     x = torch.where(keep, loss_mat.to(compute_dtype(loss_mat.dtype)), 0)
     return _aggregate(x, keep, mode, loss_scale_factor)
 
@@ -178,9 +179,8 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
         (tensor([ 0.5000, -1.0000,  0.0000]), tensor([0.1065, 0.7183, 0.0000]))
     """
     as_float_tensor("logp", logp)
-    _check_same_shape("logp", logp, ref_logp=ref_logp)
-    if kind not in KL_KINDS:
-        raise ValueError(f"kind must be one of {list(KL_KINDS)}, got {kind!r}")
+    check_same_shape("logp", logp, ref_logp=ref_logp)
+    check_choice("kind", kind, KL_KINDS)
     straight_through = kind.endswith("+")
     base = kind.rstrip("+")
     base = _KL_ALIASES.get(base, base)
@@ -209,7 +209,7 @@ def policy_loss(
     clip_low: float = 0.2,
     clip_high: float | None = None,
     dual_clip: float | None = None,
-    agg: str = "token-mean",
+    agg: str | None = "token-mean",
     loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with asymmetric clip ("clip-higher") and optional dual-clip.
@@ -230,13 +230,17 @@ def policy_loss(
         old_logp: ``[B, T]`` log-probs under the policy that sampled the tokens.
         advantages: ``[B, T]``.
         mask: ``[B, T]`` 0/1 action mask.
-        clip_low, clip_high: ``> 0`` (``inf`` allowed).
+        clip_low, clip_high: ``clip_low`` in (0, 1), ``clip_high > 0``; ``inf`` turns that side
+            of the clip off. Numbers, numpy scalars or 0-dim tensors.
         dual_clip: ``None`` (off) or ``c > 1``.
-        agg: aggregation mode, see :func:`aggregate_loss`.
+        agg: aggregation mode, see :func:`aggregate_loss`; ``None`` returns the per-token loss
+            matrix ``[B, T]`` (0 on mask-0 tokens) instead of a scalar, for callers that
+            aggregate themselves.
         loss_scale_factor: see :func:`aggregate_loss`.
 
     Returns:
-        ``(loss, metrics)``: a 0-dim loss (float32 for half inputs) and detached 0-dim tensors
+        ``(loss, metrics)``: a 0-dim loss (float32 for half inputs; ``[B, T]`` with
+        ``agg=None``) and detached 0-dim tensors
         ``pg_clipfrac`` (fraction of action tokens where the clipped term is the larger),
         ``ppo_kl`` (mean of ``old_logp − logp`` over action tokens, unclamped) and
         ``pg_clipfrac_lower`` (fraction where dual-clip binds; 0 when off) — verl's names.
@@ -249,16 +253,19 @@ def policy_loss(
         >>> round(loss.item(), 4), round(m["pg_clipfrac"].item(), 4)
         (-0.4667, 0.6667)
     """
-    _check_2d("logp", logp)
-    _check_same_shape("logp", logp, old_logp=old_logp, advantages=advantages)
-    keep = _as_bool(_check_mask("mask", mask, logp.shape, "logp"))
-    clip_low = _check_positive("clip_low", clip_low)
-    clip_high = clip_low if clip_high is None else _check_positive("clip_high", clip_high)
+    check_2d("logp", logp)
+    check_same_shape("logp", logp, old_logp=old_logp, advantages=advantages)
+    keep = as_bool_mask("mask", mask, logp.shape, "logp", logp)
+    clip_low = check_positive("clip_low", clip_low)
+    if 1 <= clip_low < math.inf:
+        raise ValueError(
+            "clip_low must be < 1 (the ratio floor 1 - clip_low must stay positive) or inf "
+            f"(no lower clip), got {clip_low}"
+        )
+    clip_high = clip_low if clip_high is None else check_positive("clip_high", clip_high)
     if dual_clip is not None:
-        dual_clip = _check_positive("dual_clip", dual_clip, above=1.0)
-    agg = _check_mode("agg", agg)
-    if loss_scale_factor is not None:
-        loss_scale_factor = _check_positive("loss_scale_factor", loss_scale_factor)
+        dual_clip = check_positive("dual_clip", dual_clip, above=1.0)
+    loss_scale_factor = _check_agg("agg", agg, loss_scale_factor)
 
     dtype = compute_dtype(logp.dtype)
     # Mask-0 entries are replaced before any arithmetic, so their gradient is exactly 0.
@@ -290,7 +297,7 @@ def value_loss(
     mask: torch.Tensor,
     *,
     clip: float | None = None,
-    agg: str = "token-mean",
+    agg: str | None = "token-mean",
     loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss: ``0.5·agg(max((V − R)², (V_clip − R)²))``.
@@ -304,11 +311,14 @@ def value_loss(
         returns: ``[B, T]`` regression targets.
         mask: ``[B, T]`` 0/1 action mask.
         clip: ``None`` or ``> 0`` (verl's ``cliprange_value``).
-        agg: aggregation mode, see :func:`aggregate_loss`.
+        agg: aggregation mode, see :func:`aggregate_loss`; ``None`` returns the per-token loss
+            matrix ``[B, T]`` (0 on mask-0 tokens) instead of a scalar, for callers that
+            aggregate themselves.
         loss_scale_factor: see :func:`aggregate_loss`.
 
     Returns:
-        ``(loss, metrics)``: a 0-dim loss (float32 for half inputs) and ``vf_clipfrac``, the
+        ``(loss, metrics)``: a 0-dim loss (float32 for half inputs; the ``[B, T]`` matrix
+        ``0.5·max(...)`` with ``agg=None``) and ``vf_clipfrac``, the
         detached fraction of action tokens where the clipped error is the larger (0 when off).
 
     Example:
@@ -318,14 +328,12 @@ def value_loss(
         >>> loss.item(), m["vf_clipfrac"].item()
         (2.5, 0.0)
     """
-    _check_2d("values", values)
-    _check_same_shape("values", values, old_values=old_values, returns=returns)
-    keep = _as_bool(_check_mask("mask", mask, values.shape, "values"))
+    check_2d("values", values)
+    check_same_shape("values", values, old_values=old_values, returns=returns)
+    keep = as_bool_mask("mask", mask, values.shape, "values", values)
     if clip is not None:
-        clip = _check_positive("clip", clip)
-    agg = _check_mode("agg", agg)
-    if loss_scale_factor is not None:
-        loss_scale_factor = _check_positive("loss_scale_factor", loss_scale_factor)
+        clip = check_positive("clip", clip)
+    loss_scale_factor = _check_agg("agg", agg, loss_scale_factor)
 
     dtype = compute_dtype(values.dtype)
     v, ret = (torch.where(keep, x.to(dtype), 0) for x in (values, returns))

@@ -22,63 +22,21 @@ Conventions shared by all functions here:
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
-
 import torch
 
-from rlops._checks import as_float_tensor, check_indicator, compute_dtype, shape_error
+from rlops._checks import as_bool_mask, as_float_tensor, check_nonneg, compute_dtype
+from rlops.distributed.groups import group_rank_size
 
 __all__ = [
+    "inv_std",
     "masked_mean",
     "masked_moments",
     "masked_var",
     "masked_whiten",
     "merge_moments",
+    "variance",
+    "weighted_moments",
 ]
-
-
-# --------------------------------------------------------------------------- shared checks
-def _check_mask(name: str, mask: object, shape: Sequence[int], like: str) -> torch.Tensor:
-    """A 0/1 ``mask`` of exactly ``shape`` (the shape of argument ``like``); returned as is.
-
-    Its values are read once (on CPU; see ``rlops._checks``); a bool mask needs no such pass.
-    """
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
-    if tuple(mask.shape) != tuple(shape):
-        raise shape_error(name, f"{list(shape)} like {like}", mask.shape)
-    check_indicator(name, mask, shape)
-    return mask
-
-
-def _as_bool(mask: torch.Tensor) -> torch.Tensor:
-    return mask if mask.dtype == torch.bool else mask != 0
-
-
-def _check_same_shape(ref_name: str, ref: torch.Tensor, **others: torch.Tensor) -> None:
-    for name, t in others.items():
-        as_float_tensor(name, t)
-        if t.shape != ref.shape:
-            raise shape_error(name, f"{list(ref.shape)} like {ref_name}", t.shape)
-        if t.device != ref.device:
-            raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
-
-
-def _check_nonneg(name: str, value: object) -> float:
-    """A finite real number >= 0 (``eps``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
-    return float(value)
-
-
-def _group_size(group: object) -> int:
-    """World size of ``group`` (``None``: one process); every rank must call collectively."""
-    from rlops.distributed.groups import group_rank_size
-
-    return group_rank_size(group)[1]
 
 
 def _merge_over(
@@ -88,22 +46,23 @@ def _merge_over(
     three float64 numbers per rank, then Chan's formula. This rank's own entry stays the local
     triple: a backward pass sees this rank's contribution and treats the others as constants
     (group statistics are meant for values without gradient, such as advantages)."""
-    if _group_size(group) == 1:
+    rank, world = group_rank_size(group)
+    if world == 1:
         return count, mean, m2
     import torch.distributed as dist
 
     local = torch.stack([count, mean, m2])
     payload = local.detach().to(torch.float64)
-    parts = [torch.empty_like(payload) for _ in range(dist.get_world_size(group))]
+    parts = [torch.empty_like(payload) for _ in range(world)]
     dist.all_gather(parts, payload, group=group)
     parts = [p.to(local.dtype) for p in parts]
-    parts[dist.get_rank(group)] = local
+    parts[rank] = local
     merged = torch.stack(parts)
     return merge_moments(merged[:, 0], merged[:, 1], merged[:, 2])
 
 
 # --------------------------------------------------------------------------- moments
-def _weighted_moments(
+def weighted_moments(
     x: torch.Tensor, weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(count, mean, M2)`` of ``x`` with integer-valued weights (a 0/1 mask or per-row counts).
@@ -127,11 +86,11 @@ def _weighted_moments(
     return count, shift + mean_d, m2
 
 
-def _variance(count: torch.Tensor, m2: torch.Tensor, unbiased: bool) -> torch.Tensor:
+def variance(count: torch.Tensor, m2: torch.Tensor, unbiased: bool) -> torch.Tensor:
     return m2 / ((count - 1) if unbiased else count).clamp_min(1)
 
 
-def _inv_std(var: torch.Tensor, eps: float) -> torch.Tensor:
+def inv_std(var: torch.Tensor, eps: float) -> torch.Tensor:
     """``1 / sqrt(var + eps)``, finite also for ``var + eps = 0`` (then it multiplies zeros)."""
     return torch.rsqrt((var + eps).clamp_min(torch.finfo(var.dtype).tiny))
 
@@ -139,7 +98,7 @@ def _inv_std(var: torch.Tensor, eps: float) -> torch.Tensor:
 def _selected(x: torch.Tensor, mask: object) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate; return ``x`` in the computation dtype with mask-0 entries zeroed, and the mask."""
     as_float_tensor("x", x)
-    keep = _as_bool(_check_mask("mask", mask, x.shape, "x"))
+    keep = as_bool_mask("mask", mask, x.shape, "x", x)
     return torch.where(keep, x.to(compute_dtype(x.dtype)), 0), keep
 
 
@@ -165,7 +124,7 @@ def masked_moments(
         (3.0, 2.0, 2.0)
     """
     xc, keep = _selected(x, mask)
-    return _weighted_moments(xc, keep.to(xc.dtype))
+    return weighted_moments(xc, keep.to(xc.dtype))
 
 
 def merge_moments(
@@ -189,7 +148,7 @@ def merge_moments(
         >>> n.item(), mean.item(), round(m2.item() / (n.item() - 1), 12) == x.var().item()
         (5.0, 4.0, True)
     """
-    n, mean_total, m2_between = _weighted_moments(mean, count)
+    n, mean_total, m2_between = weighted_moments(mean, count)
     return n, mean_total, m2.sum() + m2_between
 
 
@@ -228,10 +187,10 @@ def masked_mean(
         tensor([1.5000, 4.0000])
     """
     xc, keep = _selected(x, mask)
-    if _group_size(group) > 1:
+    if group_rank_size(group)[1] > 1:
         if dim is not None:
             raise ValueError("masked_mean with group= reduces everything: pass dim=None")
-        count, mean, _ = _merge_over(group, *_weighted_moments(xc, keep.to(xc.dtype)))
+        count, mean, _ = _merge_over(group, *weighted_moments(xc, keep.to(xc.dtype)))
         return mean.to(x.dtype)
     if dim is None:
         total, count = xc.sum(), keep.sum()
@@ -273,7 +232,7 @@ def masked_var(
         tensor(0.)
     """
     count, _, m2 = _merge_over(group, *masked_moments(x, mask))
-    return _variance(count, m2, unbiased).to(x.dtype)
+    return variance(count, m2, unbiased).to(x.dtype)
 
 
 def masked_whiten(
@@ -310,10 +269,10 @@ def masked_whiten(
         >>> masked_whiten(torch.tensor([1.0, 2.0, 3.0, 50.0]), torch.tensor([1, 1, 1, 0]))
         tensor([-1.,  0.,  1.,  0.])
     """
-    eps = _check_nonneg("eps", eps)
+    eps = check_nonneg("eps", eps)
     xc, keep = _selected(x, mask)
-    count, mean, m2 = _merge_over(group, *_weighted_moments(xc, keep.to(xc.dtype)))
-    out = (xc - mean) * _inv_std(_variance(count, m2, True), eps)
+    count, mean, m2 = _merge_over(group, *weighted_moments(xc, keep.to(xc.dtype)))
+    out = (xc - mean) * inv_std(variance(count, m2, True), eps)
     if not shift_mean:
         out = out + mean
     return torch.where(keep, out, 0).to(x.dtype)

@@ -3,7 +3,7 @@
 A sequence padded to a multiple of ``2 * cp`` is cut into ``2 * cp`` equal chunks; rank ``r``
 holds chunks ``r`` and ``2*cp - 1 - r``, concatenated in that order. Causal attention then
 costs every rank the same, and a reverse scan needs from the other ranks only one carry per
-chunk (see :mod:`rlops.distributed.context_parallel`).
+chunk (see :mod:`rlops.advantages.context_parallel`).
 
 Trainers also use a *response-offset* form: the tokens are prompt + response (``total``
 tokens, the last ``response`` of them generated), and per-token log-probs are shifted by one
@@ -19,6 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rlops._checks import as_tensor, check_cp_rank, check_dim
+from rlops.distributed.groups import group_rank_size
+
 __all__ = [
     "zigzag_indices",
     "zigzag_response_mask",
@@ -27,16 +30,6 @@ __all__ = [
     "zigzag_unshard",
     "zigzag_unshard_response",
 ]
-
-
-def _check_cp(cp_size: int, cp_rank: int) -> None:
-    for name, v in (("cp_size", cp_size), ("cp_rank", cp_rank)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-    if cp_size < 1:
-        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank must be in [0, {cp_size - 1}], got {cp_rank}")
 
 
 def _padded(length: int, cp_size: int) -> int:
@@ -55,7 +48,7 @@ def zigzag_indices(
         >>> zigzag_indices(8, cp_size=2, cp_rank=0)
         tensor([0, 1, 6, 7])
     """
-    _check_cp(cp_size, cp_rank)
+    check_cp_rank(cp_size, cp_rank)
     if length < 0:
         raise ValueError(f"length must be >= 0, got {length}")
     chunk = _padded(length, cp_size) // (2 * cp_size)
@@ -81,8 +74,9 @@ def zigzag_shard(x: torch.Tensor, *, cp_size: int, cp_rank: int, dim: int = -1) 
         >>> zigzag_shard(torch.arange(6), cp_size=2, cp_rank=1)
         tensor([2, 3, 4, 5])
     """
-    _check_cp(cp_size, cp_rank)
-    x = x.movedim(dim, -1)
+    check_cp_rank(cp_size, cp_rank)
+    x = as_tensor("x", x)
+    x = x.movedim(check_dim(dim, x.dim()), -1)
     t_len = x.shape[-1]
     pad = _padded(t_len, cp_size) - t_len
     if pad:
@@ -105,8 +99,9 @@ def zigzag_unshard(
     Returns:
         The full tensor with ``length`` entries along ``dim``, on every rank.
     """
-    cp_size = dist.get_world_size(group) if group is not None else 1
-    local = local.movedim(dim, -1).contiguous()
+    cp_size = group_rank_size(group)[1]
+    local = as_tensor("local", local)
+    local = local.movedim(check_dim(dim, local.dim()), -1).contiguous()
     if local.shape[-1] % 2:
         raise ValueError(f"local must hold two equal chunks along dim, got {local.shape[-1]}")
     if cp_size == 1:

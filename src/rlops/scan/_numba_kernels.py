@@ -2,30 +2,34 @@
 
 Every kernel is a top-level function, so numba's on-disk cache (``cache=True``) keeps each one
 (and each of its type signatures) apart and later processes load them instead of compiling.
+
+Four rows at a time ("lanes"), the carries in registers: four independent chains keep the
+multiply-add pipeline busy and the loop runs at memory bandwidth. ``rows`` holds the four row
+indices. Carries are float64 (free on a latency-bound loop; accurate over 128K steps). A decay
+of exactly 0 selects the carry away (``0 * NaN`` would be NaN), so it is an exact cut.
 """
 
 import numba
+import numpy as np
 
 _jit = numba.njit(cache=True, nogil=True)
-
-# Four rows at a time ("lanes"), the carries in registers: four independent chains keep the
-# multiply-add pipeline busy and the loop runs at memory bandwidth. ``rows`` holds the four
-# row indices; a short last group repeats its last row (same values written twice).
 
 
 @_jit
 def scan_rows(x, w, y, rows):
-    # y[n, t] = x[n, t] + w[n] * y[n, t+1]; w constant along time.
+    # y[n, t] = x[n, t] + w[n] * y[n, t+1]; w (float64) constant along time.
     i0, i1, i2, i3 = rows
     x0, x1, x2, x3 = x[i0], x[i1], x[i2], x[i3]
     y0, y1, y2, y3 = y[i0], y[i1], y[i2], y[i3]
     w0, w1, w2, w3 = w[i0], w[i1], w[i2], w[i3]
-    c0 = c1 = c2 = c3 = y.dtype.type(0)
+    k0, k1, k2, k3 = w0 != 0, w1 != 0, w2 != 0, w3 != 0
+    zero = np.float64(0)
+    c0 = c1 = c2 = c3 = zero
     for t in range(x.shape[1] - 1, -1, -1):
-        c0 = x0[t] + w0 * c0
-        c1 = x1[t] + w1 * c1
-        c2 = x2[t] + w2 * c2
-        c3 = x3[t] + w3 * c3
+        c0 = x0[t] + (w0 * c0 if k0 else zero)
+        c1 = x1[t] + (w1 * c1 if k1 else zero)
+        c2 = x2[t] + (w2 * c2 if k2 else zero)
+        c3 = x3[t] + (w3 * c3 if k3 else zero)
         y0[t] = c0
         y1[t] = c1
         y2[t] = c2
@@ -39,106 +43,14 @@ def scan_tokens(x, a, y, rows):
     x0, x1, x2, x3 = x[i0], x[i1], x[i2], x[i3]
     a0, a1, a2, a3 = a[i0], a[i1], a[i2], a[i3]
     y0, y1, y2, y3 = y[i0], y[i1], y[i2], y[i3]
-    c0 = c1 = c2 = c3 = y.dtype.type(0)
+    zero = np.float64(0)
+    c0 = c1 = c2 = c3 = zero
     for t in range(x.shape[1] - 1, -1, -1):
-        c0 = x0[t] + a0[t] * c0
-        c1 = x1[t] + a1[t] * c1
-        c2 = x2[t] + a2[t] * c2
-        c3 = x3[t] + a3[t] * c3
+        c0 = x0[t] + (a0[t] * c0 if a0[t] != 0 else zero)
+        c1 = x1[t] + (a1[t] * c1 if a1[t] != 0 else zero)
+        c2 = x2[t] + (a2[t] * c2 if a2[t] != 0 else zero)
+        c3 = x3[t] + (a3[t] * c3 if a3[t] != 0 else zero)
         y0[t] = c0
         y1[t] = c1
         y2[t] = c2
         y3[t] = c3
-
-
-@numba.njit(inline="always")
-def step(t, r, v, m, d, e, o, g, gl, nxt, acc, has_values, has_mask, has_dones):
-    # One token of one row, written with selects (no data-dependent branch).
-    zero = o.dtype.type(0)
-    if has_dones:
-        cut = d[t]
-        nxt = zero if cut else nxt
-        acc = zero if cut else acc
-    vt = v[t] if has_values else zero
-    a = (r[t] + g * nxt - vt) + gl * acc
-    if has_mask:
-        act = m[t]
-        o[t] = a + vt if act else zero
-        if has_values:
-            e[t] = a if act else zero
-        return (vt if act else nxt), (a if act else acc)
-    o[t] = a + vt
-    if has_values:
-        e[t] = a
-    return vt, a
-
-
-@numba.njit(inline="always")
-def body(r, v, mask, dones, g, gl, adv, ret, rows, hv, hm, hd):
-    i0, i1, i2, i3 = rows
-    r0, r1, r2, r3 = r[i0], r[i1], r[i2], r[i3]
-    v0, v1, v2, v3 = v[i0], v[i1], v[i2], v[i3]
-    m0, m1, m2, m3 = mask[i0], mask[i1], mask[i2], mask[i3]
-    d0, d1, d2, d3 = dones[i0], dones[i1], dones[i2], dones[i3]
-    e0, e1, e2, e3 = adv[i0], adv[i1], adv[i2], adv[i3]
-    o0, o1, o2, o3 = ret[i0], ret[i1], ret[i2], ret[i3]
-    g0, g1, g2, g3 = g[i0], g[i1], g[i2], g[i3]
-    l0, l1, l2, l3 = gl[i0], gl[i1], gl[i2], gl[i3]
-    n0 = n1 = n2 = n3 = a0 = a1 = a2 = a3 = ret.dtype.type(0)
-    for t in range(r.shape[1] - 1, -1, -1):
-        n0, a0 = step(t, r0, v0, m0, d0, e0, o0, g0, l0, n0, a0, hv, hm, hd)
-        n1, a1 = step(t, r1, v1, m1, d1, e1, o1, g1, l1, n1, a1, hv, hm, hd)
-        n2, a2 = step(t, r2, v2, m2, d2, e2, o2, g2, l2, n2, a2, hv, hm, hd)
-        n3, a3 = step(t, r3, v3, m3, d3, e3, o3, g3, l3, n3, a3, hv, hm, hd)
-
-
-@_jit
-def gae_000(r, v, mask, dones, g, gl, adv, ret, rows):
-    body(r, v, mask, dones, g, gl, adv, ret, rows, False, False, False)
-
-
-@_jit
-def gae_001(r, v, mask, dones, g, gl, adv, ret, rows):
-    body(r, v, mask, dones, g, gl, adv, ret, rows, False, False, True)
-
-
-@_jit
-def gae_010(r, v, mask, dones, g, gl, adv, ret, rows):
-    body(r, v, mask, dones, g, gl, adv, ret, rows, False, True, False)
-
-
-@_jit
-def gae_011(r, v, mask, dones, g, gl, adv, ret, rows):
-    body(r, v, mask, dones, g, gl, adv, ret, rows, False, True, True)
-
-
-@_jit
-def gae_100(r, v, mask, dones, g, gl, adv, ret, rows):
-    body(r, v, mask, dones, g, gl, adv, ret, rows, True, False, False)
-
-
-@_jit
-def gae_101(r, v, mask, dones, g, gl, adv, ret, rows):
-    body(r, v, mask, dones, g, gl, adv, ret, rows, True, False, True)
-
-
-@_jit
-def gae_110(r, v, mask, dones, g, gl, adv, ret, rows):
-    body(r, v, mask, dones, g, gl, adv, ret, rows, True, True, False)
-
-
-@_jit
-def gae_111(r, v, mask, dones, g, gl, adv, ret, rows):
-    body(r, v, mask, dones, g, gl, adv, ret, rows, True, True, True)
-
-
-GAE = {
-    (False, False, False): gae_000,
-    (False, False, True): gae_001,
-    (False, True, False): gae_010,
-    (False, True, True): gae_011,
-    (True, False, False): gae_100,
-    (True, False, True): gae_101,
-    (True, True, False): gae_110,
-    (True, True, True): gae_111,
-}

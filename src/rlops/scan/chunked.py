@@ -19,6 +19,10 @@ Two chunk-local kernels:
   never as a^(-t), so nothing overflows and a = 0 or 1 is exact.
 * decay per token: log2(C) doubling steps inside each chunk (Hillis-Steele), on products of the
   decays themselves, no logarithms, so a decay of exactly 0 stays an exact cut.
+
+A zero decay product is a cut: what lies beyond it is *selected* away before the multiply
+(``p * where(p == 0, 0, y)``), so NaN or inf in another segment never leaks across (0 * NaN is
+NaN). A row whose constant decay is 0 returns ``x`` itself.
 """
 
 from __future__ import annotations
@@ -62,6 +66,12 @@ def _shift_next(y: torch.Tensor) -> torch.Tensor:
     return F.pad(y[:, 1:], (0, 1))
 
 
+def _through(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``p * y`` with an exact cut where ``p == 0``: ``y`` is selected away there, so NaN or inf
+    beyond a cut cannot leak across it (and its gradient there is exactly 0)."""
+    return p * torch.where(p == 0, 0.0, y)
+
+
 def _scan_rowwise(x: torch.Tensor, w: torch.Tensor, c: int) -> torch.Tensor:
     """x ``[N, T]``, w ``[N, 1]`` or ``[1, 1]`` (float64): decay constant along time."""
     n, t_len = x.shape
@@ -91,13 +101,13 @@ def _scan_tokenwise(x: torch.Tensor, a: torch.Tensor, c: int) -> torch.Tensor:
     p = _chunks(a, c, 1.0)  # becomes prod a[t..end of chunk]
     d = 1
     while d < c:  # log2(C) doubling steps, each covering twice the span
-        y = torch.cat([y[..., :-d] + p[..., :-d] * y[..., d:], y[..., -d:]], dim=-1)
+        y = torch.cat([y[..., :-d] + _through(p[..., :-d], y[..., d:]), y[..., -d:]], dim=-1)
         p = torch.cat([p[..., :-d] * p[..., d:], p[..., -d:]], dim=-1)
         d *= 2
     if y.shape[1] == 1:
         return y.view(n, -1)[:, :t_len]
     carries = _scan_tokenwise(y[:, :, 0], p[:, :, 0], c)
-    y = y + p * _shift_next(carries).unsqueeze(-1)
+    y = y + _through(p, _shift_next(carries).unsqueeze(-1).expand_as(p))
     return y.reshape(n, -1)[:, :t_len]
 
 
@@ -117,8 +127,10 @@ def scan_chunked(
             c = chunk_size or DEFAULT_CHUNK_TOKENWISE
             return _scan_tokenwise(x, decay.to(x.dtype), max(c, 2))
         c = chunk_size or DEFAULT_CHUNK_ROWWISE
-        if isinstance(decay, torch.Tensor):
-            w = decay.reshape(-1, 1).to(torch.float64)
-        else:
+        if not isinstance(decay, torch.Tensor):
+            if float(decay) == 0.0:
+                return x.clone()
             w = torch.tensor([[float(decay)]], dtype=torch.float64, device=x.device)
-        return _scan_rowwise(x, w, max(c, 2))
+            return _scan_rowwise(x, w, max(c, 2))
+        w = decay.reshape(-1, 1).to(torch.float64)
+        return torch.where(w == 0, x, _scan_rowwise(x, w, max(c, 2)))

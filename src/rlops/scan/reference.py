@@ -1,6 +1,6 @@
 """The definition of the discounted reverse scan, written for clarity (a loop over time).
 
-    y[t] = x[t] + a[t] * y[t+1],        y[T] = 0
+    y[t] = x[t] + a[t] * y[t+1],        y[T] = 0;    y[t] = x[t] where a[t] = 0
 
 Used as the oracle in tests (in float64) and as ``method="reference"``. Not exported.
 """
@@ -13,7 +13,9 @@ __all__ = ["scan_reference"]
 
 
 def scan_reference(x: torch.Tensor, decay: float | torch.Tensor) -> torch.Tensor:
-    """Serial reverse scan of ``x`` ``[N, T]`` with ``decay`` a float, ``[N, 1]`` or ``[N, T]``."""
+    """Serial reverse scan of ``x`` ``[N, T]`` with ``decay`` a float, ``[N, 1]`` or ``[N, T]``.
+
+    A decay of exactly 0 cuts: ``y[t] = x[t]``, whatever (even NaN) comes after."""
     n, t_len = x.shape
     per_token = isinstance(decay, torch.Tensor) and decay.shape[-1] == t_len and t_len > 1
     carry = x.new_zeros(n)
@@ -22,8 +24,8 @@ def scan_reference(x: torch.Tensor, decay: float | torch.Tensor) -> torch.Tensor
         if isinstance(decay, torch.Tensor):
             a_t = decay[:, t] if per_token else decay[:, 0]
         else:
-            a_t = decay
-        carry = x[:, t] + a_t * carry
+            a_t = torch.tensor(decay, dtype=x.dtype, device=x.device)
+        carry = x[:, t] + a_t * torch.where(a_t == 0, 0.0, carry)
         out.append(carry)
     if not out:
         return x.clone()

@@ -15,12 +15,14 @@ the next action token, then the advantage); by linearity the advantage's depende
 value entering from the right is one more local scan, so GAE also needs one collective with
 five numbers per chunk and row.
 
-Consistency checks (on by default): a fixed-size ``all_gather`` of 4 numbers (an operation
-code, the rows, the local length, the dtype) runs first, so ranks that make mismatched calls
-all raise ``ValueError`` instead of hanging on buffers of different sizes, and the same header
-travels with the carries and is checked again. The checks read the gathered numbers on the
-host (a device synchronisation on GPUs); ``RLOPS_CP_CHECK=0`` turns them off, leaving exactly
-one collective per call and no synchronisation.
+Consistency checks (on by default): a fixed-size ``all_gather`` of 6 numbers (an operation
+code, the rows, the local length, the dtype, and checksums of the per-row discounts such as
+``gamma`` and ``gamma * lam``) runs first, so ranks that make mismatched calls all raise
+``ValueError`` instead of hanging on buffers of different sizes or returning a result that
+matches no rank's call; the first four travel with the carries and are checked again. The
+checks read the gathered numbers on the host (a device synchronisation on GPUs);
+``RLOPS_CP_CHECK=0`` turns them off, leaving exactly one collective per call and no
+synchronisation.
 """
 
 from __future__ import annotations
@@ -31,18 +33,23 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from rlops.advantages.masking import pass_through_decay, td_residual, token_decay
 from rlops.distributed.groups import group_rank_size
-from rlops.scan import scan
+from rlops.scan import is_per_token, scan
 from rlops.scan.reference import scan_reference
 
-__all__ = ["cp_gae", "cp_reinforce_returns", "cp_scan", "cp_size_of"]
+__all__ = ["cp_gae", "cp_reinforce_returns", "cp_scan"]
 
 _OPS = {"scan": 1, "gae": 2, "reinforce": 3}
 _DTYPES = {torch.float32: 1, torch.float64: 2}
-
-
-def cp_size_of(group: dist.ProcessGroup | None) -> int:
-    return group_rank_size(group, "cp_group")[1]
+_META_NAMES = (
+    "operation",
+    "rows (2 x batch)",
+    "local length",
+    "dtype",
+    "discount (gamma, or the scan's per-row decay)",
+    "gamma * lam",
+)
 
 
 def _pieces(x: torch.Tensor) -> torch.Tensor:
@@ -67,18 +74,37 @@ def _solve(head: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
     return F.pad(y[:, 1:], (0, 1))
 
 
-def _gather(summary: torch.Tensor, op: str, group, t_local: int) -> torch.Tensor:
+def _checksum(value: float | torch.Tensor | None, device) -> torch.Tensor:
+    """One float64 number that differs when a scalar or per-row parameter differs (a weighted
+    sum, so a permutation of rows shows too); 0 when there is none."""
+    if value is None:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    v = torch.as_tensor(value, dtype=torch.float64, device=device).reshape(-1)
+    w = torch.arange(1, v.numel() + 1, dtype=torch.float64, device=device)
+    return (v * w).sum() + 0.5 * v.sum()
+
+
+def _gather(
+    summary: torch.Tensor, op: str, group, t_local: int, params: tuple = (None, None)
+) -> torch.Tensor:
     """All chunks' summaries in global chunk order, ``[N, 2cp, k]``, from this rank's
-    ``[2N, k]`` (its two chunks). One ``all_gather`` (plus an optional metadata one)."""
-    cp = cp_size_of(group)
+    ``[2N, k]`` (its two chunks). One ``all_gather`` (plus an optional metadata one that also
+    compares the scalar ``params`` across ranks)."""
+    _, cp = group_rank_size(group, "cp_group")
     rows, k = summary.shape
     header = [_OPS[op], rows, t_local, _DTYPES[summary.dtype]]
     checked = os.environ.get("RLOPS_CP_CHECK", "1") != "0"
     if cp > 1 and checked:
-        meta = torch.tensor(header, dtype=torch.int64, device=summary.device)
+        dev = summary.device
+        meta = torch.cat(
+            [
+                torch.tensor(header, dtype=torch.float64, device=dev),
+                torch.stack([_checksum(p, dev) for p in params]),
+            ]
+        )
         metas = [torch.empty_like(meta) for _ in range(cp)]
         dist.all_gather(metas, meta, group=group)
-        _check_headers(torch.stack(metas), header)
+        _check_headers(torch.stack(metas), meta.tolist())
     payload = torch.cat(
         [torch.tensor(header, dtype=summary.dtype, device=summary.device), summary.reshape(-1)]
     )
@@ -97,13 +123,13 @@ def _gather(summary: torch.Tensor, op: str, group, t_local: int) -> torch.Tensor
     return ordered.transpose(0, 1)
 
 
-def _check_headers(headers: torch.Tensor, mine: list[int]) -> None:
-    names = ("operation", "rows (2 x batch)", "local length", "dtype")
-    for j, name in enumerate(names):
+def _check_headers(headers: torch.Tensor, mine: list[float]) -> None:
+    for j in range(len(mine)):
         col = headers[:, j].tolist()  # a handful of numbers, gathered already
-        if any(int(v) != mine[j] for v in col):
+        if any(v != mine[j] for v in col):
+            shown = [int(v) for v in col] if j < 4 else col
             raise ValueError(
-                f"context-parallel ranks disagree on the {name}: {[int(v) for v in col]} "
+                f"context-parallel ranks disagree on the {_META_NAMES[j]}: {shown} "
                 "(every rank of cp_group must make the same call on shards of one layout)"
             )
 
@@ -112,9 +138,11 @@ def cp_scan(
     x: torch.Tensor, decay: float | torch.Tensor, group, method: str, chunk_size=None
 ) -> torch.Tensor:
     """Reverse scan of zigzag shards ``x`` ``[N, 2L]``; ``decay`` float / ``[N,1]`` / ``[N,2L]``."""
+    group_rank_size(group, "cp_group")
     n, t_local = x.shape
     xp = _pieces(x)
-    if isinstance(decay, torch.Tensor) and decay.shape[-1] == t_local and t_local > 1:
+    per_token = is_per_token(decay, t_local)
+    if per_token:
         ap = _pieces(decay.expand(n, t_local))
     elif isinstance(decay, torch.Tensor):
         ap = decay.reshape(n, 1).repeat(2, 1)
@@ -124,30 +152,39 @@ def cp_scan(
     rows = ap.repeat(2, 1) if isinstance(ap, torch.Tensor) else ap
     yy = scan(torch.cat([xp, _last(a_full)]), rows, method, chunk_size)
     local, g = yy[: 2 * n], yy[2 * n :]  # local scan; product of decays to the chunk end
-    chunks = _gather(torch.stack([local[:, 0], g[:, 0]], -1), "scan", group, t_local)
+    params = (None if per_token else decay, None)
+    summary = torch.stack([local[:, 0], g[:, 0]], -1)
+    chunks = _gather(summary, "scan", group, t_local, params)
     y_in = _solve(chunks[..., 0], chunks[..., 1])  # [N, 2cp]
-    y = local + g * _own(y_in, group).unsqueeze(-1)
+    y = local + _through(g, _own(y_in, group))
     return _unpieces(y, n)
+
+
+def _through(g: torch.Tensor, y_in: torch.Tensor) -> torch.Tensor:
+    """``g * y_in`` (``y_in`` per row, ``[2N]``) with an exact cut where ``g == 0``: what enters
+    from the right is selected away there, so NaN beyond a cut cannot leak across it."""
+    return g * torch.where(g == 0, 0.0, y_in.unsqueeze(-1))
 
 
 def _own(per_chunk: torch.Tensor, group) -> torch.Tensor:
     """This rank's two chunks' entries of a ``[N, 2cp]`` tensor, as ``[2N]`` (piece order)."""
-    cp = cp_size_of(group)
-    rank = group_rank_size(group, "cp_group")[0]
+    rank, cp = group_rank_size(group, "cp_group")
     return torch.cat([per_chunk[:, rank], per_chunk[:, 2 * cp - 1 - rank]])
 
 
 def cp_gae(r, v, mask, dones, gamma, gamma_lam, group, method, chunk_size=None):
     """GAE on zigzag shards ``[N, 2L]``; ``mask``/``dones`` bool or None; ``gamma``,
     ``gamma_lam`` ``[N]``. Returns ``(advantages, returns)`` shards."""
+    group_rank_size(group, "cp_group")
     n, t_local = r.shape
     rp, vp = _pieces(r), _pieces(v)
     m = torch.ones_like(rp, dtype=torch.bool) if mask is None else _pieces(mask)
-    keep = torch.ones_like(m) if dones is None else ~_pieces(dones)
+    d = None if dones is None else _pieces(dones)
+    keep = torch.ones_like(m) if d is None else ~d
     g = gamma.reshape(n, 1).repeat(2, 1)
     gl = gamma_lam.reshape(n, 1).repeat(2, 1)
     # 1. value of the next action token: z[t] = V at the first action at or after t
-    a_z = (~m & keep).to(rp.dtype)
+    a_z = pass_through_decay(m, d, rp.dtype)
     zz = scan(
         torch.cat([torch.where(m, vp, 0.0), _last(a_z)]), a_z.repeat(2, 1), method, chunk_size
     )
@@ -155,19 +192,24 @@ def cp_gae(r, v, mask, dones, gamma, gamma_lam, group, method, chunk_size=None):
     nxt_local = torch.where(keep, F.pad(z[:, 1:], (0, 1)), 0.0)
     nxt_coef = torch.where(keep & m, g * F.pad(gz[:, 1:], (0, 1), value=1.0), 0.0)
     # 2. advantages: local part, response to the value entering, product to the chunk end
-    a_adv = torch.where(m, gl, 1.0) * keep
-    delta = torch.where(m, rp + g * nxt_local - vp, 0.0)
+    a_adv = token_decay(gl, m, d, rp)
+    delta = td_residual(rp, vp, nxt_local, g, m)
     aa = scan(torch.cat([delta, nxt_coef, _last(a_adv)]), a_adv.repeat(3, 1), method, chunk_size)
     adv, s, ga = aa[: 2 * n], aa[2 * n : 4 * n], aa[4 * n :]
     summary = torch.stack([z[:, 0], gz[:, 0], adv[:, 0], s[:, 0], ga[:, 0]], -1)
-    c = _gather(summary, "gae", group, t_local)
+    c = _gather(summary, "gae", group, t_local, (gamma, gamma_lam))
     z_in = _solve(c[..., 0], c[..., 1])  # value entering each chunk
-    head_adv = c[..., 2] + c[..., 3] * z_in
+    head_adv = c[..., 2] + _cut(c[..., 3], z_in)
     a_in = _solve(head_adv, c[..., 4])  # advantage entering each chunk
-    adv = adv + s * _own(z_in, group).unsqueeze(-1) + ga * _own(a_in, group).unsqueeze(-1)
+    adv = adv + _through(s, _own(z_in, group)) + _through(ga, _own(a_in, group))
     adv = torch.where(m, adv, 0.0)
     ret = torch.where(m, vp + adv, 0.0)
     return _unpieces(adv, n), _unpieces(ret, n)
+
+
+def _cut(coef: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``coef * y`` elementwise, 0 where ``coef == 0`` whatever ``y`` holds."""
+    return coef * torch.where(coef == 0, 0.0, y)
 
 
 def _last(a: torch.Tensor) -> torch.Tensor:
@@ -181,10 +223,11 @@ def cp_reinforce_returns(token_rewards, outcome, mask, gamma, group, method):
     """REINFORCE++ returns on zigzag shards: discounted returns over action tokens of
     ``token_rewards`` ``[N, 2L]``, plus ``outcome`` ``[N]`` on the row's globally last action
     token (found from the per-chunk summaries, no extra collective)."""
+    group_rank_size(group, "cp_group")
     n, t_local = token_rewards.shape
     xp, m = _pieces(token_rewards), _pieces(mask)
     gp = gamma.reshape(n, 1).repeat(2, 1)
-    a = torch.where(m, gp, 1.0)
+    a = token_decay(gp, m, None, xp)
     # one-hot on each chunk's last action token (if any)
     pos = torch.arange(m.shape[1], device=m.device)
     last = torch.where(m, pos, -1).amax(-1, keepdim=True)
@@ -192,11 +235,12 @@ def cp_reinforce_returns(token_rewards, outcome, mask, gamma, group, method):
     yy = scan(torch.cat([torch.where(m, xp, 0.0), _last(a), onehot]), a.repeat(3, 1), method)
     y, g, u = yy[: 2 * n], yy[2 * n : 4 * n], yy[4 * n :]
     has = m.any(-1).to(xp.dtype)
-    c = _gather(torch.stack([y[:, 0], g[:, 0], u[:, 0], has], -1), "reinforce", group, t_local)
+    summary = torch.stack([y[:, 0], g[:, 0], u[:, 0], has], -1)
+    c = _gather(summary, "reinforce", group, t_local, (gamma, None))
     # the globally last chunk holding an action token gets the outcome
     k = torch.arange(c.shape[1], device=c.device)
     k_last = torch.where(c[..., 3] > 0, k, -1).amax(-1, keepdim=True)  # [N, 1]
     hit = (k == k_last).to(xp.dtype) * outcome.reshape(n, 1).to(xp.dtype)  # [N, 2cp]
     y_in = _solve(c[..., 0] + hit * c[..., 2], c[..., 1])
-    y = y + g * _own(y_in, group).unsqueeze(-1) + u * _own(hit, group).unsqueeze(-1)
+    y = y + _through(g, _own(y_in, group)) + u * _own(hit, group).unsqueeze(-1)
     return _unpieces(torch.where(m, y, 0.0), n)

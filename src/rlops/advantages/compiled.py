@@ -1,0 +1,53 @@
+"""Fused single-pass CPU kernels for GAE and discounted returns (numba, the ``fast`` extra).
+
+Mask skipping, episode ends and the next-action value are handled in the same backward pass
+over time as the advantage, so nothing but the outputs is written. Four rows run at once with
+float64 carries in registers (:mod:`rlops.scan.compiled` explains why); the kernels themselves
+are in :mod:`rlops.advantages._numba_kernels`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlops.scan.compiled import as_array, run_rows
+
+__all__ = ["gae_compiled"]
+
+
+def gae_compiled(
+    rewards: torch.Tensor,
+    values: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    dones: torch.Tensor | None,
+    gamma: torch.Tensor,
+    gamma_lam: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused GAE in one pass; with ``values=None``, discounted returns (pass ``gamma_lam=gamma``).
+
+    ``rewards``/``values`` ``[N, T]`` in the compute dtype (float32/64, CPU); ``mask``/``dones``
+    ``[N, T]`` bool or None; ``gamma``/``gamma_lam`` ``[N]`` (taken in float64). Returns
+    ``(advantages, returns)``; without values both are the same tensor.
+    """
+    from rlops.advantages._numba_kernels import GAE
+
+    rewards = rewards.contiguous()
+    n, t_len = rewards.shape
+    ret = torch.empty_like(rewards)
+    adv = ret if values is None else torch.empty_like(rewards)
+    if n == 0 or t_len == 0:
+        return adv, ret
+    run_rows(
+        GAE[(values is not None, mask is not None, dones is not None)],
+        n,
+        rewards.numel(),
+        rewards.numpy(),
+        as_array(values, n, rewards.dtype),
+        as_array(mask, n, torch.bool),
+        as_array(dones, n, torch.bool),
+        gamma.to(torch.float64).expand(n).contiguous().numpy(),
+        gamma_lam.to(torch.float64).expand(n).contiguous().numpy(),
+        adv.numpy(),
+        ret.numpy(),
+    )
+    return adv, ret

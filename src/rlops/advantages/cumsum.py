@@ -1,0 +1,114 @@
+"""The public discounted reverse scan: argument checks, any time ``dim``, context parallelism.
+
+The recurrence itself is :mod:`rlops.scan`; this module sits with the estimators because its
+``cp_group=`` form uses their carry-only context-parallel scan.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlops._checks import (
+    as_float_tensor,
+    check_chunk_size,
+    check_dim,
+    check_same_device,
+    check_unit_interval,
+    compute_dtype,
+)
+from rlops.scan import resolve_method, scan
+
+__all__ = ["discounted_cumsum"]
+
+
+def discounted_cumsum(
+    x: torch.Tensor,
+    discount: float | torch.Tensor,
+    *,
+    dim: int = -1,
+    method: str = "auto",
+    chunk_size: int | None = None,
+    cp_group: object | None = None,
+) -> torch.Tensor:
+    """Discounted reverse cumulative sum along ``dim``: ``y[t] = x[t] + discount[t] * y[t+1]``.
+
+    Equivalently ``y[t] = sum_{k >= t} (prod_{t <= j < k} discount[j]) * x[k]``, with ``y = 0``
+    past the end. The primitive under GAE (``x = delta``, ``discount = gamma * lam``),
+    discounted returns (``x = r``, ``discount = gamma``), episode ends (``discount = 0`` at the
+    last token of a segment) and per-row or per-token discounts.
+
+    Args:
+        x: floating tensor, e.g. ``[B, T]`` with time along ``dim``. float16/bfloat16 are
+            accumulated in float32 and returned in their own dtype; float64 stays float64.
+        discount: a float in [0, 1], or a tensor broadcastable to ``x`` with values in [0, 1]:
+            one per row (e.g. ``[B, 1]``) or one per token (``[B, T]``). ``discount[t]`` links
+            step t to step t+1. Exactly 0 and exactly 1 are exact.
+        dim: the time dimension.
+        method: ``"auto"`` (default), ``"reference"``, ``"chunked"`` or ``"compiled"``.
+        chunk_size: time steps per chunk for ``"chunked"`` (default 64 for a per-row discount,
+            16 for a per-token one; values below 2 act as 2).
+        cp_group: a context-parallel process group. ``x`` (and a per-token ``discount``) are
+            then this rank's zigzag shards along ``dim`` (two equal chunks, see
+            :func:`rlops.distributed.zigzag_shard`) and the result is this rank's shard of the
+            full scan; ranks exchange one carry per chunk (one ``all_gather``).
+
+    Returns:
+        ``y``, same shape, dtype and device as ``x``. Differentiable through ``"chunked"`` and
+        ``"reference"`` (``"auto"`` picks ``"chunked"`` when a gradient is needed).
+
+    Example:
+        >>> import torch, rlops
+        >>> rlops.discounted_cumsum(torch.tensor([[1.0, 1.0, 1.0]]), 0.5)
+        tensor([[1.7500, 1.5000, 1.0000]])
+    """
+    x = as_float_tensor("x", x)
+    check_chunk_size(chunk_size)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension (time), got a 0-d tensor")
+    dim = check_dim(dim, x.dim())
+    if isinstance(discount, torch.Tensor):
+        check_same_device("x", x, discount=discount)
+        if discount.is_complex():
+            raise TypeError(f"discount must be a real tensor, got {discount.dtype}")
+        try:
+            shape = torch.broadcast_shapes(discount.shape, x.shape)
+        except RuntimeError:
+            shape = None
+        if shape != x.shape:
+            raise ValueError(
+                f"discount must be broadcastable to x {list(x.shape)} (e.g. [B, 1] per row or "
+                f"[B, T] per token), got {list(discount.shape)}"
+            )
+    discount = check_unit_interval("discount", discount)
+    method = resolve_method(method, x, discount)
+
+    dtype = compute_dtype(x.dtype)
+    xt = x.movedim(dim, -1)
+    lead = xt.shape[:-1]
+    x2 = xt.reshape(math.prod(lead), xt.shape[-1]).to(dtype)
+    decay = _canonical_decay(discount, x, dim, dtype)
+    if cp_group is not None:
+        from rlops.advantages.context_parallel import cp_scan
+
+        y = cp_scan(x2, decay, cp_group, method, chunk_size)
+    else:
+        y = scan(x2, decay, method, chunk_size)
+    return y.reshape(xt.shape).movedim(-1, dim).to(x.dtype)
+
+
+def _canonical_decay(
+    discount: float | torch.Tensor, x: torch.Tensor, dim: int, dtype: torch.dtype
+) -> float | torch.Tensor:
+    """The discount as a float, ``[N, 1]`` (constant along time) or ``[N, T]``."""
+    if not isinstance(discount, torch.Tensor):
+        return float(discount)
+    n = x.numel() // x.shape[dim] if x.shape[dim] else math.prod(x.shape[:dim] + x.shape[dim + 1 :])
+    d = discount.reshape((1,) * (x.dim() - discount.dim()) + tuple(discount.shape))
+    d = d.to(dtype)
+    if d.shape[dim] == 1 or x.shape[dim] == 1:
+        shape = list(x.shape)
+        shape[dim] = 1
+        return d.expand(shape).movedim(dim, -1).reshape(n, 1)
+    return d.expand(x.shape).movedim(dim, -1).reshape(n, x.shape[dim])

@@ -1,0 +1,160 @@
+"""The import graph of ``src/rlops`` points down only, has no cycle, and no module reaches into
+another module's private names. Layers (a module may import its own package and lower layers):
+
+    0  _checks
+    1  scan, distributed                      (the bare recurrence; layout and group helpers)
+    2  stats, logprobs                        (leaves)
+    3  advantages, group_advantages, losses   (estimators and losses)
+    4  rlops (the package: the public API)
+    5  compat, cli                            (only adapt or drive the public API)
+
+Parsed statically with ``ast``, including imports inside functions (lazy imports count).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "rlops"
+
+LAYERS = {
+    "rlops._checks": 0,
+    "rlops.scan": 1,
+    "rlops.distributed": 1,
+    "rlops.stats": 2,
+    "rlops.logprobs": 2,
+    "rlops.advantages": 3,
+    "rlops.group_advantages": 3,
+    "rlops.losses": 3,
+    "rlops": 4,
+    "rlops.compat": 5,
+    "rlops.cli": 5,
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = ["rlops", *path.relative_to(SRC).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _unit(module: str) -> str:
+    """The layer unit a module belongs to: its top-level package under rlops (or rlops)."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else "rlops"
+
+
+def _imports(path: pathlib.Path, module: str) -> list[tuple[str, list[str], int]]:
+    """``(imported module, imported names, line)`` for every import in the file."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_pkg = path.name == "__init__.py"
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, [], node.lineno) for a in node.names if a.name.startswith("rlops")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base[: len(base) - node.level + (1 if is_pkg else 0)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.startswith("rlops"):
+                out.append((target, [a.name for a in node.names], node.lineno))
+    return out
+
+
+def _all_modules() -> dict[str, pathlib.Path]:
+    return {_module_name(p): p for p in sorted(SRC.rglob("*.py"))}
+
+
+MODULES = _all_modules()
+
+
+def _resolve(target: str, names: list[str]) -> list[str]:
+    """The rlops modules an import statement loads (``from pkg import sub`` loads pkg.sub)."""
+    found = [target] if target in MODULES else []
+    found += [f"{target}.{n}" for n in names if f"{target}.{n}" in MODULES]
+    return found or [target]
+
+
+def test_every_module_has_a_layer():
+    missing = sorted(m for m in MODULES if _unit(m) not in LAYERS)
+    assert not missing, f"modules outside every layer (add them to LAYERS): {missing}"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_point_down(module):
+    unit = _unit(module)
+    bad = []
+    for target, names, line in _imports(MODULES[module], module):
+        for dep in _resolve(target, names):
+            dep_unit = _unit(dep)
+            if dep_unit == unit and unit != "rlops":
+                continue  # inside one package
+            if dep == "rlops" and unit == "rlops":
+                continue
+            if LAYERS[dep_unit] >= LAYERS[unit]:
+                bad.append(f"line {line}: {dep} (layer {LAYERS[dep_unit]})")
+    assert not bad, f"{module} (layer {LAYERS[unit]}) imports from its layer or above: {bad}"
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_private_names_across_modules(module):
+    """Private names (``_x``) are imported only from the module's own package, and a private
+    module only by modules of the package that holds it (``rlops._checks``, the one validation
+    library, is held by ``rlops`` itself and so serves every module)."""
+    unit = _unit(module)
+    bad = []
+    for target, names, line in _imports(MODULES[module], module):
+        same_package = _unit(target) == unit and unit != "rlops"
+        parts = target.split(".")
+        for i, part in enumerate(parts[1:], start=1):
+            holder = ".".join(parts[:i])
+            if part.startswith("_") and not (module + ".").startswith(holder + "."):
+                bad.append(f"line {line}: private module {target}")
+        for n in names:
+            if n.startswith("_") and not same_package:
+                bad.append(f"line {line}: {target}.{n}")
+    assert not bad, f"{module} reaches into private names: {bad}"
+
+
+def test_no_import_cycle():
+    graph = {
+        m: {d for t, names, _ in _imports(p, m) for d in _resolve(t, names) if d in MODULES}
+        for m, p in MODULES.items()
+    }
+    # the package __init__ of a module is not an edge that forms a cycle on its own: Python
+    # imports parents first. Drop edges to a module's own ancestors.
+    for m, deps in graph.items():
+        deps -= {m} | {a for a in MODULES if m.startswith(a + ".")}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                cycle = [*stack[stack.index(d) :], d]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_scan_knows_nothing_of_rl_or_distribution():
+    for m, p in MODULES.items():
+        if _unit(m) != "rlops.scan":
+            continue
+        deps = {d for t, names, _ in _imports(p, m) for d in _resolve(t, names)}
+        outside = {d for d in deps if _unit(d) not in ("rlops.scan", "rlops._checks")}
+        assert not outside, f"{m} imports {sorted(outside)}"
+        assert "torch.distributed" not in p.read_text(), f"{m} uses torch.distributed"
