@@ -235,3 +235,24 @@ def test_bad_input_errors_name_the_argument():
         masked_whiten(x, mask, eps=True)
     with pytest.raises(TypeError, match="group"):
         masked_whiten(x, mask, group=object())
+
+
+@pytest.mark.parametrize("magnitude", [1e20, 1e30, 3e38])
+def test_huge_finite_float32_values_give_finite_statistics(magnitude):
+    """Squares of the data overflow float32; the statistics must not (scaled before squaring)."""
+    gen = torch.Generator().manual_seed(11)
+    unit = torch.rand(4, 64, generator=gen, dtype=torch.float64) * 2 - 1
+    x = (unit * magnitude).float()
+    mask = torch.rand(4, 64, generator=gen) > 0.3
+    sel = x.double()[mask]
+    white = masked_whiten(x, mask)
+    assert torch.isfinite(white).all()
+    expected = torch.where(mask, (x.double() - sel.mean()) / sel.std(), 0.0)
+    torch.testing.assert_close(white.double(), expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(masked_mean(x, mask).double(), sel.mean(), rtol=1e-5, atol=0)
+    var = masked_var(x, mask)
+    true_var = float(sel.var())
+    if true_var < torch.finfo(torch.float32).max:
+        assert abs(float(var) / true_var - 1) < 1e-5
+    else:  # not representable: overflow to inf, never NaN
+        assert var == torch.inf

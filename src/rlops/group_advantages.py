@@ -29,7 +29,7 @@ from rlops._checks import (
     compute_dtype,
     shape_error,
 )
-from rlops.stats import inv_std, variance, weighted_moments
+from rlops.stats import weighted_moments
 
 __all__ = [
     "grpo_advantages",
@@ -52,20 +52,28 @@ def _dense_group_ids(index: torch.Tensor) -> torch.Tensor:
 def _group_moments(
     s: torch.Tensor, index: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per sample: ``(n, s − mean, M2)`` of its group.
+    """Per sample: ``(n, s − mean, std)`` of its group (unbiased std; 0 for a group of one).
 
-    Two passes on data shifted by the group max, so a group of equal scores gives exactly
-    ``s − mean = 0`` and ``M2 = 0`` (an unshifted ``Σs/n`` need not round back to ``s``).
+    ``[B]`` numbers only, so they are computed in float64 whatever the scores' dtype: a plain
+    two-pass mean and deviation, at least as accurate as a per-group loop in the scores'
+    dtype. A group whose scores are all equal gets deviations of exactly 0. The deviations are
+    divided by the group's largest one before squaring, so no finite score overflows.
     """
+    wide = torch.float64 if s.device.type != "mps" else torch.float32
+    x = s.to(wide)
     gid = _dense_group_ids(index)
-    zeros = torch.zeros(s.shape[0], dtype=s.dtype, device=s.device)
-    shift = zeros.scatter_reduce(0, gid, s, "amax", include_self=False)[gid]
-    d = s - shift
-    n = zeros.index_add(0, gid, torch.ones_like(s))[gid]
-    mean_d = zeros.index_add(0, gid, d)[gid] / n
-    centred = d - mean_d
-    m2 = zeros.index_add(0, gid, centred.square())[gid]
-    return n, centred, m2
+    zeros = torch.zeros(x.shape[0], dtype=wide, device=x.device)
+    n = zeros.index_add(0, gid, torch.ones_like(x))
+    lo = zeros.scatter_reduce(0, gid, x, "amin", include_self=False)[gid]
+    hi = zeros.scatter_reduce(0, gid, x, "amax", include_self=False)[gid]
+    mean = (zeros.index_add(0, gid, x) / n)[gid]
+    centred = torch.where(hi == lo, 0.0, x - mean)
+    big = zeros.scatter_reduce(0, gid, centred.abs(), "amax", include_self=False)[gid]
+    big = torch.where(big > 0, big, 1.0)
+    m2_unit = zeros.index_add(0, gid, (centred / big).square())[gid]
+    n = n[gid]
+    std = big * torch.sqrt(m2_unit / (n - 1).clamp_min(1))
+    return n, centred, std
 
 
 def _mask_shape(mask: object) -> tuple[int, int]:
@@ -102,8 +110,9 @@ def _prepare(scores: object, index: object, mask: object) -> torch.Tensor:
 
 def _broadcast(a: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``a[b]`` on the action tokens of row ``b``, 0 elsewhere: one pass over ``[B, T]``."""
+    a = a.to(dtype)
     if mask.dtype == torch.bool:  # a select; multiplying by a bool tensor is a slow mixed-dtype op
-        return torch.where(mask, a[:, None], 0).to(dtype)
+        return torch.where(mask, a[:, None], 0)
     return (a[:, None] * mask).to(dtype)
 
 
@@ -148,11 +157,11 @@ def grpo_advantages(
     """
     eps = check_nonneg("eps", eps)
     s = _prepare(scores, index, mask)
-    n, centred, m2 = _group_moments(s, index)
+    n, centred, std = _group_moments(s, index)
     alone = n == 1
-    a = torch.where(alone, s, centred)
+    a = torch.where(alone, s.to(centred.dtype), centred)
     if norm_std:
-        den = torch.where(alone, 1, torch.sqrt(variance(n, m2, unbiased=True))) + eps
+        den = torch.where(alone, 1, std) + eps
         a = a / torch.where(den > 0, den, 1)  # den = 0 only for equal scores and eps = 0: a = 0
     adv = _broadcast(a, mask, scores.dtype)
     return adv, adv
@@ -184,7 +193,7 @@ def rloo_advantages(
     """
     s = _prepare(scores, index, mask)
     n, centred, _ = _group_moments(s, index)
-    a = torch.where(n > 1, n / (n - 1).clamp_min(1) * centred, s)
+    a = torch.where(n > 1, n / (n - 1).clamp_min(1) * centred, s.to(centred.dtype))
     adv = _broadcast(a, mask, scores.dtype)
     return adv, adv
 
@@ -224,10 +233,8 @@ def reinforce_plus_plus_baseline_advantages(
     eps = check_nonneg("eps", eps)
     s = _prepare(scores, index, mask)
     n, centred, _ = _group_moments(s, index)
-    a = torch.where(n == 1, s, centred)
-    tokens = mask.sum(-1).to(a.dtype)
-    count, batch_mean, m2 = weighted_moments(a, tokens)
-    a = (a - batch_mean) * inv_std(variance(count, m2, unbiased=True), eps)
+    a = torch.where(n == 1, s.to(centred.dtype), centred)
+    a = weighted_moments(a, mask.sum(-1).to(a.dtype)).standardize(a, eps)
     adv = _broadcast(a, mask, scores.dtype)
     return adv, adv
 

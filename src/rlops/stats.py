@@ -4,7 +4,10 @@ Every statistic is built from one local triple ``(count, mean, M2)`` (``M2`` = s
 deviations from the mean), computed in two passes, never as ``E[x²] − E[x]²`` (which cancels
 catastrophically and can go negative on nearly constant data). Triples from several shards merge
 exactly with Chan, Golub and LeVeque's parallel formula (:func:`merge_moments`), so a
-process-group version needs one all-gather of ``[3]`` numbers per rank and nothing else.
+process-group version needs one all-gather of a few numbers per rank and nothing else.
+Internally the triple is held in units of a power-of-two scale (:class:`Moments`): squares
+never overflow, so finite data always gives finite statistics (a variance too large for the
+dtype is ``inf``; whitening stays finite).
 
 Conventions shared by all functions here:
 
@@ -22,77 +25,119 @@ Conventions shared by all functions here:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from rlops._checks import as_bool_mask, as_float_tensor, check_nonneg, compute_dtype
 from rlops.distributed.groups import group_rank_size
 
 __all__ = [
-    "inv_std",
+    "Moments",
     "masked_mean",
     "masked_moments",
     "masked_var",
     "masked_whiten",
     "merge_moments",
-    "variance",
     "weighted_moments",
 ]
 
 
-def _merge_over(
-    group: object, count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Merge this rank's ``(count, mean, M2)`` with every other rank's: one ``all_gather`` of
-    three float64 numbers per rank, then Chan's formula. This rank's own entry stays the local
-    triple: a backward pass sees this rank's contribution and treats the others as constants
-    (group statistics are meant for values without gradient, such as advantages)."""
+class Moments(NamedTuple):
+    """``(count, mean, M2)`` of a selection, held in units of a power-of-two ``scale``:
+    the true mean is ``mean·scale`` and the true M2 is ``m2·scale²``. In those units every
+    value is below 2 in magnitude, so nothing overflows however large the (finite) data, and
+    scaling by a power of two is exact (constant data still gives ``m2 = 0`` exactly)."""
+
+    count: torch.Tensor
+    mean: torch.Tensor
+    m2: torch.Tensor
+    scale: torch.Tensor
+
+    def variance(self, unbiased: bool = True) -> torch.Tensor:
+        """``M2 / (n − 1)`` (or ``/ n``) in true units; ``inf`` only if it exceeds the dtype."""
+        var_u = self.m2 / ((self.count - 1) if unbiased else self.count).clamp_min(1)
+        return var_u * self.scale * self.scale
+
+    def standardize(self, x: torch.Tensor, eps: float, shift_mean: bool = True) -> torch.Tensor:
+        """``(x − mean) / sqrt(var + eps)`` (unbiased var), computed in scaled units so that
+        neither ``x − mean`` nor ``var`` can overflow; finite also for ``var + eps = 0``."""
+        var_u = self.m2 / (self.count - 1).clamp_min(1)
+        den = var_u + eps / self.scale / self.scale
+        inv = torch.rsqrt(den.clamp_min(torch.finfo(den.dtype).tiny))
+        out = (x / self.scale - self.mean) * inv
+        return out + self.mean * self.scale if not shift_mean else out
+
+
+def _pow2_above(maxabs: torch.Tensor) -> torch.Tensor:
+    """The power of two ``2^e`` with ``2^e ≤ maxabs < 2^(e+1)`` (1 for 0): dividing by it is
+    exact, leaves every value in (−2, 2), and the scale itself never overflows."""
+    _, exp = torch.frexp(maxabs)
+    return torch.where(maxabs > 0, torch.ldexp(torch.ones_like(maxabs), exp - 1), 1.0)
+
+
+def _shifted_mean(values: torch.Tensor, weight: torch.Tensor, count: torch.Tensor):
+    """``(mean, values − mean)`` over ``weight > 0``, from data shifted by the largest selected
+    value: constant data gives exactly ``mean = value`` and 0 deviations (an unshifted
+    ``Σx / n`` need not round back to ``x``)."""
+    selected = weight > 0
+    if values.numel() == 0:
+        shift = values.new_zeros(())
+    else:
+        shift = torch.where(selected, values, -torch.inf).amax()
+        shift = torch.where(count > 0, shift, 0.0)
+    d = torch.where(selected, values - shift, 0.0)
+    mean_d = (weight * d).sum() / count.clamp_min(1)
+    return shift + mean_d, torch.where(selected, d - mean_d, 0.0)
+
+
+def weighted_moments(x: torch.Tensor, weight: torch.Tensor) -> Moments:
+    """:class:`Moments` of ``x`` with integer-valued weights (a 0/1 mask or per-row counts).
+
+    ``x`` must already be in the computation dtype and hold finite values wherever weight > 0.
+    Three passes: the largest magnitude (for the power-of-two scale), the mean, then the squared
+    deviations from it (never ``E[x²] − E[x]²``).
+    """
+    count = weight.sum()
+    selected = weight > 0
+    if x.numel() == 0:
+        maxabs = x.new_zeros(())
+    else:
+        maxabs = torch.where(selected, x.abs(), 0.0).amax()
+    scale = _pow2_above(maxabs)
+    mean, dev = _shifted_mean(x / scale, weight, count)
+    return Moments(count, mean, (weight * dev.square()).sum(), scale)
+
+
+def _merge_scaled(m: Moments) -> Moments:
+    """Merge ``k`` partial :class:`Moments` (each field ``[k]``) with Chan's formula, in units of
+    the largest scale."""
+    scale = m.scale.amax()
+    r = m.scale / scale  # powers of two <= 1: exact
+    n = m.count.sum()
+    mean, dev = _shifted_mean(m.mean * r, m.count, n)
+    m2 = (m.m2 * r * r).sum() + (m.count * dev.square()).sum()
+    return Moments(n, mean, m2, scale)
+
+
+def _merge_over(group: object, m: Moments) -> Moments:
+    """Merge this rank's :class:`Moments` with every other rank's: one ``all_gather`` of four
+    float64 numbers per rank, then Chan's formula. This rank's own entry stays the local one:
+    a backward pass sees this rank's contribution and treats the others as constants (group
+    statistics are meant for values without gradient, such as advantages)."""
     rank, world = group_rank_size(group)
     if world == 1:
-        return count, mean, m2
+        return m
     import torch.distributed as dist
 
-    local = torch.stack([count, mean, m2])
+    local = torch.stack(list(m))
     payload = local.detach().to(torch.float64)
     parts = [torch.empty_like(payload) for _ in range(world)]
     dist.all_gather(parts, payload, group=group)
     parts = [p.to(local.dtype) for p in parts]
     parts[rank] = local
     merged = torch.stack(parts)
-    return merge_moments(merged[:, 0], merged[:, 1], merged[:, 2])
-
-
-# --------------------------------------------------------------------------- moments
-def weighted_moments(
-    x: torch.Tensor, weight: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(count, mean, M2)`` of ``x`` with integer-valued weights (a 0/1 mask or per-row counts).
-
-    ``x`` must already be in the computation dtype and hold finite values wherever weight > 0.
-    Two passes: the mean first, then the squared deviations from it. Both on data shifted by
-    the largest selected value, so constant data gives exactly ``mean = x`` and ``M2 = 0``
-    (an unshifted ``Σx / n`` need not round back to ``x``, and whitening would then divide
-    the remainder by ``sqrt(eps)``).
-    """
-    count = weight.sum()
-    selected = weight > 0
-    if x.numel() == 0:
-        shift = x.new_zeros(())
-    else:
-        shift = torch.where(selected, x, -torch.inf).amax()
-        shift = torch.where(count > 0, shift, 0.0)
-    d = torch.where(selected, x - shift, 0.0)
-    mean_d = (weight * d).sum() / count.clamp_min(1)
-    m2 = (weight * (d - mean_d).square()).sum()
-    return count, shift + mean_d, m2
-
-
-def variance(count: torch.Tensor, m2: torch.Tensor, unbiased: bool) -> torch.Tensor:
-    return m2 / ((count - 1) if unbiased else count).clamp_min(1)
-
-
-def inv_std(var: torch.Tensor, eps: float) -> torch.Tensor:
-    """``1 / sqrt(var + eps)``, finite also for ``var + eps = 0`` (then it multiplies zeros)."""
-    return torch.rsqrt((var + eps).clamp_min(torch.finfo(var.dtype).tiny))
+    return _merge_scaled(Moments(*merged.unbind(1)))
 
 
 def _selected(x: torch.Tensor, mask: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +169,8 @@ def masked_moments(
         (3.0, 2.0, 2.0)
     """
     xc, keep = _selected(x, mask)
-    return weighted_moments(xc, keep.to(xc.dtype))
+    m = weighted_moments(xc, keep.to(xc.dtype))
+    return m.count, m.mean * m.scale, m.m2 * m.scale * m.scale
 
 
 def merge_moments(
@@ -148,8 +194,9 @@ def merge_moments(
         >>> n.item(), mean.item(), round(m2.item() / (n.item() - 1), 12) == x.var().item()
         (5.0, 4.0, True)
     """
-    n, mean_total, m2_between = weighted_moments(mean, count)
-    return n, mean_total, m2.sum() + m2_between
+    n = count.sum()
+    mean_total, dev = _shifted_mean(mean, count, n)
+    return n, mean_total, m2.sum() + (count * dev.square()).sum()
 
 
 # --------------------------------------------------------------------------- public statistics
@@ -190,14 +237,16 @@ def masked_mean(
     if group_rank_size(group)[1] > 1:
         if dim is not None:
             raise ValueError("masked_mean with group= reduces everything: pass dim=None")
-        count, mean, _ = _merge_over(group, *weighted_moments(xc, keep.to(xc.dtype)))
-        return mean.to(x.dtype)
+        m = _merge_over(group, weighted_moments(xc, keep.to(xc.dtype)))
+        return (m.mean * m.scale).to(x.dtype)
+    # summed in units of a power of two (exact), so a sum of huge finite values cannot overflow
+    scale = _pow2_above(xc.detach().abs().amax()) if xc.numel() else xc.new_ones(())
     if dim is None:
-        total, count = xc.sum(), keep.sum()
+        total, count = (xc / scale).sum(), keep.sum()
     else:
-        total, count = xc.sum(dim=dim), keep.sum(dim=dim)
+        total, count = (xc / scale).sum(dim=dim), keep.sum(dim=dim)
     count = count.to(xc.dtype)
-    return (total / count.clamp_min(1)).to(x.dtype)
+    return (total / count.clamp_min(1) * scale).to(x.dtype)
 
 
 def masked_var(
@@ -231,8 +280,9 @@ def masked_var(
         >>> masked_var(torch.tensor([7.0, 50.0]), torch.tensor([1, 0]))
         tensor(0.)
     """
-    count, _, m2 = _merge_over(group, *masked_moments(x, mask))
-    return variance(count, m2, unbiased).to(x.dtype)
+    xc, keep = _selected(x, mask)
+    m = _merge_over(group, weighted_moments(xc, keep.to(xc.dtype)))
+    return m.variance(unbiased).to(x.dtype)
 
 
 def masked_whiten(
@@ -271,8 +321,5 @@ def masked_whiten(
     """
     eps = check_nonneg("eps", eps)
     xc, keep = _selected(x, mask)
-    count, mean, m2 = _merge_over(group, *weighted_moments(xc, keep.to(xc.dtype)))
-    out = (xc - mean) * inv_std(variance(count, m2, True), eps)
-    if not shift_mean:
-        out = out + mean
-    return torch.where(keep, out, 0).to(x.dtype)
+    m = _merge_over(group, weighted_moments(xc, keep.to(xc.dtype)))
+    return torch.where(keep, m.standardize(xc, eps, shift_mean), 0).to(x.dtype)
