@@ -502,7 +502,11 @@ def test_serial_returns_are_the_serial_scan():
 def test_long_sequence_gae_at_gamma_lam_one(method):
     rewards, values, (adv_o, ret_o), (adv_r, ret_r), g_o, g_r = _long_batch()
     adv, ret = gae(rewards, values, gamma=1.0, lam=1.0, method=method)
-    assert_within_reference(f"T=131072 {method} advantages", adv, adv_o, adv_r)
-    assert_within_reference(f"T=131072 {method} returns", ret, ret_o, ret_r)
+    adv_c, ret_c = gae(rewards, values, gamma=1.0, lam=1.0, method="chunked")
+    assert_within_reference(f"T=131072 {method} advantages", adv, adv_o, adv_r, chunked_out=adv_c)
+    assert_within_reference(f"T=131072 {method} returns", ret, ret_o, ret_r, chunked_out=ret_c)
     g = discounted_returns(rewards, gamma=1.0, method=method)
-    assert_within_reference(f"T=131072 {method} discounted returns", g, g_o, g_r)
+    g_c = discounted_returns(rewards, gamma=1.0, method="chunked")
+    assert_within_reference(
+        f"T=131072 {method} discounted returns", g, g_o, g_r, chunked_out=g_c
+    )

@@ -2,11 +2,14 @@
 
 * Full-precision dtypes (float32, float64): a method's max abs error against the oracle must be
   at most twice the error of the serial reference (``method="reference"``) in the same dtype on
-  the same inputs, plus a floor of a few ulps of the output's magnitude for inputs on which the
-  reference happens to be exact. For float64 outputs the oracle must be the extended-precision
-  one (a float64 oracle reproduces the float64 serial loop bit for bit, so the reference's
-  measured error would be 0); where no wider type exists, float64 falls back to
-  ``serial_bound``.
+  the same inputs — and, for float32 on the compiled and auto paths, at most twice the error
+  of the chunked form where that is the more accurate (the default path must not be less
+  accurate than the best blocked summation we ship; its float64 carry makes that free; a
+  float64 input has no wider carry, so there the serial reference's error is the rule) — plus
+  a floor of a few ulps of the output's magnitude for inputs on which the reference happens to
+  be exact. For float64 outputs the oracle must be the extended-precision one (a float64
+  oracle reproduces the float64 serial loop bit for bit, so the reference's measured error
+  would be 0); where no wider type exists, float64 falls back to ``serial_bound``.
 * Half dtypes (bfloat16, float16) accumulate in float32: the output must match the float32
   serial reference rounded to the half dtype within one half-dtype ulp of each element, plus
   the float32 error budget above (the two float32 results may differ by that much before
@@ -96,8 +99,11 @@ def assert_within_reference(
     oracle: Oracle,
     ref_out: torch.Tensor,
     magnitude: Oracle | None = None,
+    chunked_out: torch.Tensor | None = None,
 ) -> tuple[float, float]:
-    """``err(out) <= 2 * err(ref_out) + floor``, errors measured against the oracle.
+    """``err(out) <= 2 * err(ref_out) + floor``, errors measured against the oracle; with
+    ``chunked_out`` (the chunked method's output) and float32, ``err(ref_out)`` is replaced by
+    the smaller of the two errors.
 
     ``out`` and ``ref_out`` share a dtype (float32 or float64). The floor is ``FLOOR_ULPS``
     ulps of the largest ``|oracle|``, or of the largest ``magnitude`` when given (property
@@ -108,11 +114,15 @@ def assert_within_reference(
     assert tuple(out.shape) == tuple(oracle.shape), (out.shape, oracle.shape)
     err = max_abs_err(out, oracle)
     ref_err = max_abs_err(ref_out, oracle)
+    what = f"serial {out.dtype} reference's"
+    float32 = out.dtype == torch.float32
+    if chunked_out is not None and float32 and max_abs_err(chunked_out, oracle) < ref_err:
+        ref_err, what = max_abs_err(chunked_out, oracle), f"chunked {out.dtype} form's"
     scale = _magnitude(oracle if magnitude is None else magnitude)
     floor = FLOOR_ULPS * ulp_at(out.dtype, scale)
     assert err <= 2 * ref_err + floor, (
-        f"{name}: max abs error {err:.4g} vs float64 exceeds 2 x the serial {out.dtype} "
-        f"reference's {ref_err:.4g} + floor {floor:.3g}"
+        f"{name}: max abs error {err:.4g} vs float64 exceeds 2 x the {what} "
+        f"{ref_err:.4g} + floor {floor:.3g}"
     )
     return err, ref_err
 
