@@ -221,6 +221,15 @@ def _cp_worker(rank: int, world: int) -> dict:
                                      cp_group=group)
         finite[f"returns {method}"] = zigzag_unshard(g, group=group, length=t_len)
     out["nan"] = finite
+    # a per-row discount of exactly 0 (row 0) and the scalar 0.0: y = x, NaN where it was
+    zero = {}
+    for method in ALL_METHODS:
+        y = rlops.discounted_cumsum(shard(x), torch.tensor([[0.0], [0.9]], dtype=torch.float64),
+                                    method=method, cp_group=group)
+        zero[f"per-row 0 {method}"] = zigzag_unshard(y, group=group, length=t_len)[:1]
+        y = rlops.discounted_cumsum(shard(x), 0.0, method=method, cp_group=group)
+        zero[f"scalar 0 {method}"] = zigzag_unshard(y, group=group, length=t_len)
+    out["zero"], out["x"] = zero, x
 
     # 2. each case passes a parameter that differs between the ranks
     t_len = 8
@@ -276,6 +285,8 @@ def test_context_parallel_nan_does_not_cross_a_cut():
         for name, full in res["nan"].items():
             assert torch.isfinite(full[:, :4]).all(), (rank, name, full)
         assert torch.equal(res["after"], torch.ones(1, 3))
+        for name, y in res["zero"].items():
+            assert _same(y, res["x"][: y.shape[0]]), (rank, name, y)
 
 
 _UNCHECKED = pytest.mark.xfail(
