@@ -1,7 +1,8 @@
 """numba kernels behind :mod:`rlops.advantages.compiled` (imported only when numba is installed).
 
 GAE and discounted returns fused with mask skipping, dones and the next-action value, in one
-backward pass over time, four rows at a time with float64 carries in registers. The rules are
+backward pass over time, four rows at a time with the carries in registers (the
+advantage carry in float64 where there is no mask, see ``step``). The rules are
 those of :mod:`rlops.advantages.masking`, applied token by token with selects: at a done the
 carries are *replaced* by 0 (never multiplied), so nothing crosses it, not even NaN.
 
@@ -16,19 +17,21 @@ _jit = numba.njit(cache=True, nogil=True)
 
 
 @numba.njit(inline="always")
-def step(t, r, v, m, d, e, o, g, gl, nxt, acc, has_values, has_mask, has_dones):
-    # One token of one row, written with selects (no data-dependent branch). The carries
-    # (nxt, acc) and the discounts (g, gl) are float64; outputs are stored in their own dtype.
-    zero = np.float64(0)
+def step(t, r, v, m, d, e, o, g, gl, nxt, acc, has_values, has_mask, has_dones, zero):
+    # One token of one row, written with selects (no data-dependent branch). ``acc`` (the
+    # advantage or return carry) and the discounts are float64 without a mask; with a mask
+    # they are in the input dtype: float64 selects on a random mask ran 2-3x slower.
+    # ``zero`` is a 0 of the carry's type.
+    vzero = v.dtype.type(0)
     if has_dones:
         cut = d[t]
-        nxt = zero if cut else nxt
+        nxt = vzero if cut else nxt
         acc = zero if cut else acc
-    vt = v[t] if has_values else zero
+    vt = v[t] if has_values else vzero
     a = (r[t] + g * nxt - vt) + gl * acc
     if has_mask:
         act = m[t]
-        o[t] = a + vt if act else zero
+        o[t] = (a + vt) if act else zero
         if has_values:
             e[t] = a if act else zero
         return (vt if act else nxt), (a if act else acc)
@@ -39,7 +42,7 @@ def step(t, r, v, m, d, e, o, g, gl, nxt, acc, has_values, has_mask, has_dones):
 
 
 @numba.njit(inline="always")
-def body(r, v, mask, dones, g, gl, adv, ret, rows, hv, hm, hd):
+def body(r, v, mask, dones, g, gl, adv, ret, rows, hv, hm, hd, acc0):
     i0, i1, i2, i3 = rows
     r0, r1, r2, r3 = r[i0], r[i1], r[i2], r[i3]
     v0, v1, v2, v3 = v[i0], v[i1], v[i2], v[i3]
@@ -49,52 +52,53 @@ def body(r, v, mask, dones, g, gl, adv, ret, rows, hv, hm, hd):
     o0, o1, o2, o3 = ret[i0], ret[i1], ret[i2], ret[i3]
     g0, g1, g2, g3 = g[i0], g[i1], g[i2], g[i3]
     l0, l1, l2, l3 = gl[i0], gl[i1], gl[i2], gl[i3]
-    n0 = n1 = n2 = n3 = a0 = a1 = a2 = a3 = np.float64(0)
+    n0 = n1 = n2 = n3 = v.dtype.type(0)
+    a0 = a1 = a2 = a3 = acc0  # float64 without a mask, the output dtype with one (``step``)
     for t in range(r.shape[1] - 1, -1, -1):
-        n0, a0 = step(t, r0, v0, m0, d0, e0, o0, g0, l0, n0, a0, hv, hm, hd)
-        n1, a1 = step(t, r1, v1, m1, d1, e1, o1, g1, l1, n1, a1, hv, hm, hd)
-        n2, a2 = step(t, r2, v2, m2, d2, e2, o2, g2, l2, n2, a2, hv, hm, hd)
-        n3, a3 = step(t, r3, v3, m3, d3, e3, o3, g3, l3, n3, a3, hv, hm, hd)
+        n0, a0 = step(t, r0, v0, m0, d0, e0, o0, g0, l0, n0, a0, hv, hm, hd, acc0)
+        n1, a1 = step(t, r1, v1, m1, d1, e1, o1, g1, l1, n1, a1, hv, hm, hd, acc0)
+        n2, a2 = step(t, r2, v2, m2, d2, e2, o2, g2, l2, n2, a2, hv, hm, hd, acc0)
+        n3, a3 = step(t, r3, v3, m3, d3, e3, o3, g3, l3, n3, a3, hv, hm, hd, acc0)
 
 
 @_jit
 def gae_000(r, v, mask, dones, g, gl, adv, ret, rows):
-    body(r, v, mask, dones, g, gl, adv, ret, rows, False, False, False)
+    body(r, v, mask, dones, g, gl, adv, ret, rows, False, False, False, np.float64(0))
 
 
 @_jit
 def gae_001(r, v, mask, dones, g, gl, adv, ret, rows):
-    body(r, v, mask, dones, g, gl, adv, ret, rows, False, False, True)
+    body(r, v, mask, dones, g, gl, adv, ret, rows, False, False, True, np.float64(0))
 
 
 @_jit
 def gae_010(r, v, mask, dones, g, gl, adv, ret, rows):
-    body(r, v, mask, dones, g, gl, adv, ret, rows, False, True, False)
+    body(r, v, mask, dones, g, gl, adv, ret, rows, False, True, False, ret.dtype.type(0))
 
 
 @_jit
 def gae_011(r, v, mask, dones, g, gl, adv, ret, rows):
-    body(r, v, mask, dones, g, gl, adv, ret, rows, False, True, True)
+    body(r, v, mask, dones, g, gl, adv, ret, rows, False, True, True, ret.dtype.type(0))
 
 
 @_jit
 def gae_100(r, v, mask, dones, g, gl, adv, ret, rows):
-    body(r, v, mask, dones, g, gl, adv, ret, rows, True, False, False)
+    body(r, v, mask, dones, g, gl, adv, ret, rows, True, False, False, np.float64(0))
 
 
 @_jit
 def gae_101(r, v, mask, dones, g, gl, adv, ret, rows):
-    body(r, v, mask, dones, g, gl, adv, ret, rows, True, False, True)
+    body(r, v, mask, dones, g, gl, adv, ret, rows, True, False, True, np.float64(0))
 
 
 @_jit
 def gae_110(r, v, mask, dones, g, gl, adv, ret, rows):
-    body(r, v, mask, dones, g, gl, adv, ret, rows, True, True, False)
+    body(r, v, mask, dones, g, gl, adv, ret, rows, True, True, False, ret.dtype.type(0))
 
 
 @_jit
 def gae_111(r, v, mask, dones, g, gl, adv, ret, rows):
-    body(r, v, mask, dones, g, gl, adv, ret, rows, True, True, True)
+    body(r, v, mask, dones, g, gl, adv, ret, rows, True, True, True, ret.dtype.type(0))
 
 
 GAE = {

@@ -17,19 +17,18 @@ _jit = numba.njit(cache=True, nogil=True)
 
 @_jit
 def scan_rows(x, w, y, rows):
-    # y[n, t] = x[n, t] + w[n] * y[n, t+1]; w (float64) constant along time.
+    # y[n, t] = x[n, t] + w[n] * y[n, t+1]; w (float64) constant along time and never 0
+    # (the caller copies rows whose decay is 0: y = x).
     i0, i1, i2, i3 = rows
     x0, x1, x2, x3 = x[i0], x[i1], x[i2], x[i3]
     y0, y1, y2, y3 = y[i0], y[i1], y[i2], y[i3]
     w0, w1, w2, w3 = w[i0], w[i1], w[i2], w[i3]
-    k0, k1, k2, k3 = w0 != 0, w1 != 0, w2 != 0, w3 != 0
-    zero = np.float64(0)
-    c0 = c1 = c2 = c3 = zero
+    c0 = c1 = c2 = c3 = np.float64(0)
     for t in range(x.shape[1] - 1, -1, -1):
-        c0 = x0[t] + (w0 * c0 if k0 else zero)
-        c1 = x1[t] + (w1 * c1 if k1 else zero)
-        c2 = x2[t] + (w2 * c2 if k2 else zero)
-        c3 = x3[t] + (w3 * c3 if k3 else zero)
+        c0 = x0[t] + w0 * c0
+        c1 = x1[t] + w1 * c1
+        c2 = x2[t] + w2 * c2
+        c3 = x3[t] + w3 * c3
         y0[t] = c0
         y1[t] = c1
         y2[t] = c2

@@ -108,4 +108,7 @@ def scan_compiled(x: torch.Tensor, decay: float | torch.Tensor) -> torch.Tensor:
         else:
             w = torch.full((n,), float(decay), dtype=torch.float64)
         run_rows(k.scan_rows, n, x.numel(), x.numpy(), w.numpy(), y.numpy())
+        cut = w == 0  # a zero decay is an exact cut: y = x, whatever follows (even NaN)
+        if bool(cut.any()):  # a host tensor: no device synchronisation
+            y[cut] = x[cut]
     return y
