@@ -192,29 +192,38 @@ def test_reinforce_plus_plus_returns_gradcheck(method, T):
 
 
 # --------------------------------------------------------------------------- method="auto"
-def _forward_scan_grads(x: torch.Tensor, a: torch.Tensor, g: torch.Tensor):
-    """``(dL/dx, dL/da)`` for ``L = sum(g * y)``, ``y[t] = x[t] + a[t] * y[t+1]``, by the
-    definition, in extended precision: ``y`` by the reverse loop, then ``G`` by the forward
-    loop ``G[k] = g[k] + a[k-1] * G[k-1]``, and ``dL/da[k] = G[k] * y[k+1]``."""
-    dt = np.longdouble if EXTENDED else np.float64
-    xs, gs = x.detach().numpy().astype(dt), g.detach().numpy().astype(dt)
-    a_s = np.broadcast_to(a.detach().numpy().astype(dt), xs.shape)
-    rows, t_len = xs.shape
-    y = np.zeros((rows, t_len + 1), dtype=dt)
-    for t in reversed(range(t_len)):
+def _reverse_scan(xs: np.ndarray, a_s: np.ndarray) -> np.ndarray:
+    """``y[t] = x[t] + a[t] * y[t+1]`` by the loop, with the ``y[T] = 0`` column kept."""
+    y = np.zeros((xs.shape[0], xs.shape[1] + 1), dtype=xs.dtype)
+    for t in reversed(range(xs.shape[1])):
         y[:, t] = xs[:, t] + a_s[:, t] * y[:, t + 1]
-    gx = np.zeros_like(xs)
-    carry = np.zeros(rows, dtype=dt)
-    for k in range(t_len):
+    return y
+
+
+def _forward_scan(gs: np.ndarray, a_s: np.ndarray) -> np.ndarray:
+    """``G[k] = g[k] + a[k-1] * G[k-1]`` by the loop."""
+    out = np.zeros_like(gs)
+    carry = np.zeros(gs.shape[0], dtype=gs.dtype)
+    for k in range(gs.shape[1]):
         carry = gs[:, k] + (a_s[:, k - 1] * carry if k > 0 else 0)
-        gx[:, k] = carry
-    ga = gx * y[:, 1:]
-    return gx, ga
+        out[:, k] = carry
+    return out
 
 
-def _abs_forward_scan(a: torch.Tensor, g: torch.Tensor) -> np.ndarray:
-    """The forward scan of ``|g|`` with ``|a|``: the magnitude that bounds dL/dx's rounding."""
-    return _forward_scan_grads(torch.zeros_like(g), a.abs(), g.abs())[0]
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().numpy().astype(np.longdouble if EXTENDED else np.float64)
+
+
+def _defined_grads(x: torch.Tensor, a: torch.Tensor, g: torch.Tensor):
+    """``(dL/dx, dL/da)`` for ``L = sum(g * y)``, ``y[t] = x[t] + a[t] * y[t+1]``, from the
+    definition in extended precision: ``dL/dx = G`` (the forward scan of ``g``) and
+    ``dL/da[k] = G[k] * y[k+1]``; and the magnitudes that bound their rounding (the same
+    loops on absolute values)."""
+    xs, a_s, gs = _np(x), _np(a), _np(g)
+    big_g, y = _forward_scan(gs, a_s), _reverse_scan(xs, a_s)
+    abs_g = _forward_scan(np.abs(gs), np.abs(a_s))
+    abs_y = _reverse_scan(np.abs(xs), np.abs(a_s))
+    return (big_g, big_g * y[:, 1:]), (abs_g, abs_g * abs_y[:, 1:])
 
 
 @pytest.mark.parametrize("T", [1, 9, 200])
@@ -225,25 +234,11 @@ def test_auto_under_autograd_gives_the_defined_gradient(T):
     y = rlops.discounted_cumsum(x, a)  # method="auto"
     assert y.grad_fn is not None
     y.backward(g)
-    want_x, want_a = _forward_scan_grads(x, a, g)
+    (want_x, want_a), (mag_x, mag_a) = _defined_grads(x, a, g)
     # a priori bounds of the serial loops: the forward scan for dL/dx; for dL/da = G * y,
     # the roundings of both scans and of the product
-    assert_within_bound("dL/dx", x.grad, want_x, serial_bound(T, F64, _abs_forward_scan(a, g)))
-    bound_a = serial_bound(2 * T + 1, F64, _a_magnitude(x, a, g))
-    assert_within_bound("dL/da", a.grad, want_a, bound_a)
-
-
-def _a_magnitude(x, a, g) -> np.ndarray:
-    """|G| * (scan of |x| with |a|), shifted by one: bounds the terms of dL/da."""
-    gx_abs = _abs_forward_scan(a, g)
-    dt = gx_abs.dtype
-    xs = np.abs(x.detach().numpy().astype(dt))
-    a_s = np.abs(a.detach().numpy().astype(dt))
-    rows, t_len = xs.shape
-    y = np.zeros((rows, t_len + 1), dtype=dt)
-    for t in reversed(range(t_len)):
-        y[:, t] = xs[:, t] + a_s[:, t] * y[:, t + 1]
-    return gx_abs * y[:, 1:]
+    assert_within_bound("dL/dx", x.grad, want_x, serial_bound(T, F64, mag_x))
+    assert_within_bound("dL/da", a.grad, want_a, serial_bound(2 * T + 1, F64, mag_a))
 
 
 def _estimator_calls(r, v, outcome, kl, mask, dones, method):
