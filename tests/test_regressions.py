@@ -9,6 +9,9 @@ confusing error.
   Python float.
 * Bad arguments raise errors that name them.
 * The default CPU path in float32 is as accurate on 128K-token rows as the chunked method.
+
+Cases marked ``xfail(strict=True)`` reproduce related bugs that are not fixed yet; each reason
+says what goes wrong, and the mark must go when the fix lands (strict: an unexpected pass fails).
 """
 
 from __future__ import annotations
