@@ -292,11 +292,6 @@ def test_context_parallel_nan_does_not_cross_a_cut():
             assert _same(y, res["x"][: y.shape[0]]), (rank, name, y)
 
 
-_UNCHECKED = pytest.mark.xfail(
-    strict=True,
-    reason="the context-parallel consistency check does not see this parameter: it is folded "
-    "into per-token tensors (decays or token rewards) before the metadata exchange",
-)
 
 
 @pytest.mark.distributed
@@ -309,9 +304,9 @@ _UNCHECKED = pytest.mark.xfail(
         "gae gamma with mask",
         "returns gamma",
         "returns per-row gamma",
-        pytest.param("returns gamma with mask", marks=_UNCHECKED),
+        "returns gamma with mask",
         "reinforce++ gamma",
-        pytest.param("reinforce++ kl_coef", marks=_UNCHECKED),
+        "reinforce++ kl_coef",
         "cumsum per-row discount",
         "cumsum scalar discount",
     ],
@@ -331,12 +326,6 @@ FORMS = {
     "0-dim float32 tensor": lambda v: torch.tensor(v, dtype=torch.float32),
     "0-dim float64 tensor": lambda v: torch.tensor(v, dtype=torch.float64),
 }
-_GL_IN_FLOAT32 = pytest.mark.xfail(
-    strict=True,
-    reason="a 0-dim float32 gamma or lam is kept as a per-row float32 tensor, so gamma * lam "
-    "is rounded to float32 before the scan (from floats it is formed in float64): the "
-    "advantages differ in the last bits",
-)
 
 
 def _batch():
@@ -387,13 +376,7 @@ SCALAR_PARAMS = [
 
 @pytest.mark.parametrize(
     "name, form",
-    [
-        pytest.param(name, form, marks=_GL_IN_FLOAT32)
-        if name.startswith("gae") and form == "0-dim float32 tensor"
-        else (name, form)
-        for name in SCALAR_PARAMS
-        for form in FORMS
-    ],
+    [(name, form) for name in SCALAR_PARAMS for form in FORMS],
 )
 def test_numpy_and_zero_dim_scalars_equal_python_floats(name, form):
     value = 0.1 if "eps" in name else 0.3 if "clip" in name or "kl" in name else 0.9
@@ -495,3 +478,20 @@ def test_float32_discounted_returns_default_path_on_long_rows():
         print(f"discounted_returns T=32768 gamma=0.999: {method} error {err:.3g}; "
               f"chunked {budget:.3g}")
         assert err <= budget, (method, err, budget)
+
+
+@pytest.mark.parametrize("method", ["reference", "chunked", "compiled", "auto"])
+def test_zero_gamma_or_lam_is_an_exact_cut_in_the_estimators(method):
+    """gamma = 0 (or lam = 0 for the advantage) links nothing: NaN later in the row stays there."""
+    if method == "compiled":
+        pytest.importorskip("numba")
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(3))
+    x[:, 5] = float("nan")
+    zeros = torch.zeros(2, 8)
+    assert torch.equal(rlops.discounted_returns(x, gamma=0.0, method=method)[:, :5], x[:, :5])
+    per_row = rlops.discounted_returns(x, gamma=torch.tensor([0.0, 0.5]), method=method)
+    assert torch.equal(per_row[0, :5], x[0, :5])
+    adv = rlops.gae(x, zeros, gamma=0.0, lam=0.9, method=method)[0]
+    assert torch.equal(adv[:, :5], x[:, :5])  # delta = r with V = 0
+    adv = rlops.gae(x, zeros, gamma=0.9, lam=0.0, method=method)[0]
+    assert torch.isfinite(adv[:, :4]).all()  # delta[4] = r[4] + 0.9 * V[5] = r[4]: finite too

@@ -191,14 +191,15 @@ def check_unit_interval(name: str, value: object) -> float | torch.Tensor:
 def per_row_discount(
     name: str, value: object, b: int, ref: torch.Tensor
 ) -> float | torch.Tensor:
-    """A discount in [0, 1] given as a number or a ``[B]`` (or ``[B, 1]``, or 0-dim) tensor:
-    returned as a float, or a ``[B, 1]`` tensor on ``ref``'s device."""
+    """A discount in [0, 1] given as a number or a ``[B]`` (or ``[B, 1]``) tensor: returned as
+    a float, or a ``[B, 1]`` tensor on ``ref``'s device. A 0-dim tensor is read as a number
+    (one host read), so it gives exactly what the same Python float gives."""
     value = check_unit_interval(name, value)
     if not isinstance(value, torch.Tensor):
         return value
-    check_same_device("rewards", ref, **{name: value})
     if value.dim() == 0:
-        return value.reshape(1, 1).expand(b, 1)
+        return as_real(name, value)
+    check_same_device("rewards", ref, **{name: value})
     if tuple(value.shape) not in ((b,), (b, 1)):
         raise shape_error(name, f"[B] = [{b}] (one per row), or a float", value.shape)
     return value.reshape(b, 1)

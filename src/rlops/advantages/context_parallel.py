@@ -135,7 +135,12 @@ def _check_headers(headers: torch.Tensor, mine: list[float]) -> None:
 
 
 def cp_scan(
-    x: torch.Tensor, decay: float | torch.Tensor, group, method: str, chunk_size=None
+    x: torch.Tensor,
+    decay: float | torch.Tensor,
+    group,
+    method: str,
+    chunk_size=None,
+    params: tuple | None = None,
 ) -> torch.Tensor:
     """Reverse scan of zigzag shards ``x`` ``[N, 2L]``; ``decay`` float / ``[N,1]`` / ``[N,2L]``."""
     group_rank_size(group, "cp_group")
@@ -152,7 +157,8 @@ def cp_scan(
     rows = ap.repeat(2, 1) if isinstance(ap, torch.Tensor) else ap
     yy = scan(torch.cat([xp, _last(a_full)]), rows, method, chunk_size)
     local, g = yy[: 2 * n], yy[2 * n :]  # local scan; product of decays to the chunk end
-    params = (None if per_token else decay, None)
+    if params is None:  # the scalar parameters that must agree: the decay unless per token
+        params = (None if per_token else decay, None)
     summary = torch.stack([local[:, 0], g[:, 0]], -1)
     chunks = _gather(summary, "scan", group, t_local, params)
     y_in = _solve(chunks[..., 0], chunks[..., 1])  # [N, 2cp]
@@ -219,7 +225,7 @@ def _last(a: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def cp_reinforce_returns(token_rewards, outcome, mask, gamma, group, method):
+def cp_reinforce_returns(token_rewards, outcome, mask, gamma, group, method, kl_coef=None):
     """REINFORCE++ returns on zigzag shards: discounted returns over action tokens of
     ``token_rewards`` ``[N, 2L]``, plus ``outcome`` ``[N]`` on the row's globally last action
     token (found from the per-chunk summaries, no extra collective)."""
@@ -236,7 +242,7 @@ def cp_reinforce_returns(token_rewards, outcome, mask, gamma, group, method):
     y, g, u = yy[: 2 * n], yy[2 * n : 4 * n], yy[4 * n :]
     has = m.any(-1).to(xp.dtype)
     summary = torch.stack([y[:, 0], g[:, 0], u[:, 0], has], -1)
-    c = _gather(summary, "reinforce", group, t_local, (gamma, None))
+    c = _gather(summary, "reinforce", group, t_local, (gamma, kl_coef))
     # the globally last chunk holding an action token gets the outcome
     k = torch.arange(c.shape[1], device=c.device)
     k_last = torch.where(c[..., 3] > 0, k, -1).amax(-1, keepdim=True)  # [N, 1]

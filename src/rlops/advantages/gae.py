@@ -121,6 +121,8 @@ def gae(
         gl_rows = as_rows(gl, b, dtype, r.device)
         adv, ret = cp_gae(r, v, mask, dones, g_rows, gl_rows, cp_group, method, chunk_size)
         return adv.to(out_dtype), ret.to(out_dtype)
+    if method == "compiled" and compiled.has_zero(gamma_, gl):
+        method = "chunked"  # a zero discount is an exact cut there; the kernels multiply
     if method in ("reference", "compiled"):
         # the compiled kernels take the discounts in float64, as the chunked powers are formed
         rows_dtype = dtype if method == "reference" else torch.float64
@@ -188,6 +190,8 @@ def discounted_returns(
     method = resolve_method(method, rewards)
     dtype = compute_dtype(rewards.dtype)
     r = rewards.to(dtype)
+    if method == "compiled" and compiled.has_zero(gamma_):
+        method = "chunked"  # a zero discount is an exact cut there; the kernels multiply
     if cp_group is None and method in ("reference", "compiled"):
         g_rows = as_rows(gamma_, b, dtype if method == "reference" else torch.float64, r.device)
         run = gae_reference if method == "reference" else compiled.gae_compiled
@@ -199,7 +203,7 @@ def discounted_returns(
     if cp_group is not None:
         from rlops.advantages.context_parallel import cp_scan
 
-        out = cp_scan(x, decay, cp_group, method, chunk_size)
+        out = cp_scan(x, decay, cp_group, method, chunk_size, params=(gamma_, None))
     else:
         out = scan(x, decay, method, chunk_size)
     if mask is not None:

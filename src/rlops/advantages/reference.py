@@ -40,8 +40,9 @@ def gae_reference(
             next_value = torch.where(dones[:, t], zero, next_value)
             next_adv = torch.where(dones[:, t], zero, next_adv)
         v_t = values[:, t] if values is not None else zero
-        delta = rewards[:, t] + gamma * next_value - v_t
-        a_t = delta + gamma_lam * next_adv
+        # a zero discount is an exact cut: what follows is selected away, not multiplied by 0
+        delta = rewards[:, t] + gamma * torch.where(gamma == 0, zero, next_value) - v_t
+        a_t = delta + gamma_lam * torch.where(gamma_lam == 0, zero, next_adv)
         act = mask[:, t] if mask is not None else torch.ones_like(zero, dtype=torch.bool)
         adv[:, t] = torch.where(act, a_t, zero)
         next_adv = torch.where(act, a_t, next_adv)

@@ -89,6 +89,7 @@ def reinforce_plus_plus_returns(
             as_rows(gamma_, b, cdt, kl.device),
             cp_group,
             method,
+            kl_coef,
         )
         return out.to(dtype)
     if t_len > 0:
