@@ -143,6 +143,55 @@ def slime_offsets_bshd(total, response, cp, rank, max_len):
     return ranges, prompt - 1
 
 
+def slime_local_block(full: torch.Tensor, total: int, cp: int, rank: int) -> torch.Tensor:
+    """A sample's positions on a CP rank: chunks ``rank`` and ``2cp − 1 − rank`` of
+    ``ceil(total / 2cp)`` positions each, the sequence zero-padded to ``2cp`` chunks."""
+    chunk = -(-total // (2 * cp))
+    padded = torch.cat([full, full.new_zeros(2 * cp * chunk - total)])
+    return torch.cat([padded[k * chunk : (k + 1) * chunk] for k in (rank, 2 * cp - 1 - rank)])
+
+
+def _value_loss(group, cp: int, rank: int) -> dict:
+    """slime's value_loss_function under CP: the per-rank losses, reduced with per-token weights
+    (a linear sum_of_sample_mean), add up to the single-process loss; allgather_cp's contiguous
+    split gives the same per-rank result as the zigzag layout."""
+    from argparse import Namespace
+
+    totals, responses, _ = _samples()
+    keep = [i for i, (t, r) in enumerate(zip(totals, responses)) if r < t]  # slime: prompt >= 1
+    totals, responses = [totals[i] for i in keep], [responses[i] for i in keep]
+    gen = torch.Generator().manual_seed(17)
+    heads = [torch.randn(t, generator=gen, dtype=torch.float64) for t in totals]
+    old = [torch.randn(r, generator=gen, dtype=torch.float64) for r in responses]
+    ret = [torch.randn(r, generator=gen, dtype=torch.float64) for r in responses]
+    w = [torch.rand(r, generator=gen, dtype=torch.float64) for r in responses]
+
+    def run(logits, pieces, weights, group, allgather=False):
+        batch = {"values": pieces[0], "returns": pieces[1], "total_lengths": totals,
+                 "response_lengths": responses}
+        flat_w = torch.cat(weights)
+        return slime.value_loss_function(Namespace(value_clip=0.3, allgather_cp=allgather),
+                                         batch, logits, lambda x: (x * flat_w).sum(),
+                                         cp_group=group)[0]
+
+    full = run(torch.cat(heads).reshape(1, -1, 1), (old, ret), w, None)
+
+    def local(x):
+        return [slime_slice(v, t, r, cp, rank) for v, t, r in zip(x, totals, responses)]
+
+    zigzag = torch.cat([slime_local_block(h, t, cp, rank) for h, t in zip(heads, totals)])
+    mine = run(zigzag.reshape(1, -1, 1), (local(old), local(ret)), local(w), group)
+    packed = torch.cat(heads)
+    part = -(-packed.numel() // cp)
+    packed = torch.cat([packed, packed.new_zeros(part * cp - packed.numel())])
+    split = packed[rank * part : (rank + 1) * part]
+    mine_ag = run(split.reshape(1, -1, 1), (local(old), local(ret)), local(w), group,
+                  allgather=True)
+    total = mine.clone()
+    dist.all_reduce(total, group=group)
+    return {"sum_err": (total - full).abs().item(), "allgather_err": (mine_ag - mine).abs().item()}
+
+
 def _tensor_parallel(group, tp: int, rank: int) -> float:
     gen = torch.Generator().manual_seed(11)
     n, v = 13, 24
@@ -160,8 +209,14 @@ def _tensor_parallel(group, tp: int, rank: int) -> float:
     ref_logp = z.masked_fill(~keep, float("-inf")).log_softmax(-1).gather(-1, tokens[:, None])
     ref_ent = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
     ((ref_logp[:, 0] + ref_ent) * w).sum().backward()
-    return max((logp - ref_logp).abs().max().item(), (ent - ref_ent).abs().max().item(),
-               (shard.grad - z.grad[:, cols]).abs().max().item())
+    err = max((logp - ref_logp).abs().max().item(), (ent - ref_ent).abs().max().item(),
+              (shard.grad - z.grad[:, cols]).abs().max().item())
+    if group is dist.group.WORLD:  # slime: tp_group=None is the default (world) group
+        logp, ent = slime.calculate_log_probs_and_entropy(shard.detach(), tokens, None,
+                                                          with_entropy=True)
+        unmasked = logits.log_softmax(-1).gather(-1, tokens[:, None])
+        err = max(err, (logp - unmasked).abs().max().item(), (ent - ref_ent).abs().max().item())
+    return err
 
 
 def _whiten(group, size: int, rank: int) -> tuple[float, bool]:
@@ -187,6 +242,7 @@ def _work(rank: int, world: int) -> dict:
         res[name] = _context_parallel(group, size, r)
         res[name]["tp"] = _tensor_parallel(group, size, r)
         res[name]["whiten"] = _whiten(group, size, r)
+        res[name]["value_loss"] = _value_loss(group, size, r)
     return res
 
 
@@ -198,6 +254,7 @@ def test_group_adapters_equal_the_single_process_ones():
                 assert r[key] < 1e-12, (rank, name, key, r[key])
             err, finite = r["whiten"]
             assert err < 1e-12 and finite, (rank, name, r["whiten"])
+            assert max(r["value_loss"].values()) < 1e-9, (rank, name, r["value_loss"])
     # slime's placement of the outcome reward is wrong (or raises) for some of these samples
     assert sum(r["cp2"]["slime_outcome_wrong"] for r in results) > 0
     assert sum(r["cp4"]["slime_outcome_wrong"] for r in results) > 0

@@ -179,14 +179,16 @@ def test_reinforce_baseline_and_grpo_broadcast():
     gen = _gen(4)
     kl = _ragged(LENGTHS, gen, torch.float32)
     rewards = torch.randn(len(LENGTHS), generator=gen)
-    adv = slime.get_reinforce_plus_plus_baseline_advantages(rewards, kl, 0.1)
+    masks = [torch.ones_like(k) for k in kl]
+    # slime's signature since July 2025: (rewards, kl, loss_masks, kl_coef), loss_masks unused
+    adv = slime.get_reinforce_plus_plus_baseline_advantages(rewards, kl, masks, 0.1)
     ret = slime.get_grpo_returns(rewards, kl)
     for i, k in enumerate(kl):
         torch.testing.assert_close(adv[i], torch.ones_like(k) * rewards[i] - 0.1 * k)
         torch.testing.assert_close(ret[i], torch.ones_like(k) * rewards[i])
-    old_style = slime.get_reinforce_plus_plus_baseline_advantages(
-        rewards=rewards, kl=kl, loss_masks=[torch.ones_like(k) for k in kl], kl_coef=0.1)
-    assert all(torch.equal(a, b) for a, b in zip(adv, old_style))
+    by_name = slime.get_reinforce_plus_plus_baseline_advantages(
+        rewards=rewards, kl=kl, loss_masks=masks, kl_coef=0.1)
+    assert all(torch.equal(a, b) for a, b in zip(adv, by_name))
 
 
 def test_add_outcome_rewards_without_cp_is_the_last_token():
@@ -308,6 +310,167 @@ def test_bad_lists_are_rejected():
                                               [torch.ones(2)], [3], [5], 0.1, 1.0)
 
 
+# --------------------------------------------------------------------------- value loss
+def _value_batch():
+    """Two samples packed as slime packs them without CP: sample 0 has 4 tokens, the last 2 of
+    them the response; sample 1 has 3 tokens, the last one the response. The value of response
+    token i sits at position ``total − response − 1 + i`` of its sample."""
+    logits = torch.tensor([0.0, 1.0, 3.0, 9.0, 7.0, 0.2, 8.0]).reshape(1, 7, 1)
+    batch = {
+        "values": [torch.tensor([1.0, 1.0]), torch.tensor([1.0])],  # old values
+        "returns": [torch.tensor([0.0, 0.0]), torch.tensor([1.0])],
+        "unconcat_tokens": [torch.zeros(4, dtype=torch.long), torch.zeros(3, dtype=torch.long)],
+        "total_lengths": [4, 3],
+        "response_lengths": [2, 1],
+    }
+    return logits, batch
+
+
+def test_value_loss_function_by_hand():
+    """slime: loss = max((V_clip − R)², (V − R)²) with V_clip = V_old + clip(V − V_old, ±c), no
+    factor 1/2; clipfrac = |V − V_old| > c, both reduced by the caller's sum_of_sample_mean."""
+    from argparse import Namespace
+
+    logits, batch = _value_batch()
+    logits.requires_grad_()
+    args = Namespace(value_clip=0.5, allgather_cp=False)
+    seen = []
+
+    def token_mean(x):
+        seen.append(x.detach().clone())
+        return x.mean()
+
+    loss, metrics = slime.value_loss_function(args, batch, logits, token_mean)
+    # V = [1, 3 | 0.2] (positions 1, 2 | 4 + 1). Token 0: V = V_old, (1 − 0)² = 1, not clipped.
+    # Token 1: V − V_old = 2 > 0.5: V_clip = 1.5, max(1.5², 3²) = 9, clipped.
+    # Token 2: V − V_old = −0.8: V_clip = 0.5, max((0.5 − 1)², (0.2 − 1)²) = 0.64, clipped
+    # (slime counts it although the unclipped error is the larger; verl would not).
+    torch.testing.assert_close(seen[0], torch.tensor([1.0, 9.0, 0.64]))
+    torch.testing.assert_close(seen[1], torch.tensor([0.0, 1.0, 1.0]))
+    torch.testing.assert_close(loss, torch.tensor((1.0 + 9.0 + 0.64) / 3))
+    torch.testing.assert_close(metrics["value_loss"], loss.detach())
+    torch.testing.assert_close(metrics["value_clipfrac"], torch.tensor(2 / 3))
+    assert set(metrics) == {"value_loss", "value_clipfrac"}
+    (g,) = torch.autograd.grad(loss, logits)
+    # d/dV of the chosen term (V − R)² / 3 on the response positions, 0 elsewhere
+    want = torch.zeros(7)
+    want[1], want[2], want[5] = 2 * 1.0 / 3, 2 * 3.0 / 3, 2 * (0.2 - 1.0) / 3
+    torch.testing.assert_close(g.flatten(), want)
+
+
+def test_value_loss_function_bad_input_names_slimes_arguments():
+    from argparse import Namespace
+
+    logits, batch = _value_batch()
+    with pytest.raises(ValueError, match="value_clip"):
+        slime.value_loss_function(Namespace(value_clip=-0.5, allgather_cp=False), batch, logits,
+                                  torch.mean)
+    short = dict(batch, returns=[torch.zeros(2)])
+    with pytest.raises(ValueError, match="returns"):
+        slime.value_loss_function(Namespace(value_clip=0.5, allgather_cp=False), short, logits,
+                                  torch.mean)
+    with pytest.raises(ValueError, match="logits"):
+        slime.value_loss_function(Namespace(value_clip=0.5, allgather_cp=False), batch,
+                                  logits[:, :5], torch.mean)
+
+
+# --------------------------------------------------------------------------- argument handling
+def test_numpy_and_0d_tensor_scalars_are_accepted():
+    """verl and slime configs hand over np.float32 and 0-dim tensors for the coefficients."""
+    np = pytest.importorskip("numpy")
+    gen = _gen(9)
+    kl = _ragged([3, 2], gen, torch.float32)
+    rewards = torch.tensor([1.0, -1.0])
+    masks = [torch.ones(3), torch.ones(2)]
+    want = slime.get_reinforce_plus_plus_baseline_advantages(rewards, kl, masks, 0.1)
+    for coef in (np.float32(0.1), np.float64(0.1), torch.tensor(0.1)):
+        got = slime.get_reinforce_plus_plus_baseline_advantages(rewards, kl, masks, coef)
+        assert all(isinstance(g, torch.Tensor) for g in got)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+        got = slime.get_reinforce_plus_plus_returns(rewards, kl, masks, [3, 2], [5, 5], coef,
+                                                    np.float32(0.9))
+        torch.testing.assert_close(
+            got[0], slime.get_reinforce_plus_plus_returns(rewards, kl, masks, [3, 2], [5, 5],
+                                                          0.1, 0.9)[0])
+    r, v = torch.randn(2, 5, generator=gen), torch.randn(2, 5, generator=gen)
+    want = slime.vanilla_gae(r, v, 0.9, 0.95)
+    for gamma, lam in ((np.float32(0.9), np.float32(0.95)),
+                       (torch.tensor(0.9), torch.tensor(0.95))):
+        for got, w in zip(slime.chunked_gae(r, v, gamma, lam), want):
+            torch.testing.assert_close(got, w)
+    ppo_kl, adv = torch.randn(7, generator=gen) * 0.3, torch.randn(7, generator=gen)
+    want = slime.compute_policy_loss(ppo_kl, adv, 0.2, 0.28, 3.0)
+    for eps in (np.float32, torch.tensor):
+        got = slime.compute_policy_loss(ppo_kl, adv, eps(0.2), eps(0.28), eps(3.0))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w)
+
+
+def test_eps_clip_of_one_or_more_means_no_lower_clip_as_in_slime():
+    """slime clamps the ratio to [1 − eps_clip, ...]: with eps_clip ≥ 1 the floor is ≤ 0 and
+    never binds (canonical CISPO settings use eps_clip ≥ 1)."""
+    ppo_kl = torch.tensor([3.0, 3.0])  # ratio e^−3 ≈ 0.05
+    adv = torch.tensor([-1.0, 1.0])
+    for eps in (1.0, 5.0):
+        loss, frac = slime.compute_policy_loss(ppo_kl, adv, eps, 0.2)
+        ratio = math.exp(-3.0)
+        torch.testing.assert_close(loss, torch.tensor([ratio, -ratio]))
+        assert frac.eq(0).all()
+
+
+BAD_SLIME_CALLS = [
+    # (call, error type, the argument the message must name)
+    (lambda: slime.compute_policy_loss(torch.zeros(3), torch.ones(3), -0.1, 0.2),
+     ValueError, "eps_clip"),
+    (lambda: slime.compute_policy_loss(torch.zeros(3), torch.ones(3), 0.2, -0.2),
+     ValueError, "eps_clip_high"),
+    (lambda: slime.compute_policy_loss(torch.zeros(3), torch.ones(4), 0.2, 0.2),
+     ValueError, "advantages"),
+    (lambda: slime.compute_policy_loss(torch.zeros(3), torch.ones(3), 0.2, 0.2, 1.0),
+     ValueError, "eps_clip_c"),
+    (lambda: slime.get_advantages_and_returns_batch(
+        [9], [3], [torch.ones(3)], [torch.ones(2)], 1.0, 1.0), ValueError, r"rewards_list\[0\]"),
+    (lambda: slime.get_advantages_and_returns_batch(
+        [9], [3], [torch.ones(1)], [torch.ones(3)], 1.0, 1.0), ValueError, r"values_list\[0\]"),
+    (lambda: slime.get_advantages_and_returns_batch(
+        [2], [3], [torch.ones(3)], [torch.ones(3)], 1.0, 1.0), ValueError, "total_lengths"),
+    (lambda: slime.get_advantages_and_returns_batch(
+        [9, 9], [3], [torch.ones(3)], [torch.ones(3)], 1.0, 1.0), ValueError, "total_lengths"),
+    (lambda: slime.get_advantages_and_returns_batch(
+        [9], [3], [torch.ones(3)], [torch.ones(3)], 1.0, 1.5), ValueError, "lambd"),
+    (lambda: slime.get_reinforce_plus_plus_returns(
+        torch.ones(2), [torch.zeros(3)], [torch.ones(3)], [3], [5], 0.1, 1.0),
+     ValueError, "rewards"),
+    (lambda: slime.get_reinforce_plus_plus_returns(
+        torch.ones(1), [torch.zeros(3)], [torch.ones(3)], [3], [2], 0.1, 1.0),
+     ValueError, "total_lengths"),
+    (lambda: slime.get_reinforce_plus_plus_returns(
+        torch.ones(1), [torch.zeros(3)], [torch.ones(3)], [3], [5], "0.1", 1.0),
+     TypeError, "kl_coef"),
+    (lambda: slime.get_reinforce_plus_plus_baseline_advantages(
+        torch.ones(3), [torch.zeros(2)] * 2, [torch.ones(2)] * 2, 0.1), ValueError, "rewards"),
+    (lambda: slime.get_grpo_returns(torch.ones(3), [torch.zeros(2)] * 2), ValueError, "rewards"),
+    (lambda: slime.add_outcome_rewards([torch.zeros(3)], [1.0, 2.0], [5], [3]),
+     ValueError, "rewards"),
+    (lambda: slime.all_gather_with_cp(torch.zeros(4), 3, 4), ValueError, "response_length"),
+    (lambda: slime.slice_log_prob_with_cp(torch.zeros(4), 3, 4), ValueError, "response_length"),
+    (lambda: slime.slice_log_prob_with_cp(torch.zeros(4), 9, 4, qkv_format="sbhd"),
+     ValueError, "qkv_format"),
+    (lambda: slime.vanilla_gae([[0.0, 1.0]], torch.zeros(1, 2), 1.0, 1.0), TypeError, "rewards"),
+    (lambda: slime.vanilla_gae(torch.zeros(1, 2), torch.zeros(1, 3), 1.0, 1.0),
+     ValueError, "values"),
+    (lambda: slime.chunked_discounted_returns(torch.zeros(1, 2), -0.5), ValueError, "discount"),
+]
+
+
+@pytest.mark.parametrize("i", range(len(BAD_SLIME_CALLS)))
+def test_bad_input_names_slimes_argument(i):
+    call, err, name = BAD_SLIME_CALLS[i]
+    with pytest.raises(err, match=name):
+        call()
+
+
 def test_exports_are_pinned_and_documented():
     assert slime.__all__ == sorted(slime.__all__)
     assert slime.__all__ == [
@@ -315,7 +478,7 @@ def test_exports_are_pinned_and_documented():
         "chunked_discounted_returns", "chunked_gae", "compute_approx_kl", "compute_policy_loss",
         "distributed_masked_whiten", "get_advantages_and_returns_batch", "get_grpo_returns",
         "get_reinforce_plus_plus_baseline_advantages", "get_reinforce_plus_plus_returns",
-        "slice_log_prob_with_cp", "vanilla_gae",
+        "slice_log_prob_with_cp", "value_loss_function", "vanilla_gae",
     ]
     for name in slime.__all__:
         doc = getattr(slime, name).__doc__

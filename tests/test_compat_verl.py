@@ -94,33 +94,48 @@ def ref_reinforce(r, m, gamma):
 
 
 def ref_agg(loss, m, mode, dp_size=1, n_tok=None, n_seq=None, scale=None):
-    m = m.double()
-    seq_tokens = m.sum(-1)
+    """verl's ``agg_loss`` modes as its docstring and PR #5417 define them, row by row.
+
+    The local sum over the micro-batch is divided by the *global* count (``batch_num_tokens``
+    tokens, ``global_batch_size`` sequences; this micro-batch's own count when not given) and
+    multiplied by ``dp_size``. Rows without a mask-1 token do not count as sequences.
+    """
+    rows = []  # (token sum, token count) of each row that has a mask-1 token
+    for i in range(loss.shape[0]):
+        count = sum(int(m[i, t]) for t in range(loss.shape[1]))
+        total = sum(float(loss[i, t]) for t in range(loss.shape[1]) if m[i, t])
+        if count:
+            rows.append((total, count))
+    if mode == "token-sum":
+        return torch.tensor(sum(s for s, _ in rows) * dp_size, dtype=torch.float64)
     if mode == "token-mean":
-        return (loss * m).sum() / (seq_tokens.sum() if n_tok is None else n_tok) * dp_size
-    seq = (loss * m).sum(-1)
+        n = sum(c for _, c in rows) if n_tok is None else n_tok
+        return torch.tensor(sum(s for s, _ in rows) / n * dp_size, dtype=torch.float64)
+    n = len(rows) if n_seq is None else n_seq
     if mode == "seq-mean-token-mean":
-        seq = seq / (seq_tokens + 1e-8)
-    has = (seq_tokens > 0).double()
-    out = (seq * has).sum() / (has.sum() if n_seq is None else n_seq) * dp_size
-    if mode == "seq-mean-token-sum-norm":
-        out = out / (loss.shape[-1] if scale is None else scale)
-    return out
+        out = sum(s / c for s, c in rows) / n * dp_size
+    else:  # seq-mean-token-sum, and -norm: the same value divided by L (default T)
+        out = sum(s for s, _ in rows) / n * dp_size
+        if mode == "seq-mean-token-sum-norm":
+            out /= loss.shape[1] if scale is None else scale
+    return torch.tensor(out, dtype=torch.float64)
 
 
-def ref_policy_loss(old, new, adv, m, low, high, c, mode):
+def ref_policy_loss(old, new, adv, m, low, high, c, mode, weights=None, agg_kw=()):
     nkl = (new - old).clamp(-20, 20)
     ratio = nkl.exp()
     l1, l2 = -adv * ratio, -adv * ratio.clamp(1 - low, 1 + high)
     c1 = torch.maximum(l1, l2)
     l3 = -adv * c
     losses = torch.where(adv < 0, torch.minimum(l3, c1), c1)
+    if weights is not None:
+        losses = losses * weights
     md = m.double()
 
     def mean(x):
         return (x * md).sum() / md.sum()
 
-    return (ref_agg(losses, m, mode), mean((l2 > l1).double()), mean(-nkl),
+    return (ref_agg(losses, m, mode, *agg_kw), mean((l2 > l1).double()), mean(-nkl),
             mean(((c1 > l3) & (adv < 0)).double()))
 
 
@@ -241,7 +256,32 @@ def test_kl_penalty(kind):
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
-@pytest.mark.parametrize("mode", MODES)
+def test_agg_loss_by_hand():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+    m = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    want = {
+        "token-mean": 10 / 4,  # (1 + 2 + 3 + 4) / 4 tokens
+        "token-sum": 10.0,
+        "seq-mean-token-sum": (6 + 4) / 2,
+        "seq-mean-token-mean": (6 / 3 + 4 / 1) / 2,
+        "seq-mean-token-sum-norm": (6 + 4) / 2 / 3,  # divided by T = 3
+    }
+    for mode, value in want.items():
+        torch.testing.assert_close(verl.agg_loss(loss, m, mode), torch.tensor(value))
+    # global normalisers, times dp_size: 10 / 8 tokens · 2, 10 / 4 sequences · 2, ... / 5
+    kw = dict(dp_size=2, batch_num_tokens=8, global_batch_size=4)
+    torch.testing.assert_close(verl.agg_loss(loss, m, "token-mean", **kw), torch.tensor(2.5))
+    torch.testing.assert_close(verl.agg_loss(loss, m, "token-sum", **kw), torch.tensor(20.0))
+    torch.testing.assert_close(verl.agg_loss(loss, m, "seq-mean-token-sum", **kw),
+                               torch.tensor(5.0))
+    torch.testing.assert_close(verl.agg_loss(loss, m, "seq-mean-token-mean", **kw),
+                               torch.tensor(3.0))
+    torch.testing.assert_close(
+        verl.agg_loss(loss, m, "seq-mean-token-sum-norm", loss_scale_factor=5, **kw),
+        torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("mode", [*MODES, "token-sum"])
 def test_agg_loss(mode):
     gen = _gen(7)
     loss = torch.randn(B, T, generator=gen, dtype=torch.float64)
@@ -251,9 +291,20 @@ def test_agg_loss(mode):
     kw = dict(dp_size=4, batch_num_tokens=200, global_batch_size=20, loss_scale_factor=64)
     torch.testing.assert_close(verl.agg_loss(loss, m, mode, **kw),
                                ref_agg(loss, m, mode, 4, 200, 20, 64))
-    with pytest.raises(ValueError, match="required when dp_size"):
-        verl.agg_loss(loss, m, mode, dp_size=2)
+    for n in (np.int64(200), torch.tensor(200)):  # counts arrive as numpy or 0-dim tensors
+        torch.testing.assert_close(
+            verl.agg_loss(loss, m, mode, dp_size=np.int64(4), batch_num_tokens=n,
+                          global_batch_size=torch.tensor(20), loss_scale_factor=np.float32(64)),
+            ref_agg(loss, m, mode, 4, 200, 20, 64))
+    if mode != "token-sum":  # token-sum needs no global count
+        with pytest.raises(ValueError, match="required when dp_size"):
+            verl.agg_loss(loss, m, mode, dp_size=2)
     assert verl.agg_loss(loss, torch.zeros_like(m), mode) == 0  # verl: NaN or 0
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="dp_size"):
+            verl.agg_loss(loss, m, mode, dp_size=bad, batch_num_tokens=200, global_batch_size=20)
+    with pytest.raises(TypeError, match="dp_size"):
+        verl.agg_loss(loss, m, mode, dp_size=2.5, batch_num_tokens=200, global_batch_size=20)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -268,11 +319,46 @@ def test_policy_loss(mode):
     want = ref_policy_loss(old, new, adv, m, 0.2, 0.28, 3.0, mode)
     for g, w in zip(got, want):  # verl's seq-mean-token-mean adds 1e-8 to each count
         torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-12)
-    cfg = {"clip_ratio": 0.2, "clip_ratio_high": 0.28, "clip_ratio_low": None}
-    for g, w in zip(verl.compute_policy_loss_vanilla(old, new, adv, m, mode, config=cfg), want):
-        torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-12)
     with pytest.raises(ValueError, match="cliprange"):
         verl.compute_policy_loss(old, new, adv, m)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_registered_vanilla_policy_loss(mode):
+    """verl's registered "vanilla" loss: ``(pg_loss, metrics)`` with Python floats under
+    ``actor/...``, clip ranges from the actor config, ``rollout_is_weights`` multiplying the
+    per-token loss and ``config.global_batch_info`` passed on to ``agg_loss``."""
+    gen = _gen(12)
+    old = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    new = old + torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.4
+    adv = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    w = torch.rand(B, T, generator=gen, dtype=torch.float64) * 2
+    m = _with_tool_spans(_prefix_mask(gen))
+    cfg = SimpleNamespace(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=0.28,
+                          clip_ratio_c=3.0, global_batch_info={})
+    loss, metrics = verl.compute_policy_loss_vanilla(old, new, adv, m, mode, cfg)
+    want = ref_policy_loss(old, new, adv, m, 0.2, 0.28, 3.0, mode)
+    torch.testing.assert_close(loss, want[0], rtol=1e-8, atol=1e-12)
+    assert set(metrics) == {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}
+    for key, value in zip(("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"),
+                          want[1:]):
+        assert isinstance(metrics[key], float)
+        assert metrics[key] == pytest.approx(float(value), rel=1e-12, abs=1e-12)
+    # rollout_is_weights multiplies the per-token loss; the metrics do not change
+    loss_w, metrics_w = verl.compute_policy_loss_vanilla(old, new, adv, m, mode, cfg,
+                                                         rollout_is_weights=w)
+    torch.testing.assert_close(loss_w, ref_policy_loss(old, new, adv, m, 0.2, 0.28, 3.0, mode,
+                                                       weights=w)[0], rtol=1e-8, atol=1e-12)
+    assert metrics_w == metrics
+    cfg.global_batch_info = {"dp_size": 2, "batch_num_tokens": 300, "global_batch_size": 12,
+                             "loss_scale_factor": 40}
+    loss_g, _ = verl.compute_policy_loss_vanilla(old, new, adv, m, mode, cfg)
+    torch.testing.assert_close(loss_g, ref_policy_loss(old, new, adv, m, 0.2, 0.28, 3.0, mode,
+                                                       agg_kw=(2, 300, 12, 40))[0],
+                               rtol=1e-8, atol=1e-12)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        verl.compute_policy_loss_vanilla(old, new, adv, m, mode,
+                                         SimpleNamespace(clip_ratio=0.2, clip_ratio_c=1.0))
 
 
 def test_policy_loss_clamps_only_the_exp_side():
@@ -289,17 +375,24 @@ def test_policy_loss_clamps_only_the_exp_side():
     assert ref_policy_loss(*one, 0.2, 0.2, 3.0, "token-mean")[2] == 20.0  # verl reports 20
 
 
-def test_value_loss():
+@pytest.mark.parametrize("mode", MODES)
+def test_value_loss(mode):
     gen = _gen(9)
     vpreds, values, returns = (torch.randn(B, T, generator=gen, dtype=torch.float64)
                                for _ in range(3))
     m = _prefix_mask(gen)
-    loss, frac = verl.compute_value_loss(vpreds, returns, values, m, 0.5, "seq-mean-token-mean")
+    loss, frac = verl.compute_value_loss(vpreds, returns, values, m, 0.5, mode)
     clipped = torch.maximum(torch.minimum(vpreds, values + 0.5), values - 0.5)
     l1, l2 = (vpreds - returns) ** 2, (clipped - returns) ** 2
-    torch.testing.assert_close(loss, 0.5 * ref_agg(torch.maximum(l1, l2), m,
-                                                   "seq-mean-token-mean"))
+    torch.testing.assert_close(loss, 0.5 * ref_agg(torch.maximum(l1, l2), m, mode))
     torch.testing.assert_close(frac, ((l2 > l1).double() * m).sum() / m.sum())
+    # verl's current signature: the global normalisers are passed on to agg_loss
+    loss, frac2 = verl.compute_value_loss(vpreds, returns, values, m, 0.5, mode, dp_size=2,
+                                          batch_num_tokens=300, global_batch_size=12,
+                                          loss_scale_factor=40)
+    torch.testing.assert_close(loss, 0.5 * ref_agg(torch.maximum(l1, l2), m, mode, 2, 300, 12,
+                                                   40))
+    assert frac2 == frac
 
 
 # --------------------------------------------------------------------------- torch utilities
@@ -339,6 +432,87 @@ def test_logprobs_and_entropy_from_logits():
     zz = z.clone().requires_grad_()
     g_ref, = torch.autograd.grad((-(zz.softmax(-1) * zz.log_softmax(-1)).sum(-1)).sum(), zz)
     torch.testing.assert_close(g.double(), g_ref, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- arguments
+def test_numpy_and_0d_tensor_scalars_are_accepted():
+    """verl passes gamma, lam and clip ranges as np.float32 (and types gamma as a tensor)."""
+    gen = _gen(13)
+    r = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    m = _prefix_mask(gen)
+    f32 = np.float32
+    want = verl.compute_gae_advantage_return(r, v, m, float(f32(0.99)), float(f32(0.95)))
+    for gamma, lam in ((f32(0.99), f32(0.95)), (torch.tensor(f32(0.99)), torch.tensor(f32(0.95)))):
+        for got, w in zip(verl.compute_gae_advantage_return(r, v, m, gamma, lam), want):
+            torch.testing.assert_close(got, w)
+    got = verl.compute_reinforce_plus_plus_outcome_advantage(r, m, {"gamma": f32(0.5)})
+    for g, w in zip(got, verl.compute_reinforce_plus_plus_outcome_advantage(r, m, {"gamma": 0.5})):
+        torch.testing.assert_close(g, w)
+    old, new = v, v + 0.1 * r
+    want = verl.compute_policy_loss(old, new, r, m, cliprange=0.2, clip_ratio_c=3.0)
+    for cast in (f32, torch.tensor):
+        got = verl.compute_policy_loss(old, new, r, m, cliprange=cast(0.2), clip_ratio_c=cast(3.0))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)  # 0.2 in float32
+        got = verl.compute_value_loss(new, r, old, m, cast(0.5))
+        for g, w in zip(got, verl.compute_value_loss(new, r, old, m, 0.5)):
+            torch.testing.assert_close(g, w)
+    cfg = {"clip_ratio": f32(0.2), "clip_ratio_c": f32(3.0)}
+    torch.testing.assert_close(verl.compute_policy_loss_vanilla(old, new, r, m, config=cfg)[0],
+                               want[0], rtol=1e-6, atol=1e-7)
+
+
+_X = torch.zeros(2, 3)
+_M = torch.ones(2, 3)
+BAD_VERL_CALLS = [
+    # (call, error type, the verl argument the message must name)
+    (lambda: verl.compute_policy_loss(_X, _X, _X, _M, cliprange=0.2, clip_ratio_c=1.0),
+     ValueError, "clip_ratio_c"),
+    (lambda: verl.compute_policy_loss(_X, _X, _X, _M, cliprange=-0.2), ValueError, "cliprange"),
+    (lambda: verl.compute_policy_loss(_X, _X, _X, _M, cliprange=0.2, cliprange_high=-1.0),
+     ValueError, "cliprange_high"),
+    (lambda: verl.compute_policy_loss(_X, _X, _X, _M, cliprange=0.2, cliprange_low="a"),
+     TypeError, "cliprange_low"),
+    (lambda: verl.compute_policy_loss(_X, torch.zeros(2, 4), _X, _M, cliprange=0.2),
+     ValueError, "log_prob"),
+    (lambda: verl.compute_policy_loss(_X, _X, _X, torch.ones(2, 4), cliprange=0.2),
+     ValueError, "response_mask"),
+    (lambda: verl.compute_policy_loss(_X, _X, _X, _M, cliprange=0.2, loss_agg_mode="mean"),
+     ValueError, "loss_agg_mode"),
+    (lambda: verl.compute_value_loss(_X, _X, _X, _M, cliprange_value=-0.5),
+     ValueError, "cliprange_value"),
+    (lambda: verl.compute_value_loss(_X, torch.zeros(3), _X, _M, 0.5), ValueError, "returns"),
+    (lambda: verl.compute_value_loss(_X, _X, _X, _M, 0.5, "sum"), ValueError, "loss_agg_mode"),
+    (lambda: verl.agg_loss(_X, _M, "sum"), ValueError, "loss_agg_mode"),
+    (lambda: verl.agg_loss(_X, torch.ones(3), "token-mean"), ValueError, "loss_mask"),
+    (lambda: verl.agg_loss(_X, _M, "seq-mean-token-sum-norm", loss_scale_factor=0),
+     ValueError, "loss_scale_factor"),
+    (lambda: verl.compute_gae_advantage_return(_X, _X, _M, 1.5, 0.9), ValueError, "gamma"),
+    (lambda: verl.compute_gae_advantage_return(_X, _X, _M, 0.9, -1.0), ValueError, "lam"),
+    (lambda: verl.compute_gae_advantage_return(_X, torch.zeros(2, 4), _M, 0.9, 0.9),
+     ValueError, "values"),
+    (lambda: verl.compute_gae_advantage_return(_X, _X, torch.ones(2, 4), 0.9, 0.9),
+     ValueError, "response_mask"),
+    (lambda: verl.compute_reinforce_plus_plus_outcome_advantage(_X, _M, {"gamma": 2.0}),
+     ValueError, "gamma"),
+    (lambda: verl.compute_grpo_outcome_advantage(_X, _M, [0, 0], epsilon=-1.0),
+     ValueError, "epsilon"),
+    (lambda: verl.compute_grpo_outcome_advantage(_X, torch.ones(2, 4), [0, 0]),
+     ValueError, "response_mask"),
+    (lambda: verl.compute_remax_outcome_advantage(_X, torch.zeros(3), _M),
+     ValueError, "reward_baselines"),
+    (lambda: verl.kl_penalty(_X, _X, "k9"), ValueError, "kl_penalty"),
+    (lambda: verl.kl_penalty(_X, torch.zeros(2, 4), "k1"), ValueError, "ref_logprob"),
+    (lambda: verl.masked_whiten(_X, torch.ones(2, 4)), ValueError, "mask"),
+]
+
+
+@pytest.mark.parametrize("i", range(len(BAD_VERL_CALLS)))
+def test_bad_input_names_verls_argument(i):
+    call, err, name = BAD_VERL_CALLS[i]
+    with pytest.raises(err, match=name):
+        call()
 
 
 def test_exports_are_pinned_and_documented():

@@ -7,12 +7,12 @@ context-parallel layout) and comes back as row views (or one indexed gather).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-__all__ = ["as_1d_list", "pad", "place", "split", "take"]
+__all__ = ["as_1d_list", "check_counts", "pad", "place", "split", "take"]
 
 
 def as_1d_list(name: str, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -26,6 +26,18 @@ def as_1d_list(name: str, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if x.dim() != 1:
             raise ValueError(f"{name}[{i}] must be 1-D, got shape {list(x.shape)}")
     return out
+
+
+def check_counts(**per_sample: Sized) -> int:
+    """Each argument has one entry per sample (the same length); returns that length.
+
+    ``zip`` would silently drop the extra entries of a longer list; this names them instead.
+    """
+    counts = {name: len(x) for name, x in per_sample.items()}
+    if len(set(counts.values())) > 1:
+        detail = ", ".join(f"{name} has {n}" for name, n in counts.items())
+        raise ValueError(f"expected one entry per sample in each list: {detail}")
+    return next(iter(counts.values()), 0)
 
 
 def pad(xs: list[torch.Tensor], t_max: int | None = None) -> torch.Tensor:

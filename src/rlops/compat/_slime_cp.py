@@ -21,35 +21,47 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
+from rlops._checks import check_choice
 from rlops.compat import _ragged
-from rlops.distributed import zigzag_indices
+from rlops.compat._args import as_int
+from rlops.distributed import zigzag_response_mask, zigzag_shard, zigzag_shard_response
 from rlops.distributed.groups import group_rank_size
 
 __all__ = [
     "add_outcome_rewards",
     "all_gather_with_cp",
-    "cp_rank_size",
+    "check_length_pair",
+    "check_lengths",
     "held_response_index",
     "local_columns",
+    "response_values",
     "slice_log_prob_with_cp",
 ]
 
 
-def cp_rank_size(group: object) -> tuple[int, int]:
-    """``(rank, size)`` of ``group``; ``(0, 1)`` for ``None`` (no context parallelism)."""
-    return group_rank_size(group, "cp_group")
-
-
-def _check_lengths(total_length: int, response_length: int) -> None:
-    for name, v in (("total_length", total_length), ("response_length", response_length)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-    if not 1 <= response_length <= total_length:
+def check_length_pair(
+    total_length: object,
+    response_length: object,
+    total_name: str = "total_length",
+    response_name: str = "response_length",
+) -> tuple[int, int]:
+    """Both ints (numpy and 0-dim integer tensors too), ``1 <= response_length <= total_length``."""
+    total, response = as_int(total_name, total_length), as_int(response_name, response_length)
+    if not 1 <= response <= total:
         raise ValueError(
-            f"response_length must be in [1, total_length], got {response_length} with "
-            f"total_length {total_length}"
+            f"{response_name} must be in [1, {total_name}], got {response} with "
+            f"{total_name} = {total}"
         )
+    return total, response
+
+
+def check_lengths(total_lengths: Sequence[int], response_lengths: Sequence[int]) -> None:
+    """One pair per sample, each valid (see :func:`check_length_pair`)."""
+    _ragged.check_counts(total_lengths=total_lengths, response_lengths=response_lengths)
+    for i, (t, r) in enumerate(zip(total_lengths, response_lengths)):
+        check_length_pair(t, r, f"total_lengths[{i}]", f"response_lengths[{i}]")
 
 
 def held_response_index(
@@ -66,17 +78,27 @@ def held_response_index(
     ``None`` is the packed ``thd`` format (``ceil(total_length / 2cp)``). With a response that
     fills the whole sequence, response token 0 has no log-prob position and no rank holds it.
     """
-    _check_lengths(total_length, response_length)
+    total_length, response_length = check_length_pair(total_length, response_length)
     if cp_size == 1:
         return torch.arange(response_length), response_length
     length = total_length if seq_len is None else seq_len
     if length < total_length:
-        raise ValueError(f"max_seq_len {length} is shorter than total_length {total_length}")
-    pos = zigzag_indices(length, cp_size=cp_size, cp_rank=cp_rank)
-    start = total_length - response_length - 1  # position of response token 0 (-1: none)
-    keep = (pos >= max(start, 0)) & (pos < total_length - 1)
-    n_first = int(keep[: pos.numel() // 2].sum())
-    return pos[keep] - start, n_first
+        raise ValueError(f"max_token_len {length} is shorter than total_length {total_length}")
+    # Each position of the whole sequence: the response index whose log-prob it holds, and
+    # whether it holds one (the response offset is zigzag_shard_response's); then the zigzag
+    # shard of that sequence, padded to the format's length.
+    ids, held = zigzag_shard_response(
+        torch.arange(response_length),
+        total_length=total_length,
+        response_length=response_length,
+        cp_size=1,
+        cp_rank=0,
+    )
+    both = torch.stack([ids, held.long()])[:, :total_length]
+    ids, held = zigzag_shard(F.pad(both, (0, length - total_length)), cp_size=cp_size,
+                             cp_rank=cp_rank)
+    held = held.bool()
+    return ids[held], int(held[: held.numel() // 2].sum())
 
 
 def local_columns(
@@ -91,11 +113,7 @@ def local_columns(
     Returns ``(held, columns, 2C)``; ``C`` depends only on ``total_lengths``, so every rank
     builds rows of the same width.
     """
-    if len(total_lengths) != len(response_lengths):
-        raise ValueError(
-            f"total_lengths and response_lengths must have one entry per sample, got "
-            f"{len(total_lengths)} and {len(response_lengths)}"
-        )
+    check_lengths(total_lengths, response_lengths)
     chunk = max((-(-t // (2 * cp_size)) for t in total_lengths), default=1)
     held, cols = [], []
     for total, response in zip(total_lengths, response_lengths):
@@ -139,7 +157,8 @@ def all_gather_with_cp(
         >>> all_gather_with_cp(torch.tensor([1.0, 2.0]), 7, 2)
         tensor([1., 2.])
     """
-    rank, size = cp_rank_size(cp_group)
+    check_length_pair(total_length, response_length)
+    rank, size = group_rank_size(cp_group, "cp_group")
     if size == 1:
         return tensor
     held, _ = held_response_index(total_length, response_length, size, rank)
@@ -171,15 +190,15 @@ def slice_log_prob_with_cp(
         >>> slice_log_prob_with_cp([0.1, 0.2, 0.3], 8, 3)
         [0.1, 0.2, 0.3]
     """
+    total_length, response_length = check_length_pair(total_length, response_length)
     if len(log_prob) != response_length:
         raise ValueError(f"log_prob has {len(log_prob)} entries, expected {response_length}")
-    rank, size = cp_rank_size(cp_group)
-    if size == 1:
-        return log_prob
-    if qkv_format not in ("thd", "bshd"):
-        raise ValueError(f"qkv_format must be 'thd' or 'bshd', got {qkv_format!r}")
+    check_choice("qkv_format", qkv_format, ("thd", "bshd"))
     if qkv_format == "bshd" and max_token_len is None:
         raise ValueError("max_token_len must be given for qkv_format='bshd'")
+    rank, size = group_rank_size(cp_group, "cp_group")
+    if size == 1:
+        return log_prob
     seq_len = max_token_len if qkv_format == "bshd" else None
     held, _ = held_response_index(total_length, response_length, size, rank, seq_len)
     if isinstance(log_prob, list):
@@ -207,11 +226,14 @@ def add_outcome_rewards(
         [tensor([0., 0., 1.])]
     """
     xs = _ragged.as_1d_list("token_level_rewards", token_level_rewards)
+    _ragged.check_counts(token_level_rewards=xs, rewards=rewards, total_lengths=total_lengths,
+                         response_lengths=response_lengths)
+    check_lengths(total_lengths, response_lengths)
     if not xs:
         return []
     flat = torch.cat(xs)
     scores = torch.as_tensor(rewards, device=flat.device).to(flat.dtype)
-    rank, size = cp_rank_size(cp_group)
+    rank, size = group_rank_size(cp_group, "cp_group")
     offsets = [0]
     for x in xs:
         offsets.append(offsets[-1] + x.numel())
@@ -235,3 +257,61 @@ def add_outcome_rewards(
         idx = torch.as_tensor(where, device=flat.device)
         flat = flat.index_add(0, idx, scores[torch.as_tensor(which, device=flat.device)])
     return list(flat.split([x.numel() for x in xs]))
+
+
+def response_values(
+    logits: torch.Tensor,
+    total_lengths: Sequence[int],
+    response_lengths: Sequence[int],
+    *,
+    allgather_cp: bool = False,
+    cp_group=None,
+) -> list[torch.Tensor]:
+    """The value-head output ``[1, T, 1]`` at each sample's response positions, as slime's
+    ``get_values`` reads it: per sample ``[R]`` (this rank's compact CP piece with a group).
+
+    Layouts: without CP the samples are packed back to back (``total_length`` positions each);
+    with CP each sample takes ``2·ceil(total_length / 2cp)`` positions, its two zigzag chunks;
+    with ``allgather_cp`` the packed sequence of all samples is split into equal contiguous
+    parts, and the pieces are re-sliced to the zigzag layout (one differentiable all-reduce,
+    as slime).
+    """
+    check_lengths(total_lengths, response_lengths)
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    if logits.dim() != 3 or logits.shape[0] != 1 or logits.shape[2] != 1:
+        raise ValueError(
+            f"logits must have shape [1, T, 1] (a value head), got {list(logits.shape)}"
+        )
+    rank, size = group_rank_size(cp_group, "cp_group")
+    packed = size == 1 or allgather_cp
+    masks = []
+    for total, response in zip(total_lengths, response_lengths):
+        mask = zigzag_response_mask(total, response, cp_size=1 if packed else size,
+                                    cp_rank=0 if packed else rank)
+        masks.append(mask[:total] if packed else mask)
+    where = torch.cat(masks).nonzero().flatten() if masks else torch.zeros(0, dtype=torch.long)
+    counts = [int(m.sum()) for m in masks]
+    local = logits.shape[1]
+    offset = rank * local if packed and size > 1 else 0  # allgather_cp: this rank's part
+    if not packed or size == 1:
+        if where.numel() and int(where[-1]) >= local:
+            raise ValueError(
+                f"logits hold {local} positions but the samples' layout needs "
+                f"{int(where[-1]) + 1}"
+            )
+        return list(logits[0, where.to(logits.device), 0].split(counts))
+    # allgather_cp: scatter this rank's part of every response, sum over the group, re-slice.
+    mine = (where >= offset) & (where < offset + local)
+    full = logits.new_zeros(where.numel())
+    full = full.index_put(
+        (mine.nonzero().flatten().to(logits.device),),
+        logits[0, (where[mine] - offset).to(logits.device), 0],
+    )
+    full = _AllReduceSum.apply(full, cp_group)
+    out = []
+    for piece, total, response in zip(full.split(counts), total_lengths, response_lengths):
+        held, _ = held_response_index(total, response, size, rank)
+        # a response filling its whole sequence has no position for token 0: held skips it
+        out.append(piece[(held - (response - piece.numel())).to(piece.device)])
+    return out

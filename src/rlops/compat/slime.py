@@ -21,19 +21,29 @@ also when a rank holds no response token.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
 import rlops
+from rlops._checks import (
+    as_real,
+    check_2d,
+    check_positive,
+    check_same_shape,
+    check_unit_interval,
+)
 from rlops.compat import _ragged
 from rlops.compat._slime_cp import (
     add_outcome_rewards,
     all_gather_with_cp,
-    cp_rank_size,
+    check_lengths,
     local_columns,
+    response_values,
     slice_log_prob_with_cp,
 )
-from rlops.losses import MAX_EXP_ARG
+from rlops.distributed.groups import group_rank_size
 
 __all__ = [
     "add_outcome_rewards",
@@ -49,19 +59,31 @@ __all__ = [
     "get_reinforce_plus_plus_baseline_advantages",
     "get_reinforce_plus_plus_returns",
     "slice_log_prob_with_cp",
+    "value_loss_function",
     "vanilla_gae",
 ]
-
-
-def _check_2d(name: str, x: torch.Tensor) -> None:
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"{name} must be a [B, T] tensor, got {shape}")
 
 
 def _scores(rewards: object, device: torch.device) -> torch.Tensor:
     r = torch.as_tensor(rewards, device=device)
     return r if r.is_floating_point() else r.float()
+
+
+def _batch_gae(rewards, values, gamma, lambd):
+    """slime's ``[B, T]`` GAE arguments checked under slime's names, then :func:`rlops.gae`."""
+    check_2d("rewards", rewards)
+    check_same_shape("rewards", rewards, values=values)
+    gamma = check_unit_interval("gamma", gamma)
+    lambd = check_unit_interval("lambd", lambd)
+    return rlops.gae(rewards, values, gamma=gamma, lam=lambd)
+
+
+def _default_group(group: object, name: str) -> object:
+    """slime's reading of a group argument: ``None`` is the default (world) group once
+    torch.distributed is initialised, and a group of one process is no group."""
+    if group is None and dist.is_available() and dist.is_initialized():
+        group = dist.group.WORLD
+    return None if group_rank_size(group, name)[1] == 1 else group
 
 
 # --------------------------------------------------------------------------- [B, T] estimators
@@ -77,8 +99,7 @@ def vanilla_gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lambd
         >>> adv, ret
         (tensor([[0.5000, 0.5000]]), tensor([[1., 1.]]))
     """
-    _check_2d("rewards", rewards)
-    return rlops.gae(rewards, values, gamma=gamma, lam=lambd)
+    return _batch_gae(rewards, values, gamma, lambd)
 
 
 def chunked_gae(
@@ -96,8 +117,7 @@ def chunked_gae(
         >>> adv
         tensor([[1.5000, 1.0000]])
     """
-    _check_2d("rewards", rewards)
-    return rlops.gae(rewards, values, gamma=gamma, lam=lambd)
+    return _batch_gae(rewards, values, gamma, lambd)
 
 
 def chunked_discounted_returns(
@@ -112,8 +132,8 @@ def chunked_discounted_returns(
         >>> chunked_discounted_returns(torch.tensor([[1.0, 0.0, 2.0]]), 0.5)
         tensor([[1.5000, 1.0000, 2.0000]])
     """
-    _check_2d("rewards", rewards)
-    return rlops.discounted_cumsum(rewards, discount)
+    check_2d("rewards", rewards)
+    return rlops.discounted_cumsum(rewards, check_unit_interval("discount", discount))
 
 
 # --------------------------------------------------------------------------- per-sample lists
@@ -150,16 +170,24 @@ def get_advantages_and_returns_batch(
     """
     values_list = _ragged.as_1d_list("values_list", values_list)
     rewards_list = _ragged.as_1d_list("rewards_list", rewards_list)
-    if not len(values_list) == len(rewards_list) == len(response_lengths):
-        raise ValueError(
-            "values_list, rewards_list and response_lengths must have one entry per sample"
-        )
+    _ragged.check_counts(total_lengths=total_lengths, response_lengths=response_lengths,
+                         values_list=values_list, rewards_list=rewards_list)
+    check_lengths(total_lengths, response_lengths)
+    gamma = check_unit_interval("gamma", gamma)
+    lambd = check_unit_interval("lambd", lambd)
     if not values_list:
         return [], []
-    rank, size = cp_rank_size(cp_group)
+    rank, size = group_rank_size(cp_group, "cp_group")
     with torch.no_grad():
         if size == 1:
             lengths = list(response_lengths)
+            for name, xs in (("values_list", values_list), ("rewards_list", rewards_list)):
+                for i, (x, n) in enumerate(zip(xs, lengths)):
+                    if x.numel() < n:
+                        raise ValueError(
+                            f"{name}[{i}] has {x.numel()} entries, fewer than "
+                            f"response_lengths[{i}] = {n}"
+                        )
             v = _ragged.pad([x[:n] for x, n in zip(values_list, lengths)])
             r = _ragged.pad([x[:n] for x, n in zip(rewards_list, lengths)], v.shape[1])
             # Zero right-padding bootstraps V = 0 after each response: no mask needed.
@@ -210,12 +238,15 @@ def get_reinforce_plus_plus_returns(
     """
     kl = _ragged.as_1d_list("kl", kl)
     loss_masks = _ragged.as_1d_list("loss_masks", loss_masks)
-    if not len(kl) == len(loss_masks) == len(response_lengths):
-        raise ValueError("kl, loss_masks and response_lengths must have one entry per sample")
+    _ragged.check_counts(rewards=rewards, kl=kl, loss_masks=loss_masks,
+                         response_lengths=response_lengths, total_lengths=total_lengths)
+    check_lengths(total_lengths, response_lengths)
+    kl_coef = as_real("kl_coef", kl_coef)
+    gamma = check_unit_interval("gamma", gamma)
     if not kl:
         return []
     scores = _scores(rewards, kl[0].device)
-    rank, size = cp_rank_size(cp_group)
+    rank, size = group_rank_size(cp_group, "cp_group")
     if size == 1:
         for i, (k, m) in enumerate(zip(kl, loss_masks)):
             if k.numel() != m.numel():
@@ -237,20 +268,26 @@ def get_reinforce_plus_plus_returns(
     return _ragged.take(out, index, [c.numel() for c in cols])
 
 
-def get_reinforce_plus_plus_baseline_advantages(rewards, kl, kl_coef: float, loss_masks=None):
+def get_reinforce_plus_plus_baseline_advantages(rewards, kl, loss_masks, kl_coef: float):
     """Unwhitened REINFORCE++-baseline advantages: ``rewards[i] − kl_coef·kl[i]`` per token.
 
     ``rewards`` already has the group baseline subtracted (as in slime); whitening comes later
-    (:func:`distributed_masked_whiten`). ``loss_masks`` is accepted for the older signature
-    ``(rewards, kl, loss_masks, kl_coef)`` called by keyword, and unused.
+    (:func:`distributed_masked_whiten`). ``loss_masks`` is unused, as in slime (``None`` is
+    accepted); given, it must have one entry per sample.
 
     Example:
         >>> import torch
+        >>> kl = [torch.tensor([0.0, 1.0]), torch.tensor([2.0])]
         >>> get_reinforce_plus_plus_baseline_advantages(
-        ...     torch.tensor([1.0, -1.0]), [torch.tensor([0.0, 1.0]), torch.tensor([2.0])], 0.5)
+        ...     torch.tensor([1.0, -1.0]), kl, [torch.ones(2), torch.ones(1)], 0.5)
         [tensor([1.0000, 0.5000]), tensor([-2.])]
     """
     kl = _ragged.as_1d_list("kl", kl)
+    lists = {"rewards": rewards, "kl": kl}
+    if loss_masks is not None:
+        lists["loss_masks"] = loss_masks
+    _ragged.check_counts(**lists)
+    kl_coef = as_real("kl_coef", kl_coef)
     if not kl:
         return []
     k = _ragged.pad(kl)
@@ -268,6 +305,7 @@ def get_grpo_returns(rewards, kl) -> list[torch.Tensor]:
         [tensor([0.5000, 0.5000]), tensor([-0.5000, -0.5000, -0.5000])]
     """
     kl = _ragged.as_1d_list("kl", kl)
+    _ragged.check_counts(rewards=rewards, kl=kl)
     if not kl:
         return []
     scores = _scores(rewards, kl[0].device)
@@ -321,11 +359,17 @@ def compute_policy_loss(
     ``ratio = exp(−ppo_kl)`` (``ppo_kl = old_log_probs − log_probs``),
     ``ℓ = max(−A·ratio, −A·clip(ratio, 1 − eps_clip, 1 + eps_clip_high))`` and, with
     ``eps_clip_c = c > 1`` (dual-clip), ``min(ℓ, −A·c)`` where ``A < 0``. ``clipfrac`` is 1.0
-    where the clipped term is the larger. Same formula as :func:`rlops.policy_loss`, unreduced
-    (slime reduces per sample afterwards), so it is written out here.
+    where the clipped term is the larger (before dual-clip), as slime. Any shape (slime passes
+    the concatenated 1-D tokens); unreduced, slime reduces per sample afterwards.
 
-    Difference: the log-ratio is clamped to at most 20 before ``exp`` (rlops' rule): no inf
-    or NaN loss for a token whose probability rose by more than ``e^20``; its gradient is then 0.
+    Computed by :func:`rlops.policy_loss` with ``agg=None`` (the per-token loss); the clip
+    indicator compares it with the unclipped loss (the same call with the clip off).
+    ``eps_clip >= 1`` puts the ratio floor at or below 0, where it never binds: no lower clip,
+    as in slime.
+
+    Differences: the log-ratio is clamped to at most 20 before ``exp`` (rlops' rule): no inf
+    or NaN loss for a token whose probability rose by more than ``e^20``; its gradient is then
+    0. ``eps_clip`` and ``eps_clip_high`` must be > 0 (slime accepts 0 and negative values).
 
     Example:
         >>> import torch
@@ -334,16 +378,87 @@ def compute_policy_loss(
         >>> pg, frac
         (tensor([-1.0000, -1.2000]), tensor([0., 1.]))
     """
-    if eps_clip_c is not None and not eps_clip_c > 1.0:
-        raise ValueError(f"eps_clip_c (dual-clip) must be > 1.0, got {eps_clip_c}")
-    ratio = torch.exp((-ppo_kl).clamp(max=MAX_EXP_ARG))
-    unclipped = -ratio * advantages
-    clipped = -ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * advantages
-    loss = torch.maximum(unclipped, clipped)
-    clipfrac = torch.gt(clipped, unclipped).float()
+    check_same_shape("ppo_kl", ppo_kl, advantages=advantages)
+    low = check_positive("eps_clip", eps_clip)
+    high = check_positive("eps_clip_high", eps_clip_high)
     if eps_clip_c is not None:
-        loss = torch.where(advantages < 0, torch.minimum(-eps_clip_c * advantages, loss), loss)
-    return loss, clipfrac
+        eps_clip_c = check_positive("eps_clip_c (dual-clip)", eps_clip_c, above=1.0)
+    dtype = torch.promote_types(ppo_kl.dtype, advantages.dtype)
+    logp = -ppo_kl.to(dtype).reshape(1, -1)  # the log-ratio, against old log-probs of 0
+    old, adv = torch.zeros_like(logp), advantages.to(dtype).reshape(1, -1)
+    everywhere = torch.ones_like(logp, dtype=torch.bool)
+
+    def per_token(clip_low, clip_high, dual_clip=None):
+        loss, _ = rlops.policy_loss(logp, old, adv, everywhere, clip_low=clip_low,
+                                    clip_high=clip_high, dual_clip=dual_clip, agg=None)
+        return loss
+
+    low = math.inf if low >= 1 else low
+    with torch.no_grad():
+        unclipped = per_token(math.inf, math.inf)
+        clipped = per_token(low, high) if eps_clip_c is not None else None
+    loss = per_token(low, high, eps_clip_c)
+    clipfrac = torch.gt(loss.detach() if clipped is None else clipped, unclipped)
+    shape = ppo_kl.shape
+    return loss.reshape(shape).to(dtype), clipfrac.reshape(shape).float()
+
+
+def value_loss_function(args, batch, logits, sum_of_sample_mean, *, cp_group=None):
+    """slime's critic loss (``slime/backends/megatron_utils/loss.py``): ``(loss, metrics)``.
+
+    Reads the value head ``logits`` ``[1, T, 1]`` at each sample's response positions (slime's
+    packed layout; with ``cp_group`` the zigzag context-parallel layout, or, with
+    ``args.allgather_cp``, the contiguous split re-sliced to it), then per token::
+
+        loss = max((V_clip − R)², (V − R)²)        V_clip = V_old + clip(V − V_old, ±value_clip)
+        clipfrac = |V − V_old| > value_clip
+
+    each reduced by ``sum_of_sample_mean`` (slime's per-sample reducer, built from the loss
+    masks). Note the scale: no factor 1/2, so this is twice :func:`rlops.value_loss`, which
+    computes the per-token term (``agg=None``); and ``clipfrac`` counts every token whose new
+    value left the clip range, where verl and :func:`rlops.value_loss` count those where the
+    clipped error is the larger. ``batch`` holds ``"values"`` (old values) and ``"returns"``
+    as per-sample lists, and ``"total_lengths"``, ``"response_lengths"``. ``metrics`` holds the
+    detached ``"value_loss"`` and ``"value_clipfrac"``.
+
+    Example:
+        >>> import torch
+        >>> from argparse import Namespace
+        >>> logits = torch.tensor([1.0, 3.0, 0.0]).reshape(1, 3, 1)  # positions 0, 1 predict
+        >>> # response tokens 0, 1 (the last 2 of 3): V = [1, 3]
+        >>> batch = {"values": [torch.ones(2)], "returns": [torch.zeros(2)],
+        ...          "total_lengths": [3], "response_lengths": [2]}
+        >>> loss, metrics = value_loss_function(Namespace(value_clip=0.5), batch, logits,
+        ...                                     torch.mean)
+        >>> loss, metrics["value_clipfrac"]
+        (tensor(5.), tensor(0.5000))
+    """
+    clip = check_positive("value_clip", args.value_clip)
+    values = response_values(
+        logits,
+        batch["total_lengths"],
+        batch["response_lengths"],
+        allgather_cp=bool(getattr(args, "allgather_cp", False)),
+        cp_group=cp_group,
+    )
+    values = torch.cat([v.flatten() for v in values])
+    old = torch.cat(list(batch["values"]))
+    returns = torch.cat(list(batch["returns"]))
+    check_same_shape("values read from logits", values,
+                     **{'batch["values"]': old, 'batch["returns"]': returns})
+    half_squared, _ = rlops.value_loss(
+        values[None], old[None], returns[None], torch.ones_like(values[None], dtype=torch.bool),
+        clip=clip, agg=None,
+    )
+    clipfrac = ((values - old).abs() > clip).to(values.dtype)
+    loss = sum_of_sample_mean(2 * half_squared[0])
+    values_clipfrac = sum_of_sample_mean(clipfrac)
+    if values.numel() == 0:  # keep the graph connected to the value head, as slime
+        loss = loss + 0 * values.sum()
+    return loss, {
+        "value_loss": loss.clone().detach(),
+        "value_clipfrac": values_clipfrac.clone().detach(),
+    }
 
 
 def distributed_masked_whiten(
@@ -373,18 +488,11 @@ def distributed_masked_whiten(
         ...                           torch.tensor([1, 1, 1, 0]))
         tensor([-1.,  0.,  1.,  0.])
     """
-    group = process_group
-    if group is None and dist.is_available() and dist.is_initialized():
-        group = dist.group.WORLD
+    group = _default_group(process_group, "process_group")
     return rlops.masked_whiten(values, mask, shift_mean=shift_mean, eps=epsilon, group=group)
 
 
 # --------------------------------------------------------------------------- log-probs
-def _tensor_parallel(group: object) -> object:
-    if group is None or not (dist.is_available() and dist.is_initialized()):
-        return None
-    return None if dist.get_world_size(group) == 1 else group
-
 
 def calculate_log_probs_and_entropy(
     logits: torch.Tensor,
@@ -398,11 +506,12 @@ def calculate_log_probs_and_entropy(
     """Log-probs of ``tokens`` and (optionally) the entropy, from vocabulary-parallel logits.
 
     ``logits`` ``[T, V_local]`` (already divided by the temperature), sharded over ``tp_group``
-    by vocabulary; ``tokens`` ``[T]`` global ids. Returns ``(log_prob [T, 1], entropy [T] or
-    None)`` in float32, as slime. ``log_prob_keep_mask`` (top-p replay) applies to the log-prob
-    only; the target is always kept. ``chunk_size > 0`` bounds the float32 temporaries to
-    ``[chunk_size, V_local]`` (otherwise rlops picks a bound). ``with_entropy_grad=False``
-    returns a detached entropy.
+    by vocabulary; ``tokens`` ``[T]`` global ids. ``tp_group=None`` is the default (world) group
+    once torch.distributed is initialised, as in slime (one process otherwise). Returns
+    ``(log_prob [T, 1], entropy [T] or None)`` in float32, as slime. ``log_prob_keep_mask``
+    (top-p replay) applies to the log-prob only; the target is always kept. ``chunk_size > 0``
+    bounds the float32 temporaries to ``[chunk_size, V_local]`` (otherwise rlops picks a
+    bound). ``with_entropy_grad=False`` returns a detached entropy.
 
     Computed by :func:`rlops.logprobs_and_entropy`: one all-gather of a few numbers per token in
     the forward, none in the backward (slime: three all-reduces forward, in-place buffers
@@ -424,7 +533,7 @@ def calculate_log_probs_and_entropy(
         keep_mask=log_prob_keep_mask,
         with_entropy=with_entropy,
         entropy_grad=with_entropy_grad,
-        group=_tensor_parallel(tp_group),
+        group=_default_group(tp_group, "tp_group"),
         chunk_size=chunk_size if chunk_size > 0 else None,
     )
     return logp.unsqueeze(-1), entropy

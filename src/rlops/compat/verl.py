@@ -18,11 +18,24 @@ token gives 0 instead of raising or NaN; bfloat16 log-probs and entropies come b
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
 
 import rlops
+from rlops._checks import (
+    as_bool_mask,
+    check_2d,
+    check_choice,
+    check_nonneg,
+    check_positive,
+    check_same_shape,
+    check_unit_interval,
+    shape_error,
+)
+from rlops.compat._args import as_int
+from rlops.losses import AGG_MODES, KL_KINDS
 
 __all__ = [
     "agg_loss",
@@ -51,6 +64,11 @@ def _config(config: object, name: str, default: object = None) -> object:
     return getattr(config, name, default)
 
 
+def _response_mask(response_mask: object, like_name: str, like: torch.Tensor) -> torch.Tensor:
+    """verl's ``response_mask``: a 0/1 tensor of the shape of ``like``, as bool."""
+    return as_bool_mask("response_mask", response_mask, like.shape, like_name, like)
+
+
 def _group_ids(index: object, device: torch.device) -> torch.Tensor:
     """verl's ``index`` (an array of uids, often strings) as integer group ids ``[bs]``."""
     if isinstance(index, torch.Tensor) and not index.is_floating_point():
@@ -59,6 +77,12 @@ def _group_ids(index: object, device: torch.device) -> torch.Tensor:
 
     ids = np.unique(np.asarray(index), return_inverse=True)[1]
     return torch.as_tensor(ids.reshape(-1), device=device)
+
+
+def _outcome_inputs(token_level_rewards: object, response_mask: object) -> torch.Tensor:
+    """``token_level_rewards`` ``[bs, T]`` and its ``response_mask``, returned as bool."""
+    check_2d("token_level_rewards", token_level_rewards)
+    return _response_mask(response_mask, "token_level_rewards", token_level_rewards)
 
 
 # --------------------------------------------------------------------------- estimators
@@ -88,8 +112,11 @@ def compute_gae_advantage_return(
         tensor([[1., 1., 1.],
                 [1., 1., 0.]])
     """
+    check_2d("token_level_rewards", token_level_rewards)
+    check_same_shape("token_level_rewards", token_level_rewards, values=values)
+    mask = _response_mask(response_mask, "token_level_rewards", token_level_rewards)
+    gamma, lam = check_unit_interval("gamma", gamma), check_unit_interval("lam", lam)
     with torch.no_grad():
-        mask = response_mask.bool()
         adv, ret = rlops.gae(token_level_rewards, values, gamma=gamma, lam=lam, mask=mask)
         return rlops.masked_whiten(adv, mask), ret
 
@@ -118,10 +145,12 @@ def compute_grpo_outcome_advantage(
         tensor([[ 0.7071,  0.7071],
                 [-0.7071, -0.7071]])
     """
+    mask = _outcome_inputs(token_level_rewards, response_mask)
+    epsilon = check_nonneg("epsilon", epsilon)
     with torch.no_grad():
         ids = _group_ids(index, token_level_rewards.device)
         return rlops.grpo_advantages(
-            token_level_rewards, ids, response_mask, norm_std=norm_adv_by_std_in_grpo, eps=epsilon
+            token_level_rewards, ids, mask, norm_std=norm_adv_by_std_in_grpo, eps=epsilon
         )
 
 
@@ -143,9 +172,10 @@ def compute_rloo_outcome_advantage(
         >>> adv[:, 0]
         tensor([ 0.0000, -1.5000,  1.5000])
     """
+    mask = _outcome_inputs(token_level_rewards, response_mask)
     with torch.no_grad():
         ids = _group_ids(index, token_level_rewards.device)
-        return rlops.rloo_advantages(token_level_rewards, ids, response_mask)
+        return rlops.rloo_advantages(token_level_rewards, ids, mask)
 
 
 def compute_reinforce_plus_plus_baseline_outcome_advantage(
@@ -167,10 +197,11 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
         >>> adv[:, 0]
         tensor([ 0.5477, -0.5477,  1.0954, -1.0954])
     """
+    mask = _outcome_inputs(token_level_rewards, response_mask)
     with torch.no_grad():
         ids = _group_ids(index, token_level_rewards.device)
         return rlops.reinforce_plus_plus_baseline_advantages(
-            token_level_rewards, ids, response_mask, eps=1e-8
+            token_level_rewards, ids, mask, eps=1e-8
         )
 
 
@@ -200,8 +231,9 @@ def compute_reinforce_plus_plus_outcome_advantage(
     gamma = _config(config, "gamma")
     if gamma is None:
         raise ValueError("config must provide gamma (config.gamma or config['gamma'])")
+    gamma = check_unit_interval("gamma", gamma)
+    mask = _outcome_inputs(token_level_rewards, response_mask)
     with torch.no_grad():
-        mask = response_mask.bool()
         returns = rlops.discounted_returns(token_level_rewards, gamma=gamma, mask=mask)
         return rlops.masked_whiten(returns, mask), returns
 
@@ -225,8 +257,15 @@ def compute_remax_outcome_advantage(
         >>> adv
         tensor([[0.7500, 0.7500]])
     """
+    mask = _outcome_inputs(token_level_rewards, response_mask)
+    b = token_level_rewards.shape[0]
+    if not isinstance(reward_baselines, torch.Tensor):
+        raise TypeError(f"reward_baselines must be a torch.Tensor, got "
+                        f"{type(reward_baselines).__name__}")
+    if tuple(reward_baselines.shape) != (b,):
+        raise shape_error("reward_baselines", f"[bs] = [{b}]", reward_baselines.shape)
     with torch.no_grad():
-        return rlops.remax_advantages(token_level_rewards, reward_baselines, response_mask)
+        return rlops.remax_advantages(token_level_rewards, reward_baselines, mask)
 
 
 # --------------------------------------------------------------------------- KL and losses
@@ -243,10 +282,22 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty) -> 
     kind = kl_penalty
     if kind == "full":
         raise NotImplementedError("kl_penalty 'full' needs the whole distribution")
+    check_choice("kl_penalty", kind, KL_KINDS)
+    check_same_shape("logprob", logprob, ref_logprob=ref_logprob)
     base = kind.rstrip("+")
     if base == "k3":  # verl's k3 is its low_var_kl (clamped at 10)
         kind = "low_var_kl" + kind[len(base) :]
     return rlops.kl_penalty(logprob, ref_logprob, kind)
+
+
+def _global_count(name: str, value: object) -> torch.Tensor | None:
+    """``batch_num_tokens`` / ``global_batch_size``: a number or a 0-dim tensor, kept as given
+    (verl may pass a device tensor; it is not read back to the host)."""
+    if value is None or isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and value.dim() != 0:
+            raise shape_error(name, "[] (a count)", value.shape)
+        return value
+    return check_nonneg(name, value)
 
 
 def agg_loss(
@@ -260,13 +311,13 @@ def agg_loss(
 ) -> torch.Tensor:
     """Aggregate a ``[bs, T]`` loss to a scalar with verl's ``loss_agg_mode`` names.
 
-    ``token-mean`` = Σ m·ℓ / N, ``seq-mean-token-sum`` = Σ_seq Σ_t m·ℓ / S,
-    ``seq-mean-token-mean`` = Σ_seq mean_t / S, ``seq-mean-token-sum-norm`` = the token-sum
-    form divided by ``loss_scale_factor`` (default T). ``N`` is ``batch_num_tokens`` (default:
-    this micro-batch's mask-1 tokens) and ``S`` is ``global_batch_size`` (default: its rows with
-    a mask-1 token), each result multiplied by ``dp_size`` so that averaging over data-parallel
-    ranks gives the global value, as in verl. :func:`rlops.aggregate_loss` computes the local
-    part.
+    ``token-mean`` = Σ m·ℓ / N, ``token-sum`` = Σ m·ℓ, ``seq-mean-token-sum`` =
+    Σ_seq Σ_t m·ℓ / S, ``seq-mean-token-mean`` = Σ_seq mean_t / S, ``seq-mean-token-sum-norm``
+    = the ``seq-mean-token-sum`` value divided by ``loss_scale_factor`` (default T). ``N`` is
+    ``batch_num_tokens`` (default: this micro-batch's mask-1 tokens) and ``S`` is
+    ``global_batch_size`` (default: its rows with a mask-1 token), each result multiplied by
+    ``dp_size`` so that averaging over data-parallel ranks gives the global value, as in verl.
+    :func:`rlops.aggregate_loss` computes the local part.
 
     Difference: an empty batch gives 0 (verl: NaN, or 0 in newer versions).
 
@@ -277,22 +328,57 @@ def agg_loss(
         >>> agg_loss(loss, m, "token-mean"), agg_loss(loss, m, "seq-mean-token-mean")
         (tensor(2.5000), tensor(3.))
     """
-    local = rlops.aggregate_loss(
-        loss_mat, loss_mask, loss_agg_mode, loss_scale_factor=loss_scale_factor
-    )
-    if dp_size == 1 and batch_num_tokens is None and global_batch_size is None:
-        return local
-    keep = loss_mask != 0
-    if loss_agg_mode == "token-mean":
+    check_2d("loss_mat", loss_mat)
+    keep = as_bool_mask("loss_mask", loss_mask, loss_mat.shape, "loss_mat", loss_mat)
+    check_choice("loss_agg_mode", loss_agg_mode, (*AGG_MODES, "token-sum"))
+    dp_size = as_int("dp_size", dp_size, minimum=1)
+    if loss_scale_factor is not None:
+        loss_scale_factor = check_positive("loss_scale_factor", loss_scale_factor)
+    batch_num_tokens = _global_count("batch_num_tokens", batch_num_tokens)
+    global_batch_size = _global_count("global_batch_size", global_batch_size)
+    mode = "token-mean" if loss_agg_mode == "token-sum" else loss_agg_mode
+    local = rlops.aggregate_loss(loss_mat, keep, mode, loss_scale_factor=loss_scale_factor)
+    if mode == "token-mean":
         count, denom, what = keep.sum(), batch_num_tokens, "batch_num_tokens"
+        if loss_agg_mode == "token-sum":  # the local token sum: nothing global to divide by
+            denom, what = 1, None
     else:
         count, denom, what = (keep.sum(-1) > 0).sum(), global_batch_size, "global_batch_size"
+    if dp_size == 1 and denom is None:
+        return local
     if denom is None:
-        if dp_size > 1:
-            raise ValueError(f"{what} is required when dp_size > 1")
-        denom = count
+        raise ValueError(f"{what} is required when dp_size > 1")
     denom = torch.as_tensor(denom, dtype=local.dtype, device=local.device)
     return local * count.to(local.dtype) / denom.clamp_min(1) * dp_size
+
+
+def _ppo_loss(old_log_prob, log_prob, advantages, response_mask, cliprange, cliprange_low,
+              cliprange_high, clip_ratio_c, names=("cliprange", "cliprange_low",
+                                                   "cliprange_high", "clip_ratio_c")):
+    """verl's PPO arguments checked under verl's names (or its actor config's, ``names``);
+    returns the per-token loss ``[bs, T]`` (0 on mask-0 tokens), the metrics and the mask."""
+    check_2d("old_log_prob", old_log_prob)
+    check_same_shape("old_log_prob", old_log_prob, log_prob=log_prob, advantages=advantages)
+    mask = _response_mask(response_mask, "old_log_prob", old_log_prob)
+    clip, low_name, high_name, c_name = names
+    if cliprange is None and (cliprange_low is None or cliprange_high is None):
+        raise ValueError(f"{clip} (or both {low_name} and {high_name}) must be given")
+    low = check_positive(clip if cliprange_low is None else low_name,
+                         cliprange if cliprange_low is None else cliprange_low)
+    high = check_positive(clip if cliprange_high is None else high_name,
+                          cliprange if cliprange_high is None else cliprange_high)
+    dual = check_positive(c_name, clip_ratio_c, above=1.0)
+    loss_mat, metrics = rlops.policy_loss(
+        log_prob,
+        old_log_prob,
+        advantages,
+        mask,
+        clip_low=math.inf if low >= 1 else low,  # a ratio floor <= 0 never binds, as in verl
+        clip_high=high,
+        dual_clip=dual,
+        agg=None,
+    )
+    return loss_mat, metrics, mask
 
 
 def compute_policy_loss(
@@ -306,16 +392,19 @@ def compute_policy_loss(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
 ):
-    """PPO clipped loss with dual-clip: ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``.
+    """PPO clipped loss with dual-clip: ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``
+    (verl's deprecated free function; the registered loss is :func:`compute_policy_loss_vanilla`).
 
     ``ratio = exp(log_prob − old_log_prob)``; per token
     ``max(−A·ratio, −A·clip(ratio, 1 − low, 1 + high))``, bounded by ``−A·clip_ratio_c`` where
     ``A < 0``; aggregated with ``loss_agg_mode``. ``cliprange_low``/``cliprange_high`` default
-    to ``cliprange``. One :func:`rlops.policy_loss` call; metrics are detached tensors.
+    to ``cliprange``. :func:`rlops.policy_loss` per token, then :func:`agg_loss`; metrics are
+    detached tensors.
 
-    Difference: verl clamps the log-ratio to [−20, 20]; rlops clamps only its upper end (the
+    Differences: verl clamps the log-ratio to [−20, 20]; rlops clamps only its upper end (the
     ``exp`` side). Below −20 the ratio is ``e^{log-ratio}`` rather than ``e^{−20}`` (both
-    ~1e-9), and ``ppo_kl`` is the mean of the unclamped ``old_log_prob − log_prob``.
+    ~1e-9), and ``ppo_kl`` is the mean of the unclamped ``old_log_prob − log_prob``. Clip
+    ranges must be > 0 (verl accepts 0).
 
     Example:
         >>> import torch
@@ -325,20 +414,10 @@ def compute_policy_loss(
         >>> loss, clipfrac
         (tensor(-1.1000), tensor(0.5000))
     """
-    low = cliprange if cliprange_low is None else cliprange_low
-    high = cliprange if cliprange_high is None else cliprange_high
-    if low is None or high is None:
-        raise ValueError("cliprange (or both cliprange_low and cliprange_high) must be given")
-    loss, metrics = rlops.policy_loss(
-        log_prob,
-        old_log_prob,
-        advantages,
-        response_mask,
-        clip_low=low,
-        clip_high=high,
-        dual_clip=clip_ratio_c,
-        agg=loss_agg_mode,
-    )
+    check_choice("loss_agg_mode", loss_agg_mode, (*AGG_MODES, "token-sum"))
+    loss_mat, metrics, mask = _ppo_loss(old_log_prob, log_prob, advantages, response_mask,
+                                        cliprange, cliprange_low, cliprange_high, clip_ratio_c)
+    loss = agg_loss(loss_mat, mask, loss_agg_mode)
     return loss, metrics["pg_clipfrac"], metrics["ppo_kl"], metrics["pg_clipfrac_lower"]
 
 
@@ -349,33 +428,50 @@ def compute_policy_loss_vanilla(
     response_mask: torch.Tensor,
     loss_agg_mode: str = "token-mean",
     config=None,
+    rollout_is_weights: torch.Tensor | None = None,
 ):
-    """The registered ``"vanilla"`` policy loss: :func:`compute_policy_loss` with the clip
-    ranges read from the actor config (``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``,
-    ``clip_ratio_c`` with default 3.0). Same 4-tuple.
+    """verl's registered ``"vanilla"`` policy loss: ``(pg_loss, metrics)``.
+
+    The loss of :func:`compute_policy_loss` with the clip ranges of the actor config
+    (``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c`` with default
+    3.0); the per-token loss is multiplied by ``rollout_is_weights`` (rollout correction)
+    before :func:`agg_loss`, which receives ``config.global_batch_info`` (``dp_size``,
+    ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``) as in verl. ``metrics``
+    holds Python floats ``actor/pg_clipfrac``, ``actor/ppo_kl`` and ``actor/pg_clipfrac_lower``
+    (computed before the weights), as verl's.
 
     Example:
         >>> import torch
-        >>> out = compute_policy_loss_vanilla(torch.zeros(1, 2), torch.zeros(1, 2),
-        ...                                   torch.ones(1, 2), torch.ones(1, 2),
-        ...                                   config={"clip_ratio": 0.2})
-        >>> out[0]
-        tensor(-1.)
+        >>> loss, metrics = compute_policy_loss_vanilla(
+        ...     torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2),
+        ...     config={"clip_ratio": 0.2})
+        >>> loss, metrics["actor/pg_clipfrac"]
+        (tensor(-1.), 0.0)
     """
     if config is None:
         raise ValueError("config (the actor config with clip_ratio) must be given")
-    clip = _config(config, "clip_ratio")
-    return compute_policy_loss(
+    check_choice("loss_agg_mode", loss_agg_mode, (*AGG_MODES, "token-sum"))
+    loss_mat, metrics, mask = _ppo_loss(
         old_log_prob,
         log_prob,
         advantages,
         response_mask,
-        cliprange=clip,
-        cliprange_low=_config(config, "clip_ratio_low"),
-        cliprange_high=_config(config, "clip_ratio_high"),
-        clip_ratio_c=_config(config, "clip_ratio_c", 3.0),
-        loss_agg_mode=loss_agg_mode,
+        _config(config, "clip_ratio"),
+        _config(config, "clip_ratio_low"),
+        _config(config, "clip_ratio_high"),
+        _config(config, "clip_ratio_c", 3.0),
+        names=("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c"),
     )
+    if rollout_is_weights is not None:
+        check_same_shape("old_log_prob", old_log_prob, rollout_is_weights=rollout_is_weights)
+        loss_mat = loss_mat * rollout_is_weights
+    info = _config(config, "global_batch_info") or {}
+    loss = agg_loss(loss_mat, mask, loss_agg_mode, **info)
+    return loss, {
+        "actor/pg_clipfrac": metrics["pg_clipfrac"].item(),
+        "actor/ppo_kl": metrics["ppo_kl"].item(),
+        "actor/pg_clipfrac_lower": metrics["pg_clipfrac_lower"].item(),
+    }
 
 
 def compute_value_loss(
@@ -385,10 +481,16 @@ def compute_value_loss(
     response_mask: torch.Tensor,
     cliprange_value: float,
     loss_agg_mode: str = "token-mean",
+    dp_size: int = 1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+    loss_scale_factor=None,
 ):
     """Clipped value loss ``0.5·agg(max((V − R)², (clip(V, V_old ± c) − R)²))`` and the
     fraction of tokens where the clipped error is the larger: ``(vf_loss, vf_clipfrac)``.
-    One :func:`rlops.value_loss` call.
+
+    :func:`rlops.value_loss` per token, then :func:`agg_loss` with the global normalisers
+    (``dp_size``, ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``), as verl.
 
     Example:
         >>> import torch
@@ -397,9 +499,14 @@ def compute_value_loss(
         >>> vf_loss, frac
         (tensor(2.5000), tensor(0.))
     """
-    loss, metrics = rlops.value_loss(
-        vpreds, values, returns, response_mask, clip=cliprange_value, agg=loss_agg_mode
-    )
+    check_2d("vpreds", vpreds)
+    check_same_shape("vpreds", vpreds, returns=returns, values=values)
+    mask = _response_mask(response_mask, "vpreds", vpreds)
+    clip = check_positive("cliprange_value", cliprange_value)
+    check_choice("loss_agg_mode", loss_agg_mode, (*AGG_MODES, "token-sum"))
+    half_mat, metrics = rlops.value_loss(vpreds, values, returns, mask, clip=clip, agg=None)
+    loss = agg_loss(half_mat, mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size,
+                    loss_scale_factor)
     return loss, metrics["vf_clipfrac"]
 
 
