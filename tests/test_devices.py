@@ -22,8 +22,10 @@ What is exempt, and why:
   tensors only, or everywhere with ``RLOPS_CHECK_VALUES=1`` (``rlops._checks``); the meta run
   unsets it, and :func:`test_value_checks_are_the_only_host_reads` shows that setting it makes
   those same calls read values.
-* Scalar parameters given as 0-dim tensors (``clip_low``, ``eps``, ``kl_coef``, ...) are read
-  once on the host by design; ``gamma`` and ``lam`` tensors stay on the device (tested here).
+* Scalar parameters given as 0-dim tensors (``gamma``, ``lam``, ``clip_low``, ``eps``,
+  ``kl_coef``, ...) are read once on the host by design, so that they give exactly what the
+  same Python float gives; per-row ``gamma`` and ``lam`` (``[B]`` or ``[B, 1]``) stay on the
+  device (tested here).
 * ``cp_group=`` / ``group=`` forms: collectives do not run on meta tensors, and their
   consistency checks read the gathered metadata on purpose (``RLOPS_CP_CHECK=0`` and
   ``RLOPS_TP_CHECK=0`` turn them off).
@@ -281,7 +283,7 @@ def _meta_cases(dev: str) -> dict[str, list]:
             lambda: rlops.gae(t(B, T, grad=True), t(B, T, grad=True), gamma=0.99, lam=0.95,
                               mask=m, dones=d),
             lambda: rlops.gae(t(B, T), t(B, T), gamma=unit[:, 0].float(),
-                              lam=torch.tensor(0.9).to(dev), mask=m_float),
+                              lam=unit[:, 1:2].float(), mask=m_float),
             lambda: rlops.gae(t(B, T, dtype=torch.float16), t(B, T), gamma=1.0, lam=1.0,
                               method="chunked"),
             lambda: rlops.gae(t(B, 9), t(B, 9), gamma=0.9, lam=0.9, mask=m[:, :9],
