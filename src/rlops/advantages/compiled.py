@@ -2,9 +2,7 @@
 
 Mask skipping, episode ends and the next-action value are handled in the same backward pass
 over time as the advantage, so nothing but the outputs is written. Four rows run at once with
-the carries in registers; without a mask the advantage carry is float64 (accurate over 128K
-steps at almost no cost, :mod:`rlops.scan.compiled`); with a mask it stays in the input dtype,
-because numba's float64 selects cost 2-3x there. The kernels are in
+compensated carries in registers (:mod:`rlops.scan.compiled`). The kernels are in
 :mod:`rlops.advantages._numba_kernels`.
 """
 
@@ -12,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rlops.scan.compiled import as_array, run_rows
+from rlops.scan.compiled import as_array, run_rows, two_words
 
 __all__ = ["gae_compiled", "has_zero"]
 
@@ -21,9 +19,12 @@ def has_zero(*discounts: float | torch.Tensor) -> bool:
     """Whether any discount (a float, or a per-row CPU tensor: no device synchronisation) is
     exactly 0. The kernels multiply carries by the discount, so such calls go to the chunked
     method, where a zero decay is an exact cut (NaN beyond it cannot leak back)."""
-    return any(
-        bool((d == 0).any()) if isinstance(d, torch.Tensor) else d == 0 for d in discounts
-    )
+    return any(bool((d == 0).any()) if isinstance(d, torch.Tensor) else d == 0 for d in discounts)
+
+
+def _interleave(g: tuple, gl: tuple) -> tuple:
+    """The kernels' argument order: gamma, gamma * lam, then their low words."""
+    return g[0], gl[0], g[1], gl[1]
 
 
 def gae_compiled(
@@ -37,7 +38,8 @@ def gae_compiled(
     """Fused GAE in one pass; with ``values=None``, discounted returns (pass ``gamma_lam=gamma``).
 
     ``rewards``/``values`` ``[N, T]`` in the compute dtype (float32/64, CPU); ``mask``/``dones``
-    ``[N, T]`` bool or None; ``gamma``/``gamma_lam`` ``[N]``. Returns
+    ``[N, T]`` bool or None; ``gamma``/``gamma_lam`` ``[N]`` (give them in float64: a float32
+    kernel takes each as two words). Returns
     ``(advantages, returns)``; without values both are the same tensor.
     """
     from rlops.advantages._numba_kernels import GAE
@@ -48,9 +50,6 @@ def gae_compiled(
     adv = ret if values is None else torch.empty_like(rewards)
     if n == 0 or t_len == 0:
         return adv, ret
-    # float64 discounts (and carry) without a mask; the kernels with a mask keep the input
-    # dtype throughout (see the kernels' ``step``)
-    rows_dtype = torch.float64 if mask is None else rewards.dtype
     run_rows(
         GAE[(values is not None, mask is not None, dones is not None)],
         n,
@@ -59,8 +58,9 @@ def gae_compiled(
         as_array(values, n, rewards.dtype),
         as_array(mask, n, torch.bool),
         as_array(dones, n, torch.bool),
-        gamma.to(rows_dtype).expand(n).contiguous().numpy(),
-        gamma_lam.to(rows_dtype).expand(n).contiguous().numpy(),
+        *_interleave(
+            two_words(gamma.expand(n), rewards.dtype), two_words(gamma_lam.expand(n), rewards.dtype)
+        ),
         adv.numpy(),
         ret.numpy(),
     )

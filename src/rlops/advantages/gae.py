@@ -124,8 +124,7 @@ def gae(
     if method == "compiled" and compiled.has_zero(gamma_, gl):
         method = "chunked"  # a zero discount is an exact cut there; the kernels multiply
     if method in ("reference", "compiled"):
-        # the compiled kernels take the discounts in float64, as the chunked powers are formed
-        rows_dtype = dtype if method == "reference" else torch.float64
+        rows_dtype = dtype if method == "reference" else torch.float64  # see gae_compiled
         g_rows = as_rows(gamma_, b, rows_dtype, r.device)
         gl_rows = as_rows(gl, b, rows_dtype, r.device)
         run = gae_reference if method == "reference" else compiled.gae_compiled
