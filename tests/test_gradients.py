@@ -288,21 +288,16 @@ def test_auto_under_autograd_is_the_chunked_gradient(name):
     assert gradcheck(fn, tuple(_leaf(t) for t in base))
 
 
-_PER_ROW_AUTO = pytest.mark.xfail(
-    strict=True,
-    reason='method="auto" chooses the compiled kernel from rewards and values only: a per-row '
-    "gamma or lam that requires grad reaches numpy() and raises RuntimeError",
-)
 
 
 @needs_numba
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param("gae gamma", marks=_PER_ROW_AUTO),
-        pytest.param("gae lam", marks=_PER_ROW_AUTO),
-        pytest.param("discounted_returns gamma", marks=_PER_ROW_AUTO),
-        pytest.param("reinforce_plus_plus_returns gamma", marks=_PER_ROW_AUTO),
+        "gae gamma",
+        "gae lam",
+        "discounted_returns gamma",
+        "reinforce_plus_plus_returns gamma",
         "discounted_cumsum per-row discount",
     ],
 )

@@ -108,7 +108,7 @@ def gae(
     gamma_ = per_row_discount("gamma", gamma, b, rewards)
     lam_ = per_row_discount("lam", lam, b, rewards)
     mask, dones = indicators(rewards.shape, rewards, mask, dones)
-    method = resolve_method(method, rewards, values)
+    method = resolve_method(method, rewards, values, gamma_, lam_)
 
     out_dtype = torch.promote_types(rewards.dtype, values.dtype)
     dtype = compute_dtype(out_dtype)
@@ -186,7 +186,7 @@ def discounted_returns(
     b = rewards.shape[0]
     gamma_ = per_row_discount("gamma", gamma, b, rewards)
     mask, dones = indicators(rewards.shape, rewards, mask, dones)
-    method = resolve_method(method, rewards)
+    method = resolve_method(method, rewards, gamma_)
     dtype = compute_dtype(rewards.dtype)
     r = rewards.to(dtype)
     if method == "compiled" and compiled.has_zero(gamma_):

@@ -61,9 +61,6 @@ def reinforce_plus_plus_returns(
     """
     kl = check_2d("kl", kl)
     rewards = as_float_tensor("rewards", rewards)
-    b, t_len = kl.shape
-    if tuple(rewards.shape) != (b,):
-        raise shape_error("rewards", f"[B] = [{b}] (one outcome score per row)", rewards.shape)
     if mask is None:
         raise TypeError("mask must be a [B, T] tensor (1 = action token), got None")
     if isinstance(mask, torch.Tensor) and mask.shape != kl.shape:
@@ -71,6 +68,9 @@ def reinforce_plus_plus_returns(
             f"kl and mask must have the same shape [B, T], got kl {list(kl.shape)} and "
             f"mask {list(mask.shape)}"
         )
+    b, t_len = kl.shape
+    if tuple(rewards.shape) != (b,):
+        raise shape_error("rewards", f"[B] = [{b}] (one outcome score per row)", rewards.shape)
     check_same_device("kl", kl, rewards=rewards)
     mask, _ = indicators(kl.shape, kl, mask, None)
     kl_coef = check_nonneg("kl_coef", kl_coef)
