@@ -372,6 +372,12 @@ def test_value_loss_function_bad_input_names_slimes_arguments():
     with pytest.raises(ValueError, match="logits"):
         slime.value_loss_function(Namespace(value_clip=0.5, allgather_cp=False), batch,
                                   logits[:, :5], torch.mean)
+    # a response filling its sequence: no position holds the value of response token 0
+    # (slime reads logits[-1] for it)
+    whole = dict(batch, total_lengths=[2, 3], values=[torch.ones(2), torch.ones(1)])
+    with pytest.raises(ValueError, match=r"response_lengths\[0\] = total_lengths\[0\]"):
+        slime.value_loss_function(Namespace(value_clip=0.5, allgather_cp=False), whole, logits,
+                                  torch.mean)
 
 
 # --------------------------------------------------------------------------- argument handling
@@ -425,6 +431,8 @@ BAD_SLIME_CALLS = [
      ValueError, "eps_clip"),
     (lambda: slime.compute_policy_loss(torch.zeros(3), torch.ones(3), 0.2, -0.2),
      ValueError, "eps_clip_high"),
+    (lambda: slime.compute_policy_loss(torch.zeros(3), torch.ones(3), 0.0, 0.2),
+     ValueError, "eps_clip"),
     (lambda: slime.compute_policy_loss(torch.zeros(3), torch.ones(4), 0.2, 0.2),
      ValueError, "advantages"),
     (lambda: slime.compute_policy_loss(torch.zeros(3), torch.ones(3), 0.2, 0.2, 1.0),

@@ -300,6 +300,8 @@ def test_agg_loss(mode):
         with pytest.raises(ValueError, match="required when dp_size"):
             verl.agg_loss(loss, m, mode, dp_size=2)
     assert verl.agg_loss(loss, torch.zeros_like(m), mode) == 0  # verl: NaN or 0
+    empty = dict(dp_size=2, batch_num_tokens=0, global_batch_size=0)  # verl divides by 0
+    assert verl.agg_loss(loss, torch.zeros_like(m), mode, **empty) == 0
     for bad in (0, -1):
         with pytest.raises(ValueError, match="dp_size"):
             verl.agg_loss(loss, m, mode, dp_size=bad, batch_num_tokens=200, global_batch_size=20)

@@ -277,6 +277,12 @@ def response_values(
     as slime).
     """
     check_lengths(total_lengths, response_lengths)
+    for i, (t, r) in enumerate(zip(total_lengths, response_lengths)):
+        if r == t:
+            raise ValueError(
+                f"response_lengths[{i}] = total_lengths[{i}] = {t}: response token 0 has no "
+                "value position (the value at position p is read for token p + 1)"
+            )
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
     if logits.dim() != 3 or logits.shape[0] != 1 or logits.shape[2] != 1:
