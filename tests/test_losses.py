@@ -63,6 +63,8 @@ def ref_aggregate(loss, mask, mode, scale=None):
             rows.append(row / n if mode == "seq-mean-token-mean" else row)
     if mode == "token-mean":
         return total / max(count, 1)
+    if mode == "token-sum":
+        return total
     out = sum(rows, zero) / max(len(rows), 1)
     return out / (t if scale is None else scale) if mode == "seq-mean-token-sum-norm" else out
 
@@ -298,7 +300,7 @@ def test_bad_input_errors_name_the_argument():
     with pytest.raises(ValueError, match="agg"):
         policy_loss(lp, old, adv, m, agg="seq-sum")
     with pytest.raises(ValueError, match="agg"):
-        value_loss(lp, old, adv, m, agg="token-sum")
+        value_loss(lp, old, adv, m, agg="sum")
     with pytest.raises(ValueError, match="mask"):
         aggregate_loss(lp, m[:, :2], "token-mean")
     with pytest.raises(ValueError, match="loss_mat"):

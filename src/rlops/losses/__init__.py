@@ -1,0 +1,36 @@
+"""PPO-family losses on ``[B, T]`` token tensors: KL estimators, policy and value losses, and the
+aggregation of a per-token loss matrix into a scalar.
+
+Modules: ``aggregation`` (:func:`aggregate_loss`, the modes and the global normalisers),
+``kl`` (:func:`kl_penalty`), ``kinds`` (the per-token loss of each policy-loss kind),
+``policy`` (:func:`policy_loss`), ``value`` (:func:`value_loss`).
+
+Numerical rules:
+
+* Every argument of ``exp`` is clamped to at most ``MAX_EXP_ARG = 20`` (``e^20 ≈ 4.9e8``, finite
+  in float32 and bfloat16). Outside the clamp the value saturates and its gradient is 0.
+  Sequence-level ratios are means of log-ratios, never products of ratios.
+* Half-precision inputs are computed in float32. Scalar losses and metrics are returned in the
+  computation dtype (float32 for half inputs, as under autocast); per-token KL values are
+  returned in the input dtype, saturated to its finite range (float16 cannot hold ``e^20``).
+* Entries with mask 0 are replaced with ``torch.where`` before any arithmetic, so NaN/inf there
+  (padding) reaches neither the loss nor any gradient: their gradient is exactly 0.
+* Nothing reads a value back to the host; metrics are detached 0-dim tensors.
+"""
+
+from rlops.losses._common import MAX_EXP_ARG
+from rlops.losses.aggregation import AGG_MODES, aggregate_loss
+from rlops.losses.kl import KL_KINDS, kl_penalty
+from rlops.losses.policy import POLICY_KINDS, policy_loss
+from rlops.losses.value import value_loss
+
+__all__ = [
+    "AGG_MODES",
+    "KL_KINDS",
+    "MAX_EXP_ARG",
+    "POLICY_KINDS",
+    "aggregate_loss",
+    "kl_penalty",
+    "policy_loss",
+    "value_loss",
+]

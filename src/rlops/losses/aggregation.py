@@ -1,0 +1,205 @@
+"""Aggregation of a per-token loss matrix into a scalar, layout-invariant with a global
+normaliser."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rlops._checks import (
+    as_bool_mask,
+    as_real,
+    check_2d,
+    check_choice,
+    check_nonneg,
+    check_positive,
+    compute_dtype,
+    shape_error,
+)
+from rlops.distributed.groups import group_rank_size
+
+__all__ = ["AGG_MODES", "aggregate_loss"]
+
+AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+
+
+# --------------------------------------------------------------------------- normalisers
+def _count(name: str, value: object) -> float | torch.Tensor | None:
+    """A global count: None, a number >= 0, or a 0-dim real tensor (kept on its device, never
+    read on the host)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            raise shape_error(name, "[] (a count)", value.shape)
+        if value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be a real count, got a tensor of {value.dtype}")
+        return value
+    as_real(name, value)
+    return check_nonneg(name, value)
+
+
+def _check_normalisers(
+    num_tokens: object, num_seqs: object, group: object
+) -> tuple[float | torch.Tensor | None, float | torch.Tensor | None, object]:
+    """Check the global-normaliser arguments; ``group`` excludes the two counts."""
+    num_tokens = _count("num_tokens", num_tokens)
+    num_seqs = _count("num_seqs", num_seqs)
+    if group is not None:
+        group_rank_size(group)
+        if num_tokens is not None or num_seqs is not None:
+            raise ValueError(
+                "give either group (one micro-batch per rank: the counts are summed over it) "
+                "or num_tokens/num_seqs (the global counts), not both"
+            )
+    return num_tokens, num_seqs, group
+
+
+def _global_normaliser(
+    keep: torch.Tensor,
+    mode: str | None,
+    dtype: torch.dtype,
+    num_tokens: float | torch.Tensor | None,
+    num_seqs: float | torch.Tensor | None,
+    group: object,
+) -> torch.Tensor | None:
+    """The denominator of ``mode`` over the global batch, or None for the local one.
+
+    With ``group`` the ``[tokens, sequences]`` counts of this rank's micro-batch are summed over
+    the group in one ``all_reduce`` (int64, exact). ``token-sum`` and ``None`` need none."""
+    if mode is None or mode == "token-sum":
+        return None
+    token_mode = mode == "token-mean"
+    if group is not None:
+        _, world = group_rank_size(group)
+        counts = torch.stack([keep.sum(), (keep.sum(-1) > 0).sum()]).to(torch.int64)
+        if world > 1:
+            dist.all_reduce(counts, group=group)
+        return counts[0 if token_mode else 1].to(dtype)
+    value = num_tokens if token_mode else num_seqs
+    if value is None:
+        return None
+    return torch.as_tensor(value, dtype=dtype, device=keep.device)
+
+
+# --------------------------------------------------------------------------- aggregation
+def _aggregate(
+    x: torch.Tensor,
+    keep: torch.Tensor,
+    mode: str | None,
+    loss_scale_factor: float | None,
+    denom: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``mode`` reduction of ``x``, which must already be 0 where ``keep`` is False;
+    ``mode=None`` returns ``x`` itself (the per-token matrix). ``denom`` is the global
+    normaliser (tokens for token-mean, sequences for the seq-mean modes), None for local."""
+    if mode is None:
+        return x
+    if mode == "token-sum":
+        return x.sum()
+    if mode == "token-mean":
+        n = keep.sum().to(x.dtype) if denom is None else denom
+        return x.sum() / n.clamp_min(1)
+    tokens = keep.sum(-1).to(x.dtype)
+    seq = x.sum(-1)
+    if mode == "seq-mean-token-mean":
+        seq = seq / tokens.clamp_min(1)
+    n = (tokens > 0).sum().to(x.dtype) if denom is None else denom
+    out = seq.sum() / n.clamp_min(1)
+    if mode == "seq-mean-token-sum-norm":
+        out = out / (x.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    return out
+
+
+def _check_agg(name: str, mode: object, loss_scale_factor: object) -> float | None:
+    """Check an aggregation mode (or None) and its normaliser; return the normaliser."""
+    if mode is not None:
+        check_choice(name, mode, AGG_MODES)
+    if loss_scale_factor is None:
+        return None
+    return check_positive("loss_scale_factor", loss_scale_factor)
+
+
+def aggregate_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token-mean",
+    *,
+    loss_scale_factor: float | None = None,
+    num_tokens: float | torch.Tensor | None = None,
+    num_seqs: float | torch.Tensor | None = None,
+    group: object = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss ``[B, T]`` to a scalar, with verl's ``loss_agg_mode`` names.
+
+    With ``m`` the mask, ``n_b = Σ_t m[b,t]``, ``N`` the number of action tokens and ``S`` the
+    number of rows with ``n_b > 0``::
+
+        token-mean               Σ_{b,t} m·ℓ / N
+        token-sum                Σ_{b,t} m·ℓ
+        seq-mean-token-sum       (1/S) Σ_b Σ_t m·ℓ
+        seq-mean-token-mean      (1/S) Σ_b (Σ_t m·ℓ) / n_b
+        seq-mean-token-sum-norm  (1/S) Σ_b Σ_t m·ℓ / L      (Dr.GRPO; L = loss_scale_factor or T)
+
+    **Layout invariance.** By default ``N`` and ``S`` are this call's own counts. Pass the counts
+    of the whole global batch — ``num_tokens=N`` (token-mean) and ``num_seqs=S`` (the seq-mean
+    modes), or ``group=`` when each rank of a process group holds one micro-batch (then ``N``
+    and ``S`` are summed over the group in one ``all_reduce``) — and each call returns its
+    micro-batch's *share*: the losses of all micro-batches on all ranks **sum** to the loss of
+    the full batch, and so do their gradients::
+
+        Σ_micro-batches Σ_ranks aggregate_loss(ℓ_i, m_i, mode, num_tokens=N, num_seqs=S)
+            == aggregate_loss(ℓ, m, mode)
+
+    So sum the micro-batch losses (or accumulate their gradients) and *sum* gradients over
+    ranks. verl's convention differs by a factor: its ``agg_loss`` multiplies each rank's share
+    by ``dp_size`` because DDP/FSDP *average* gradients over data-parallel ranks
+    (``rlops.compat.verl.agg_loss`` keeps that). ``token-sum`` needs no normaliser and
+    ``seq-mean-token-sum-norm`` needs the same ``L`` on every micro-batch (pass
+    ``loss_scale_factor`` when ``T`` varies). Counts may be 0-dim tensors on the device (they
+    are not read on the host).
+
+    ``seq-mean-token-sum-norm`` is Dr.GRPO's objective (https://arxiv.org/abs/2503.20783):
+    the mean over sequences of each sequence's token *sum*, divided by a constant ``L`` instead
+    of each sequence's own length (verl's definition since February 2026; earlier releases
+    divided the plain token sum by ``L``). Rows with no action token are left out of the
+    sequence means (as current verl); an empty batch gives 0.
+
+    Args:
+        loss_mat: ``[B, T]`` per-token loss.
+        mask: ``[B, T]`` 0/1 action mask.
+        mode: one of :data:`AGG_MODES`.
+        loss_scale_factor: ``L`` for ``seq-mean-token-sum-norm`` (``> 0``); ignored otherwise.
+        num_tokens: action tokens of the global batch (``>= 0``), for ``token-mean``.
+        num_seqs: rows with an action token in the global batch, for the seq-mean modes.
+        group: a process group with one micro-batch per rank, instead of the two counts.
+
+    Returns:
+        0-dim tensor, float32 for half inputs, else ``loss_mat``'s dtype. Differentiable.
+
+    Example:
+        >>> import torch
+        >>> loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+        >>> m = torch.tensor([[1, 1, 1], [1, 0, 0]])
+        >>> [round(aggregate_loss(loss, m, mode).item(), 4) for mode in AGG_MODES]
+        [2.5, 10.0, 5.0, 3.0, 1.6667]
+        >>> halves = [aggregate_loss(loss[i:i + 1], m[i:i + 1], num_tokens=4) for i in (0, 1)]
+        >>> sum(halves).item()
+        2.5
+    """
+    check_2d("loss_mat", loss_mat)
+    keep = as_bool_mask("mask", mask, loss_mat.shape, "loss_mat", loss_mat)
+    if mode is None:
+        raise ValueError(f"mode must be one of {list(AGG_MODES)}, got None")
+    loss_scale_factor = _check_agg("mode", mode, loss_scale_factor)
+    num_tokens, num_seqs, group = _check_normalisers(num_tokens, num_seqs, group)
+    dtype = compute_dtype(loss_mat.dtype)
+    x = torch.where(keep, loss_mat.to(dtype), 0)
+    denom = _global_normaliser(keep, mode, dtype, num_tokens, num_seqs, group)
+    return _aggregate(x, keep, mode, loss_scale_factor, denom)

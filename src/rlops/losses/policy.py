@@ -1,0 +1,154 @@
+"""One policy-loss API: a per-token loss matrix per kind, then one aggregation."""
+
+from __future__ import annotations
+
+import torch
+
+from rlops._checks import (
+    as_bool_mask,
+    check_2d,
+    check_choice,
+    check_same_shape,
+    compute_dtype,
+)
+from rlops.losses.aggregation import (
+    _aggregate,
+    _check_agg,
+    _check_normalisers,
+    _global_normaliser,
+)
+from rlops.losses.kinds import POLICY_KINDS, check_options, token_losses
+
+__all__ = ["POLICY_KINDS", "policy_loss"]
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    kind: str = "ppo",
+    rollout_is_weights: torch.Tensor | None = None,
+    agg: str | None = "token-mean",
+    loss_scale_factor: float | None = None,
+    num_tokens: float | torch.Tensor | None = None,
+    num_seqs: float | torch.Tensor | None = None,
+    group: object = None,
+    **kind_params: object,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Policy-gradient loss of one of :data:`POLICY_KINDS`: a per-token loss ``ℓ [B, T]``, times
+    ``rollout_is_weights``, then ``aggregate_loss(ℓ, mask, agg)``.
+
+    Notation: ``lr = log π − log π_old`` (``logp − old_logp``), ``r = exp(min(lr, 20))``,
+    ``A`` the advantage, ``sg`` stop-gradient, ``mean_i`` the mean over row i's action tokens
+    (mask 1: tool and observation tokens of a multi-turn mask are left out). Per token::
+
+        ppo       max(−A·r, −A·clip(r, 1 − clip_low, 1 + clip_high)); with dual_clip = c > 1,
+                  min(that, −A·c) where A < 0
+                  PPO https://arxiv.org/abs/1707.06347, dual-clip https://arxiv.org/abs/1912.09729,
+                  clip-higher https://arxiv.org/abs/2503.14476
+        reinforce −A·log π        (no ratio; "gpg" is the same loss, https://arxiv.org/abs/2504.02546)
+        gspo      PPO's max with the ratio s_t = sg(s_i)·π_t/sg(π_t), s_i = exp(mean_i lr):
+                  value the sequence ratio s_i, gradient s_i·∇log π_t ("GSPO-token"; with one
+                  advantage per row and seq-mean-token-mean it is GSPO's sequence objective)
+                  https://arxiv.org/abs/2507.18071 (defaults clip_low 3e-4, clip_high 4e-4)
+        cispo     −sg(clip(r, 1 − clip_low, 1 + clip_high))·A·log π
+                  MiniMax-M1, https://arxiv.org/abs/2506.13585 (the paper sets no lower clip:
+                  clip_low=inf)
+        sapo      −A·σ(τ·(r − 1))·4/τ, τ = tau_pos where A > 0 else tau_neg (defaults 1.0, 1.05):
+                  a soft gate whose gradient at r = 1 equals PPO's
+                  https://arxiv.org/abs/2511.20347
+        clip_cov  ppo (no dual clip), but 0 on a random set of tokens not clipped by PPO whose
+                  cov = (A − mean A)·(log π − mean log π) (means over the micro-batch's action
+                  tokens) lies in (clip_cov_lb, clip_cov_ub): max(⌊clip_cov_ratio·N⌋, 1) of them
+                  (fewer if fewer qualify), drawn with ``generator``
+        kl_cov    −A·r, plus ppo_kl_coef·|lr| on the max(⌊kl_cov_ratio·N⌋, 1) action tokens of
+                  largest cov. clip_cov and kl_cov: https://arxiv.org/abs/2505.22617
+        geo_mean  −A·R_t, R_t = sg(R_i)·exp(l_t − sg(l_t)), R_i = exp(mean_i l) with l_t the
+                  log-ratio clipped pessimistically in log space (min(lr, clip_high) where A > 0,
+                  max(lr, −clip_low) where A < 0, 0 where A = 0): the geometric mean of the
+                  row's clipped ratios. With one advantage per row and seq-mean-token-mean this
+                  is GMPO's −A_i·R_i exactly https://arxiv.org/abs/2507.20673 (defaults
+                  clip_low = clip_high = 0.4, in log space: ratios in (e^−0.4, e^0.4))
+
+    Sequence-level quantities (s_i, R_i) are over the row's action tokens only, from summed
+    log-ratios (a 32K-token row is fine); every ``exp`` argument is clamped to ``≤ 20``. The
+    selections of clip_cov and kl_cov use this call's tokens (as verl: per micro-batch); they
+    read no value on the host. ``clip_high`` defaults to ``clip_low`` when only ``clip_low`` is
+    given; an infinite clip turns that side off.
+
+    ``rollout_is_weights`` (``[B, T]``, detached) multiplies ``ℓ`` before aggregation: pass
+    truncated token-level IS weights, or a sequence-level weight repeated along its row.
+
+    Args:
+        logp: ``[B, T]`` log-probs under the policy being trained (carries the gradient).
+        old_logp: ``[B, T]`` log-probs under the policy that sampled the tokens.
+        advantages: ``[B, T]``.
+        mask: ``[B, T]`` 0/1 action mask.
+        kind: one of :data:`POLICY_KINDS`.
+        rollout_is_weights: ``None`` or a floating ``[B, T]`` multiplier (no gradient flows
+            into it).
+        agg: aggregation mode, see :func:`aggregate_loss`; ``None`` returns the per-token loss
+            matrix ``[B, T]`` (0 on mask-0 tokens).
+        loss_scale_factor, num_tokens, num_seqs, group: see :func:`aggregate_loss` (global
+            normalisers: the micro-batch losses then *sum* to the full-batch loss).
+        **kind_params: the kind's options (numbers, numpy scalars or 0-dim tensors):
+            ppo: ``clip_low`` (in (0, 1) or inf; 0.2), ``clip_high`` (> 0), ``dual_clip``
+            (None or > 1); gspo, cispo: ``clip_low``, ``clip_high``; sapo: ``tau_pos``,
+            ``tau_neg`` (> 0); clip_cov: ``clip_low``, ``clip_high``, ``clip_cov_ratio``
+            (in (0, 1]; 2e-4), ``clip_cov_lb`` < ``clip_cov_ub`` (1, 5), ``generator``;
+            kl_cov: ``kl_cov_ratio`` (2e-4), ``ppo_kl_coef`` (≥ 0; 1); geo_mean: ``clip_low``,
+            ``clip_high`` (> 0, log space). Another option is a ``TypeError``.
+
+    Returns:
+        ``(loss, metrics)``: a 0-dim loss (float32 for half inputs; ``[B, T]`` with
+        ``agg=None``) and detached 0-dim metrics of this call's action tokens, before the
+        weights (verl's names): ``pg_clipfrac`` (fraction where the clip binds: ppo, gspo,
+        clip_cov: the clipped term is the larger; cispo: the weight is clipped; geo_mean:
+        the log-ratio lies outside the range where A > 0), ``pg_clipfrac_lower`` (ppo: where
+        dual-clip binds; geo_mean: outside the range where A < 0), ``ppo_kl`` (mean of
+        ``old_logp − logp``, unclamped) — 0 where a kind has no such thing — and per kind:
+        gspo ``seq_ratio_mean`` (mean s_i over rows with an action), clip_cov
+        ``clip_cov_frac``, kl_cov ``kl_cov_frac`` and ``ppo_kl_abs`` (mean |lr|).
+
+    Example:
+        >>> import torch
+        >>> logp = torch.tensor([[-1.0, -0.5, -2.0]], requires_grad=True)
+        >>> old = torch.tensor([[-1.0, -1.0, -1.0]])
+        >>> loss, m = policy_loss(logp, old, torch.tensor([[1.0, 1.0, -1.0]]), torch.ones(1, 3))
+        >>> round(loss.item(), 4), round(m["pg_clipfrac"].item(), 4)
+        (-0.4667, 0.6667)
+        >>> loss, m = policy_loss(logp, old, torch.ones(1, 3), torch.ones(1, 3), kind="gspo")
+        >>> round(loss.item(), 4), round(m["seq_ratio_mean"].item(), 4)
+        (-0.8465, 0.8465)
+    """
+    check_2d("logp", logp)
+    check_same_shape("logp", logp, old_logp=old_logp, advantages=advantages)
+    keep = as_bool_mask("mask", mask, logp.shape, "logp", logp)
+    check_choice("kind", kind, POLICY_KINDS)
+    options = check_options(kind, kind_params)
+    if rollout_is_weights is not None:
+        check_same_shape("logp", logp, rollout_is_weights=rollout_is_weights)
+    loss_scale_factor = _check_agg("agg", agg, loss_scale_factor)
+    num_tokens, num_seqs, group = _check_normalisers(num_tokens, num_seqs, group)
+
+    dtype = compute_dtype(logp.dtype)
+    # Mask-0 entries are replaced before any arithmetic, so their gradient is exactly 0.
+    lp = torch.where(keep, logp.to(dtype), 0)
+    log_ratio = torch.where(keep, logp.to(dtype) - old_logp.to(dtype), 0)
+    adv = torch.where(keep, advantages.to(dtype), 0)
+    loss_mat, clipfrac, lower, extra = token_losses(kind, lp, log_ratio, adv, keep, dtype, options)
+    def zero() -> torch.Tensor:
+        return torch.zeros((), dtype=dtype, device=logp.device)
+
+    metrics = {
+        "pg_clipfrac": zero() if clipfrac is None else clipfrac,
+        "ppo_kl": _aggregate(-log_ratio.detach(), keep, "token-mean", None),
+        "pg_clipfrac_lower": zero() if lower is None else lower,
+        **extra,
+    }
+    if rollout_is_weights is not None:
+        loss_mat = loss_mat * torch.where(keep, rollout_is_weights.detach().to(dtype), 0)
+    denom = _global_normaliser(keep, agg, dtype, num_tokens, num_seqs, group)
+    return _aggregate(loss_mat, keep, agg, loss_scale_factor, denom), metrics

@@ -1,0 +1,81 @@
+"""Clipped value loss."""
+
+from __future__ import annotations
+
+import torch
+
+from rlops._checks import as_bool_mask, check_2d, check_positive, check_same_shape, compute_dtype
+from rlops.losses._common import masked_frac
+from rlops.losses.aggregation import (
+    _aggregate,
+    _check_agg,
+    _check_normalisers,
+    _global_normaliser,
+)
+
+__all__ = ["value_loss"]
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip: float | None = None,
+    agg: str | None = "token-mean",
+    loss_scale_factor: float | None = None,
+    num_tokens: float | torch.Tensor | None = None,
+    num_seqs: float | torch.Tensor | None = None,
+    group: object = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss: ``0.5·agg(max((V − R)², (V_clip − R)²))``.
+
+    ``V_clip = clamp(V, V_old − clip, V_old + clip)`` keeps the new value within ``clip`` of the
+    value at sampling time; ``clip=None`` gives the plain ``0.5·agg((V − R)²)``.
+
+    Args:
+        values: ``[B, T]`` value predictions being trained (``vpreds``).
+        old_values: ``[B, T]`` value predictions at sampling time.
+        returns: ``[B, T]`` regression targets.
+        mask: ``[B, T]`` 0/1 action mask.
+        clip: ``None`` or ``> 0`` (verl's ``cliprange_value``).
+        agg: aggregation mode, see :func:`aggregate_loss`; ``None`` returns the per-token loss
+            matrix ``[B, T]`` (0 on mask-0 tokens) instead of a scalar, for callers that
+            aggregate themselves.
+        loss_scale_factor, num_tokens, num_seqs, group: see :func:`aggregate_loss` (global
+            normalisers: the micro-batch losses then sum to the full-batch loss).
+
+    Returns:
+        ``(loss, metrics)``: a 0-dim loss (float32 for half inputs; the ``[B, T]`` matrix
+        ``0.5·max(...)`` with ``agg=None``) and ``vf_clipfrac``, the
+        detached fraction of action tokens where the clipped error is the larger (0 when off).
+
+    Example:
+        >>> import torch
+        >>> v, old, ret = torch.tensor([[1.0, 3.0]]), torch.tensor([[1.0, 1.0]]), torch.zeros(1, 2)
+        >>> loss, m = value_loss(v, old, ret, torch.ones(1, 2), clip=0.5)
+        >>> loss.item(), m["vf_clipfrac"].item()
+        (2.5, 0.0)
+    """
+    check_2d("values", values)
+    check_same_shape("values", values, old_values=old_values, returns=returns)
+    keep = as_bool_mask("mask", mask, values.shape, "values", values)
+    if clip is not None:
+        clip = check_positive("clip", clip)
+    loss_scale_factor = _check_agg("agg", agg, loss_scale_factor)
+    num_tokens, num_seqs, group = _check_normalisers(num_tokens, num_seqs, group)
+
+    dtype = compute_dtype(values.dtype)
+    v, ret = (torch.where(keep, x.to(dtype), 0) for x in (values, returns))
+    loss_mat = (v - ret).square()
+    if clip is None:
+        clipfrac = torch.zeros((), dtype=dtype, device=values.device)
+    else:
+        old = torch.where(keep, old_values.to(dtype), 0)
+        clipped = (torch.clamp(v, old - clip, old + clip) - ret).square()
+        clipfrac = masked_frac(clipped > loss_mat, keep, dtype)
+        loss_mat = torch.maximum(loss_mat, clipped)
+    denom = _global_normaliser(keep, agg, dtype, num_tokens, num_seqs, group)
+    loss = 0.5 * _aggregate(loss_mat, keep, agg, loss_scale_factor, denom)
+    return loss, {"vf_clipfrac": clipfrac}
