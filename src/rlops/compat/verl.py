@@ -1,14 +1,15 @@
 """Drop-in replacements for verl's advantage estimators, losses and torch utilities, on rlops.
 
 Names, arguments and return tuples follow verl's ``verl/trainer/ppo/core_algos.py`` and
-``verl/utils/torch_functional.py`` (signatures as of verl's main branch once ``agg_loss`` took
-``dp_size``, ``batch_num_tokens``, ``global_batch_size`` and ``loss_scale_factor``: estimators
-return ``(advantages, returns)``, ``compute_policy_loss`` returns
-``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``; later versions that return a metrics
-dict from the registered policy losses need a thin wrapper). Tensors are
-``[bs, response_length]`` with a 0/1 ``response_mask``; every adapter is one or two rlops calls,
-with no Python loop over tokens, samples or groups (verl's GAE and REINFORCE++ loop over tokens,
-its GRPO and RLOO over samples and groups).
+``verl/utils/torch_functional.py`` (signatures as of verl's main branch in August 2026:
+estimators return ``(advantages, returns)``; ``agg_loss`` and ``compute_value_loss`` take
+``dp_size``, ``batch_num_tokens``, ``global_batch_size`` and ``loss_scale_factor``; the
+registered ``"vanilla"`` loss returns ``(loss, metrics)``, the deprecated ``compute_policy_loss``
+``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``). Tensors are ``[bs, response_length]``
+with a 0/1 ``response_mask``; every adapter is one or two rlops calls, with no Python loop over
+tokens, samples or groups (verl's GAE and REINFORCE++ loop over tokens, its GRPO and RLOO over
+samples and groups). Arguments are checked first and errors name verl's arguments; scalars may
+be numbers, numpy scalars or 0-dim tensors.
 
 Deliberate differences, detailed in each docstring: tokens with ``response_mask = 0`` get 0 in
 every output (verl leaves whitened or carried values there; no loss reads them); REINFORCE++
@@ -53,6 +54,10 @@ __all__ = [
     "logprobs_from_logits",
     "masked_whiten",
 ]
+
+
+# verl's loss_agg_mode names; token-sum is the local token sum (times dp_size)
+_LOSS_AGG_MODES = tuple(dict.fromkeys((*AGG_MODES, "token-sum")))
 
 
 def _config(config: object, name: str, default: object = None) -> object:
@@ -330,7 +335,7 @@ def agg_loss(
     """
     check_2d("loss_mat", loss_mat)
     keep = as_bool_mask("loss_mask", loss_mask, loss_mat.shape, "loss_mat", loss_mat)
-    check_choice("loss_agg_mode", loss_agg_mode, (*AGG_MODES, "token-sum"))
+    check_choice("loss_agg_mode", loss_agg_mode, _LOSS_AGG_MODES)
     dp_size = as_int("dp_size", dp_size, minimum=1)
     if loss_scale_factor is not None:
         loss_scale_factor = check_positive("loss_scale_factor", loss_scale_factor)
@@ -414,7 +419,7 @@ def compute_policy_loss(
         >>> loss, clipfrac
         (tensor(-1.1000), tensor(0.5000))
     """
-    check_choice("loss_agg_mode", loss_agg_mode, (*AGG_MODES, "token-sum"))
+    check_choice("loss_agg_mode", loss_agg_mode, _LOSS_AGG_MODES)
     loss_mat, metrics, mask = _ppo_loss(old_log_prob, log_prob, advantages, response_mask,
                                         cliprange, cliprange_low, cliprange_high, clip_ratio_c)
     loss = agg_loss(loss_mat, mask, loss_agg_mode)
@@ -450,7 +455,7 @@ def compute_policy_loss_vanilla(
     """
     if config is None:
         raise ValueError("config (the actor config with clip_ratio) must be given")
-    check_choice("loss_agg_mode", loss_agg_mode, (*AGG_MODES, "token-sum"))
+    check_choice("loss_agg_mode", loss_agg_mode, _LOSS_AGG_MODES)
     loss_mat, metrics, mask = _ppo_loss(
         old_log_prob,
         log_prob,
@@ -503,7 +508,7 @@ def compute_value_loss(
     check_same_shape("vpreds", vpreds, returns=returns, values=values)
     mask = _response_mask(response_mask, "vpreds", vpreds)
     clip = check_positive("cliprange_value", cliprange_value)
-    check_choice("loss_agg_mode", loss_agg_mode, (*AGG_MODES, "token-sum"))
+    check_choice("loss_agg_mode", loss_agg_mode, _LOSS_AGG_MODES)
     half_mat, metrics = rlops.value_loss(vpreds, values, returns, mask, clip=clip, agg=None)
     loss = agg_loss(half_mat, mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size,
                     loss_scale_factor)
