@@ -321,8 +321,8 @@ def agg_loss(
     = the ``seq-mean-token-sum`` value divided by ``loss_scale_factor`` (default T). ``N`` is
     ``batch_num_tokens`` (default: this micro-batch's mask-1 tokens) and ``S`` is
     ``global_batch_size`` (default: its rows with a mask-1 token), each result multiplied by
-    ``dp_size`` so that averaging over data-parallel ranks gives the global value, as in verl.
-    :func:`rlops.aggregate_loss` computes the local part.
+    ``dp_size`` so that averaging over data-parallel ranks gives the global value, as in verl:
+    :func:`rlops.aggregate_loss` with ``num_tokens``/``num_seqs``, times ``dp_size``.
 
     Difference: an empty batch gives 0 (verl: NaN, or 0 in newer versions).
 
@@ -341,29 +341,34 @@ def agg_loss(
         loss_scale_factor = check_positive("loss_scale_factor", loss_scale_factor)
     batch_num_tokens = _global_count("batch_num_tokens", batch_num_tokens)
     global_batch_size = _global_count("global_batch_size", global_batch_size)
-    mode = "token-mean" if loss_agg_mode == "token-sum" else loss_agg_mode
-    local = rlops.aggregate_loss(loss_mat, keep, mode, loss_scale_factor=loss_scale_factor)
-    if mode == "token-mean":
-        count, denom, what = keep.sum(), batch_num_tokens, "batch_num_tokens"
-        if loss_agg_mode == "token-sum":  # the local token sum: nothing global to divide by
-            denom, what = 1, None
-    else:
-        count, denom, what = (keep.sum(-1) > 0).sum(), global_batch_size, "global_batch_size"
-    if dp_size == 1 and denom is None:
-        return local
-    if denom is None:
-        raise ValueError(f"{what} is required when dp_size > 1")
-    denom = torch.as_tensor(denom, dtype=local.dtype, device=local.device)
-    return local * count.to(local.dtype) / denom.clamp_min(1) * dp_size
+    if dp_size > 1:  # as verl: the global count of the mode's normaliser must be given
+        if loss_agg_mode == "token-mean" and batch_num_tokens is None:
+            raise ValueError("batch_num_tokens is required when dp_size > 1")
+        if loss_agg_mode.startswith("seq-mean") and global_batch_size is None:
+            raise ValueError("global_batch_size is required when dp_size > 1")
+    share = rlops.aggregate_loss(
+        loss_mat,
+        keep,
+        loss_agg_mode,
+        loss_scale_factor=loss_scale_factor,
+        num_tokens=batch_num_tokens,
+        num_seqs=global_batch_size,
+    )
+    # rlops' shares sum to the global loss over ranks; verl's DDP/FSDP average over them
+    return share * dp_size
 
 
 def _ppo_loss(old_log_prob, log_prob, advantages, response_mask, cliprange, cliprange_low,
               cliprange_high, clip_ratio_c, names=("cliprange", "cliprange_low",
-                                                   "cliprange_high", "clip_ratio_c")):
+                                                   "cliprange_high", "clip_ratio_c"),
+              rollout_is_weights=None):
     """verl's PPO arguments checked under verl's names (or its actor config's, ``names``);
-    returns the per-token loss ``[bs, T]`` (0 on mask-0 tokens), the metrics and the mask."""
+    returns the per-token loss ``[bs, T]`` (0 on mask-0 tokens; times ``rollout_is_weights``),
+    the metrics (before the weights) and the mask."""
     check_2d("old_log_prob", old_log_prob)
-    check_same_shape("old_log_prob", old_log_prob, log_prob=log_prob, advantages=advantages)
+    weights = {} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}
+    check_same_shape("old_log_prob", old_log_prob, log_prob=log_prob, advantages=advantages,
+                     **weights)
     mask = _response_mask(response_mask, "old_log_prob", old_log_prob)
     clip, low_name, high_name, c_name = names
     if cliprange is None and (cliprange_low is None or cliprange_high is None):
@@ -381,6 +386,7 @@ def _ppo_loss(old_log_prob, log_prob, advantages, response_mask, cliprange, clip
         clip_low=math.inf if low >= 1 else low,  # a ratio floor <= 0 never binds, as in verl
         clip_high=high,
         dual_clip=dual,
+        rollout_is_weights=rollout_is_weights,
         agg=None,
     )
     return loss_mat, metrics, mask
@@ -466,10 +472,8 @@ def compute_policy_loss_vanilla(
         _config(config, "clip_ratio_high"),
         _config(config, "clip_ratio_c", 3.0),
         names=("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c"),
+        rollout_is_weights=rollout_is_weights,
     )
-    if rollout_is_weights is not None:
-        check_same_shape("old_log_prob", old_log_prob, rollout_is_weights=rollout_is_weights)
-        loss_mat = loss_mat * rollout_is_weights
     info = _config(config, "global_batch_info") or {}
     loss = agg_loss(loss_mat, mask, loss_agg_mode, **info)
     return loss, {
