@@ -29,6 +29,7 @@ LAYERS = {
     "rlops.advantages": 3,
     "rlops.group_advantages": 3,
     "rlops.losses": 3,
+    "rlops.rollout_correction": 3,
     "rlops": 4,
     "rlops.compat": 5,
     "rlops.cli": 5,
