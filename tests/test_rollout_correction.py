@@ -294,6 +294,35 @@ def test_weights_match_loop_reference(level, mode, threshold, low, normalize):
     _assert_metrics(m32, om, rm)
 
 
+@pytest.mark.parametrize("level", ["sequence", "geometric"])
+@pytest.mark.parametrize("mode,threshold,low", [("truncate", math.inf, None),
+                                                ("mask", 1e6, 1e-6)])
+def test_long_rows_in_float32_within_the_loop_budget(level, mode, threshold, low):
+    """Sequence log-weights summed over 2K tokens: the float32 result is as accurate as the
+    float32 loop (blocked summation), weights and metrics."""
+    kw = dict(level=level, mode=mode, threshold=threshold, low=low)
+    old, rollout, mask = _batch(14, b=4, t=2048, spread=0.05)
+    o32, r32 = old.float(), rollout.float()
+    w, keep, m = rollout_importance_weights(o32, r32, mask, **kw)
+    ow, okeep, om = loop_weights(o32, r32, mask, **kw)
+    rw, _, rm = loop_weights(o32, r32, mask, dt=np.float32, **kw)
+    assert torch.equal(keep, torch.from_numpy(okeep))
+    assert_within_reference("weights", w, _t(ow), torch.from_numpy(rw))
+    _assert_metrics(m, om, rm)
+
+
+def test_thresholds_accept_numpy_and_0dim_tensors():
+    old, rollout, mask = _batch(15)
+    want = rollout_importance_weights(old, rollout, mask, mode="mask", threshold=1.5, low=0.5)
+    for thr, low in ((np.float32(1.5), np.float64(0.5)), (torch.tensor(1.5), torch.tensor(0.5))):
+        got = rollout_importance_weights(old, rollout, mask, mode="mask", threshold=thr, low=low)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    a = rollout_rejection_mask(old, rollout, mask, {"token_k1": (np.float32(0.5), 2),
+                                                    "seq_max_k3": torch.tensor(0.05)})
+    b = rollout_rejection_mask(old, rollout, mask, {"token_k1": (0.5, 2.0), "seq_max_k3": 0.05})
+    assert torch.equal(a[0], b[0])
+
+
 @pytest.mark.parametrize("option", RS_OPTIONS)
 def test_rejection_matches_loop_reference(option):
     old, rollout, mask = _batch(1)
