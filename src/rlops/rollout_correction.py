@@ -18,8 +18,9 @@ a row, and sequence quantities are over the row's action tokens only). From ``d`
   policies.
 
 Names and meanings follow verl's rollout correction (``rollout_is``, ``rollout_rs``, their
-metric names); TIS: https://fengyao.notion.site/off-policy-rl — IcePop:
-https://ringtech.notion.site/icepop — mismatch: https://richardli.xyz/rl-collapse
+metric names). TIS: https://fengyao.notion.site/off-policy-rl — the mismatch, masking over
+clipping and geometric-level rejection: https://richardli.xyz/rl-collapse and
+https://arxiv.org/abs/2512.23075 — IcePop (masking outside [low, high]) is Ring-1T's.
 
 Numerical rules:
 
@@ -27,17 +28,21 @@ Numerical rules:
   ``MAX_LOG_WEIGHT = 20`` (``e^20 ≈ 4.9e8``; ``e^40`` for squared weights, both finite in
   float32): a 32K-token row whose every log-ratio is 0.01 (a sequence log-weight of 327) gives
   a finite weight, truncated or masked by rule, and finite diagnostics. Thresholds are compared
-  with ``d`` in log space, so the decision does not depend on the clamp.
+  with the log-weight, before the clamp, so the decision does not depend on it.
 * ``χ² = E[ρ²] − 1`` is summed as ``expm1(2·log ρ)`` and ``k3 = ρ − 1 − log ρ`` as
   ``expm1(log ρ) − log ρ``: equal log-probs give exactly 0, not a difference of rounded ones.
 * Half-precision inputs are computed in float32; weights and metrics are returned in the
   computation dtype (float32 for half inputs). Entries with mask 0 are replaced before any
   arithmetic, so NaN/inf padding reaches nothing.
 * Everything is detached (weights change the measure, not the objective). Metrics are 0-dim
-  tensors; nothing reads a value back to the host. With ``group=`` (the DP×CP ranks that share
-  a batch) every batch-wide quantity of a call — the normaliser and every metric — comes from
-  one ``all_gather`` of a few float64 numbers per rank; every rank must call, ranks with no
-  action token included. A batch (or group) with no action token gives metrics 0.
+  tensors; nothing reads a value back to the host. With ``group=`` (the data-parallel ranks
+  that share a batch) every batch-wide quantity of a call — the normaliser and every metric —
+  comes from one ``all_gather`` of a few float64 numbers per rank; every rank must call, ranks
+  with no action token included. A batch (or group) with no action token gives metrics 0
+  (``rollout_is_batch_norm_factor`` 1).
+* Each rank must hold whole rows: sequence quantities (sequence and geometric weights, ``seq_*``
+  rejection, ``chi2_seq``, ``log_ppl_diff``) are sums over a row. Under context parallelism,
+  where a row is split over ranks, only the token-level ones are right over the DP×CP group.
 """
 
 from __future__ import annotations
@@ -290,8 +295,8 @@ def rollout_importance_weights(
             ``e^20``).
         low: lower ratio bound in ``(0, threshold]``, or ``None`` (no lower bound).
         batch_normalize: normalise the weights to mean 1 over the action tokens.
-        group: a process group (DP×CP): normaliser and metrics over every rank's action
-            tokens, from one ``all_gather``.
+        group: a process group (DP; each rank holding whole rows): normaliser and metrics
+            over every rank's action tokens, from one ``all_gather``.
 
     Returns:
         ``(weights, keep_mask, metrics)``: ``weights`` ``[B, T]`` detached, 0 off ``keep_mask``
