@@ -630,3 +630,72 @@ def test_no_collective_without_group():
         rollout_importance_weights(old, rollout, mask, batch_normalize=True)
         rollout_rejection_mask(old, rollout, mask, {"seq_max_k2": 0.5})
     assert not calls
+
+
+# --------------------------------------------------------------------------- cp_group=
+CP_CRITERIA = [
+    {"token_k1": (0.5, 1.8), "seq_mean_k3": 0.05, "seq_max_k2": 0.25, "seq_sum_k1": (0.3, 30.0)},
+    {"token_k1": (0.5, 1.8)},  # rows that lost a token, over tokens of both ranks
+]
+CP_IS = [dict(level="sequence", mode="mask", threshold=1.5, low=0.5, batch_normalize=True),
+         dict(level="geometric", threshold=1.05, low=0.97)]
+
+
+def _zigzag(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    from rlops.distributed import zigzag_shard
+
+    return zigzag_shard(x, cp_size=world, cp_rank=rank)
+
+
+def _on_cp_rank(rank: int, world: int):
+    group = dist.group.WORLD
+    old, rollout, mask = _batch(16, b=5, t=37)
+    old, rollout = (_zigzag(x.nan_to_num(0.0), rank, world) for x in (old, rollout))
+    mask = _zigzag(mask.long(), rank, world).bool()
+    out = {"is": [], "calls": []}
+    for kw in CP_IS:
+        with count_collectives() as calls:
+            out["is"].append(rollout_importance_weights(old, rollout, mask, group=group,
+                                                        cp_group=group, **kw))
+        out["calls"].append(dict(calls))
+    out["rs"] = []
+    for criteria in CP_CRITERIA:
+        with count_collectives() as calls:
+            out["rs"].append(rollout_rejection_mask(old, rollout, mask, criteria, group=group,
+                                                    cp_group=group))
+        out["calls"].append(dict(calls))
+    with count_collectives() as calls:
+        out["mm"] = rollout_mismatch_metrics(old, rollout, mask, group=group, cp_group=group)
+    out["calls"].append(dict(calls))
+    return out
+
+
+@pytest.mark.distributed
+def test_context_parallel_rows_equal_whole_rows():
+    """Rows split over 2 CP ranks (zigzag): sequence weights, row rejection and every metric
+    equal the single-process result on whole rows; two collectives per call (the row
+    summaries over cp_group, the metrics over group)."""
+    results = run_distributed(_on_cp_rank, 2)
+    old, rollout, mask = _batch(16, b=5, t=37)
+    want_is = [rollout_importance_weights(old, rollout, mask, **kw) for kw in CP_IS]
+    want_rs = [rollout_rejection_mask(old, rollout, mask, c) for c in CP_CRITERIA]
+    want_mm = rollout_mismatch_metrics(old, rollout, mask)
+    for _, m in want_rs:
+        assert 0 < m["rollout_rs_masked_fraction"] < 1
+        assert 0 < m["rollout_rs_seq_masked_fraction"]
+    assert 0 < want_is[0][2]["rollout_is_ratio_fraction_high"] < 1
+    for rank, out in enumerate(results):
+        assert out["calls"] == [{"all_gather": 2}] * 5
+        for (w, keep, m), (ww, wkeep, wm) in zip(out["is"], want_is, strict=True):
+            torch.testing.assert_close(w, _zigzag(ww, rank, 2))
+            assert torch.equal(keep, _zigzag(wkeep.long(), rank, 2).bool())
+            assert sorted(m) == sorted(wm)
+            for k in wm:
+                torch.testing.assert_close(m[k], wm[k], msg=k)
+        for (keep, _), (wkeep, _) in zip(out["rs"], want_rs, strict=True):
+            assert torch.equal(keep, _zigzag(wkeep.long(), rank, 2).bool())
+        pairs = [(g[1], w[1]) for g, w in zip(out["rs"], want_rs, strict=True)]
+        for got, want in (*pairs, (out["mm"], want_mm)):
+            assert sorted(got) == sorted(want)
+            for k in want:
+                torch.testing.assert_close(got[k], want[k], msg=k)

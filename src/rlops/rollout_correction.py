@@ -40,9 +40,12 @@ Numerical rules:
   comes from one ``all_gather`` of a few float64 numbers per rank; every rank must call, ranks
   with no action token included. A batch (or group) with no action token gives metrics 0
   (``rollout_is_batch_norm_factor`` 1).
-* Each rank must hold whole rows: sequence quantities (sequence and geometric weights, ``seq_*``
-  rejection, ``chi2_seq``, ``log_ppl_diff``) are sums over a row. Under context parallelism,
-  where a row is split over ranks, only the token-level ones are right over the DP×CP group.
+* Context parallelism: where each row is split over the ranks of ``cp_group`` (any split, e.g.
+  Megatron's zigzag), sequence quantities (sequence and geometric weights, ``seq_*``
+  rejection, ``chi2_seq``, ``log_ppl_diff``) are over the whole row: each rank sends ``[B, k]``
+  row summaries (action count, sum of ``d``, the sums and maxima that rejection needs) in one
+  ``all_gather`` over ``cp_group``; then ``group=`` should be the DP×CP group, and row-level
+  metrics are counted by CP rank 0. Without ``cp_group`` each rank must hold whole rows.
 """
 
 from __future__ import annotations
@@ -85,22 +88,47 @@ RS_OPTIONS = (
 
 # --------------------------------------------------------------------------- helpers
 class _Batch:
-    """Validated inputs: the masked log-ratio ``d`` (0 off the mask) in the computation dtype,
-    the bool mask, per-row action counts and sums of ``d``."""
+    """Validated inputs: the masked log-ratio ``d`` (0 off the mask) in the computation dtype
+    and the bool mask; after :meth:`gather_rows`, per-row action counts and sums of ``d`` over
+    whole rows (over every rank of ``cp_group``)."""
 
-    def __init__(self, old_logp: object, rollout_logp: object, mask: object) -> None:
+    def __init__(self, old_logp: object, rollout_logp: object, mask: object,
+                 cp_group: object) -> None:
         check_2d("old_logp", old_logp)
         check_same_shape("old_logp", old_logp, rollout_logp=rollout_logp)
         self.keep = as_bool_mask("mask", mask, old_logp.shape, "old_logp", old_logp)
+        self.cp_group = cp_group
+        self.cp_rank, self.cp_world = group_rank_size(cp_group, "cp_group")
         self.dtype = compute_dtype(torch.promote_types(old_logp.dtype, rollout_logp.dtype))
         diff = old_logp.detach().to(self.dtype) - rollout_logp.detach().to(self.dtype)
         self.d = torch.where(self.keep, diff, 0)
-        self.row_count = self.keep.sum(-1)  # [B], int64
-        self.row_sum = self.d.sum(-1)  # [B]
+
+    def gather_rows(
+        self, sums: tuple[torch.Tensor, ...] = (), maxes: tuple[torch.Tensor, ...] = ()
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Set the whole rows' action counts and sums of ``d`` and return the whole rows'
+        ``sums`` and ``maxes`` (each ``[B]``): local, or under context parallelism from one
+        ``all_gather`` of ``[B, k]`` float64 per rank of ``cp_group``. Row-level metrics are
+        then counted by CP rank 0 only (``rows_here``)."""
+        cols = [self.keep.sum(-1).to(self.dtype), self.d.sum(-1), *sums]
+        k = len(cols)
+        cols += maxes
+        if self.cp_world > 1:
+            import torch.distributed as dist
+
+            local = torch.stack(cols, -1).to(torch.float64)
+            parts = [torch.empty_like(local) for _ in range(self.cp_world)]
+            dist.all_gather(parts, local, group=self.cp_group)
+            whole = torch.stack(parts)
+            cols = [*whole[..., :k].sum(0).unbind(-1), *whole[..., k:].amax(0).unbind(-1)]
+            cols = [c.to(self.dtype) for c in cols]
+        self.row_count, self.row_sum = cols[0], cols[1]
         self.rows = self.row_count > 0
+        self.rows_here = self.rows if self.cp_rank == 0 else torch.zeros_like(self.rows)
+        return cols[2:k], cols[k:]
 
     def row_mean(self, x_rows: torch.Tensor) -> torch.Tensor:
-        return x_rows / self.row_count.clamp_min(1).to(self.dtype)
+        return x_rows / self.row_count.clamp_min(1)
 
     def per_token(self, x_rows: torch.Tensor) -> torch.Tensor:
         return x_rows.unsqueeze(-1).expand_as(self.d)
@@ -122,6 +150,13 @@ def _max(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     if x.numel() == 0:
         return x.new_full((), -math.inf)
     return torch.where(where, x, -math.inf).amax()
+
+
+def _row_max(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``[B]``: the largest ``x`` over each row's action tokens; ``-inf`` for none."""
+    if x.shape[-1] == 0:
+        return x.new_full(x.shape[:-1], -math.inf)
+    return torch.where(keep, x, -math.inf).amax(-1)
 
 
 class _Tally:
@@ -171,13 +206,13 @@ def _extreme(value: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
 
 def _tally_mismatch(t: _Tally, b: _Batch) -> None:
     """Local sums behind :func:`rollout_mismatch_metrics`."""
-    t.add("tokens", b.row_count.sum())
-    t.add("rows", b.rows.sum())
+    t.add("tokens", b.keep.sum())
+    t.add("rows", b.rows_here.sum())
     t.add("k1", -b.d.sum())
     t.add("k3", _sum(_k3(b.d), b.keep))
     t.add("chi2_token", _sum(torch.expm1(2 * b.d.clamp_max(MAX_LOG_WEIGHT)), b.keep))
-    t.add("chi2_seq", _sum(torch.expm1(2 * b.row_sum.clamp_max(MAX_LOG_WEIGHT)), b.rows))
-    t.add("log_ppl_diff", -b.row_mean(b.row_sum).sum())
+    t.add("chi2_seq", _sum(torch.expm1(2 * b.row_sum.clamp_max(MAX_LOG_WEIGHT)), b.rows_here))
+    t.add("log_ppl_diff", _sum(-b.row_mean(b.row_sum), b.rows_here))
 
 
 def _mismatch(r: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -198,6 +233,7 @@ def rollout_mismatch_metrics(
     mask: torch.Tensor,
     *,
     group: object | None = None,
+    cp_group: object | None = None,
 ) -> dict[str, torch.Tensor]:
     """How far the rollout policy is from the trainer's, over the action tokens of a batch.
 
@@ -220,6 +256,8 @@ def rollout_mismatch_metrics(
         rollout_logp: ``[B, T]`` log-probs of the same tokens from the rollout engine.
         mask: ``[B, T]`` 0/1 action mask.
         group: a process group: metrics over every rank's action tokens (one ``all_gather``).
+        cp_group: the context-parallel group whose ranks hold pieces of the same rows:
+            sequence quantities over the whole row (one more ``all_gather``, of ``[B, k]``).
 
     Returns:
         dict of detached 0-dim tensors (computation dtype): ``chi2_seq``, ``chi2_token``,
@@ -233,7 +271,8 @@ def rollout_mismatch_metrics(
         >>> m["kl"], m["k3_kl"], m["chi2_token"]
         (tensor(0.1250), tensor(0.0703), tensor(0.0083))
     """
-    b = _Batch(old_logp, rollout_logp, mask)
+    b = _Batch(old_logp, rollout_logp, mask, cp_group)
+    b.gather_rows()
     t = _Tally(b.dtype)
     _tally_mismatch(t, b)
     return _mismatch(t.reduce(group))
@@ -262,6 +301,7 @@ def rollout_importance_weights(
     low: float | None = None,
     batch_normalize: bool = False,
     group: object | None = None,
+    cp_group: object | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Importance weights ``π_train / π_rollout`` that correct a loss for the rollout mismatch.
 
@@ -295,8 +335,10 @@ def rollout_importance_weights(
             ``e^20``).
         low: lower ratio bound in ``(0, threshold]``, or ``None`` (no lower bound).
         batch_normalize: normalise the weights to mean 1 over the action tokens.
-        group: a process group (DP; each rank holding whole rows): normaliser and metrics
-            over every rank's action tokens, from one ``all_gather``.
+        group: a process group (DP, or DP×CP with ``cp_group``): normaliser and metrics over
+            every rank's action tokens, from one ``all_gather``.
+        cp_group: the context-parallel group whose ranks hold pieces of the same rows:
+            sequence quantities over the whole row (one more ``all_gather``, of ``[B, k]``).
 
     Returns:
         ``(weights, keep_mask, metrics)``: ``weights`` ``[B, T]`` detached, 0 off ``keep_mask``
@@ -328,13 +370,14 @@ def rollout_importance_weights(
         >>> w[:, 0]
         tensor([1.3499, 0.0000])
     """
-    b = _Batch(old_logp, rollout_logp, mask)
+    b = _Batch(old_logp, rollout_logp, mask, cp_group)
     level = check_choice("level", level, IS_LEVELS)
     mode = check_choice("mode", mode, IS_MODES)
     lo, hi = _check_bounds("threshold", threshold, "low", low)
     if not isinstance(batch_normalize, bool):
         raise TypeError(f"batch_normalize must be a bool, got {type(batch_normalize).__name__}")
 
+    b.gather_rows()
     if level == "token":
         lw = b.d
     else:
@@ -405,6 +448,7 @@ def rollout_rejection_mask(
     criteria: Mapping[str, float | tuple[float, float]],
     *,
     group: object | None = None,
+    cp_group: object | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Reject tokens or whole rows whose rollout log-probs disagree too much with the trainer's.
 
@@ -428,7 +472,9 @@ def rollout_rejection_mask(
             and k3; ``(lower, upper)`` with ``0 < lower <= upper``, or one ``upper``
             (``lower = 1/upper``), for k1. At least one.
         group: a process group: metrics over every rank's action tokens (one ``all_gather``);
-            the mask itself is per row and needs no communication.
+            the mask itself needs no communication.
+        cp_group: the context-parallel group whose ranks hold pieces of the same rows:
+            sequence quantities over the whole row (one more ``all_gather``, of ``[B, k]``).
 
     Returns:
         ``(keep_mask, metrics)``: ``keep_mask`` ``[B, T]`` bool, ``mask`` less the rejected
@@ -450,7 +496,7 @@ def rollout_rejection_mask(
         >>> m["rollout_rs_masked_fraction"]
         tensor(0.4000)
     """
-    b = _Batch(old_logp, rollout_logp, mask)
+    b = _Batch(old_logp, rollout_logp, mask, cp_group)
     if not isinstance(criteria, Mapping) or not criteria:
         raise ValueError(
             "criteria must be a non-empty mapping of rejection option -> threshold, e.g. "
@@ -466,25 +512,40 @@ def rollout_rejection_mask(
         "k2": 0.5 * b.d.square(),
         "k3": torch.where(b.keep, _k3(b.d), 0),
     }
+    # token criteria are local; row criteria need whole rows: one gather of row summaries
+    token_passed = b.keep
+    for option, (lo, hi) in bounds.items():
+        if option.startswith("token"):
+            x = token_stats[option[-2:]]
+            token_passed = token_passed & (x >= lo) & (x <= hi)
+    row_options = [o for o in bounds if not o.startswith("token")]
+    row_sums, row_maxes = b.gather_rows(
+        tuple(token_stats[o[-2:]].sum(-1) for o in row_options if not o.startswith("seq_max")),
+        (*(_row_max(token_stats[o[-2:]], b.keep) for o in row_options
+           if o.startswith("seq_max")), (b.keep & ~token_passed).any(-1).to(b.dtype)),
+    )
+    row_stats = dict(zip([o for o in row_options if not o.startswith("seq_max")], row_sums,
+                         strict=True))
+    row_stats.update(zip([o for o in row_options if o.startswith("seq_max")], row_maxes[:-1],
+                         strict=True))
     t = _Tally(b.dtype)
     keep = b.keep
-    t.add("tokens", b.row_count.sum())
-    t.add("rows", b.rows.sum())
+    t.add("tokens", b.keep.sum())
+    t.add("rows", b.rows_here.sum())
+    row_lost = row_maxes[-1] > 0  # a token criterion dropped a token of the row (any rank)
     for option, (lo, hi) in bounds.items():
-        kind, x = option[:-3], token_stats[option[-2:]]
+        kind = option[:-3]
         if kind == "token":
-            stat, where = x, b.keep
+            stat, where = token_stats[option[-2:]], b.keep
         else:
-            if kind == "seq_sum":
-                row = x.sum(-1)
-            elif kind == "seq_mean":
-                row = b.row_mean(x.sum(-1))
-            else:
-                row = torch.where(b.keep, x, -math.inf).amax(-1) if x.shape[-1] else x.sum(-1)
-                row = torch.where(b.rows, row, 0)
-            stat, where = row, b.rows
+            stat = row_stats[option]
+            if kind == "seq_mean":
+                stat = b.row_mean(stat)
+            stat, where = torch.where(b.rows, stat, 0), b.rows_here
         passed = (stat >= lo) & (stat <= hi)
-        passed = passed if kind == "token" else b.per_token(passed)
+        if kind != "token":
+            row_lost = row_lost | (b.rows & ~passed)
+            passed = b.per_token(passed)
         prefix = f"rollout_rs_{option}"
         t.add(f"{prefix}_masked", (b.keep & ~passed).sum())
         t.add(f"{prefix}_sum", _sum(stat, where))
@@ -493,7 +554,7 @@ def rollout_rejection_mask(
         t.add_max(f"{prefix}_neg_min", _max(-stat, where))
         keep = keep & passed
     t.add("masked", (b.keep & ~keep).sum())
-    t.add("seq_masked", (b.keep & ~keep).any(-1).sum())
+    t.add("seq_masked", (row_lost & b.rows_here).sum())
     r = t.reduce(group)
 
     metrics = {
