@@ -5,7 +5,9 @@ A batch is split by rows into k micro-batches on each of d ranks (d = 1 in one p
 real Gloo groups). Each micro-batch is given ``num_tokens``/``num_seqs`` of the whole batch (or
 ``group=`` with one micro-batch per rank). Its gradient lands in its own rows of the full
 ``logp``; the sum over micro-batches and ranks must equal the gradient of the one full-batch
-call, and the summed losses its loss.
+call, and the summed losses its loss. With ``group=`` each call issues exactly one
+``all_reduce`` (the counts and the metric sums together) and every rank's metrics are the
+full batch's.
 
 Budgets: a per-token gradient is the same product in both layouts (same row, same divisor), so
 it agrees to rounding of that product: one ulp of the largest gradient (measured: 0 for every
@@ -54,13 +56,13 @@ def global_counts(mask):
     return tokens, seqs
 
 
-def call(kind, mode, batch, rows, logp, **norm):
+def call(kind, mode, batch, rows, logp, with_metrics=False, **norm):
     """The policy loss of ``rows`` of ``batch`` (``logp``: the full leaf, sliced)."""
     r = slice(*rows)
-    loss, _ = rlops.policy_loss(
+    loss, metrics = rlops.policy_loss(
         logp[r], batch["old"][r], batch["adv"][r], batch["mask"][r], kind=kind, agg=mode,
         rollout_is_weights=batch["weights"][r], **norm)
-    return loss
+    return (loss, metrics) if with_metrics else loss
 
 
 def full_batch(kind, mode, batch):
@@ -145,14 +147,17 @@ def _rank_work(rank, world_size, batch):
         for kind in KINDS:
             for mode in AGG_MODES:
                 logp = batch["logp"].clone().requires_grad_(True)
+                total, metrics = 0, None
                 with count_collectives() as calls:
                     if len(rows) == 1:
                         norm = {"group": dist.group.WORLD}
                     else:
                         norm = {"num_tokens": tokens, "num_seqs": seqs}
-                    total = sum(call(kind, mode, batch, r, logp, **norm) for r in rows)
+                    for r in rows:
+                        loss, metrics = call(kind, mode, batch, r, logp, True, **norm)
+                        total = total + loss
                 total.backward()
-                out[split, kind, mode] = (total.detach(), logp.grad, dict(calls))
+                out[split, kind, mode] = (total.detach(), logp.grad, dict(calls), metrics)
     return out
 
 
@@ -160,11 +165,20 @@ def test_micro_batches_on_two_gloo_ranks_sum_to_the_full_batch():
     batch = make_batch(torch.float64, seed=2)
     ranks = run_distributed(_rank_work, 2, batch, timeout=120)
     worst = {}
-    for (split, kind, mode), (loss0, grad0, calls) in ranks[0].items():
-        loss1, grad1, _ = ranks[1][split, kind, mode]
-        # group=: one all_reduce per call (token-sum needs no count); counts given: none
-        expected = {"all_reduce": 1} if split.startswith("group") and mode != "token-sum" else {}
-        assert calls == expected, (split, kind, mode, calls)
+    n = int(batch["mask"].sum())
+    for (split, kind, mode), (loss0, grad0, calls, metrics0) in ranks[0].items():
+        loss1, grad1, _, metrics1 = ranks[1][split, kind, mode]
+        # group=: one all_reduce per call (counts, normaliser and metrics); counts given: none
+        grouped = split.startswith("group")
+        assert calls == ({"all_reduce": 1} if grouped else {}), (split, kind, mode, calls)
+        if grouped:  # the metrics are the full batch's, on every rank
+            _, full = call(kind, mode, batch, (0, B), batch["logp"], True)
+            lr = (batch["logp"] - batch["old"]).abs()[batch["mask"].bool()].mean()
+            for name, value in full.items():
+                scale = float(value.abs()) if name == "seq_ratio_mean" else float(lr)
+                budget = 2 * n * torch.finfo(value.dtype).eps * scale  # sums in other orders
+                for got in (metrics0[name], metrics1[name]):
+                    assert abs(float(got - value)) <= budget, (split, kind, mode, name)
         pieces = sum(len(r) for r in SPLITS[split])
         diff = assert_same(kind, mode, loss0 + loss1, grad0 + grad1, batch, pieces)
         worst[mode] = max(worst.get(mode, 0.0), diff)

@@ -61,26 +61,40 @@ def _check_normalisers(
     return num_tokens, num_seqs, group
 
 
-def _global_normaliser(
+def _batch_sums(
+    keep: torch.Tensor, sums: dict[str, torch.Tensor], group: object
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """``(tokens, rows, sums)``: this call's action tokens, rows with an action token and the
+    given (detached) sums, as float64 (counts exact to 2^53) — summed over ``group`` in one
+    ``all_reduce`` when it has more than one rank."""
+    vec = torch.stack([
+        keep.sum().to(torch.float64),
+        (keep.sum(-1) > 0).sum().to(torch.float64),
+        *(v.detach().to(torch.float64) for v in sums.values()),
+    ])
+    if group is not None and group_rank_size(group)[1] > 1:
+        dist.all_reduce(vec, group=group)
+    return vec[0], vec[1], dict(zip(sums, vec[2:], strict=True))
+
+
+def _needs_count(mode: str | None) -> bool:
+    return mode is not None and mode != "token-sum"
+
+
+def _denominator(
     keep: torch.Tensor,
     mode: str | None,
     dtype: torch.dtype,
     num_tokens: float | torch.Tensor | None,
     num_seqs: float | torch.Tensor | None,
-    group: object,
+    counts: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
-    """The denominator of ``mode`` over the global batch, or None for the local one.
-
-    With ``group`` the ``[tokens, sequences]`` counts of this rank's micro-batch are summed over
-    the group in one ``all_reduce`` (int64, exact). ``token-sum`` and ``None`` need none."""
-    if mode is None or mode == "token-sum":
+    """The denominator of ``mode``: from ``counts`` (the group's ``(tokens, rows)``), else
+    ``num_tokens`` / ``num_seqs``, else None (this call's own count)."""
+    if not _needs_count(mode):
         return None
     token_mode = mode == "token-mean"
-    if group is not None:
-        _, world = group_rank_size(group)
-        counts = torch.stack([keep.sum(), (keep.sum(-1) > 0).sum()]).to(torch.int64)
-        if world > 1:
-            dist.all_reduce(counts, group=group)
+    if counts is not None:
         return counts[0 if token_mode else 1].to(dtype)
     value = num_tokens if token_mode else num_seqs
     if value is None:
@@ -115,6 +129,31 @@ def _aggregate(
     if mode == "seq-mean-token-sum-norm":
         out = out / (x.shape[-1] if loss_scale_factor is None else loss_scale_factor)
     return out
+
+
+def _loss_and_metrics(
+    loss_mat: torch.Tensor,
+    keep: torch.Tensor,
+    agg: str | None,
+    loss_scale_factor: float | None,
+    dtype: torch.dtype,
+    num_tokens: float | torch.Tensor | None,
+    num_seqs: float | torch.Tensor | None,
+    group: object,
+    metric_sums: dict[str, tuple[torch.Tensor, str]],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``agg`` of ``loss_mat`` and the metrics: ``metric_sums`` maps a name to ``(sum, per)``
+    with ``per`` "tokens" or "rows"; the metric is the sum over the action tokens (or the rows
+    with one) of this call, or of the whole ``group`` — counts, normaliser and metrics in one
+    collective."""
+    tokens, rows, sums = _batch_sums(keep, {k: v for k, (v, _) in metric_sums.items()}, group)
+    counts = (tokens, rows) if group is not None else None
+    denom = _denominator(keep, agg, dtype, num_tokens, num_seqs, counts)
+    metrics = {
+        k: (sums[k] / (tokens if per == "tokens" else rows).clamp_min(1)).to(dtype)
+        for k, (_, per) in metric_sums.items()
+    }
+    return _aggregate(loss_mat, keep, agg, loss_scale_factor, denom), metrics
 
 
 def _check_agg(name: str, mode: object, loss_scale_factor: object) -> float | None:
@@ -201,5 +240,8 @@ def aggregate_loss(
     num_tokens, num_seqs, group = _check_normalisers(num_tokens, num_seqs, group)
     dtype = compute_dtype(loss_mat.dtype)
     x = torch.where(keep, loss_mat.to(dtype), 0)
-    denom = _global_normaliser(keep, mode, dtype, num_tokens, num_seqs, group)
+    counts = None
+    if group is not None and _needs_count(mode):
+        counts = _batch_sums(keep, {}, group)[:2]
+    denom = _denominator(keep, mode, dtype, num_tokens, num_seqs, counts)
     return _aggregate(x, keep, mode, loss_scale_factor, denom)

@@ -2,9 +2,9 @@
 
 Every function takes the masked inputs (0 on mask-0 tokens, already in the computation dtype):
 ``lp`` = log π, ``lr`` = log π − log π_old, ``adv`` = A, the bool ``keep``, and the kind's
-checked options; it returns ``(ℓ, clipfrac, clipfrac_lower, extra metrics)`` with ``ℓ`` 0 on
-mask-0 tokens. Ratios stay in log space until one ``exp`` of an argument clamped to
-``≤ MAX_EXP_ARG``. :func:`rlops.losses.policy_loss` states the formulas.
+checked options; it returns ``ℓ`` (0 on mask-0 tokens) and the sums of its metrics. Ratios
+stay in log space until one ``exp`` of an argument clamped to ``≤ MAX_EXP_ARG``.
+:func:`rlops.losses.policy_loss` states the formulas.
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ from collections.abc import Callable
 import torch
 
 from rlops._checks import as_real, check_nonneg, check_positive
-from rlops.losses._common import MAX_EXP_ARG, masked_frac
+from rlops.losses._common import MAX_EXP_ARG
 
 __all__ = ["KIND_OPTIONS", "POLICY_KINDS", "check_options", "token_losses"]
 
-Out = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, dict[str, torch.Tensor]]
+# (per-token loss, metric name -> (sum, "tokens" | "rows")): a metric is its sum over the
+# action tokens (or the rows that have one) divided by their number.
+Out = tuple[torch.Tensor, dict[str, tuple[torch.Tensor, str]]]
 
 
 # --------------------------------------------------------------------------- options
@@ -108,6 +110,11 @@ def check_options(kind: str, given: dict[str, object]) -> dict[str, object]:
 
 
 # --------------------------------------------------------------------------- helpers
+def _hits(flag: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """The number of action tokens where ``flag`` holds, as a metric sum over tokens."""
+    return (flag & keep).sum(), "tokens"
+
+
 def _exp(log: torch.Tensor) -> torch.Tensor:
     return torch.exp(log.clamp_max(MAX_EXP_ARG))
 
@@ -154,16 +161,16 @@ def _centred_cov(lp: torch.Tensor, adv: torch.Tensor, keep: torch.Tensor) -> tor
 # --------------------------------------------------------------------------- kinds
 def _ppo(lp, lr, adv, keep, dtype, clip_low, clip_high, dual_clip) -> Out:
     loss, hit = _clip_max(_exp(lr), adv, clip_low, clip_high)
-    if dual_clip is None:
-        return loss, masked_frac(hit, keep, dtype), None, {}
-    bound = -adv * dual_clip
-    lower = (adv < 0) & (loss > bound)
-    loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
-    return loss, masked_frac(hit, keep, dtype), masked_frac(lower, keep, dtype), {}
+    sums = {"pg_clipfrac": _hits(hit, keep)}
+    if dual_clip is not None:
+        bound = -adv * dual_clip
+        sums["pg_clipfrac_lower"] = _hits((adv < 0) & (loss > bound), keep)
+        loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
+    return loss, sums
 
 
 def _reinforce(lp, lr, adv, keep, dtype) -> Out:
-    return -adv * lp, None, None, {}
+    return -adv * lp, {}
 
 
 def _gspo(lp, lr, adv, keep, dtype, clip_low, clip_high) -> Out:
@@ -172,21 +179,21 @@ def _gspo(lp, lr, adv, keep, dtype, clip_low, clip_high) -> Out:
     loss, hit = _clip_max(ratio, adv, clip_low, clip_high)
     seq_ratio = torch.exp(log_s.squeeze(-1).clamp_max(MAX_EXP_ARG))
     rows = keep.any(-1)
-    extra = {"seq_ratio_mean": (seq_ratio * rows).sum().div(rows.sum().clamp_min(1)).detach()}
-    return loss, masked_frac(hit, keep, dtype), None, extra
+    return loss, {"pg_clipfrac": _hits(hit, keep),
+                  "seq_ratio_mean": ((seq_ratio * rows).sum(), "rows")}
 
 
 def _cispo(lp, lr, adv, keep, dtype, clip_low, clip_high) -> Out:
     ratio = _exp(lr).detach()
     weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    return -weight * adv * lp, masked_frac(weight != ratio, keep, dtype), None, {}
+    return -weight * adv * lp, {"pg_clipfrac": _hits(weight != ratio, keep)}
 
 
 def _sapo(lp, lr, adv, keep, dtype, tau_pos, tau_neg) -> Out:
     ratio = _exp(lr)
     tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1)) * (4.0 / tau)
-    return -gate * adv, None, None, {}
+    return -gate * adv, {}
 
 
 def _clip_cov(lp, lr, adv, keep, dtype, clip_low, clip_high, clip_cov_ratio, clip_cov_lb,
@@ -199,8 +206,7 @@ def _clip_cov(lp, lr, adv, keep, dtype, clip_low, clip_high, clip_cov_ratio, cli
     keys = torch.rand(keep.shape, generator=generator, dtype=torch.float64, device=keep.device)
     chosen = cand & (_rank(torch.where(cand, keys, 2.0)) < _quota(clip_cov_ratio, keep))
     loss = torch.where(chosen, 0, loss)
-    return loss, masked_frac(hit, keep, dtype), None, {
-        "clip_cov_frac": masked_frac(chosen, keep, dtype)}
+    return loss, {"pg_clipfrac": _hits(hit, keep), "clip_cov_frac": _hits(chosen, keep)}
 
 
 def _kl_cov(lp, lr, adv, keep, dtype, kl_cov_ratio, ppo_kl_coef) -> Out:
@@ -209,11 +215,8 @@ def _kl_cov(lp, lr, adv, keep, dtype, kl_cov_ratio, ppo_kl_coef) -> Out:
     keys = torch.where(keep, -cov, math.inf)
     chosen = keep & (_rank(keys) < _quota(kl_cov_ratio, keep))
     loss = -adv * _exp(lr) + torch.where(chosen, ppo_kl_coef * lr.abs(), 0)
-    extra = {
-        "kl_cov_frac": masked_frac(chosen, keep, dtype),
-        "ppo_kl_abs": _batch_mean(lr.detach().abs(), keep),
-    }
-    return loss, None, None, extra
+    return loss, {"kl_cov_frac": _hits(chosen, keep),
+                  "ppo_kl_abs": (lr.detach().abs().sum(), "tokens")}
 
 
 def _geo_mean(lp, lr, adv, keep, dtype, clip_low, clip_high) -> Out:
@@ -224,8 +227,8 @@ def _geo_mean(lp, lr, adv, keep, dtype, clip_low, clip_high) -> Out:
     log_r = _row_mean(lr_clip, keep).detach()  # log of the row's geometric-mean ratio
     ratio = _exp(log_r + (lr_clip - lr_clip.detach()))
     out = lr != lr_clamped
-    return -adv * ratio, masked_frac(out & (adv > 0), keep, dtype), masked_frac(
-        out & (adv < 0), keep, dtype), {}
+    return -adv * ratio, {"pg_clipfrac": _hits(out & (adv > 0), keep),
+                          "pg_clipfrac_lower": _hits(out & (adv < 0), keep)}
 
 
 _KINDS: dict[str, Callable[..., Out]] = {

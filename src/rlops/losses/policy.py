@@ -11,12 +11,7 @@ from rlops._checks import (
     check_same_shape,
     compute_dtype,
 )
-from rlops.losses.aggregation import (
-    _aggregate,
-    _check_agg,
-    _check_normalisers,
-    _global_normaliser,
-)
+from rlops.losses.aggregation import _check_agg, _check_normalisers, _loss_and_metrics
 from rlops.losses.kinds import POLICY_KINDS, check_options, token_losses
 
 __all__ = ["POLICY_KINDS", "policy_loss"]
@@ -103,9 +98,10 @@ def policy_loss(
 
     Returns:
         ``(loss, metrics)``: a 0-dim loss (float32 for half inputs; ``[B, T]`` with
-        ``agg=None``) and detached 0-dim metrics of this call's action tokens, before the
-        weights (verl's names): ``pg_clipfrac`` (fraction where the clip binds: ppo, gspo,
-        clip_cov: the clipped term is the larger; cispo: the weight is clipped; geo_mean:
+        ``agg=None``) and detached 0-dim metrics over this call's action tokens — over the
+        whole group's with ``group=``, in the same single ``all_reduce`` as the normaliser —
+        before the weights (verl's names): ``pg_clipfrac`` (fraction where the clip binds: ppo,
+        gspo, clip_cov: the clipped term is the larger; cispo: the weight is clipped; geo_mean:
         the log-ratio lies outside the range where A > 0), ``pg_clipfrac_lower`` (ppo: where
         dual-clip binds; geo_mean: outside the range where A < 0), ``ppo_kl`` (mean of
         ``old_logp − logp``, unclamped) — 0 where a kind has no such thing — and per kind:
@@ -138,17 +134,15 @@ def policy_loss(
     lp = torch.where(keep, logp.to(dtype), 0)
     log_ratio = torch.where(keep, logp.to(dtype) - old_logp.to(dtype), 0)
     adv = torch.where(keep, advantages.to(dtype), 0)
-    loss_mat, clipfrac, lower, extra = token_losses(kind, lp, log_ratio, adv, keep, dtype, options)
-    def zero() -> torch.Tensor:
-        return torch.zeros((), dtype=dtype, device=logp.device)
-
-    metrics = {
-        "pg_clipfrac": zero() if clipfrac is None else clipfrac,
-        "ppo_kl": _aggregate(-log_ratio.detach(), keep, "token-mean", None),
-        "pg_clipfrac_lower": zero() if lower is None else lower,
-        **extra,
+    loss_mat, sums = token_losses(kind, lp, log_ratio, adv, keep, dtype, options)
+    none = (torch.zeros((), dtype=torch.int64, device=logp.device), "tokens")
+    sums = {
+        "pg_clipfrac": sums.pop("pg_clipfrac", none),
+        "ppo_kl": ((-log_ratio.detach()).sum(), "tokens"),
+        "pg_clipfrac_lower": sums.pop("pg_clipfrac_lower", none),
+        **sums,
     }
     if rollout_is_weights is not None:
         loss_mat = loss_mat * torch.where(keep, rollout_is_weights.detach().to(dtype), 0)
-    denom = _global_normaliser(keep, agg, dtype, num_tokens, num_seqs, group)
-    return _aggregate(loss_mat, keep, agg, loss_scale_factor, denom), metrics
+    return _loss_and_metrics(loss_mat, keep, agg, loss_scale_factor, dtype, num_tokens,
+                             num_seqs, group, sums)

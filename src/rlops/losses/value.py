@@ -5,13 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlops._checks import as_bool_mask, check_2d, check_positive, check_same_shape, compute_dtype
-from rlops.losses._common import masked_frac
-from rlops.losses.aggregation import (
-    _aggregate,
-    _check_agg,
-    _check_normalisers,
-    _global_normaliser,
-)
+from rlops.losses.aggregation import _check_agg, _check_normalisers, _loss_and_metrics
 
 __all__ = ["value_loss"]
 
@@ -49,7 +43,9 @@ def value_loss(
     Returns:
         ``(loss, metrics)``: a 0-dim loss (float32 for half inputs; the ``[B, T]`` matrix
         ``0.5·max(...)`` with ``agg=None``) and ``vf_clipfrac``, the
-        detached fraction of action tokens where the clipped error is the larger (0 when off).
+        detached fraction of action tokens where the clipped error is the larger (0 when off)
+        — of this call's tokens, or of the whole group's with ``group=`` (the same
+        collective as the normaliser).
 
     Example:
         >>> import torch
@@ -70,12 +66,13 @@ def value_loss(
     v, ret = (torch.where(keep, x.to(dtype), 0) for x in (values, returns))
     loss_mat = (v - ret).square()
     if clip is None:
-        clipfrac = torch.zeros((), dtype=dtype, device=values.device)
+        hits = torch.zeros((), dtype=torch.int64, device=values.device)
     else:
         old = torch.where(keep, old_values.to(dtype), 0)
         clipped = (torch.clamp(v, old - clip, old + clip) - ret).square()
-        clipfrac = masked_frac(clipped > loss_mat, keep, dtype)
+        hits = ((clipped > loss_mat) & keep).sum()
         loss_mat = torch.maximum(loss_mat, clipped)
-    denom = _global_normaliser(keep, agg, dtype, num_tokens, num_seqs, group)
-    loss = 0.5 * _aggregate(loss_mat, keep, agg, loss_scale_factor, denom)
-    return loss, {"vf_clipfrac": clipfrac}
+    loss, metrics = _loss_and_metrics(0.5 * loss_mat, keep, agg, loss_scale_factor, dtype,
+                                      num_tokens, num_seqs, group,
+                                      {"vf_clipfrac": (hits, "tokens")})
+    return loss, metrics
