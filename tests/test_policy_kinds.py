@@ -509,6 +509,10 @@ def test_meta_tensors_need_no_host_read(kind):
         loss, metrics = rlops.policy_loss(lp, t(3, 7, dtype=dtype), t(3, 7), mask, kind=kind,
                                           rollout_is_weights=t(3, 7), **opts)
         loss.backward()
+        count = torch.empty((), device="meta")
+        for mode in AGG_MODES:  # global counts as device tensors are not read either
+            rlops.policy_loss(lp, t(3, 7, dtype=dtype), t(3, 7), mask, kind=kind, agg=mode,
+                              num_tokens=count, num_seqs=count, **opts)[0].backward()
         cpu, cpu_metrics = rlops.policy_loss(torch.zeros(3, 7, dtype=dtype), torch.zeros(3, 7),
                                              torch.zeros(3, 7), torch.ones(3, 7), kind=kind,
                                              **opts)

@@ -217,7 +217,9 @@ def aggregate_loss(
         loss_scale_factor: ``L`` for ``seq-mean-token-sum-norm`` (``> 0``); ignored otherwise.
         num_tokens: action tokens of the global batch (``>= 0``), for ``token-mean``.
         num_seqs: rows with an action token in the global batch, for the seq-mean modes.
-        group: a process group with one micro-batch per rank, instead of the two counts.
+        group: a data-parallel process group with one micro-batch of whole rows per rank,
+            instead of the two counts (under context parallelism, where a row is split over
+            ranks, pass the counts).
 
     Returns:
         0-dim tensor, float32 for half inputs, else ``loss_mat``'s dtype. Differentiable.
