@@ -414,6 +414,20 @@ def test_degenerate_options_reduce_to_simpler_kinds():
             assert torch.equal(loss, rlops.aggregate_loss(a, mask, mode)), (kind, mode)
 
 
+def test_clip_defaults_and_clip_high_following_clip_low():
+    logp, old, adv, mask = make_inputs(torch.float64, 18, spread=0.3)
+    for kind, low, high in (("ppo", 0.2, 0.2), ("gspo", 3e-4, 4e-4), ("cispo", 0.2, 0.2),
+                            ("geo_mean", 0.4, 0.4)):
+        default, _ = rlops.policy_loss(logp, old, adv, mask, kind=kind, agg=None)
+        given, _ = rlops.policy_loss(logp, old, adv, mask, kind=kind, agg=None, clip_low=low,
+                                     clip_high=high)
+        assert torch.equal(default, given), kind
+        one, _ = rlops.policy_loss(logp, old, adv, mask, kind=kind, agg=None, clip_low=0.1)
+        both, _ = rlops.policy_loss(logp, old, adv, mask, kind=kind, agg=None, clip_low=0.1,
+                                    clip_high=0.1)
+        assert torch.equal(one, both), kind
+
+
 def test_sapo_gate_has_ppos_gradient_at_ratio_one():
     adv = torch.tensor([[1.5, -2.0, 0.3]], dtype=torch.float64)
     logp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64, requires_grad=True)
@@ -536,6 +550,10 @@ def test_bad_input_errors_name_the_argument():
         rlops.policy_loss(lp, old, adv, m, kind="clip_cov", clip_cov_lb=5.0, clip_cov_ub=1.0)
     with pytest.raises(ValueError, match="clip_cov_lb"):
         rlops.policy_loss(lp, old, adv, m, kind="clip_cov", clip_cov_lb=math.nan)
+    with pytest.raises(TypeError, match="clip_cov_ub"):
+        rlops.policy_loss(lp, old, adv, m, kind="clip_cov", clip_cov_ub=None)
+    with pytest.raises(TypeError, match="clip_low"):
+        rlops.policy_loss(lp, old, adv, m, kind="gspo", clip_low=None)
     for bad in (0.0, -1.0, 1.5):
         with pytest.raises(ValueError, match="clip_cov_ratio"):
             rlops.policy_loss(lp, old, adv, m, kind="clip_cov", clip_cov_ratio=bad)

@@ -98,7 +98,8 @@ def check_options(kind: str, given: dict[str, object]) -> dict[str, object]:
         value = given.get(name, default)
         if name == "clip_high" and "clip_high" not in given and "clip_low" in given:
             value = None  # clip_high follows a given clip_low
-        out[name] = None if value is None and name != "clip_low" else check(name, value)
+        nullable = default is None or name == "clip_high"
+        out[name] = None if value is None and nullable else check(name, value)
     if "clip_high" in out and out["clip_high"] is None:
         out["clip_high"] = out["clip_low"]
     if kind == "clip_cov" and not out["clip_cov_lb"] < out["clip_cov_ub"]:
