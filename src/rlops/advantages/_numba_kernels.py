@@ -5,7 +5,7 @@ backward pass over time, four rows at a time with the carries in registers. The 
 those of :mod:`rlops.advantages.masking`, applied token by token with selects: at a done the
 carries are *replaced* by 0 (never multiplied), so nothing crosses it, not even NaN.
 
-The advantage carry is compensated (:func:`rlops.scan._numba_kernels.two_sum`, ``two_prod``):
+The advantage carry is compensated (:mod:`rlops.scan.exact_arith`):
 a high word on the latency chain and a low word that collects the exact rounding error of
 the carry's product and sum off it, so a float32 carry over 128K tokens is about as accurate
 as a float64 one.
@@ -16,7 +16,7 @@ keeps them apart and later processes load them instead of compiling.
 
 import numba
 
-from rlops.scan._numba_kernels import two_prod, two_sum
+from rlops.scan.exact_arith import two_prod, two_sum
 
 _jit = numba.njit(cache=True, nogil=True)
 

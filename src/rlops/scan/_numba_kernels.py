@@ -14,33 +14,8 @@ the caller.
 """
 
 import numba
-from numba.extending import intrinsic
 
-
-@intrinsic
-def fma(typingctx, a, b, c):
-    """``a * b + c`` with one rounding (the hardware instruction where the CPU has one)."""
-
-    def codegen(context, builder, signature, args):
-        return builder.fma(*args)
-
-    return a(a, b, c), codegen
-
-
-@numba.njit(inline="always")
-def two_prod(x, y):
-    """``(p, err)`` with ``p = fl(x * y)`` and ``x * y = p + err`` exactly."""
-    p = x * y
-    return p, fma(x, y, -p)
-
-
-@numba.njit(inline="always")
-def two_sum(x, y):
-    """``(s, err)`` with ``s = fl(x + y)`` and ``x + y = s + err`` exactly (Knuth's TwoSum:
-    no ordering of |x|, |y| needed, six flops, no branch)."""
-    s = x + y
-    b = s - x
-    return s, (x - (s - b)) + (y - b)
+from rlops.scan.exact_arith import two_prod, two_sum
 
 
 @numba.njit(inline="always")
