@@ -352,6 +352,19 @@ def _meta_cases(dev: str) -> dict[str, list]:
                                                       t(V, H, grad=True), ids(B * 8),
                                                       chunk_size=5),
         ],
+        "rollout_importance_weights": [
+            lambda: rlops.rollout_importance_weights(t(B, T), t(B, T), m),
+            lambda: rlops.rollout_importance_weights(
+                t(B, T), t(B, T, dtype=torch.bfloat16), m_float, level="sequence",
+                mode="mask", low=0.5, batch_normalize=True),
+        ],
+        "rollout_rejection_mask": [
+            lambda: rlops.rollout_rejection_mask(t(B, T), t(B, T), m,
+                                                 {"token_k1": 2.0, "seq_mean_k3": 0.01}),
+        ],
+        "rollout_mismatch_metrics": [
+            lambda: rlops.rollout_mismatch_metrics(t(B, T), t(B, T), m),
+        ],
     }
 
 

@@ -19,6 +19,9 @@ EXPECTED = [
     "reinforce_plus_plus_returns",
     "remax_advantages",
     "rloo_advantages",
+    "rollout_importance_weights",
+    "rollout_mismatch_metrics",
+    "rollout_rejection_mask",
     "value_loss",
 ]
 

@@ -19,6 +19,11 @@ from rlops.group_advantages import (
 )
 from rlops.logprobs import linear_logprobs_and_entropy, logprobs_and_entropy
 from rlops.losses import aggregate_loss, kl_penalty, policy_loss, value_loss
+from rlops.rollout_correction import (
+    rollout_importance_weights,
+    rollout_mismatch_metrics,
+    rollout_rejection_mask,
+)
 from rlops.stats import masked_mean, masked_var, masked_whiten
 
 __version__ = "0.1.0"
@@ -40,5 +45,8 @@ __all__ = [
     "reinforce_plus_plus_returns",
     "remax_advantages",
     "rloo_advantages",
+    "rollout_importance_weights",
+    "rollout_mismatch_metrics",
+    "rollout_rejection_mask",
     "value_loss",
 ]
