@@ -57,7 +57,7 @@ def policy_loss(
         clip_cov  ppo (no dual clip), but 0 on a random set of tokens not clipped by PPO whose
                   cov = (A − mean A)·(log π − mean log π) (means over the micro-batch's action
                   tokens) lies in (clip_cov_lb, clip_cov_ub): max(⌊clip_cov_ratio·N⌋, 1) of them
-                  (fewer if fewer qualify), drawn with ``generator``
+                  (fewer if fewer qualify), drawn with ``generator`` (on logp's device)
         kl_cov    −A·r, plus ppo_kl_coef·|lr| on the max(⌊kl_cov_ratio·N⌋, 1) action tokens of
                   largest cov. clip_cov and kl_cov: https://arxiv.org/abs/2505.22617
         geo_mean  −A·R_t, R_t = sg(R_i)·exp(l_t − sg(l_t)), R_i = exp(mean_i l) with l_t the
@@ -75,6 +75,13 @@ def policy_loss(
 
     ``rollout_is_weights`` (``[B, T]``, detached) multiplies ``ℓ`` before aggregation: pass
     truncated token-level IS weights, or a sequence-level weight repeated along its row.
+
+    Differences from verl's registered losses: every kind aggregates with ``agg`` (verl forces
+    seq-mean-token-mean for gspo and sapo and a plain mean over all rows for geo_mean: pass
+    ``agg="seq-mean-token-mean"`` for those); gspo's log-ratio is clamped at 20 (verl: 10);
+    geo_mean multiplies per-token weights (verl: their geometric mean per row); verl's
+    ``pg_clipfrac`` of clip_cov is the selected share (here ``clip_cov_frac``) and its
+    ``ppo_kl`` of kl_cov is the mean |lr| (here ``ppo_kl_abs``).
 
     Args:
         logp: ``[B, T]`` log-probs under the policy being trained (carries the gradient).
