@@ -1,10 +1,11 @@
 """Outcome-reward estimators with a baseline from a group of samples (or a greedy rollout).
 
-GRPO, Dr.GRPO, RLOO, REINFORCE++-baseline and ReMax turn one scalar score per response into a
-per-token advantage. Responses to the same prompt share a group id in ``index``: any integers,
-not necessarily contiguous or sorted. Groups are found with one sort (no ``torch.unique``, whose
-output size forces a device synchronisation) and reduced with ``index_add``: no Python loop over
-samples or groups, no host read-back.
+GRPO, Dr.GRPO, GRPO pass@k, RLOO, OPO, GPG, REINFORCE++-baseline and ReMax turn one scalar
+score per response into a per-token advantage. Responses to the same prompt share a group id
+in ``index``: any integers, not necessarily contiguous or sorted. Groups are found with one
+sort (no ``torch.unique``, whose output size forces a device synchronisation) and reduced with
+``index_add``: no Python loop over samples or groups, no host read-back (except the check
+that pass@k groups have two samples, which reads values only where ``_checks`` does).
 
 Conventions (verl's, so results match ``compute_*_outcome_advantage`` there):
 
@@ -25,14 +26,19 @@ from rlops._checks import (
     as_bool_mask,
     as_float_tensor,
     check_nonneg,
+    check_positive,
     check_same_device,
     compute_dtype,
     shape_error,
+    values_checked,
 )
 from rlops.stats import weighted_moments
 
 __all__ = [
+    "gpg_advantages",
     "grpo_advantages",
+    "grpo_passk_advantages",
+    "opo_advantages",
     "reinforce_plus_plus_baseline_advantages",
     "remax_advantages",
     "rloo_advantages",
@@ -49,8 +55,23 @@ def _dense_group_ids(index: torch.Tensor) -> torch.Tensor:
     return dense
 
 
+def _wide_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of the ``[B]`` group statistics: float64 (float32 on MPS, which lacks it)."""
+    return torch.float64 if device.type != "mps" else torch.float32
+
+
+def _group_sum(x: torch.Tensor, gid: torch.Tensor) -> torch.Tensor:
+    """Per sample: the sum of ``x`` over its group (``gid`` from ``_dense_group_ids``)."""
+    return torch.zeros_like(x).index_add(0, gid, x)[gid]
+
+
+def _group_max(x: torch.Tensor, gid: torch.Tensor) -> torch.Tensor:
+    """Per sample: the largest ``x`` of its group."""
+    return torch.zeros_like(x).scatter_reduce(0, gid, x, "amax", include_self=False)[gid]
+
+
 def _group_moments(
-    s: torch.Tensor, index: torch.Tensor
+    s: torch.Tensor, gid: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per sample: ``(n, s − mean, std)`` of its group (unbiased std; 0 for a group of one).
 
@@ -58,20 +79,17 @@ def _group_moments(
     two-pass mean and deviation, at least as accurate as a per-group loop in the scores'
     dtype. A group whose scores are all equal gets deviations of exactly 0. The deviations are
     divided by the group's largest one before squaring, so no finite score overflows.
+    ``gid`` are the dense group ids of ``_dense_group_ids``.
     """
-    wide = torch.float64 if s.device.type != "mps" else torch.float32
-    x = s.to(wide)
-    gid = _dense_group_ids(index)
-    zeros = torch.zeros(x.shape[0], dtype=wide, device=x.device)
-    n = zeros.index_add(0, gid, torch.ones_like(x))
-    lo = zeros.scatter_reduce(0, gid, x, "amin", include_self=False)[gid]
-    hi = zeros.scatter_reduce(0, gid, x, "amax", include_self=False)[gid]
-    mean = (zeros.index_add(0, gid, x) / n)[gid]
+    x = s.to(_wide_dtype(s.device))
+    n = _group_sum(torch.ones_like(x), gid)
+    lo = -_group_max(-x, gid)
+    hi = _group_max(x, gid)
+    mean = _group_sum(x, gid) / n
     centred = torch.where(hi == lo, 0.0, x - mean)
-    big = zeros.scatter_reduce(0, gid, centred.abs(), "amax", include_self=False)[gid]
+    big = _group_max(centred.abs(), gid)
     big = torch.where(big > 0, big, 1.0)
-    m2_unit = zeros.index_add(0, gid, (centred / big).square())[gid]
-    n = n[gid]
+    m2_unit = _group_sum((centred / big).square(), gid)
     std = big * torch.sqrt(m2_unit / (n - 1).clamp_min(1))
     return n, centred, std
 
@@ -157,7 +175,7 @@ def grpo_advantages(
     """
     eps = check_nonneg("eps", eps)
     s = _prepare(scores, index, mask)
-    n, centred, std = _group_moments(s, index)
+    n, centred, std = _group_moments(s, _dense_group_ids(index))
     alone = n == 1
     a = torch.where(alone, s.to(centred.dtype), centred)
     if norm_std:
@@ -192,7 +210,7 @@ def rloo_advantages(
         tensor([ 0.0000, -1.5000,  1.5000,  5.0000])
     """
     s = _prepare(scores, index, mask)
-    n, centred, _ = _group_moments(s, index)
+    n, centred, _ = _group_moments(s, _dense_group_ids(index))
     a = torch.where(n > 1, n / (n - 1).clamp_min(1) * centred, s.to(centred.dtype))
     adv = _broadcast(a, mask, scores.dtype)
     return adv, adv
@@ -232,7 +250,7 @@ def reinforce_plus_plus_baseline_advantages(
     """
     eps = check_nonneg("eps", eps)
     s = _prepare(scores, index, mask)
-    n, centred, _ = _group_moments(s, index)
+    n, centred, _ = _group_moments(s, _dense_group_ids(index))
     a = torch.where(n == 1, s.to(centred.dtype), centred)
     a = weighted_moments(a, mask.sum(-1).to(a.dtype)).standardize(a, eps)
     adv = _broadcast(a, mask, scores.dtype)
@@ -281,3 +299,161 @@ def remax_advantages(
         raise shape_error("rewards", f"[B, T] = {[b, t]} or [B] like mask", rewards.shape)
     adv = torch.where(keep, ret - reward_baselines.to(dtype)[:, None], 0)
     return adv.to(rewards.dtype), ret.to(rewards.dtype)
+
+
+def opo_advantages(
+    scores: torch.Tensor, index: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO advantages: each score minus the length-weighted mean score of its group.
+
+    With ``L_i`` the number of action tokens of sample ``i`` (its row of ``mask``), the
+    optimal baseline for a sequence-level reward (OPO) is, for a group ``g`` of ``n ≥ 2``::
+
+        b_g = Σ_{i∈g} L_i·s_i / Σ_{i∈g} L_i,        A_i = s_i − b_g
+
+    A group of one has ``b = 0`` (verl), so ``A_i = s_i``. Computed as
+    ``(s_i − μ_g) − Σ_i w_i·(s_i − μ_g)`` with ``w_i = L_i / Σ L`` (the same number, centred
+    first, so a group of equal scores gives exactly 0). A group of ``n ≥ 2`` samples without
+    any action token has no baseline to weigh; its advantages are all on mask-0 tokens, so 0.
+    https://arxiv.org/abs/2505.23585
+
+    Args:
+        scores: ``[B]`` outcome scores (or ``[B, T]`` token rewards, summed over ``T``).
+        index: ``[B]`` integer group id per sample.
+        mask: ``[B, T]`` 0/1 action mask; its row sums are the lengths ``L``.
+
+    Returns:
+        ``(advantages, returns)``, both the same ``[B, T]`` tensor, 0 where ``mask`` is 0.
+
+    Example:
+        >>> import torch
+        >>> mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]]).bool()
+        >>> adv, _ = opo_advantages(torch.tensor([1.0, 0.0, 4.0]), torch.tensor([0, 0, 5]), mask)
+        >>> adv  # b = (3·1 + 1·0)/4 = 0.75 for the first group; the second is alone
+        tensor([[ 0.2500,  0.2500,  0.2500],
+                [-0.7500,  0.0000,  0.0000],
+                [ 4.0000,  4.0000,  0.0000]])
+    """
+    s = _prepare(scores, index, mask)
+    gid = _dense_group_ids(index)
+    n, centred, _ = _group_moments(s, gid)
+    length = (mask != 0).sum(-1).to(centred.dtype)
+    total = _group_sum(length, gid)
+    w = length / torch.where(total > 0, total, 1)
+    a = torch.where(n > 1, centred - _group_sum(w * centred, gid), s.to(centred.dtype))
+    adv = _broadcast(a, mask, scores.dtype)
+    return adv, adv
+
+
+def gpg_advantages(
+    scores: torch.Tensor,
+    index: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    f_norm: float = 1.0,
+    alpha: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG advantages: the group-centred score, rescaled by the batch's fraction of valid samples.
+
+    For sample ``i`` in group ``g`` with mean ``μ_g``, in a batch of ``B`` samples::
+
+        A_i = α·(s_i − μ_g) / f_norm,        α = B / max(M, 1)
+
+    where ``M`` is the number of samples whose score is non-zero — verl's reading of the
+    paper's valid-sample correction (``compute_gpg_outcome_advantage``): samples that carry no
+    learning signal dilute the batch mean of the loss, and ``α`` undoes it. A group of one has
+    ``μ = 0`` (verl), so ``A_i = α·s_i / f_norm``. ``α`` is computed on the device (no host
+    read). https://arxiv.org/abs/2504.02546
+
+    Args:
+        scores: ``[B]`` outcome scores (or ``[B, T]`` token rewards, summed over ``T``).
+        index: ``[B]`` integer group id per sample.
+        mask: ``[B, T]`` 0/1 action mask.
+        f_norm: ``> 0``, the divisor ``F_norm`` (1 in verl and the paper's default).
+        alpha: ``None`` for ``B / max(M, 1)`` as above (verl's behaviour, which ignores its own
+            ``alpha`` argument), or a fixed ``> 0`` factor.
+
+    Returns:
+        ``(advantages, returns)``, both the same ``[B, T]`` tensor, 0 where ``mask`` is 0.
+
+    Example:
+        >>> import torch
+        >>> adv, _ = gpg_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]),
+        ...                         torch.tensor([0, 0, 1, 1]), torch.ones(4, 1))
+        >>> adv[:, 0]  # one non-zero score in four: α = 4
+        tensor([ 2., -2.,  0.,  0.])
+    """
+    f_norm = check_positive("f_norm", f_norm)
+    if alpha is not None:
+        alpha = check_positive("alpha", alpha)
+    s = _prepare(scores, index, mask)
+    n, centred, _ = _group_moments(s, _dense_group_ids(index))
+    a = torch.where(n > 1, centred, s.to(centred.dtype))
+    if alpha is None:
+        valid = torch.count_nonzero(s).to(a.dtype).clamp_min(1)
+        a = a * (s.shape[0] / valid)
+    else:
+        a = a * alpha
+    adv = _broadcast(a / f_norm, mask, scores.dtype)
+    return adv, adv
+
+
+def grpo_passk_advantages(
+    scores: torch.Tensor,
+    index: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    norm_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO for pass@k: only the best sample of each group is credited, by its lead.
+
+    In a group ``g`` of ``n ≥ 2`` samples with largest score ``r_max`` (held by sample ``i*``)
+    and second-largest ``r_2`` (counted with multiplicity: a tie for the top gives
+    ``r_2 = r_max``) and unbiased std ``σ_g``::
+
+        A_{i*} = (r_max − r_2) / (σ_g + eps)     (norm_std=True; r_max − r_2 without)
+        A_i    = 0                               for every other sample
+
+    The pass@k reward of the group is its best score, and ``r_max − r_2`` is what the best
+    sample adds to it (verl's ``compute_grpo_passk_outcome_advantage``). A tie for the top
+    gives the whole group 0. verl rejects a group of one; so does this function where the
+    values are read (CPU, or ``RLOPS_CHECK_VALUES=1``), and elsewhere such a sample gets 0.
+    https://arxiv.org/abs/2503.19595
+
+    Args:
+        scores: ``[B]`` outcome scores (or ``[B, T]`` token rewards, summed over ``T``).
+        index: ``[B]`` integer group id per sample; every group needs at least 2 samples.
+        mask: ``[B, T]`` 0/1 action mask.
+        norm_std: divide by the group std (verl's ``norm_adv_by_std_in_grpo``).
+        eps: ``>= 0``, added to the std.
+
+    Returns:
+        ``(advantages, returns)``, both the same ``[B, T]`` tensor, 0 where ``mask`` is 0.
+
+    Example:
+        >>> import torch
+        >>> adv, _ = grpo_passk_advantages(torch.tensor([0.0, 3.0, 1.0, 2.0, 2.0, 1.0]),
+        ...                                torch.tensor([0, 0, 0, 1, 1, 1]), torch.ones(6, 1),
+        ...                                norm_std=False)
+        >>> adv[:, 0]  # group 0: 3 − 1 on its best sample; group 1: a tie for the top
+        tensor([0., 2., 0., 0., 0., 0.])
+    """
+    eps = check_nonneg("eps", eps)
+    s = _prepare(scores, index, mask)
+    gid = _dense_group_ids(index)
+    n, _, std = _group_moments(s, gid)
+    if values_checked(n) and n.numel() > 0 and bool((n < 2).any()):
+        raise ValueError("index: pass@k needs at least 2 samples in every group, got a group of 1")
+    x = s.to(n.dtype)
+    hi = _group_max(x, gid)
+    top = x == hi
+    lo = -_group_max(-x, gid)
+    second = _group_max(torch.where(top, lo, x), gid)  # = lo when every score ties the top
+    lead = torch.where(_group_sum(top.to(x.dtype), gid) == 1, hi - second, 0.0)
+    a = torch.where(top & (n > 1), lead, 0.0)
+    if norm_std:
+        den = std + eps
+        a = a / torch.where(den > 0, den, 1)  # den = 0 only for equal scores and eps = 0: a = 0
+    adv = _broadcast(a, mask, scores.dtype)
+    return adv, adv
