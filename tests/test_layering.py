@@ -28,6 +28,7 @@ LAYERS = {
     "rlops.logprobs": 2,
     "rlops.advantages": 3,
     "rlops.group_advantages": 3,
+    "rlops.kl_controllers": 3,
     "rlops.losses": 3,
     "rlops.rollout_correction": 3,
     "rlops": 4,

@@ -1,0 +1,190 @@
+"""Controllers of the KL-penalty coefficient β: fixed, or adapted towards a target KL.
+
+Small state objects with verl's names and meanings (``FixedKLController``,
+``AdaptiveKLController``, ``get_kl_controller`` in ``verl/trainer/ppo/core_algos.py``): the
+coefficient is ``.value``; after each batch the trainer calls ``update(current_kl, n_steps)``
+with the batch's mean KL and its number of samples.
+
+The adaptive rule is Ziegler et al.'s proportional controller
+(https://arxiv.org/abs/1909.08593, section 2.2)::
+
+    e     = clip(KL / target − 1, −0.2, 0.2)
+    β    ←  β · (1 + e · n_steps / horizon)
+
+``current_kl`` may be a Python or numpy number, or a 0-dim tensor. A tensor on the CPU is read
+(no device synchronisation) and ``.value`` stays a Python float, as in verl. A tensor on an
+accelerator is *not* read: ``.value`` becomes a 0-dim float64 tensor on that device (float32 on
+MPS), computed there, so a trainer can apply the penalty ``β·kl`` and update β every step
+without waiting for the device; ``float(ctrl.value)`` reads it when it is logged. From then on
+``.value`` stays a tensor on that device (Python numbers still update it).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from rlops._checks import as_real, check_choice, check_nonneg, check_positive, values_checked
+
+__all__ = ["AdaptiveKLController", "FixedKLController", "kl_controller"]
+
+#: the clip of the proportional error, as in Ziegler et al. and verl
+_CLIP = 0.2
+
+
+def _on_device(t: torch.Tensor) -> bool:
+    """Whether a ``current_kl`` tensor is kept on its device rather than read as a number."""
+    return t.device.type != "cpu"
+
+
+def _check_kl(current_kl: object, read: bool = True) -> float | torch.Tensor:
+    """``current_kl`` checked: returned as a float, or as a detached 0-dim tensor when it lives
+    on a device (or when ``read`` is False, as the fixed controller never needs its value)."""
+    if isinstance(current_kl, torch.Tensor):
+        if current_kl.dim() != 0:
+            raise ValueError(
+                f"current_kl must be a number or a 0-dim tensor, got shape {list(current_kl.shape)}"
+            )
+        if current_kl.is_complex() or current_kl.dtype == torch.bool:
+            raise TypeError(f"current_kl must be a real tensor, got {current_kl.dtype}")
+        if _on_device(current_kl) or not read:
+            wide = torch.float64 if current_kl.device.type != "mps" else torch.float32
+            return current_kl.detach().to(wide)
+        current_kl = current_kl.detach()
+    return as_real("current_kl", current_kl)
+
+
+def _check_n_steps(n_steps: object) -> int:
+    if isinstance(n_steps, bool) or not isinstance(n_steps, numbers.Integral):
+        raise TypeError(f"n_steps must be an int, got {type(n_steps).__name__}")
+    if n_steps < 0:
+        raise ValueError(f"n_steps must be >= 0, got {n_steps}")
+    return int(n_steps)
+
+
+class FixedKLController:
+    """A constant KL coefficient: ``update`` checks its arguments and changes nothing.
+
+    Args:
+        kl_coef: ``>= 0``, the coefficient β, kept as ``.value``.
+
+    Example:
+        >>> ctrl = FixedKLController(0.05)
+        >>> ctrl.update(3.0, n_steps=256)
+        >>> ctrl.value
+        0.05
+    """
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value: float | torch.Tensor = check_nonneg("kl_coef", kl_coef)
+
+    def update(self, current_kl: float | torch.Tensor, n_steps: int) -> None:
+        """No-op (verl's): ``current_kl`` (a number or 0-dim tensor) is not read."""
+        _check_kl(current_kl, read=False)
+        _check_n_steps(n_steps)
+
+    def __repr__(self) -> str:
+        return f"FixedKLController(kl_coef={self.value})"
+
+
+class AdaptiveKLController:
+    """A KL coefficient driven towards a target KL (Ziegler et al., 2019).
+
+    Each ``update(current_kl, n_steps)``::
+
+        e     = clip(current_kl / target − 1, −0.2, 0.2)
+        value = value · (1 + e · n_steps / horizon)
+
+    so β grows by up to ``0.2·n_steps/horizon`` while the KL is above the target and shrinks
+    while it is below. (A batch of more than ``5·horizon`` samples below the target would make
+    the factor negative; verl does not guard against it and neither does this class.)
+    https://arxiv.org/abs/1909.08593
+
+    Args:
+        init_kl_coef: ``>= 0``, the initial β (``.value``).
+        target_kl: ``> 0`` and finite, the KL aimed at (``.target``).
+        horizon: ``> 0``, the number of samples over which a relative error is corrected
+            (``.horizon``; verl's default 10000).
+
+    Example:
+        >>> ctrl = AdaptiveKLController(init_kl_coef=0.5, target_kl=1.0, horizon=100)
+        >>> ctrl.update(1.5, n_steps=50)  # e = 0.5, clipped to 0.2: × (1 + 0.2·50/100)
+        >>> ctrl.value
+        0.55
+        >>> ctrl.update(0.25, n_steps=50)  # e = −0.75, clipped to −0.2: × 0.9
+        >>> round(ctrl.value, 6)
+        0.495
+    """
+
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: float) -> None:
+        self.value: float | torch.Tensor = check_nonneg("init_kl_coef", init_kl_coef)
+        self.target = check_positive("target_kl", target_kl)
+        if math.isinf(self.target):
+            raise ValueError(f"target_kl must be finite, got {target_kl}")
+        self.horizon = check_positive("horizon", horizon)
+
+    def update(self, current_kl: float | torch.Tensor, n_steps: int) -> None:
+        """Scale ``.value`` by ``1 + clip(current_kl/target − 1, ±0.2)·n_steps/horizon``.
+
+        ``current_kl``: the batch's KL, a number or a 0-dim tensor (see the module docstring
+        for a tensor on an accelerator); NaN is rejected where the value is read.
+        ``n_steps``: ``>= 0``, the number of samples in the batch (verl passes the batch size).
+        """
+        kl = _check_kl(current_kl)
+        n = _check_n_steps(n_steps)
+        if isinstance(kl, torch.Tensor):
+            if isinstance(self.value, torch.Tensor) and self.value.device != kl.device:
+                raise ValueError(
+                    f"current_kl is on {kl.device} but the coefficient is on "
+                    f"{self.value.device}; pass the KL of one device"
+                )
+            if values_checked(kl) and bool(kl.isnan()):
+                raise ValueError("current_kl must not be NaN")
+            error = (kl / self.target - 1).clamp(-_CLIP, _CLIP)
+        else:
+            if math.isnan(kl):
+                raise ValueError(f"current_kl must not be NaN, got {current_kl}")
+            error = min(max(kl / self.target - 1, -_CLIP), _CLIP)
+        self.value = self.value * (1 + error * n / self.horizon)
+
+    def __repr__(self) -> str:
+        return (
+            f"AdaptiveKLController(value={self.value}, target_kl={self.target}, "
+            f"horizon={self.horizon})"
+        )
+
+
+def kl_controller(
+    kind: str,
+    *,
+    kl_coef: float = 0.001,
+    target_kl: float = 0.1,
+    horizon: float = 10000,
+) -> FixedKLController | AdaptiveKLController:
+    """A KL controller from verl's ``algorithm.kl_ctrl`` settings (``get_kl_controller``).
+
+    ``kind="fixed"`` gives ``FixedKLController(kl_coef)`` (``target_kl`` and ``horizon`` are
+    ignored, as in verl); ``kind="adaptive"`` gives ``AdaptiveKLController(kl_coef, target_kl,
+    horizon)``, which needs ``horizon > 0``. The defaults are verl's ``KLControlConfig``.
+    From a verl config: ``kl_controller(cfg.type, kl_coef=cfg.kl_coef,
+    target_kl=cfg.target_kl, horizon=cfg.horizon)``.
+
+    Args:
+        kind: ``"fixed"`` or ``"adaptive"`` (verl's ``type``).
+        kl_coef: ``>= 0``, the (initial) coefficient.
+        target_kl: ``> 0``, the adaptive controller's target KL.
+        horizon: ``> 0``, the adaptive controller's horizon.
+
+    Returns:
+        A ``FixedKLController`` or an ``AdaptiveKLController``.
+
+    Example:
+        >>> kl_controller("adaptive", kl_coef=0.2, target_kl=6.0, horizon=10000)
+        AdaptiveKLController(value=0.2, target_kl=6.0, horizon=10000.0)
+    """
+    check_choice("kind", kind, ("fixed", "adaptive"))
+    if kind == "fixed":
+        return FixedKLController(kl_coef)
+    return AdaptiveKLController(kl_coef, target_kl, horizon)
