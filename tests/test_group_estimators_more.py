@@ -270,6 +270,18 @@ def test_passk_group_of_one_gets_zero_where_values_are_not_read(monkeypatch):
     assert torch.equal(adv[:, 0], torch.tensor([0.0, 0.0, 4.0 / (math.sqrt(8) + 1e-6), 0.0]))
 
 
+@pytest.mark.parametrize("fn", ESTIMATORS)
+def test_no_host_read_on_meta_tensors(fn):
+    """Meta tensors have no values: forward and backward succeed only without a host read."""
+    scores = torch.empty(8, device="meta", requires_grad=True)
+    index = torch.empty(8, dtype=torch.long, device="meta")
+    for mask in (torch.empty(8, 5, device="meta"), torch.empty(8, 5, dtype=torch.bool,
+                                                                device="meta")):
+        adv, _ = fn(scores, index, mask)
+        assert adv.shape == (8, 5) and adv.device.type == "meta"
+        adv.sum().backward()
+
+
 def test_empty_batch():
     for fn in ESTIMATORS:
         adv, _ = fn(torch.zeros(0), torch.zeros(0, dtype=torch.long), torch.zeros(0, 4))

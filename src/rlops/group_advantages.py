@@ -359,11 +359,13 @@ def gpg_advantages(
 
         A_i = α·(s_i − μ_g) / f_norm,        α = B / max(M, 1)
 
-    where ``M`` is the number of samples whose score is non-zero — verl's reading of the
-    paper's valid-sample correction (``compute_gpg_outcome_advantage``): samples that carry no
-    learning signal dilute the batch mean of the loss, and ``α`` undoes it. A group of one has
-    ``μ = 0`` (verl), so ``A_i = α·s_i / f_norm``. ``α`` is computed on the device (no host
-    read). https://arxiv.org/abs/2504.02546
+    where ``M`` is the number of samples whose score is non-zero, as verl counts them
+    (``compute_gpg_outcome_advantage``). The paper's correction ``α = B / (B − M')`` counts
+    instead the ``M'`` samples that carry no gradient; either way samples without signal dilute
+    the batch mean of the loss, and ``α`` undoes it. A group of one has ``μ = 0`` (verl), so
+    ``A_i = α·s_i / f_norm``. ``α`` is computed on the device in float64 (no host read; verl's
+    is a float32 tensor, so results differ there in the 8th digit).
+    https://arxiv.org/abs/2504.02546
 
     Args:
         scores: ``[B]`` outcome scores (or ``[B, T]`` token rewards, summed over ``T``).
