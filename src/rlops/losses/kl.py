@@ -1,4 +1,5 @@
-"""KL estimators of KL(π‖π_ref) from the log-probs of the sampled tokens."""
+"""KL estimators of KL(π‖π_ref) from the log-probs of the sampled tokens, optionally
+importance-sampling corrected for tokens sampled from an older policy."""
 
 from __future__ import annotations
 
@@ -29,7 +30,34 @@ def _kl_value(d: torch.Tensor, kind: str) -> torch.Tensor:
     return k3 if kind == "k3" else k3.clamp_max(10.0)
 
 
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+def _is_corrected(
+    lp: torch.Tensor, rp: torch.Tensor, d: torch.Tensor, op: torch.Tensor, kind: str
+) -> torch.Tensor:
+    """``r·k(d)``, ``r = exp(min(lp − op, 20))``, ``d = lp − rp``; k3's gradient written out."""
+    r = torch.exp((lp - op).clamp_max(MAX_EXP_ARG))
+    value = r * _kl_value(d, kind)
+    if kind != "k3":
+        return value
+    # The chain rule gives ∂/∂lp = r·k3 + r·(1 − e^(−d)): two terms of size r·e^(−d) that
+    # cancel to r·d, a relative error of ~eps·e^(−d)/|d| (2% at d = −15 in float32), and past
+    # the clamp on −d the first term stays r·e^20. So the value is r·k3 and the gradients are
+    # the formula's, each computed directly: (∂lp, ∂rp, ∂op) = (r·d, r·(e^(−d) − 1), −r·k3).
+    # Each pair adds ½(x − sg x)(g + sg g): value 0, first derivative g, second derivatives
+    # those of g.
+    grads = ((lp, r * d), (rp, r * torch.expm1(-d.clamp_min(-MAX_EXP_ARG))), (op, -value))
+    out = value.detach()
+    for x, g in grads:
+        out = out + 0.5 * (x - x.detach()) * (g + g.detach())
+    return out
+
+
+def kl_penalty(
+    logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    kind: str,
+    *,
+    old_logp: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per-token estimate of KL(π‖π_ref) from the log-probs of the sampled tokens.
 
     With ``d = logp − ref_logp`` (samples from π; http://joschu.net/blog/kl-approx.html)::
@@ -45,10 +73,37 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     too), whose expectation is the gradient of KL(π‖π_ref) where k1's and k3's are not.
     Unlike verl, ``"k3"`` here is not clamped at 10 (as slime); use ``"low_var_kl"`` for that.
 
+    **Importance-sampling correction** (``old_logp`` given; DeepSeek-V3.2's "unbiased KL
+    estimate", §3.1 of https://arxiv.org/abs/2512.02556). When the tokens were sampled from
+    π_old (the rollout policy) rather than π, the estimate is weighted by
+    ``r = π/π_old = exp(min(logp − old_logp, 20))``::
+
+        r·k(d)        e.g. k3: (π/π_old)·(π_ref/π − log(π_ref/π) − 1)
+
+    and ``r`` keeps its gradient: with samples from π_old, ``E_old[r·k] = E_π[k]`` and
+    ``E_old[∇(r·k)] = E_old[r·(k·∇log π + ∇k)] = ∇ E_π[k]``, so both the value and the gradient
+    are unbiased (for k1 and k3, ``E_π[k] = KL(π‖π_ref)``; for the other kinds, the on-policy
+    mean of that kind). A detached ratio would give k3 the gradient ``E_π[(1 − π_ref/π)∇log π]
+    = ∇ KL(π_ref‖π)``, the other direction, with the weight ``π_ref/π`` that is unbounded as
+    π ≪ π_ref. The corrected k3's gradient is ``r·d`` per token::
+
+        ∂/∂logp = r·k3 + r·(1 − e^(−d)) = r·d,   ∂/∂ref_logp = r·(e^(−d) − 1),
+        ∂/∂old_logp = −r·k3
+
+    computed as written (the two ``r·e^(−d)`` terms of the chain rule would cancel in
+    floating point), with ``r`` and ``e^(−d)`` clamped as in the value. So where ``d < −20``
+    the value saturates but ``∂/∂logp`` stays ``r·d``, not ``r·e^20``. With
+    ``old_logp = logp.detach()`` the value is the kind's own and k3's gradient is ``d``, that
+    of ``"k3+"``. Unlike slime (``--use-unbiased-kl``), ``low_var_kl`` is ``r·min(k3, 10)``,
+    an estimate of ``E_π[min(k3, 10)]``, not ``min(r·k3, 10)``. The straight-through ``+``
+    kinds are another fix of the same gradient: combined with ``old_logp`` they raise.
+
     Args:
         logp: ``[B, T]`` (any shape) log-probs under the current policy.
         ref_logp: log-probs under the reference policy, same shape.
         kind: one of :data:`KL_KINDS`.
+        old_logp: log-probs under the policy that sampled the tokens, same shape, or None
+            (samples from π itself: no correction).
 
     Returns:
         Tensor of ``logp``'s shape and dtype (no reduction, no mask); finite for finite inputs.
@@ -58,6 +113,9 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
         >>> logp, ref = torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.5, -1.0, -0.5])
         >>> kl_penalty(logp, ref, "k1"), kl_penalty(logp, ref, "k3")
         (tensor([ 0.5000, -1.0000,  0.0000]), tensor([0.1065, 0.7183, 0.0000]))
+        >>> old = logp - torch.tensor([0.0, 0.5, -0.5])  # r = 1, e^0.5, e^-0.5
+        >>> kl_penalty(logp, ref, "k3", old_logp=old)
+        tensor([0.1065, 1.1842, 0.0000])
     """
     as_float_tensor("logp", logp)
     check_same_shape("logp", logp, ref_logp=ref_logp)
@@ -65,9 +123,20 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     straight_through = kind.endswith("+")
     base = kind.rstrip("+")
     base = _KL_ALIASES.get(base, base)
+    if old_logp is not None:
+        check_same_shape("logp", logp, old_logp=old_logp)
+        if straight_through:
+            raise ValueError(
+                f"old_logp (the importance-sampling correction) cannot be combined with the "
+                f"straight-through kind {kind!r}: both correct the estimator's gradient; "
+                f"use {base!r}"
+            )
     dtype = compute_dtype(logp.dtype)
-    d = logp.to(dtype) - ref_logp.to(dtype)
-    if straight_through:
+    lp, rp = logp.to(dtype), ref_logp.to(dtype)
+    d = lp - rp
+    if old_logp is not None:
+        out = _is_corrected(lp, rp, d, old_logp.to(dtype), base)
+    elif straight_through:
         # Value 0·(2d) = 0 added to the kind's value; first and second derivatives are k2's
         # (d and 1). Unlike k2 − k2.detach(), it does not square d, so it cannot overflow.
         dd = d.detach()
