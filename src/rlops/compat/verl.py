@@ -36,20 +36,40 @@ from rlops._checks import (
     shape_error,
 )
 from rlops.compat._args import as_int
+from rlops.compat._verl_kinds import registered_losses
+from rlops.compat._verl_rollout import (
+    compute_offpolicy_metrics,
+    compute_rollout_correction_and_rejection_mask,
+    compute_rollout_correction_weights,
+    compute_rollout_rejection_mask,
+)
 from rlops.losses import AGG_MODES, KL_KINDS
 
 __all__ = [
+    "POLICY_LOSS_REGISTRY",
     "agg_loss",
     "compute_gae_advantage_return",
     "compute_grpo_outcome_advantage",
+    "compute_offpolicy_metrics",
     "compute_policy_loss",
+    "compute_policy_loss_cispo",
+    "compute_policy_loss_clip_cov",
+    "compute_policy_loss_geo_mean",
+    "compute_policy_loss_gpg",
+    "compute_policy_loss_gspo",
+    "compute_policy_loss_kl_cov",
+    "compute_policy_loss_sapo",
     "compute_policy_loss_vanilla",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage",
     "compute_remax_outcome_advantage",
     "compute_rloo_outcome_advantage",
+    "compute_rollout_correction_and_rejection_mask",
+    "compute_rollout_correction_weights",
+    "compute_rollout_rejection_mask",
     "compute_value_loss",
     "entropy_from_logits",
+    "get_policy_loss_fn",
     "kl_penalty",
     "logprobs_from_logits",
     "masked_whiten",
@@ -481,6 +501,149 @@ def compute_policy_loss_vanilla(
         "actor/ppo_kl": metrics["ppo_kl"].item(),
         "actor/pg_clipfrac_lower": metrics["pg_clipfrac_lower"].item(),
     }
+
+
+# --------------------------------------------------------------------------- registered losses
+_KIND_ADAPTERS = registered_losses(agg_loss)
+compute_policy_loss_gspo = _KIND_ADAPTERS["gspo"]
+compute_policy_loss_gspo.__doc__ = """verl's registered ``"gspo"`` loss: ``(pg_loss, metrics)``.
+
+    GSPO-token: PPO's clipped max with the ratio ``s_t = sg(s_i)·π_t/sg(π_t)``,
+    ``s_i = exp(mean_i(log π − log π_old))`` over the row's response tokens, clip ranges
+    ``config.clip_ratio_low`` / ``clip_ratio_high`` (default ``clip_ratio``); aggregated with
+    ``seq-mean-token-mean`` whatever ``loss_agg_mode`` says, as verl. ``rlops.policy_loss(kind=
+    "gspo")``. Metrics ``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower`` (0).
+
+    Difference: the log-ratio is clamped at 20 before ``exp`` (verl: 10).
+
+    Example:
+        >>> import torch
+        >>> loss, m = compute_policy_loss_gspo(torch.zeros(1, 2), torch.zeros(1, 2),
+        ...     torch.ones(1, 2), torch.ones(1, 2), config={"clip_ratio": 0.2})
+        >>> loss, m["actor/pg_clipfrac"]
+        (tensor(-1.), 0.0)
+    """
+compute_policy_loss_sapo = _KIND_ADAPTERS["sapo"]
+compute_policy_loss_sapo.__doc__ = """verl's registered ``"sapo"`` loss: ``(pg_loss, metrics)``.
+
+    ``−A·σ(τ·(r − 1))·4/τ`` with ``τ = config.tau_pos`` where ``A > 0``, else ``config.tau_neg``
+    (defaults 1.0, 1.05); aggregated with ``seq-mean-token-mean`` whatever ``loss_agg_mode``
+    says, as verl. Metrics ``actor/ppo_kl``; ``actor/pg_clipfrac`` and ``_lower`` are 0.
+
+    Difference: the log-ratio is clamped only above (at 20; verl: to [−20, 20]).
+
+    Example:
+        >>> import torch
+        >>> loss, _ = compute_policy_loss_sapo(torch.zeros(1, 1), torch.zeros(1, 1),
+        ...     torch.ones(1, 1), torch.ones(1, 1), config={"tau_pos": 1.0, "tau_neg": 1.05})
+        >>> loss
+        tensor(-2.)
+    """
+compute_policy_loss_gpg = _KIND_ADAPTERS["gpg"]
+compute_policy_loss_gpg.__doc__ = """verl's registered ``"gpg"`` loss: ``(pg_loss, {})``.
+
+    ``−A·log π`` per token, aggregated with ``loss_agg_mode`` and ``config.global_batch_info``.
+
+    Example:
+        >>> import torch
+        >>> loss, m = compute_policy_loss_gpg(torch.zeros(1, 2), torch.tensor([[-1.0, -2.0]]),
+        ...     torch.ones(1, 2), torch.ones(1, 2), config={})
+        >>> loss, m
+        (tensor(1.5000), {})
+    """
+compute_policy_loss_cispo = _KIND_ADAPTERS["cispo"]
+compute_policy_loss_cispo.__doc__ = """verl's registered ``"cispo"`` loss: ``(pg_loss, metrics)``.
+
+    ``−sg(clip(r, 1 − clip_ratio_low, 1 + clip_ratio_high))·A·log π`` per token, aggregated with
+    ``loss_agg_mode``. Metrics ``actor/pg_clipfrac`` (the weight is clipped), ``actor/ppo_kl``,
+    ``actor/pg_clipfrac_lower`` (0).
+
+    Difference: the log-ratio is clamped only above (at 20; verl: to [−20, 20]).
+
+    Example:
+        >>> import torch
+        >>> loss, m = compute_policy_loss_cispo(torch.zeros(1, 2), torch.tensor([[0.5, -1.0]]),
+        ...     torch.ones(1, 2), torch.ones(1, 2), config={"clip_ratio": 0.2})
+        >>> round(loss.item(), 4), m["actor/pg_clipfrac"]
+        (0.1, 1.0)
+    """
+compute_policy_loss_clip_cov = _KIND_ADAPTERS["clip_cov"]
+compute_policy_loss_clip_cov.__doc__ = """verl's registered ``"clip_cov"`` loss: ``(pg_loss,
+    metrics)``.
+
+    PPO's clipped loss (no dual clip), set to 0 on a random set of ``max(⌊clip_cov_ratio·N⌋,
+    1)`` response tokens not clipped by PPO whose centred covariance of advantage and log-prob
+    lies in ``(clip_cov_lb, clip_cov_ub)`` (``config.policy_loss``; defaults 2e-4, 1, 5).
+    Metrics ``actor/pg_clipfrac`` (the share of tokens set to 0, as verl) and ``actor/ppo_kl``.
+
+    Difference: the random subset is drawn differently (verl: ``torch.randperm`` of the
+    candidates), so only its size and its candidates agree.
+
+    Example:
+        >>> import torch
+        >>> loss, m = compute_policy_loss_clip_cov(torch.zeros(1, 2), torch.zeros(1, 2),
+        ...     torch.ones(1, 2), torch.ones(1, 2), config={"clip_ratio": 0.2})
+        >>> loss, m["actor/pg_clipfrac"]
+        (tensor(-1.), 0.0)
+    """
+compute_policy_loss_kl_cov = _KIND_ADAPTERS["kl_cov"]
+compute_policy_loss_kl_cov.__doc__ = """verl's registered ``"kl_cov"`` loss: ``(pg_loss, metrics)``.
+
+    ``−A·r`` per token plus ``ppo_kl_coef·|log r|`` on the ``max(⌊kl_cov_ratio·N⌋, 1)`` response
+    tokens of largest centred covariance (``config.policy_loss``; verl's fallbacks 2e-4 and 1.0
+    when unset). Metric ``actor/ppo_kl``: the mean ``|log r|``, as verl.
+
+    Difference: ties in the covariance go to the earlier token (``torch.topk`` leaves them
+    unspecified).
+
+    Example:
+        >>> import torch
+        >>> loss, m = compute_policy_loss_kl_cov(torch.zeros(1, 2), torch.tensor([[0.5, 0.0]]),
+        ...     torch.ones(1, 2), torch.ones(1, 2), config={"policy_loss": {"ppo_kl_coef": 1.0}})
+        >>> round(m["actor/ppo_kl"], 4)
+        0.25
+    """
+compute_policy_loss_geo_mean = _KIND_ADAPTERS["geo_mean"]
+compute_policy_loss_geo_mean.__doc__ = """verl's registered ``"geo_mean"`` loss (GMPO):
+    ``(pg_loss, metrics)``.
+
+    ``−Ā_i·R_i`` per row, ``R_i`` the geometric mean of the row's ratios clipped
+    pessimistically in log space to ``(−clip_ratio_low, clip_ratio_high)``, averaged over all
+    rows (``loss_agg_mode`` and ``global_batch_info`` are ignored, as verl); per-token
+    ``rollout_is_weights`` are reduced to their geometric mean per row first, as verl. Metrics
+    ``actor/pg_clipfrac`` (out of range where A > 0), ``actor/ppo_kl``,
+    ``actor/pg_clipfrac_lower`` (where A < 0).
+
+    Difference: the value is verl's; the gradient is verl's when each row has one advantage (as
+    verl requires); with per-token advantages it is ``mean_t(−A_t·R_i·∇l_t)`` (verl:
+    ``−Ā_i·R_i·mean_t ∇l_t``).
+
+    Example:
+        >>> import torch
+        >>> loss, m = compute_policy_loss_geo_mean(torch.zeros(1, 2), torch.tensor([[0.2, 0.0]]),
+        ...     torch.ones(1, 2), torch.ones(1, 2), config={"clip_ratio": 0.4})
+        >>> round(loss.item(), 4)
+        -1.1052
+    """
+
+#: verl's registered policy-loss names -> adapters (verl's ``dppo_tv``, ``dppo_kl``, ``dro``
+#: and ``bypass_mode`` have no rlops kind and are not listed).
+POLICY_LOSS_REGISTRY = {"vanilla": compute_policy_loss_vanilla, **_KIND_ADAPTERS}
+
+
+def get_policy_loss_fn(name: str):
+    """The adapter registered as ``name`` (verl's ``core_algos.get_policy_loss_fn``).
+
+    Example:
+        >>> get_policy_loss_fn("gspo").__name__
+        'compute_policy_loss_gspo'
+    """
+    if name not in POLICY_LOSS_REGISTRY:
+        raise ValueError(
+            f"Unsupported loss mode: {name}. Supported modes are: {list(POLICY_LOSS_REGISTRY)}"
+            " (verl's dppo_tv, dppo_kl, dro and bypass_mode are not adapted: keep verl's)"
+        )
+    return POLICY_LOSS_REGISTRY[name]
 
 
 def compute_value_loss(

@@ -1,0 +1,169 @@
+"""verl's registered policy losses (``POLICY_LOSS_REGISTRY``) on :func:`rlops.policy_loss`.
+
+Each adapter has verl's registered signature ``(old_log_prob, log_prob, advantages,
+response_mask, loss_agg_mode, config, rollout_is_weights) -> (pg_loss, metrics)``, reads the
+options from verl's actor config under verl's names (``clip_ratio``, ``clip_ratio_low``,
+``clip_ratio_high``, ``tau_pos``, ``tau_neg``, ``policy_loss.clip_cov_ratio`` /
+``clip_cov_lb`` / ``clip_cov_ub``, ``policy_loss.kl_cov_ratio`` / ``ppo_kl_coef``,
+``global_batch_info``), computes the per-token loss with one :func:`rlops.policy_loss` call
+(``agg=None``) and aggregates it as verl does. Metrics are Python floats under verl's keys.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import torch
+
+import rlops
+from rlops._checks import (
+    as_bool_mask,
+    as_real,
+    check_2d,
+    check_choice,
+    check_nonneg,
+    check_positive,
+    check_same_shape,
+)
+from rlops.losses import AGG_MODES
+
+__all__ = ["LOSS_AGG_MODES", "config_value", "policy_loss_adapter", "registered_losses"]
+
+LOSS_AGG_MODES = tuple(dict.fromkeys((*AGG_MODES, "token-sum")))
+
+
+def config_value(config: object, name: str, default: object = None) -> object:
+    """``config.name`` for attribute-style configs (dataclass, OmegaConf), else ``config[name]``;
+    ``default`` when absent or ``None``."""
+    if config is None:
+        return default
+    value = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
+    return default if value is None else value
+
+
+def _clip_pair(config: object, log_space: bool = False) -> dict[str, float]:
+    """verl's clip ranges: ``clip_ratio_low`` / ``clip_ratio_high``, each defaulting to
+    ``clip_ratio``; checked under those names. A ratio floor ``1 − low <= 0`` never binds (as in
+    verl): no lower clip. ``log_space`` (geo_mean): both are log-space bounds, any > 0."""
+    clip = config_value(config, "clip_ratio")
+    out = {}
+    for side, name in (("clip_low", "clip_ratio_low"), ("clip_high", "clip_ratio_high")):
+        value, label = config_value(config, name), name
+        if value is None:
+            value, label = clip, "clip_ratio"
+        if value is None:
+            raise ValueError(f"config.{name} (or config.clip_ratio) must be given")
+        value = check_positive(f"config.{label}", value)
+        if side == "clip_low" and value >= 1 and not log_space:
+            value = math.inf
+        out[side] = value
+    return out
+
+
+def _fraction(name: str, value: object) -> float:
+    value = check_positive(name, value)
+    if value > 1:
+        raise ValueError(f"{name} must be in (0, 1] (a fraction of the response tokens), "
+                         f"got {value}")
+    return value
+
+
+def _options(kind: str, config: object) -> dict[str, object]:
+    """The rlops options of ``kind`` from verl's actor config."""
+    pl = config_value(config, "policy_loss")
+    if kind in ("gspo", "cispo"):
+        return _clip_pair(config)
+    if kind == "geo_mean":
+        return _clip_pair(config, log_space=True)
+    if kind == "sapo":
+        return {"tau_pos": check_positive("config.tau_pos", config_value(config, "tau_pos", 1.0)),
+                "tau_neg": check_positive("config.tau_neg", config_value(config, "tau_neg", 1.05))}
+    if kind == "clip_cov":
+        lb = as_real("config.policy_loss.clip_cov_lb", config_value(pl, "clip_cov_lb", 1.0))
+        ub = as_real("config.policy_loss.clip_cov_ub", config_value(pl, "clip_cov_ub", 5.0))
+        if not lb < ub:
+            raise ValueError("config.policy_loss.clip_cov_lb must be < config.policy_loss."
+                             f"clip_cov_ub, got {lb} and {ub}")
+        return {**_clip_pair(config), "clip_cov_lb": lb, "clip_cov_ub": ub,
+                "clip_cov_ratio": _fraction("config.policy_loss.clip_cov_ratio",
+                                            config_value(pl, "clip_cov_ratio", 2e-4))}
+    if kind == "kl_cov":
+        return {"kl_cov_ratio": _fraction("config.policy_loss.kl_cov_ratio",
+                                          config_value(pl, "kl_cov_ratio", 2e-4)),
+                "ppo_kl_coef": check_nonneg("config.policy_loss.ppo_kl_coef",
+                                            config_value(pl, "ppo_kl_coef", 1.0))}
+    return {}
+
+
+def _row_geometric_mean(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """verl's geo_mean reading of ``rollout_is_weights``: per row, the geometric mean of
+    ``w + 1e-10`` over the response tokens, repeated along the row."""
+    row = rlops.masked_mean(torch.log(weights.detach().float() + 1e-10), mask, dim=-1)
+    return torch.exp(row)[:, None].expand_as(weights).to(weights.dtype)
+
+
+# verl's metric keys per kind: (verl key, rlops metric or a constant 0.0)
+_METRICS: dict[str, tuple[tuple[str, str | None], ...]] = {
+    "gspo": (("pg_clipfrac", "pg_clipfrac"), ("ppo_kl", "ppo_kl"), ("pg_clipfrac_lower", None)),
+    "cispo": (("pg_clipfrac", "pg_clipfrac"), ("ppo_kl", "ppo_kl"), ("pg_clipfrac_lower", None)),
+    "sapo": (("pg_clipfrac", None), ("ppo_kl", "ppo_kl"), ("pg_clipfrac_lower", None)),
+    "gpg": (),
+    "clip_cov": (("pg_clipfrac", "clip_cov_frac"), ("ppo_kl", "ppo_kl")),
+    "kl_cov": (("ppo_kl", "ppo_kl_abs"),),
+    "geo_mean": (("pg_clipfrac", "pg_clipfrac"), ("ppo_kl", "ppo_kl"),
+                 ("pg_clipfrac_lower", "pg_clipfrac_lower")),
+}
+# verl aggregates these with a fixed mode whatever loss_agg_mode says
+_FORCED_AGG = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean"}
+
+
+def policy_loss_adapter(kind: str, agg_loss: Callable, name: str) -> Callable:
+    """The adapter of verl's registered loss ``name``, computed as rlops kind ``kind``;
+    ``agg_loss`` is :func:`rlops.compat.verl.agg_loss`."""
+    default_mode = _FORCED_AGG.get(kind, "token-mean")
+
+    def adapter(
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = default_mode,
+        config: object = None,
+        rollout_is_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        if config is None:
+            raise ValueError(f"config (verl's actor config) must be given for the {name!r} loss")
+        check_2d("old_log_prob", old_log_prob)
+        weights = {} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}
+        check_same_shape("old_log_prob", old_log_prob, log_prob=log_prob, advantages=advantages,
+                         **weights)
+        mask = as_bool_mask("response_mask", response_mask, old_log_prob.shape, "old_log_prob",
+                            old_log_prob)
+        check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+        if kind == "geo_mean" and rollout_is_weights is not None:
+            rollout_is_weights = _row_geometric_mean(rollout_is_weights, mask)
+        loss_mat, metrics = rlops.policy_loss(
+            log_prob, old_log_prob, advantages, mask, kind=kind,
+            rollout_is_weights=rollout_is_weights, agg=None, **_options(kind, config),
+        )
+        if kind == "geo_mean":  # verl: a plain mean over all rows, whatever loss_agg_mode says
+            loss = rlops.aggregate_loss(loss_mat, mask, "seq-mean-token-mean",
+                                        num_seqs=max(old_log_prob.shape[0], 1))
+        else:
+            info = config_value(config, "global_batch_info") or {}
+            loss = agg_loss(loss_mat, mask, _FORCED_AGG.get(kind, loss_agg_mode), **info)
+        out = {}
+        for key, source in _METRICS[kind]:
+            out[f"actor/{key}"] = 0.0 if source is None else metrics[source].item()
+        return loss, out
+
+    adapter.__name__ = adapter.__qualname__ = f"compute_policy_loss_{name}"
+    return adapter
+
+
+def registered_losses(agg_loss: Callable) -> dict[str, Callable]:
+    """verl's registered name -> adapter, for the kinds rlops has (``"vanilla"`` excluded)."""
+    names = {"gspo": "gspo", "sapo": "sapo", "gpg": "gpg", "clip_cov": "clip_cov",
+             "kl_cov": "kl_cov", "geo_mean": "geo_mean", "cispo": "cispo"}
+    return {name: policy_loss_adapter(kind, agg_loss, name) for name, kind in names.items()}

@@ -1,0 +1,344 @@
+"""verl's rollout correction (``verl/trainer/ppo/rollout_corr_helper.py``) on rlops.
+
+verl's string options are parsed here into the arguments of :func:`rlops.rollout_importance_weights`
+and :func:`rlops.rollout_rejection_mask`: ``rollout_is_threshold`` ``2.0`` or ``"2.0"`` (TIS, an
+upper bound) or ``"0.5_2.0"`` (IcePop, ``lower_upper``: weights outside are zeroed);
+``rollout_rs="token_k1,seq_mean_k3"`` with ``rollout_rs_threshold`` one spec shared by every
+option or one per option, comma separated (k1 options: ``"lower_upper"`` or one upper with
+lower = 1/upper; the others: one upper bound). Verl's functions take
+``log_ratio = old_log_prob − rollout_log_prob``; it is passed to rlops as the trainer's
+log-probs against rollout log-probs of 0. Metrics are Python floats under verl's names.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+import rlops
+from rlops._checks import as_bool_mask, check_2d, check_choice, check_same_shape
+from rlops.rollout_correction import RS_OPTIONS
+
+__all__ = [
+    "compute_offpolicy_metrics",
+    "compute_rollout_correction_and_rejection_mask",
+    "compute_rollout_correction_weights",
+    "compute_rollout_rejection_mask",
+    "parse_rollout_is_threshold",
+    "parse_rollout_rs",
+]
+
+_IS_METRICS = ("rollout_is_eff_sample_size", "rollout_is_max", "rollout_is_mean",
+               "rollout_is_min", "rollout_is_ratio_fraction_high",
+               "rollout_is_ratio_fraction_low")
+_MISMATCH = ("chi2_seq", "chi2_token", "k3_kl", "kl", "log_ppl_diff")
+
+
+def _number(name: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError as exc:
+        raise ValueError(f"{name}: invalid number {text!r}") from exc
+
+
+def parse_rollout_is_threshold(spec: object) -> tuple[float, float | None]:
+    """verl's ``rollout_is_threshold``: ``(upper, lower)``; ``lower`` is ``None`` (TIS) unless the
+    spec is ``"lower_upper"`` (IcePop)."""
+    name = "rollout_is_threshold"
+    if isinstance(spec, bool) or not isinstance(spec, int | float | str):
+        raise TypeError(f"{name} must be a number or a 'lower_upper' string, got {spec!r}")
+    lower = None
+    if isinstance(spec, str):
+        text = spec.strip()
+        if not text:
+            raise ValueError(f"{name} must not be an empty string")
+        if "_" in text:
+            low_text, high_text = text.split("_", 1)
+            lower, upper = _number(name, low_text), _number(name, high_text)
+        else:
+            upper = _number(name, text)
+    else:
+        upper = float(spec)
+    if not upper > 0:
+        raise ValueError(f"{name} upper bound must be positive, got {upper}")
+    if lower is not None:
+        if not lower > 0:
+            raise ValueError(f"{name} lower bound must be positive, got {lower}")
+        if lower > upper:
+            raise ValueError(f"{name} lower bound must be <= upper bound, got {spec!r}")
+    return upper, lower
+
+
+def parse_rollout_rs(rollout_rs: object, rollout_rs_threshold: object) -> dict[str, object]:
+    """verl's ``rollout_rs`` / ``rollout_rs_threshold`` as the ``criteria`` of
+    :func:`rlops.rollout_rejection_mask` (option -> ``(lower, upper)`` for k1, ``upper`` else)."""
+    if not isinstance(rollout_rs, str):
+        raise ValueError("rollout_rs must be a non-empty string (comma separated for several "
+                         f"options), got {rollout_rs!r}")
+    options = list(dict.fromkeys(o.strip() for o in rollout_rs.split(",") if o.strip()))
+    if not options:
+        raise ValueError("rollout_rs must contain at least one option")
+    for option in options:
+        check_choice("rollout_rs option", option, RS_OPTIONS)
+    if rollout_rs_threshold is None:
+        raise ValueError("rollout_rs_threshold must be provided for rejection sampling")
+    if isinstance(rollout_rs_threshold, bool) or not isinstance(rollout_rs_threshold,
+                                                                int | float | str):
+        raise TypeError(f"rollout_rs_threshold must be a number or a string, got "
+                        f"{rollout_rs_threshold!r}")
+    if isinstance(rollout_rs_threshold, str):
+        specs = [s.strip() for s in rollout_rs_threshold.split(",") if s.strip()]
+    else:
+        specs = [str(rollout_rs_threshold)]
+    if len(specs) not in (1, len(options)):
+        raise ValueError(f"rollout_rs_threshold must give one threshold for every option or "
+                         f"{len(options)} (one per rollout_rs option), got {len(specs)}")
+    specs = specs * len(options) if len(specs) == 1 else specs
+    criteria: dict[str, object] = {}
+    for option, spec in zip(options, specs, strict=True):
+        name = f"rollout_rs_threshold for {option}"
+        if option.endswith("k1"):
+            if "_" in spec:
+                low_text, high_text = spec.split("_", 1)
+                lower, upper = _number(name, low_text), _number(name, high_text)
+            else:
+                upper = _number(name, spec)
+                lower = 1.0 / upper if upper > 0 else upper
+            if not (lower > 0 and upper > 0):
+                raise ValueError(f"{name} must be positive, got {spec!r}")
+            if lower > upper:
+                raise ValueError(f"{name} must have lower <= upper, got {spec!r}")
+            criteria[option] = (lower, upper)
+        else:
+            if "_" in spec:
+                raise ValueError(f"{name} must be one upper bound without '_', got {spec!r}")
+            upper = _number(name, spec)
+            if not upper > 0:
+                raise ValueError(f"{name} must be positive, got {spec!r}")
+            criteria[option] = upper
+    return criteria
+
+
+def _inputs(log_ratio: object, response_mask: object) -> torch.Tensor:
+    check_2d("log_ratio", log_ratio)
+    return as_bool_mask("response_mask", response_mask, log_ratio.shape, "log_ratio", log_ratio)
+
+
+def _require_tokens(mask: torch.Tensor) -> None:
+    if not bool(mask.any()):
+        raise ValueError("response_mask must contain at least one valid token (1)")
+
+
+def _distributed_group() -> object | None:
+    """verl normalises over every rank once torch.distributed is initialised."""
+    import torch.distributed as dist
+
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def compute_rollout_correction_weights(
+    log_ratio: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is: str = "token",
+    rollout_is_threshold: str | float = 2.0,
+    rollout_is_batch_normalize: bool = False,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Rollout importance weights ``(rollout_is_weights, metrics)``, verl's signature.
+
+    ``log_ratio`` ``[bs, T]`` = ``old_log_prob − rollout_log_prob``. ``rollout_is`` ``"token"``
+    (``ρ_t``) or ``"sequence"`` (``Π ρ_t`` over the row's response tokens). A threshold ``u``
+    truncates: ``min(ρ, u)`` (TIS); ``"l_u"`` zeroes weights outside ``[l, u]`` (IcePop). The
+    weights are 0 on mask-0 tokens and detached. With ``rollout_is_batch_normalize`` they are
+    divided by their mean (token: over response tokens; sequence: over rows with a response
+    token, each row's weight once), over every rank once torch.distributed is initialised, when
+    that mean is > 1e-8. :func:`rlops.rollout_importance_weights` (``level``, ``mode``,
+    ``threshold``, ``low``).
+
+    Metrics (floats): ``rollout_is_mean`` / ``_min`` / ``_max`` (of the applied weights, before
+    normalisation), ``rollout_is_eff_sample_size``, ``rollout_is_ratio_fraction_high`` /
+    ``_low`` (response tokens whose ratio is above / below the bounds), with IcePop
+    ``rollout_is_oob_ratio``, with normalisation ``rollout_is_batch_norm_factor``.
+
+    Differences: the log-weight is compared with the bounds before clamping at 20 (verl clamps
+    to ±20 first; they differ only beyond e^±20). Metrics: at sequence level the fractions count
+    response tokens (verl: rows, empty rows included) and min / max are of the applied weights
+    (verl: of the raw sequence ratio); with TIS ``rollout_is_ratio_fraction_low`` is 0 (verl
+    counts ratios below 1/threshold); verl's ``rollout_is_std`` and ``rollout_is_seq_*`` are not
+    computed.
+
+    Example:
+        >>> import torch
+        >>> w, m = compute_rollout_correction_weights(
+        ...     torch.tensor([[0.0, 1.0, -1.0]]), torch.ones(1, 3), "token", "0.5_2.0")
+        >>> w, round(m["rollout_is_oob_ratio"], 4)
+        (tensor([[1., 0., 0.]]), 0.6667)
+    """
+    mask = _inputs(log_ratio, response_mask)
+    check_choice("rollout_is", rollout_is, ("token", "sequence"))
+    upper, lower = parse_rollout_is_threshold(rollout_is_threshold)
+    if not isinstance(rollout_is_batch_normalize, bool):
+        raise TypeError("rollout_is_batch_normalize must be a bool, got "
+                        f"{type(rollout_is_batch_normalize).__name__}")
+    _require_tokens(mask)
+    weights, _, metrics = rlops.rollout_importance_weights(
+        log_ratio, torch.zeros_like(log_ratio), mask, level=rollout_is,
+        mode="truncate" if lower is None else "mask", threshold=upper, low=lower,
+    )
+    out = {k: metrics[k].item() for k in _IS_METRICS}
+    if lower is not None:
+        out["rollout_is_oob_ratio"] = (metrics["rollout_is_ratio_fraction_high"]
+                                       + metrics["rollout_is_ratio_fraction_low"]).item()
+    if rollout_is_batch_normalize:
+        group = _distributed_group()
+        if rollout_is == "token":
+            mean = rlops.masked_mean(weights, mask, group=group)
+        else:
+            rows = rlops.masked_mean(weights, mask, dim=-1)
+            mean = rlops.masked_mean(rows, mask.any(-1), group=group)
+        if mean.item() > 1e-8:
+            weights = weights / mean
+            out["rollout_is_batch_norm_factor"] = mean.item()
+        else:
+            out["rollout_is_batch_norm_factor"] = 1.0
+    return weights, out
+
+
+def compute_rollout_rejection_mask(
+    log_ratio: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_rs: str = "token_k1",
+    rollout_rs_threshold: str | float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Rejection by divergence: ``(modified_response_mask, metrics)``, verl's signature.
+
+    With ``d = log_ratio`` per response token: ``k1 = −d``, ``k2 = d²/2``,
+    ``k3 = e^d − 1 − d``; ``token_kX`` tests each token, ``seq_sum_kX`` / ``seq_mean_kX`` /
+    ``seq_max_kX`` the row's sum / mean / max and drop the whole row. k1 must lie in
+    ``[log lower, log upper]``, k2 and k3 be ``<= upper``; every listed option must pass.
+    ``modified_response_mask`` is ``response_mask`` (its dtype) with the rejected tokens 0.
+    :func:`rlops.rollout_rejection_mask` with the parsed criteria.
+
+    Metrics (floats): ``rollout_rs_masked_fraction``, ``rollout_rs_seq_masked_fraction``, and
+    per option ``rollout_rs_<option>_masked_fraction`` and ``_min`` / ``_max`` of its statistic
+    (over response tokens for token options, over rows with a response token otherwise) and
+    ``_mean``.
+
+    Differences: ``d`` is not clamped to ±20 first (only k3's exponential is clamped at 20);
+    ``rollout_rs_seq_masked_fraction`` is over rows with a response token (verl: all rows); a
+    sequence option's ``_mean`` is over rows (verl: over tokens, each row's statistic weighted
+    by its length); verl's per-option ``_std``, ``_fraction_high`` / ``_low``,
+    ``_seq_masked_fraction`` and ``_seq_*`` are not computed.
+
+    Example:
+        >>> import torch
+        >>> mask, m = compute_rollout_rejection_mask(
+        ...     torch.tensor([[0.0, 0.1], [2.0, 0.0]]), torch.ones(2, 2), "seq_max_k2", 0.5)
+        >>> mask, m["rollout_rs_masked_fraction"]
+        (tensor([[1., 1.],
+                [0., 0.]]), 0.5)
+    """
+    mask = _inputs(log_ratio, response_mask)
+    criteria = parse_rollout_rs(rollout_rs, rollout_rs_threshold)
+    if log_ratio.shape[0] == 0:
+        return response_mask, {}
+    _require_tokens(mask)
+    keep, metrics = rlops.rollout_rejection_mask(log_ratio, torch.zeros_like(log_ratio), mask,
+                                                 criteria)
+    modified = (response_mask * keep).to(response_mask.dtype)
+    return modified, {k: v.item() for k, v in metrics.items()}
+
+
+def compute_offpolicy_metrics(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor | None,
+    response_mask: torch.Tensor,
+) -> dict[str, float]:
+    """verl's rollout/trainer mismatch diagnostics, the ones :func:`rlops.rollout_mismatch_metrics`
+    computes: ``kl`` (``E[log π_rollout − log π_train]``), ``k3_kl``, ``chi2_token``,
+    ``chi2_seq`` and ``log_ppl_diff``, as floats.
+
+    Differences: rows with no response token are left out of the row means (verl counts them,
+    as 0); verl's perplexities (``training_ppl``, ``rollout_ppl``, their logs, ``ppl_ratio``,
+    ``log_ppl_abs_diff``, ``log_ppl_diff_max`` / ``_min``) are not computed; without
+    ``rollout_log_prob`` the result is empty.
+
+    Example:
+        >>> import torch
+        >>> m = compute_offpolicy_metrics(torch.tensor([[-1.0, -2.0]]),
+        ...                               torch.tensor([[-1.5, -2.0]]), torch.ones(1, 2))
+        >>> round(m["kl"], 4), round(m["log_ppl_diff"], 4)
+        (-0.25, -0.25)
+    """
+    check_2d("old_log_prob", old_log_prob)
+    mask = as_bool_mask("response_mask", response_mask, old_log_prob.shape, "old_log_prob",
+                        old_log_prob)
+    _require_tokens(mask)
+    if rollout_log_prob is None:
+        return {}
+    check_same_shape("old_log_prob", old_log_prob, rollout_log_prob=rollout_log_prob)
+    metrics = rlops.rollout_mismatch_metrics(old_log_prob, rollout_log_prob, mask)
+    return {k: metrics[k].item() for k in _MISMATCH}
+
+
+def compute_rollout_correction_and_rejection_mask(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is: str | None = None,
+    rollout_is_threshold: str | float | None = 2.0,
+    rollout_is_batch_normalize: bool = False,
+    rollout_rs: str | None = None,
+    rollout_rs_threshold: str | float | None = None,
+):
+    """IS weights, rejection mask and mismatch metrics in one call:
+    ``(rollout_is_weights_proto, modified_response_mask, metrics)``, verl's signature.
+
+    :func:`compute_rollout_correction_weights` (when ``rollout_is`` and ``rollout_is_threshold``
+    are set), :func:`compute_rollout_rejection_mask` (when ``rollout_rs`` is set) and
+    :func:`compute_offpolicy_metrics`, on ``log_ratio = old_log_prob − rollout_log_prob``;
+    metric keys get verl's ``"rollout_corr/"`` prefix. The weights come as verl's ``DataProto``
+    with key ``"rollout_is_weights"`` when verl is installed (otherwise an object whose
+    ``.batch["rollout_is_weights"]`` holds them), ``None`` when IS is off.
+
+    Differences: those of the three functions.
+
+    Example:
+        >>> import torch
+        >>> old, rollout = torch.tensor([[-1.0, -1.0]]), torch.tensor([[-2.0, -1.0]])
+        >>> proto, mask, m = compute_rollout_correction_and_rejection_mask(
+        ...     old, rollout, torch.ones(1, 2), rollout_is="token", rollout_is_threshold=2.0)
+        >>> proto.batch["rollout_is_weights"], m["rollout_corr/rollout_is_mean"]
+        (tensor([[2., 1.]]), 1.5)
+    """
+    check_2d("old_log_prob", old_log_prob)
+    check_same_shape("old_log_prob", old_log_prob, rollout_log_prob=rollout_log_prob)
+    mask = as_bool_mask("response_mask", response_mask, old_log_prob.shape, "old_log_prob",
+                        old_log_prob)
+    _require_tokens(mask)
+    log_ratio = old_log_prob - rollout_log_prob
+    metrics: dict[str, float] = {}
+    weights = None
+    if rollout_is is not None and rollout_is_threshold is not None:
+        weights, is_metrics = compute_rollout_correction_weights(
+            log_ratio, response_mask, rollout_is, rollout_is_threshold, rollout_is_batch_normalize)
+        metrics.update(is_metrics)
+    modified = response_mask.clone()
+    if rollout_rs is not None:
+        if rollout_rs_threshold is None:
+            raise ValueError("rollout_rs_threshold must be given when rollout_rs is set")
+        modified, rs_metrics = compute_rollout_rejection_mask(log_ratio, response_mask,
+                                                              rollout_rs, rollout_rs_threshold)
+        metrics.update(rs_metrics)
+    metrics.update(compute_offpolicy_metrics(old_log_prob, rollout_log_prob, response_mask))
+    metrics = {f"rollout_corr/{k}": v for k, v in metrics.items()}
+    proto = None
+    if weights is not None:
+        try:
+            from verl.protocol import DataProto
+        except ImportError:
+            proto = types.SimpleNamespace(batch={"rollout_is_weights": weights})
+        else:
+            proto = DataProto.from_dict(tensors={"rollout_is_weights": weights})
+    return proto, modified, metrics
+
