@@ -1,0 +1,262 @@
+"""verl's rollout correction by its names (``rollout_corr_helper``) against plain restatements of
+verl's documented behaviour: TIS truncation, IcePop zeroing, sequence products, batch
+normalisation, the rejection options and their string thresholds (loops, float64)."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from rlops.compat import verl
+
+B, T = 6, 8
+
+
+def _batch(seed=0, scale=0.6):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 2
+    rollout = old - scale * torch.randn(B, T, generator=g, dtype=torch.float64)
+    n = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T) < n[:, None]).long()
+    mask[2, 1:3] = 0
+    return old, rollout, mask
+
+
+def _tokens(mask):
+    return [(i, t) for i in range(mask.shape[0]) for t in range(mask.shape[1]) if mask[i, t]]
+
+
+def ref_weights(log_ratio, mask, level, upper, lower):
+    """verl: token ρ_t or sequence Π ρ_t (exp of the masked sum); TIS min(ρ, upper); IcePop ρ
+    inside [lower, upper], else 0; 0 on padding."""
+    w = torch.zeros_like(log_ratio)
+    for i in range(log_ratio.shape[0]):
+        s = sum(float(log_ratio[i, t]) for t in range(log_ratio.shape[1]) if mask[i, t])
+        for t in range(log_ratio.shape[1]):
+            if not mask[i, t]:
+                continue
+            rho = math.exp(float(log_ratio[i, t]) if level == "token" else s)
+            if lower is None:
+                w[i, t] = min(rho, upper)
+            else:
+                w[i, t] = rho if lower <= rho <= upper else 0.0
+    return w
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("spec,upper,lower", [(2.0, 2.0, None), ("1.5", 1.5, None),
+                                              ("0.5_2.0", 2.0, 0.5)])
+def test_weights_match_verls_tis_and_icepop(level, spec, upper, lower):
+    old, rollout, mask = _batch(1, scale=0.4 if level == "token" else 0.3)
+    lr = old - rollout
+    w, m = verl.compute_rollout_correction_weights(lr, mask, level, spec)
+    ref = ref_weights(lr, mask, level, upper, lower)
+    torch.testing.assert_close(w, ref)
+    toks = _tokens(mask)
+    assert m["rollout_is_mean"] == pytest.approx(sum(float(ref[p]) for p in toks) / len(toks))
+    assert m["rollout_is_max"] == pytest.approx(max(float(ref[p]) for p in toks))
+    assert m["rollout_is_min"] == pytest.approx(min(float(ref[p]) for p in toks))
+    mean = sum(float(ref[p]) for p in toks) / len(toks)
+    sq = sum(float(ref[p]) ** 2 for p in toks) / len(toks)
+    assert m["rollout_is_eff_sample_size"] == pytest.approx(mean**2 / sq)
+    if level == "token":
+        high = sum(math.exp(float(lr[p])) > upper for p in toks) / len(toks)
+        assert m["rollout_is_ratio_fraction_high"] == pytest.approx(high)
+    if lower is not None:
+        out = [p for p in toks if ref[p] == 0]
+        assert m["rollout_is_oob_ratio"] == pytest.approx(len(out) / len(toks))
+        assert 0 < len(out) < len(toks)
+    else:
+        assert "rollout_is_oob_ratio" not in m
+    assert not w.requires_grad
+
+
+def test_batch_normalize_as_verl():
+    old, rollout, mask = _batch(2, scale=0.2)
+    lr = old - rollout
+    w, m = verl.compute_rollout_correction_weights(lr, mask, "token", 2.0, True)
+    ref = ref_weights(lr, mask, "token", 2.0, None)
+    toks = _tokens(mask)
+    mean = sum(float(ref[p]) for p in toks) / len(toks)
+    torch.testing.assert_close(w, ref / mean)
+    assert m["rollout_is_batch_norm_factor"] == pytest.approx(mean)
+    assert m["rollout_is_mean"] == pytest.approx(mean)  # before normalisation
+    # sequence level: the mean of one weight per row (rows of every length count once)
+    w, m = verl.compute_rollout_correction_weights(lr, mask, "sequence", 5.0, True)
+    ref = ref_weights(lr, mask, "sequence", 5.0, None)
+    rows = [float(ref[i][mask[i].bool()][0]) for i in range(B) if mask[i].any()]
+    factor = sum(rows) / len(rows)
+    torch.testing.assert_close(w, ref / factor)
+    assert m["rollout_is_batch_norm_factor"] == pytest.approx(factor)
+
+
+def test_hand_computed_weights():
+    lr = torch.tensor([[math.log(3.0), math.log(0.5), 0.0]])
+    w, m = verl.compute_rollout_correction_weights(lr, torch.tensor([[1, 1, 0]]), "token", 2.0)
+    torch.testing.assert_close(w, torch.tensor([[2.0, 0.5, 0.0]]))
+    assert m["rollout_is_mean"] == pytest.approx(1.25)
+    assert m["rollout_is_ratio_fraction_high"] == pytest.approx(0.5)
+    # sequence: 3·0.5 = 1.5 -> inside [0.5, 2]; IcePop keeps it
+    w, _ = verl.compute_rollout_correction_weights(lr, torch.tensor([[1, 1, 0]]), "sequence",
+                                                   "0.5_2")
+    torch.testing.assert_close(w, torch.tensor([[1.5, 1.5, 0.0]]))
+
+
+def ref_reject(lr, mask, criteria):
+    """verl: k1 = −d in [log lower, log upper], k2 = d²/2 <= upper, k3 = e^d − 1 − d <= upper;
+    token options per token, seq_sum / seq_mean / seq_max over the row's response tokens."""
+    keep = mask.clone().double()
+    for i in range(lr.shape[0]):
+        idx = [t for t in range(lr.shape[1]) if mask[i, t]]
+        for option, bound in criteria.items():
+            k = option[-2:]
+
+            def stat(t, k=k, i=i):
+                d = float(lr[i, t])
+                return {"k1": -d, "k2": d * d / 2, "k3": math.exp(d) - 1 - d}[k]
+
+            def ok(x, k=k, bound=bound):
+                if k == "k1":
+                    lo, hi = bound
+                    return math.log(lo) <= x <= math.log(hi)
+                return x <= bound
+
+            if option.startswith("token"):
+                for t in idx:
+                    if not ok(stat(t)):
+                        keep[i, t] = 0
+            elif idx:
+                vals = [stat(t) for t in idx]
+                agg = {"seq_sum": sum(vals), "seq_mean": sum(vals) / len(vals),
+                       "seq_max": max(vals)}[option[:-3]]
+                if not ok(agg):
+                    keep[i] = 0
+    return keep * mask
+
+
+@pytest.mark.parametrize("rollout_rs,threshold,criteria", [
+    ("token_k1", "0.8_1.25", {"token_k1": (0.8, 1.25)}),
+    ("token_k1", 1.25, {"token_k1": (0.8, 1.25)}),
+    ("token_k2,seq_mean_k3", "0.05,0.02", {"token_k2": 0.05, "seq_mean_k3": 0.02}),
+    ("seq_sum_k1, seq_max_k2", "0.5_2.0,0.1", {"seq_sum_k1": (0.5, 2.0), "seq_max_k2": 0.1}),
+    ("seq_sum_k3,token_k3,seq_mean_k1", "0.3", {"seq_sum_k3": 0.3, "token_k3": 0.3,
+                                                "seq_mean_k1": (1 / 0.3, 0.3)}),
+])
+def test_rejection_matches_verls_options(rollout_rs, threshold, criteria):
+    if rollout_rs.endswith("seq_mean_k1"):  # lower = 1/upper > upper: verl rejects the spec
+        with pytest.raises(ValueError, match="rollout_rs_threshold"):
+            verl.compute_rollout_rejection_mask(torch.zeros(2, 2), torch.ones(2, 2), rollout_rs,
+                                                threshold)
+        return
+    old, rollout, mask = _batch(3, scale=0.3)
+    lr = old - rollout
+    out, m = verl.compute_rollout_rejection_mask(lr, mask, rollout_rs, threshold)
+    ref = ref_reject(lr, mask, criteria)
+    assert out.dtype == mask.dtype
+    torch.testing.assert_close(out.double(), ref)
+    toks = _tokens(mask)
+    dropped = sum(1 for p in toks if ref[p] == 0)
+    assert m["rollout_rs_masked_fraction"] == pytest.approx(dropped / len(toks))
+    for option in criteria:
+        assert f"rollout_rs_{option}_masked_fraction" in m
+
+
+def test_rejection_hand_computed():
+    lr = torch.tensor([[0.0, math.log(2.0)], [0.1, 0.0]])
+    # token_k1 with ratio bounds [0.8, 1.25]: −log 2 < log 0.8 -> token (0, 1) rejected
+    out, m = verl.compute_rollout_rejection_mask(lr, torch.ones(2, 2), "token_k1", 1.25)
+    torch.testing.assert_close(out, torch.tensor([[1.0, 0.0], [1.0, 1.0]]))
+    assert m["rollout_rs_masked_fraction"] == 0.25
+    assert m["rollout_rs_seq_masked_fraction"] == 0.5
+    # seq_sum_k2: row 0: (log 2)²/2 = 0.240 > 0.1 -> whole row; row 1: 0.005 kept
+    out, m = verl.compute_rollout_rejection_mask(lr, torch.ones(2, 2), "seq_sum_k2", 0.1)
+    torch.testing.assert_close(out, torch.tensor([[0.0, 0.0], [1.0, 1.0]]))
+    assert m["rollout_rs_seq_sum_k2_max"] == pytest.approx(math.log(2) ** 2 / 2)
+
+
+def test_combined_entry_point():
+    old, rollout, mask = _batch(4, scale=0.3)
+    proto, out, m = verl.compute_rollout_correction_and_rejection_mask(
+        old, rollout, mask, rollout_is="token", rollout_is_threshold=2.0,
+        rollout_rs="token_k2", rollout_rs_threshold=0.05)
+    lr = old - rollout
+    torch.testing.assert_close(proto.batch["rollout_is_weights"],
+                               ref_weights(lr, mask, "token", 2.0, None))
+    torch.testing.assert_close(out.double(), ref_reject(lr, mask, {"token_k2": 0.05}))
+    assert all(k.startswith("rollout_corr/") for k in m)
+    toks = _tokens(mask)
+    kl = sum(float(rollout[p] - old[p]) for p in toks) / len(toks)
+    assert m["rollout_corr/kl"] == pytest.approx(kl)
+    k3 = sum(math.exp(float(lr[p])) - float(lr[p]) - 1 for p in toks) / len(toks)
+    assert m["rollout_corr/k3_kl"] == pytest.approx(k3)
+    chi2 = sum(math.exp(2 * float(lr[p])) for p in toks) / len(toks) - 1
+    assert m["rollout_corr/chi2_token"] == pytest.approx(chi2)
+    # everything off: no weights, the mask unchanged (a copy), mismatch metrics only
+    proto, out, m = verl.compute_rollout_correction_and_rejection_mask(old, rollout, mask)
+    assert proto is None and torch.equal(out, mask) and out is not mask
+    assert set(m) == {f"rollout_corr/{k}" for k in ("chi2_seq", "chi2_token", "k3_kl", "kl",
+                                                     "log_ppl_diff")}
+
+
+def test_signatures_are_verls():
+    def names(fn):
+        return list(inspect.signature(fn).parameters)
+
+    assert names(verl.compute_rollout_correction_weights) == [
+        "log_ratio", "response_mask", "rollout_is", "rollout_is_threshold",
+        "rollout_is_batch_normalize"]
+    assert names(verl.compute_rollout_rejection_mask) == [
+        "log_ratio", "response_mask", "rollout_rs", "rollout_rs_threshold"]
+    assert names(verl.compute_rollout_correction_and_rejection_mask) == [
+        "old_log_prob", "rollout_log_prob", "response_mask", "rollout_is",
+        "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
+        "rollout_rs_threshold"]
+    assert names(verl.compute_offpolicy_metrics) == [
+        "old_log_prob", "rollout_log_prob", "response_mask"]
+
+
+_L = torch.zeros(2, 3)
+_M = torch.ones(2, 3)
+BAD = [
+    (lambda: verl.compute_rollout_correction_weights(_L, _M, "geometric"), ValueError,
+     "rollout_is"),
+    (lambda: verl.compute_rollout_correction_weights(_L, _M, "token", -1.0), ValueError,
+     "rollout_is_threshold"),
+    (lambda: verl.compute_rollout_correction_weights(_L, _M, "token", "2_1"), ValueError,
+     "rollout_is_threshold"),
+    (lambda: verl.compute_rollout_correction_weights(_L, _M, "token", "x"), ValueError,
+     "rollout_is_threshold"),
+    (lambda: verl.compute_rollout_correction_weights(_L, _M, "token", True), TypeError,
+     "rollout_is_threshold"),
+    (lambda: verl.compute_rollout_correction_weights(_L, _M, "token", 2.0, "yes"), TypeError,
+     "rollout_is_batch_normalize"),
+    (lambda: verl.compute_rollout_correction_weights(_L, torch.ones(2, 4)), ValueError,
+     "response_mask"),
+    (lambda: verl.compute_rollout_correction_weights(_L, torch.zeros(2, 3)), ValueError,
+     "response_mask"),
+    (lambda: verl.compute_rollout_correction_weights(torch.zeros(3), torch.ones(3)), ValueError,
+     "log_ratio"),
+    (lambda: verl.compute_rollout_rejection_mask(_L, _M, "token_k4", 1.0), ValueError,
+     "rollout_rs"),
+    (lambda: verl.compute_rollout_rejection_mask(_L, _M, "token_k1", None), ValueError,
+     "rollout_rs_threshold"),
+    (lambda: verl.compute_rollout_rejection_mask(_L, _M, "token_k2", "0.1_0.2"), ValueError,
+     "rollout_rs_threshold"),
+    (lambda: verl.compute_rollout_rejection_mask(_L, _M, "token_k2,seq_max_k3", "1,2,3"),
+     ValueError, "rollout_rs_threshold"),
+    (lambda: verl.compute_rollout_rejection_mask(_L, _M, 3, 1.0), ValueError, "rollout_rs"),
+    (lambda: verl.compute_rollout_correction_and_rejection_mask(_L, torch.zeros(2, 4), _M),
+     ValueError, "rollout_log_prob"),
+    (lambda: verl.compute_rollout_correction_and_rejection_mask(_L, _L, _M, rollout_rs="token_k2"),
+     ValueError, "rollout_rs_threshold"),
+]
+
+
+@pytest.mark.parametrize("i", range(len(BAD)))
+def test_bad_input_names_verls_argument(i):
+    call, err, word = BAD[i]
+    with pytest.raises(err, match=word):
+        call()
