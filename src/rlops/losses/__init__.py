@@ -2,8 +2,8 @@
 aggregation of a per-token loss matrix into a scalar.
 
 Modules: ``aggregation`` (:func:`aggregate_loss`, the modes and the global normalisers),
-``kl`` (:func:`kl_penalty`), ``kinds`` (the per-token loss of each policy-loss kind),
-``policy`` (:func:`policy_loss`), ``value`` (:func:`value_loss`).
+``kl`` (:func:`kl_penalty`), ``entropy`` (:func:`entropy_loss`), ``kinds`` (the per-token
+loss of each policy-loss kind), ``policy`` (:func:`policy_loss`), ``value`` (:func:`value_loss`).
 
 Numerical rules:
 
@@ -20,6 +20,7 @@ Numerical rules:
 
 from rlops.losses._common import MAX_EXP_ARG
 from rlops.losses.aggregation import AGG_MODES, aggregate_loss
+from rlops.losses.entropy import entropy_loss
 from rlops.losses.kl import KL_KINDS, kl_penalty
 from rlops.losses.policy import POLICY_KINDS, policy_loss
 from rlops.losses.value import value_loss
@@ -30,6 +31,7 @@ __all__ = [
     "MAX_EXP_ARG",
     "POLICY_KINDS",
     "aggregate_loss",
+    "entropy_loss",
     "kl_penalty",
     "policy_loss",
     "value_loss",

@@ -1,0 +1,98 @@
+"""Entropy bonus: the aggregated per-token entropy, negated and scaled, to add to the loss."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlops._checks import (
+    as_bool_mask,
+    as_real,
+    check_2d,
+    check_choice,
+    check_same_device,
+    shape_error,
+)
+from rlops.losses.aggregation import AGG_MODES, _check_agg, _check_normalisers, aggregate_loss
+
+__all__ = ["entropy_loss"]
+
+
+def _check_coef(coef: object, ref: torch.Tensor) -> float | torch.Tensor:
+    """A finite real number, or a 0-dim real floating tensor on ``ref``'s device (used there,
+    never read on the host: a coefficient schedule may live on the device)."""
+    if isinstance(coef, torch.Tensor):
+        if coef.dim() != 0:
+            raise shape_error("coef", "[] (a scalar)", coef.shape)
+        if not coef.is_floating_point():
+            raise TypeError(f"coef must be a real floating tensor or a number, got {coef.dtype}")
+        check_same_device("entropy", ref, coef=coef)
+        return coef
+    value = as_real("coef", coef)
+    if not math.isfinite(value):
+        raise ValueError(f"coef must be a finite number, got {coef}")
+    return value
+
+
+def entropy_loss(
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    agg: str = "token-mean",
+    coef: float | torch.Tensor = 1.0,
+    loss_scale_factor: float | None = None,
+    num_tokens: float | torch.Tensor | None = None,
+    num_seqs: float | torch.Tensor | None = None,
+    group: object = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Entropy bonus ``−coef·aggregate_loss(H, mask, agg)``, a term to *add* to the loss.
+
+    ``H [B, T]`` is the per-token entropy of the policy's distribution, e.g. the second output of
+    :func:`rlops.logprobs_and_entropy` (with ``entropy_grad=True`` so that its gradient reaches
+    the logits). Minimising the sum ``policy loss + entropy_loss`` raises the entropy when
+    ``coef > 0`` (exploration; ``coef < 0`` lowers it). This is verl's
+    ``policy_loss -= entropy_coeff * agg_loss(entropy, ...)``: with ``coef=entropy_coeff`` and
+    the same aggregation mode and normalisers, ``pg_loss + entropy_loss(...)[0]`` is verl's
+    policy loss. Per token, the gradient is ``−coef`` times
+    the token's aggregation weight (``m/N`` for ``token-mean``), 0 where the mask is 0.
+
+    Args:
+        entropy: ``[B, T]`` per-token entropy (nats); NaN or inf at mask-0 entries is ignored.
+        mask: ``[B, T]`` 0/1 action mask.
+        agg: one of :data:`rlops.losses.AGG_MODES` (verl's ``loss_agg_mode``), see
+            :func:`aggregate_loss`.
+        coef: the bonus coefficient, a finite number, or a 0-dim floating tensor on the
+            device (not read on the host; it may require grad).
+        loss_scale_factor, num_tokens, num_seqs, group: see :func:`aggregate_loss` (global
+            normalisers: the micro-batch losses then *sum* to the full-batch loss).
+
+    Returns:
+        ``(loss, metrics)``: the 0-dim loss (float32 for half inputs) and ``entropy``, the
+        aggregated entropy ``aggregate_loss(H, mask, agg, ...)``, detached (so
+        ``loss = −coef·entropy``). With global normalisers both are this call's *share*: summed
+        over micro-batches and ranks they give the full batch's (as verl's ``actor/entropy_loss``
+        metric, which it sums).
+
+    Example:
+        >>> import torch
+        >>> h = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
+        >>> m = torch.tensor([[1, 1, 1], [1, 0, 0]])
+        >>> loss, metrics = entropy_loss(h, m, coef=0.01)
+        >>> round(loss.item(), 6), metrics["entropy"].item()
+        (-0.025, 2.5)
+        >>> loss, metrics = entropy_loss(h, m, agg="seq-mean-token-mean", coef=0.01)
+        >>> round(loss.item(), 6), metrics["entropy"].item()
+        (-0.03, 3.0)
+    """
+    check_2d("entropy", entropy)
+    keep = as_bool_mask("mask", mask, entropy.shape, "entropy", entropy)
+    check_choice("agg", agg, AGG_MODES)
+    loss_scale_factor = _check_agg("agg", agg, loss_scale_factor)
+    num_tokens, num_seqs, group = _check_normalisers(num_tokens, num_seqs, group)
+    coef = _check_coef(coef, entropy)
+    agg_entropy = aggregate_loss(entropy, keep, agg, loss_scale_factor=loss_scale_factor,
+                                 num_tokens=num_tokens, num_seqs=num_seqs, group=group)
+    if isinstance(coef, torch.Tensor):
+        coef = coef.to(agg_entropy.dtype)
+    return -coef * agg_entropy, {"entropy": agg_entropy.detach()}
