@@ -483,10 +483,12 @@ def test_exports_are_pinned_and_documented():
     assert slime.__all__ == sorted(slime.__all__)
     assert slime.__all__ == [
         "add_outcome_rewards", "all_gather_with_cp", "calculate_log_probs_and_entropy",
-        "chunked_discounted_returns", "chunked_gae", "compute_approx_kl", "compute_policy_loss",
+        "chunked_discounted_returns", "chunked_gae", "compute_approx_kl", "compute_cispo_loss",
+        "compute_opsm_mask", "compute_policy_loss",
         "distributed_masked_whiten", "get_advantages_and_returns_batch", "get_grpo_returns",
         "get_reinforce_plus_plus_baseline_advantages", "get_reinforce_plus_plus_returns",
-        "slice_log_prob_with_cp", "value_loss_function", "vanilla_gae",
+        "icepop_function", "slice_log_prob_with_cp", "value_loss_function", "vanilla_gae",
+        "vanilla_tis_function",
     ]
     for name in slime.__all__:
         doc = getattr(slime, name).__doc__

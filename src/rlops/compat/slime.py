@@ -44,6 +44,12 @@ from rlops.compat._slime_cp import (
     response_values,
     slice_log_prob_with_cp,
 )
+from rlops.compat._slime_kinds import (
+    compute_cispo_loss,
+    compute_opsm_mask,
+    icepop_function,
+    vanilla_tis_function,
+)
 from rlops.distributed.groups import group_rank_size
 
 __all__ = [
@@ -53,15 +59,19 @@ __all__ = [
     "chunked_discounted_returns",
     "chunked_gae",
     "compute_approx_kl",
+    "compute_cispo_loss",
+    "compute_opsm_mask",
     "compute_policy_loss",
     "distributed_masked_whiten",
     "get_advantages_and_returns_batch",
     "get_grpo_returns",
     "get_reinforce_plus_plus_baseline_advantages",
     "get_reinforce_plus_plus_returns",
+    "icepop_function",
     "slice_log_prob_with_cp",
     "value_loss_function",
     "vanilla_gae",
+    "vanilla_tis_function",
 ]
 
 
