@@ -36,7 +36,7 @@ def _is_corrected(
     """``r·k(d)``, ``r = exp(min(lp − op, 20))``, ``d = lp − rp``; k3's gradient written out."""
     r = torch.exp((lp - op).clamp_max(MAX_EXP_ARG))
     value = r * _kl_value(d, kind)
-    if kind != "k3":
+    if kind != "k3" or not value.requires_grad:
         return value
     # The chain rule gives ∂/∂lp = r·k3 + r·(1 − e^(−d)): two terms of size r·e^(−d) that
     # cancel to r·d, a relative error of ~eps·e^(−d)/|d| (2% at d = −15 in float32), and past
