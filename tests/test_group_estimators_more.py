@@ -148,6 +148,33 @@ def test_passk_matches_loop_reference(dtype, seed, norm_std):
         assert int(nonzero[members].sum()) <= 1
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("b", [2, 63, 129, 500])
+def test_odd_sizes_with_random_groups(dtype, b):
+    """Random group sizes (2..9) on odd batch sizes, scores on a coarse grid (ties for the top)."""
+    gen = torch.Generator().manual_seed(b)
+    sizes = []
+    while sum(sizes) < b:
+        sizes.append(int(torch.randint(2, 10, (1,), generator=gen)))
+    sizes[-1] -= sum(sizes) - b
+    if sizes[-1] < 2:
+        sizes[-2] += sizes.pop()
+    index = torch.repeat_interleave(torch.randperm(len(sizes), generator=gen) * 3 - 50,
+                                    torch.tensor(sizes))[torch.randperm(b, generator=gen)]
+    scores = (torch.randint(-4, 5, (b,), generator=gen) / 4).to(dtype)
+    mask = random_mask(b, 9, gen)
+    acc = acc_dtype(dtype)
+    cases = (
+        (opo_advantages, lambda e: ref_opo(scores, index, mask, e, None if e else acc)),
+        (gpg_advantages, lambda e: ref_gpg(scores, index, e, None if e else acc)),
+        (grpo_passk_advantages, lambda e: ref_passk(scores, index, e, None if e else acc)),
+    )
+    for fn, ref in cases:
+        adv, _ = fn(scores, index, mask)
+        same = broadcast(ref(False).to(dtype), mask)
+        assert_within_ref_error(adv, broadcast(ref(True), mask), same)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_token_level_scores_are_summed_over_t(dtype):
     scores, index, mask = make_batch(dtype, 3, singletons=False)
