@@ -49,7 +49,9 @@ def _check_kl(current_kl: object, read: bool = True) -> float | torch.Tensor:
             )
         if current_kl.is_complex() or current_kl.dtype == torch.bool:
             raise TypeError(f"current_kl must be a real tensor, got {current_kl.dtype}")
-        if _on_device(current_kl) or not read:
+        if not read:
+            return current_kl
+        if _on_device(current_kl):
             wide = torch.float64 if current_kl.device.type != "mps" else torch.float32
             return current_kl.detach().to(wide)
         current_kl = current_kl.detach()
