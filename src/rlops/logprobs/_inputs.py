@@ -6,12 +6,13 @@ import math
 
 import torch
 
-from rlops._checks import as_float_tensor, shape_error, values_checked
+from rlops._checks import as_float_tensor, compute_dtype, shape_error, values_checked
 
 __all__ = [
     "check_flags",
     "check_keep_mask",
     "check_logits",
+    "check_sampler",
     "check_target",
     "check_target_range",
     "check_temperature",
@@ -100,3 +101,62 @@ def check_flags(**flags: object) -> None:
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def _check_sampler_tensor(name, t, lead, integer, dtype):
+    if integer and (t.dtype == torch.bool or t.is_floating_point() or t.is_complex()):
+        raise TypeError(f"{name} must be an int or an integer tensor, got {t.dtype}")
+    if not integer and not t.is_floating_point():
+        raise TypeError(f"{name} must be a float or a floating-point tensor, got {t.dtype}")
+    if tuple(t.shape) != tuple(lead):
+        raise shape_error(name, f"[...] like logits[..., 0] {list(lead)}", t.shape)
+    return t.reshape(-1).to(torch.long if integer else dtype)
+
+
+def check_sampler(
+    top_k: object, top_p: object, min_p: object, logits: torch.Tensor
+) -> tuple[object, object, object] | None:
+    """The sampler's filters, checked: ``(top_k, top_p, min_p)`` as Python numbers or flattened
+    ``[N]`` tensors (int64; the compute dtype), or None when all three are None.
+
+    ``top_k`` ``≥ 1``; ``top_p`` in ``(0, 1]``; ``min_p`` in ``[0, 1]``. A tensor's values are
+    checked on CPU only (:func:`values_checked`); a scalar's always.
+    """
+    if top_k is None and top_p is None and min_p is None:
+        return None
+    lead = logits.shape[:-1]
+    dtype = compute_dtype(logits.dtype)
+    out = []
+    for name, x in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
+        integer = name == "top_k"
+        if x is None:
+            out.append(None)
+            continue
+        if isinstance(x, torch.Tensor):
+            t = _check_sampler_tensor(name, x, lead, integer, dtype)
+            if values_checked(t) and t.numel() > 0:
+                lo, hi = (int(v) if integer else float(v) for v in torch.aminmax(t))
+                bad = t.isnan().any().item() if not integer else False
+                _check_sampler_range(name, lo, hi, bad)
+            out.append(t)
+            continue
+        if isinstance(x, bool) or not isinstance(x, (int, float) if not integer else int):
+            kind = "an int" if integer else "a float"
+            raise TypeError(f"{name} must be {kind}, a tensor or None, got {type(x).__name__}")
+        value = int(x) if integer else float(x)
+        _check_sampler_range(name, value, value, math.isnan(value) if not integer else False)
+        out.append(value)
+    return tuple(out)
+
+
+def _check_sampler_range(name: str, lo: float, hi: float, nan: bool) -> None:
+    if name == "top_k":
+        if lo < 1:
+            raise ValueError(f"top_k must be >= 1 (V or more keeps every token), got {lo}")
+    elif name == "top_p":
+        if nan or lo <= 0 or hi > 1:
+            bad = "nan" if nan else (lo if lo <= 0 else hi)
+            raise ValueError(f"top_p must lie in (0, 1] (1 keeps every token), got {bad}")
+    elif nan or lo < 0 or hi > 1:
+        bad = "nan" if nan else (lo if lo < 0 else hi)
+        raise ValueError(f"min_p must lie in [0, 1] (0 keeps every token), got {bad}")

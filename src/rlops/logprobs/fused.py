@@ -14,18 +14,25 @@ import torch.distributed as dist
 
 from rlops._checks import check_chunk_size, check_same_device, compute_dtype
 from rlops.distributed.groups import group_rank_size
-from rlops.logprobs import _shard, _tp
+from rlops.logprobs import _shard, _support, _tp
 from rlops.logprobs._inputs import (
     check_flags,
     check_keep_mask,
     check_logits,
+    check_sampler,
     check_target,
     check_target_range,
     check_temperature,
     default_chunk,
 )
 
-__all__ = ["gather_stats", "logits_grad_with_graph", "logprobs_and_entropy", "scaled_chunk"]
+__all__ = [
+    "gather_stats",
+    "logits_grad_with_graph",
+    "logprobs_and_entropy",
+    "scaled_chunk",
+    "support_applied",
+]
 
 
 def scaled_chunk(
@@ -49,6 +56,30 @@ def gather_stats(stats: torch.Tensor, group: object, world: int) -> torch.Tensor
     return out.view(world, stats.shape[0], stats.shape[1])
 
 
+def support_applied(
+    z: torch.Tensor,
+    own: bool,
+    idx: torch.Tensor,
+    in_range: torch.Tensor,
+    params: tuple,
+    over_support: bool,
+) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
+    """The sampler's support on one chunk of scaled logits: ``(z, own, keep)`` for
+    :func:`_shard.stats_chunk` / :func:`_shard.grad_chunk`.
+
+    Without ``over_support`` the support is the chunk's keep mask (the log-prob distribution;
+    the entropy stays over all logits). With it, the logits outside the support (the target
+    always inside) become ``-inf`` (probability zero), so that both the log-prob and the entropy
+    are over the support, and no mask is needed.
+    """
+    keep = _support.support_chunk(z, *params)
+    if not over_support:
+        return z, own, keep
+    keep.scatter_(1, idx, keep.gather(1, idx) | in_range)
+    z = z.masked_fill_(~keep, float("-inf")) if own else z.masked_fill(~keep, float("-inf"))
+    return z, True, None
+
+
 def logits_grad_with_graph(
     x: torch.Tensor,
     target: torch.Tensor,
@@ -58,6 +89,8 @@ def logits_grad_with_graph(
     g_ent: torch.Tensor | None,
     world: int,
     op: str,
+    sampler: _support.Sampler | None = None,
+    over_support: bool = False,
 ) -> torch.Tensor:
     """Gradient w.r.t. the logits ``x`` ``[N, V]`` as a differentiable function of ``x`` and of
     the upstream gradients ``[N, 1]``: the backward when autograd records it (double backward).
@@ -72,16 +105,32 @@ def logits_grad_with_graph(
             "(rlops.logprobs.reference) on the full vocabulary for higher derivatives"
         )
     z = x.to(compute_dtype(x.dtype)) / temperature
-    grad = _shard.grad_differentiable(
-        z, target.reshape(-1, 1), keep, g_logp, g_ent, 1.0 / temperature
-    )
+    idx = target.reshape(-1, 1)
+    if sampler is not None:  # a piecewise-constant support: computed without a graph
+        keep = _support.support_chunk(z.detach(), *sampler.rows(0, z.shape[0]))
+        if over_support:
+            keep = keep.scatter(1, idx, True)
+            z = z.masked_fill(~keep, float("-inf"))
+            keep = None
+    grad = _shard.grad_differentiable(z, idx, keep, g_logp, g_ent, 1.0 / temperature)
     return grad.to(x.dtype)
 
 
 class _FusedLogprobsEntropy(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, logits, target, keep, temperature, with_entropy, entropy_grad, group, chunk, start
+        ctx,
+        logits,
+        target,
+        keep,
+        temperature,
+        with_entropy,
+        entropy_grad,
+        group,
+        chunk,
+        start,
+        sampler,
+        over_support,
     ):
         _, world = group_rank_size(group)
         v_local = logits.shape[-1]
@@ -91,7 +140,7 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
         n = x.shape[0]
         dtype = compute_dtype(logits.dtype)
         chunk = chunk or default_chunk(n, v_local, logits.device)
-        masked = keep is not None
+        masked = keep is not None or (sampler is not None and not over_support)
         stats = torch.empty(
             (n, _shard.n_columns(masked, with_entropy)), dtype=dtype, device=logits.device
         )
@@ -99,11 +148,14 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
             z, own = scaled_chunk(x[i : i + chunk], dtype, temperature)
             idx, in_range = _shard.target_index(tgt[i : i + chunk], start, v_local)
             kc = None if keep2 is None else keep2[i : i + chunk]
+            if sampler is not None:
+                params = sampler.rows(i, i + chunk)
+                z, own, kc = support_applied(z, own, idx, in_range, params, over_support)
             _shard.stats_chunk(z, own, idx, in_range, kc, with_entropy, stats[i : i + chunk])
         logp, ent, saved = _shard.merge(gather_stats(stats, group, world), masked, with_entropy)
         saved = _shard.pack_saved(saved, masked, entropy_grad)
         ctx.set_materialize_grads(False)
-        ctx.meta = (temperature, start, chunk, world)
+        ctx.meta = (temperature, start, chunk, world, sampler, over_support)
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(logits, target, keep, *saved)
         lead = logits.shape[:-1]
@@ -114,11 +166,11 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        temperature, start, chunk, world = ctx.meta
+        temperature, start, chunk, world, sampler, over_support = ctx.meta
         logits, target, keep, *saved = ctx.saved_tensors
         saved, has_entropy = _shard.unpack_saved(saved)
         g_ent = g_ent if has_entropy else None
-        nones = (None,) * 8
+        nones = (None,) * 10
         if g_logp is None and g_ent is None:
             return (None, *nones)
         v_local = logits.shape[-1]
@@ -130,7 +182,8 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
         ge = None if g_ent is None else g_ent.reshape(-1, 1).to(dtype)
         if torch.is_grad_enabled():  # create_graph=True: a differentiable backward
             grad = logits_grad_with_graph(
-                x, tgt, keep2, temperature, gl, ge, world, "logprobs_and_entropy"
+                x, tgt, keep2, temperature, gl, ge, world, "logprobs_and_entropy",
+                sampler, over_support,
             )
             return (grad.view(logits.shape), *nones)
         grad = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -139,12 +192,16 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
             j = i + chunk
             z, own = scaled_chunk(x[i:j], dtype, temperature)
             idx, in_range = _shard.target_index(tgt[i:j], start, v_local)
+            kc = None if keep2 is None else keep2[i:j]
+            if sampler is not None:
+                params = sampler.rows(i, j)
+                z, own, kc = support_applied(z, own, idx, in_range, params, over_support)
             g = _shard.grad_chunk(
                 z,
                 own,
                 idx,
                 in_range,
-                None if keep2 is None else keep2[i:j],
+                kc,
                 [t[i:j] for t in saved],
                 None if gl is None else gl[i:j],
                 None if ge is None else ge[i:j],
@@ -162,6 +219,10 @@ def logprobs_and_entropy(
     *,
     temperature: float = 1.0,
     keep_mask: torch.Tensor | None = None,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    entropy_over_support: bool = False,
     with_entropy: bool = True,
     entropy_grad: bool = True,
     group: object = None,
@@ -178,6 +239,22 @@ def logprobs_and_entropy(
 
     With ``keep_mask`` (top-p / top-k replay), the log-prob is taken over the kept logits only
     (the target is always kept), while the entropy uses all logits.
+
+    Sampler support: ``top_k``, ``top_p`` and ``min_p`` rebuild the sampler's support from
+    ``z`` chunk by chunk inside the loop (never an ``[N, V]`` mask; a chunk's sort is the extra
+    temporary), as vLLM applies them after the temperature: min-p (``p_v ≥ min_p · max p``),
+    then top-k and top-p over what min-p kept, top-p on the distribution renormalised over the
+    top-k. Each keeps the logits at or above a threshold: top-k keeps every logit ``≥`` the
+    k-th largest value (ties with it all kept, as vLLM); top-p sorts descending and keeps the
+    smallest prefix whose mass reaches ``p``, the crossing token included, and every logit
+    tied with that token (vLLM keeps a sort-order-dependent subset of such ties). The support
+    is computed in float32 (float64 for float64 logits), like the engines' float32 sampler. The
+    target (the sampled token) is always kept, even outside the nominal support. The log-prob
+    is renormalised over the support; the entropy is over all logits, or over the support
+    (target included) with ``entropy_over_support=True``. The support is a piecewise-constant
+    function of the logits: the gradient is that of the masked softmax, with nothing through
+    the selection. One process only: with a tensor-parallel ``group`` of more than one rank
+    they raise NotImplementedError (the threshold must be global over the vocabulary).
 
     The vocabulary may be sharded over ``group`` (tensor parallel): rank ``r`` holds the
     logits of the ids that follow the shards of ranks ``< r`` (``[r·V_local, (r+1)·V_local)``
@@ -216,7 +293,12 @@ def logprobs_and_entropy(
         logits: ``[..., V_local]`` float16 / bfloat16 / float32 / float64.
         target: ``[...]`` integer ids in the global vocabulary ``[0, Σ_r V_local_r)``.
         temperature: ``> 0``; divides the logits before everything.
-        keep_mask: ``[..., V_local]`` bool, or None (keep all).
+        keep_mask: ``[..., V_local]`` bool, or None (keep all). Not with the sampler filters.
+        top_k: int ``≥ 1`` or an integer tensor ``[...]`` (per token); ``≥ V`` keeps all.
+        top_p: float in ``(0, 1]`` or a floating tensor ``[...]``; 1 keeps all.
+        min_p: float in ``[0, 1]`` or a floating tensor ``[...]``; 0 keeps all.
+        entropy_over_support: take the entropy over the sampler's support (requires one of
+            ``top_k``, ``top_p``, ``min_p``).
         with_entropy: if False, skip all entropy work and return ``None`` for it.
         entropy_grad: if False, the entropy is returned detached and nothing is saved for its
             backward (use it when the entropy is only logged).
@@ -244,6 +326,9 @@ def logprobs_and_entropy(
         logits, target, keep_mask, temperature = _checked(
             logits, target, temperature, keep_mask, with_entropy, entropy_grad, chunk_size
         )
+        sampler = _checked_sampler(
+            logits, top_k, top_p, min_p, keep_mask, entropy_over_support, world
+        )
     except (TypeError, ValueError) as exc:
         if checked:  # the other ranks are about to exchange headers: join them, then raise
             _tp.fail_together(group, world, exc, getattr(logits, "device", None))
@@ -265,7 +350,7 @@ def logprobs_and_entropy(
     else:
         start, vocab = rank * v_local, world * v_local
     check_target_range(target, vocab)
-    args = (with_entropy, entropy_grad, group, chunk_size, start)
+    args = (with_entropy, entropy_grad, group, chunk_size, start, sampler, entropy_over_support)
     logp, ent = _FusedLogprobsEntropy.apply(logits, target, keep_mask, temperature, *args)
     return logp, (ent if with_entropy else None)
 
@@ -284,3 +369,27 @@ def _checked(logits, target, temperature, keep_mask, with_entropy, entropy_grad,
     keep_mask = check_keep_mask(keep_mask, logits)
     check_same_device("logits", logits, target=target, keep_mask=keep_mask)
     return logits, target, keep_mask, temperature
+
+
+def _checked_sampler(logits, top_k, top_p, min_p, keep_mask, entropy_over_support, world):
+    """The sampler filters as a :class:`_support.Sampler`, or None when none is given."""
+    check_flags(entropy_over_support=entropy_over_support)
+    params = check_sampler(top_k, top_p, min_p, logits)
+    if params is None:
+        if entropy_over_support:
+            raise ValueError("entropy_over_support=True needs top_k, top_p or min_p")
+        return None
+    if keep_mask is not None:
+        raise ValueError(
+            "keep_mask and top_k / top_p / min_p are exclusive: give the sampler's support "
+            "either as a mask or as its parameters"
+        )
+    if world > 1:
+        raise NotImplementedError(
+            "top_k / top_p / min_p with a tensor-parallel group of more than one rank are not "
+            "supported yet (the support threshold must be global over the vocabulary); pass "
+            "keep_mask, or call without group on the full vocabulary"
+        )
+    named = zip(("top_k", "top_p", "min_p"), params, strict=True)
+    check_same_device("logits", logits, **{n: p for n, p in named if p is not None})
+    return _support.Sampler(*params)

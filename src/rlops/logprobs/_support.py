@@ -1,0 +1,88 @@
+"""The sampler's support (min-p, top-k, top-p) of one chunk of scaled logits, as a threshold.
+
+Every filter keeps the logits at or above a per-token threshold, so the support of a chunk
+``z`` ``[C, V]`` (already divided by the temperature, in the compute dtype) is ``z ≥ t`` with
+``t`` ``[C, 1]``. The filters compose in vLLM's order (``vllm/v1/sample``: temperature, then
+min-p, then top-k and top-p on what is left):
+
+- min-p: ``p_v ≥ min_p · max p`` ⇔ ``z_v ≥ max z + log min_p``;
+- top-k: ``t_k`` = the k-th largest value; every logit ``≥ t_k`` is kept, so ties with the
+  k-th value are all kept (vLLM's ``apply_top_k_only`` and ``apply_top_k_top_p`` mask
+  ``logits < k-th value``);
+- top-p: over the distribution renormalised on what min-p and top-k kept, sorted descending,
+  the smallest prefix whose mass reaches ``p`` (the token that crosses ``p`` is kept: its mass
+  *before* it is ``< p``); ``t_p`` is that token's value, and every logit ``≥ t_p`` is kept.
+  vLLM sorts ascending and drops the positions whose cumulative mass is ``≤ 1 − p``, the same
+  rule except at a tie across the boundary, where it keeps an arbitrary (sort-order) subset of
+  the tied tokens; keeping them all makes the support a function of the values alone.
+
+The threshold is recomputed in the backward from the same values with the same operations, so
+forward and backward see the same support. It is piecewise constant in the logits: no gradient
+flows through it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["Sampler", "support_chunk"]
+
+# A per-token parameter is a [C, 1] tensor (rows of the chunk); a scalar is a Python number.
+Param = int | float | torch.Tensor | None
+
+
+class Sampler:
+    """The checked sampler parameters: scalars, or per-token ``[N]`` tensors (flattened)."""
+
+    __slots__ = ("min_p", "top_k", "top_p")
+
+    def __init__(self, top_k: Param, top_p: Param, min_p: Param) -> None:
+        self.top_k, self.top_p, self.min_p = top_k, top_p, min_p
+
+    def rows(self, i: int, j: int) -> tuple[Param, Param, Param]:
+        """The parameters of rows ``[i, j)``: scalars as they are, tensors as ``[C, 1]``."""
+        return tuple(
+            p[i:j].unsqueeze(1) if isinstance(p, torch.Tensor) else p
+            for p in (self.top_k, self.top_p, self.min_p)
+        )
+
+
+def _maximum(t: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
+    return u if t is None else torch.maximum(t, u)
+
+
+def support_chunk(z: torch.Tensor, top_k: Param, top_p: Param, min_p: Param) -> torch.Tensor:
+    """``[C, V]`` bool: the sampler's support of scaled logits ``z`` (``z`` is not modified).
+
+    ``top_k``: int ``≥ 1`` or ``[C, 1]`` int64 (values ``≥ V`` keep everything); ``top_p``:
+    float in ``(0, 1]`` or ``[C, 1]`` in ``z``'s dtype; ``min_p``: float in ``[0, 1]`` or
+    ``[C, 1]``; None: that filter is off.
+    """
+    v = z.shape[1]
+    if isinstance(top_p, float) and top_p >= 1.0:
+        top_p = None
+    t = None
+    if min_p is not None and not (isinstance(min_p, float) and min_p == 0.0):
+        log_min_p = torch.as_tensor(min_p, dtype=z.dtype, device=z.device).log()
+        t = z.amax(dim=1, keepdim=True) + log_min_p  # min_p = 0: -inf, keeps everything
+    if top_p is None and not isinstance(top_k, torch.Tensor):
+        if top_k is not None and top_k < v:
+            t = _maximum(t, z.topk(top_k, dim=1, sorted=False).values.amin(dim=1, keepdim=True))
+        return torch.ones_like(z, dtype=torch.bool) if t is None else z >= t
+    zs = z.sort(dim=1, descending=True).values
+    if top_k is not None:
+        if isinstance(top_k, torch.Tensor):
+            t = _maximum(t, zs.gather(1, top_k.clamp(1, v) - 1))
+        elif top_k < v:
+            t = _maximum(t, zs[:, top_k - 1 : top_k])
+    if top_p is not None:
+        zt = zs if t is None else zs.masked_fill(zs < t, float("-inf"))
+        probs = torch.softmax(zt, dim=1)
+        before = torch.zeros_like(probs)  # the mass strictly before each sorted position
+        torch.cumsum(probs[:, :-1], dim=1, out=before[:, 1:])
+        n_keep = (before < top_p).sum(dim=1, keepdim=True)  # a prefix: the cumsum is monotone
+        t_p = zs.gather(1, (n_keep - 1).clamp(min=0))
+        if isinstance(top_p, torch.Tensor):  # p = 1 keeps every token, whatever the rounding
+            t_p = t_p.masked_fill(top_p >= 1.0, float("-inf"))
+        t = _maximum(t, t_p)
+    return torch.ones_like(z, dtype=torch.bool) if t is None else z >= t

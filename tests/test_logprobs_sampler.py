@@ -1,0 +1,349 @@
+"""Log-probs under the sampler's support (top-k, top-p, min-p) built inside the chunk loop, vs
+float64 references that build the full logits and the support token by token."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tests._logprobs_util import assert_as_accurate, forward_backward, nan_filled_empty
+
+from rlops.logprobs import _support, logprobs_and_entropy
+
+FACTOR_FWD, FACTOR_GRAD = 2.0, 3.0
+INF = float("inf")
+
+
+# --------------------------------------------------------------------------- references
+def _param(p, row):
+    if p is None:
+        return None
+    return p.reshape(-1)[row].item() if isinstance(p, torch.Tensor) else p
+
+
+def support_row(z: list[float], top_k=None, top_p=None, min_p=None) -> list[bool]:
+    """The sampler's support of one token's scaled logits, with plain Python floats (float64):
+    vLLM's order (min-p, then top-k, then top-p on the renormalised rest), ties kept."""
+    v = len(z)
+    desc = sorted(z, reverse=True)
+    t = -INF
+    if min_p is not None and min_p > 0:
+        probs = [math.exp(x - desc[0]) for x in z]  # relative to the max probability
+        t = max(t, min(x for x, q in zip(z, probs, strict=True) if q >= min_p))
+    if top_k is not None and top_k < v:
+        t = max(t, desc[top_k - 1])
+    if top_p is not None and top_p < 1:
+        kept = [x for x in desc if x >= t]
+        w = [math.exp(x - kept[0]) for x in kept]
+        total = math.fsum(w)
+        before = 0.0
+        for x, wx in zip(kept, w, strict=True):
+            if before >= top_p:
+                break
+            t_p = x
+            before += wx / total
+        t = max(t, t_p)
+    return [x >= t for x in z]
+
+
+def reference_support(logits, temperature=1.0, top_k=None, top_p=None, min_p=None):
+    """``[..., V]`` bool support from the logits in float64, one token at a time."""
+    z = (logits.double() / temperature).reshape(-1, logits.shape[-1])
+    rows = [
+        support_row(z[r].tolist(), _param(top_k, r), _param(top_p, r), _param(min_p, r))
+        for r in range(z.shape[0])
+    ]
+    return torch.tensor(rows, dtype=torch.bool).reshape(logits.shape)
+
+
+def reference(logits, target, support, *, temperature=1.0, over_support=False):
+    """Log-prob over ``support ∪ {target}`` and entropy over all logits (or over that support),
+    on the materialised ``[..., V]`` logits in their own dtype."""
+    z = logits / temperature
+    idx = target.unsqueeze(-1)
+    keep = support.scatter(-1, idx, True)
+    zk = z.masked_fill(~keep, -INF)
+    log_pk = torch.log_softmax(zk, dim=-1)
+    logp = log_pk.gather(-1, idx).squeeze(-1)
+    if over_support:
+        ent = -(torch.softmax(zk, -1) * log_pk.masked_fill(~keep, 0.0)).sum(-1)
+    else:
+        ent = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum(-1)
+    return logp, ent
+
+
+# --------------------------------------------------------------------------- helpers
+def _data(shape, v, *, scale=3.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(*shape, v, generator=gen) * scale).float()
+    target = torch.randint(0, v, shape, generator=gen)
+    grads = [torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)]
+    return logits, target, grads
+
+
+SAMPLER_KEYS = ("top_k", "top_p", "min_p")
+
+
+def _check(logits, target, grads, **kw):
+    """Fused (float32) vs the float64 reference, with the float32 reference's error as the
+    yardstick; the support is the float64 reference's, checked to equal the float32 one."""
+    tau = kw.get("temperature", 1.0)
+    sampler = {k: kw[k] for k in SAMPLER_KEYS if k in kw}
+    support = reference_support(logits, tau, **sampler)
+    z32 = (logits.float() / tau).reshape(-1, logits.shape[-1])
+    params = _support.Sampler(
+        *(
+            kw[k].reshape(-1) if isinstance(kw.get(k), torch.Tensor) else kw.get(k)
+            for k in SAMPLER_KEYS
+        )
+    ).rows(0, z32.shape[0])
+    assert torch.equal(_support.support_chunk(z32, *params).reshape(logits.shape), support)
+    over = kw.get("entropy_over_support", False)
+    ref_kw = {"temperature": tau, "over_support": over}
+    with nan_filled_empty():
+        fast = forward_backward(
+            lambda x, y: logprobs_and_entropy(x, y, **kw), (logits, target), grads
+        )
+    ref32 = forward_backward(
+        lambda x, y: reference(x, y, support, **ref_kw), (logits.float(), target), grads
+    )
+    exact = forward_backward(
+        lambda x, y: reference(x, y, support, **ref_kw), (logits.double(), target), grads
+    )
+    for k, (what, factor) in enumerate(
+        [("logp", FACTOR_FWD), ("entropy", FACTOR_FWD), ("grad", FACTOR_GRAD)]
+    ):
+        assert torch.isfinite(fast[k]).all(), what
+        assert_as_accurate(fast[k], ref32[k], exact[k], factor, what)
+    return fast, support
+
+
+# --------------------------------------------------------------------------- values, gradients
+CASES = {
+    "top_k": {"top_k": 5},
+    "top_p": {"top_p": 0.8},
+    "top_k and top_p": {"top_k": 10, "top_p": 0.6},
+    "min_p": {"min_p": 0.05},
+    "all three": {"top_k": 20, "top_p": 0.9, "min_p": 0.01},
+    "k >= V": {"top_k": 500},
+    "p = 1": {"top_p": 1.0},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.3])
+@pytest.mark.parametrize("over_support", [False, True])
+@pytest.mark.parametrize("chunk_size", [1, 7, None])
+def test_matches_reference(case, temperature, over_support, chunk_size):
+    logits, target, grads = _data((3, 13), 97)
+    _check(logits, target, grads, **CASES[case], temperature=temperature,
+           entropy_over_support=over_support, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("over_support", [False, True])
+def test_per_token_parameters(over_support):
+    logits, target, grads = _data((4, 10), 61, seed=1)
+    gen = torch.Generator().manual_seed(11)
+    top_k = torch.randint(1, 80, (4, 10), generator=gen)  # some >= V: keep all
+    top_p = torch.rand(4, 10, generator=gen) * 0.9 + 0.05
+    top_p[0, :3] = 1.0
+    min_p = torch.rand(4, 10, generator=gen) * 0.05
+    min_p[1] = 0.0
+    for kw in ({"top_k": top_k}, {"top_p": top_p}, {"min_p": min_p},
+               {"top_k": top_k, "top_p": top_p, "min_p": min_p}, {"top_k": 7, "top_p": top_p}):
+        _check(logits, target, grads, **kw, temperature=0.9, chunk_size=6,
+               entropy_over_support=over_support)
+
+
+def test_ties_keep_every_tied_logit():
+    # Integer logits: exact in float32 and after dividing by 0.5, so ties stay ties.
+    z = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0, 2.0, -1.0]])
+    y = torch.tensor([0])
+    # top-k = 2: the 2nd largest value is 2, held by three tokens: all three are kept.
+    assert support_row(z[0].tolist(), top_k=2) == [True, False, True, True, False, True, False]
+    w = torch.softmax(z[0].double(), 0)
+    # top-p just above the top token's mass: the crossing value 2 is tied three times.
+    p = float(w[0]) + 1e-3
+    assert support_row(z[0].tolist(), top_p=p) == [True, False, True, True, False, True, False]
+    for kw in ({"top_k": 2}, {"top_p": p}, {"top_k": 3, "top_p": 0.99}):
+        sup = _support.support_chunk(z, *_support.Sampler(
+            kw.get("top_k"), kw.get("top_p"), None).rows(0, 1))
+        assert torch.equal(sup, reference_support(z, **kw))
+        lp, _ = logprobs_and_entropy(z, y, **kw)
+        kept = z[0][reference_support(z, **kw)[0]]
+        torch.testing.assert_close(lp, (3.0 - torch.logsumexp(kept, 0)).reshape(1))
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randint(-3, 4, (40, 50), generator=gen).float()
+    target = torch.randint(0, 50, (40,), generator=gen)
+    grads = [torch.randn(40, generator=gen), torch.randn(40, generator=gen)]
+    for kw in ({"top_k": 4}, {"top_k": 9, "top_p": 0.7}, {"top_p": 0.37}, {"min_p": 0.1}):
+        for tau in (0.5, 1.0):
+            _check(logits, target, grads, **kw, temperature=tau, chunk_size=9)
+            _check(logits, target, grads, **kw, temperature=tau, entropy_over_support=True)
+
+
+def test_support_of_one_token():
+    logits, _, grads = _data((20,), 33, seed=3)
+    argmax = logits.argmax(-1)
+    for kw in ({"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}):
+        lp, ent = logprobs_and_entropy(logits, argmax, **kw, entropy_over_support=True)
+        assert (lp == 0).all() and (ent == 0).all()
+        x = logits.clone().requires_grad_()
+        lp, ent = logprobs_and_entropy(x, argmax, **kw)
+        lp.sum().backward()
+        assert (x.grad == 0).all()  # a one-token distribution does not move
+        _check(logits, argmax, grads, **kw)
+        _check(logits, argmax, grads, **kw, entropy_over_support=True)
+
+
+def test_target_outside_the_nominal_support():
+    logits, _, grads = _data((3, 7), 40, seed=4)
+    argmin = logits.argmin(-1)
+    for kw in ({"top_k": 1}, {"top_k": 5}, {"top_p": 0.5}, {"min_p": 0.2}):
+        fast, support = _check(logits, argmin, grads, **kw, temperature=1.1)
+        assert not support.gather(-1, argmin.unsqueeze(-1)).any()
+        assert (fast[0] < 0).all()
+        _check(logits, argmin, grads, **kw, entropy_over_support=True)
+    # top_k = 1 and the target elsewhere: the support is {argmax, target}.
+    lp, _ = logprobs_and_entropy(logits, argmin, top_k=1)
+    pair = torch.stack([logits.amax(-1), logits.amin(-1)], -1)
+    torch.testing.assert_close(lp, logits.amin(-1) - torch.logsumexp(pair, -1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs(dtype):
+    logits, target, grads = _data((5, 11), 257, seed=5)
+    logits = logits.to(dtype)
+    kw = {"top_k": 40, "top_p": 0.85, "temperature": 0.8}
+    support = reference_support(logits, 0.8, top_k=40, top_p=0.85)
+    fast = forward_backward(lambda x, y: logprobs_and_entropy(x, y, **kw, chunk_size=4),
+                            (logits, target), grads)
+    ref32 = forward_backward(lambda x, y: reference(x, y, support, temperature=0.8),
+                             (logits.float(), target), grads)
+    exact = forward_backward(lambda x, y: reference(x, y, support, temperature=0.8),
+                             (logits.double(), target), grads)
+    assert fast[0].dtype == fast[1].dtype == torch.float32 and fast[2].dtype == dtype
+    assert_as_accurate(fast[0], ref32[0], exact[0], FACTOR_FWD, "logp")
+    assert_as_accurate(fast[1], ref32[1], exact[1], FACTOR_FWD, "entropy")
+    assert_as_accurate(fast[2], ref32[2].to(dtype), exact[2], FACTOR_GRAD, "grad")
+
+
+def test_same_as_the_replayed_keep_mask():
+    """The support built in the loop gives exactly what the same support gives as keep_mask."""
+    logits, target, grads = _data((30,), 64, seed=6)
+    kw = {"top_k": 12, "top_p": 0.75, "temperature": 0.6}
+    support = _support.support_chunk(logits / 0.6, 12, 0.75, None)
+    a = forward_backward(lambda x, y: logprobs_and_entropy(x, y, **kw, chunk_size=7),
+                         (logits, target), grads)
+    b = forward_backward(lambda x, y: logprobs_and_entropy(
+        x, y, temperature=0.6, keep_mask=support, chunk_size=7), (logits, target), grads)
+    for u, w in zip(a, b, strict=True):
+        torch.testing.assert_close(u, w, rtol=0, atol=0)
+
+
+def test_chunk_sizes_agree_and_the_support_is_per_chunk(monkeypatch):
+    logits, target, grads = _data((50,), 33, seed=7)
+    seen = []
+    original = _support.support_chunk
+
+    def spy(z, *args):
+        seen.append(z.shape[0])
+        return original(z, *args)
+
+    monkeypatch.setattr(_support, "support_chunk", spy)
+    kw = {"top_k": 9, "top_p": 0.8}
+    runs = [forward_backward(lambda x, y, c=c: logprobs_and_entropy(x, y, **kw, chunk_size=c),
+                             (logits, target), grads) for c in (1, 7, 64)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert max(seen[: 2 * 50]) == 1 and max(seen[100 : 100 + 2 * 8]) == 7  # never [N, V]
+
+
+def test_gradcheck_float64():
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(6, 9, generator=gen, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 9, (6,), generator=gen)
+    for kw in ({"top_k": 3}, {"top_p": 0.6, "entropy_over_support": True},
+               {"top_k": 5, "min_p": 0.05, "temperature": 0.7}):
+        def fn(t, kw=kw):
+            return logprobs_and_entropy(t, y, **kw, chunk_size=4)
+
+        assert torch.autograd.gradcheck(fn, (x,))
+        assert torch.autograd.gradgradcheck(fn, (x,))
+
+
+def test_without_entropy_and_entropy_grad_off():
+    logits, target, grads = _data((9,), 21, seed=9)
+    kw = {"top_k": 6, "top_p": 0.9}
+    full = forward_backward(lambda x, y: logprobs_and_entropy(x, y, **kw), (logits, target),
+                            [grads[0], None])
+    lp, ent, g = forward_backward(
+        lambda x, y: logprobs_and_entropy(x, y, **kw, with_entropy=False), (logits, target),
+        [grads[0], None])
+    assert ent is None
+    torch.testing.assert_close(lp, full[0], rtol=0, atol=0)
+    torch.testing.assert_close(g, full[2], rtol=0, atol=0)
+    x = logits.clone().requires_grad_()
+    lp, ent = logprobs_and_entropy(x, target, **kw, entropy_grad=False,
+                                   entropy_over_support=True)
+    assert lp.requires_grad and not ent.requires_grad
+
+
+# --------------------------------------------------------------------------- errors, meta
+BAD = [
+    ({"top_p": 0.0}, ValueError, r"top_p must lie in \(0, 1\]"),
+    ({"top_p": 1.5}, ValueError, r"top_p must lie in \(0, 1\]"),
+    ({"top_p": float("nan")}, ValueError, r"top_p must lie in \(0, 1\]"),
+    ({"top_p": torch.tensor([0.5, 0.0])}, ValueError, r"top_p must lie in \(0, 1\]"),
+    ({"top_p": torch.tensor([0.5, float("nan")])}, ValueError, r"top_p must lie in"),
+    ({"top_p": "0.5"}, TypeError, "top_p must be a float"),
+    ({"top_p": torch.tensor([1, 1])}, TypeError, "top_p must be a float or a floating"),
+    ({"top_p": torch.tensor([0.5, 0.5, 0.5])}, ValueError, "top_p must have shape"),
+    ({"top_k": 0}, ValueError, "top_k must be >= 1"),
+    ({"top_k": -3}, ValueError, "top_k must be >= 1"),
+    ({"top_k": torch.tensor([3, 0])}, ValueError, "top_k must be >= 1"),
+    ({"top_k": 2.0}, TypeError, "top_k must be an int"),
+    ({"top_k": True}, TypeError, "top_k must be an int"),
+    ({"top_k": torch.tensor([2.0, 1.0])}, TypeError, "top_k must be an int or an integer"),
+    ({"top_k": torch.tensor([[2, 1]])}, ValueError, "top_k must have shape"),
+    ({"min_p": -0.1}, ValueError, r"min_p must lie in \[0, 1\]"),
+    ({"min_p": 1.1}, ValueError, r"min_p must lie in \[0, 1\]"),
+    ({"min_p": torch.tensor([0.1, 2.0])}, ValueError, r"min_p must lie in \[0, 1\]"),
+    ({"entropy_over_support": True}, ValueError, "entropy_over_support=True needs top_k"),
+    ({"entropy_over_support": 1, "top_k": 2}, TypeError, "entropy_over_support must be a bool"),
+    ({"top_k": 2, "keep_mask": torch.ones(2, 5, dtype=torch.bool)}, ValueError,
+     "keep_mask and top_k / top_p / min_p are exclusive"),
+    ({"top_k": torch.tensor([2, 2], device="meta")}, ValueError, "top_k is on meta"),
+]
+
+
+@pytest.mark.parametrize("change,error,match", BAD)
+def test_bad_inputs(change, error, match):
+    with pytest.raises(error, match=match):
+        logprobs_and_entropy(torch.zeros(2, 5), torch.tensor([0, 4]), **change)
+
+
+def test_meta_tensors_no_host_sync(monkeypatch):
+    """Forward and backward on meta tensors (no values: any host read raises), same shapes and
+    dtypes as on CPU."""
+    monkeypatch.delenv("RLOPS_CHECK_VALUES", raising=False)
+    n, v = (3, 8), 37
+    for dtype in (torch.float32, torch.bfloat16):
+        for kw in ({"top_k": 5}, {"top_p": 0.7, "entropy_over_support": True},
+                   {"top_k": "t", "top_p": "t", "min_p": "t", "temperature": 0.7}):
+            outs = []
+            for device in ("cpu", "meta"):
+                def per_token(name, device=device):
+                    if name == "top_k":
+                        return torch.full(n, 4, dtype=torch.long, device=device)
+                    return torch.full(n, 0.5 if name == "top_p" else 0.01, device=device)
+
+                args = {k: (per_token(k) if val == "t" else val) for k, val in kw.items()}
+                x = torch.zeros(*n, v, dtype=dtype, device=device, requires_grad=True)
+                y = torch.zeros(n, dtype=torch.long, device=device)
+                lp, ent = logprobs_and_entropy(x, y, **args, chunk_size=5)
+                (lp.sum() + ent.sum()).backward()
+                outs.append([(t.shape, t.dtype) for t in (lp, ent, x.grad)])
+            assert outs[0] == outs[1]
