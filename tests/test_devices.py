@@ -352,6 +352,21 @@ def _meta_cases(dev: str) -> dict[str, list]:
                                                       t(V, H, grad=True), ids(B * 8),
                                                       chunk_size=5),
         ],
+        "entropy_loss": [
+            lambda: rlops.entropy_loss(t(B, T, grad=True), m, coef=0.01),
+            lambda: rlops.entropy_loss(t(B, T, grad=True), m_float, agg="seq-mean-token-mean",
+                                       num_tokens=10, num_seqs=B),
+        ],
+        "opo_advantages": [
+            lambda: rlops.opo_advantages(t(B), ids(B, high=2), m),
+        ],
+        "gpg_advantages": [
+            lambda: rlops.gpg_advantages(t(B), ids(B, high=2), m),
+        ],
+        "grpo_passk_advantages": [
+            lambda: rlops.grpo_passk_advantages(
+                t(B), (torch.arange(B) // 2).clamp(max=(B - 2) // 2).to(dev), m),
+        ],
         "rollout_importance_weights": [
             lambda: rlops.rollout_importance_weights(t(B, T), t(B, T), m),
             lambda: rlops.rollout_importance_weights(

@@ -4,7 +4,7 @@ another module's private names. Layers (a module may import its own package and 
     0  _checks
     1  scan, distributed                      (the bare recurrence; layout and group helpers)
     2  stats, logprobs                        (leaves)
-    3  advantages, group_advantages, losses, rollout_correction   (estimators, losses, correction)
+    3  advantages, group_advantages, losses, rollout_correction, kl_controllers
     4  rlops (the package: the public API)
     5  compat, cli                            (only adapt or drive the public API)
 

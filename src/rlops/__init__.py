@@ -12,13 +12,16 @@ from rlops.advantages import (
     reinforce_plus_plus_returns,
 )
 from rlops.group_advantages import (
+    gpg_advantages,
     grpo_advantages,
+    grpo_passk_advantages,
+    opo_advantages,
     reinforce_plus_plus_baseline_advantages,
     remax_advantages,
     rloo_advantages,
 )
 from rlops.logprobs import linear_logprobs_and_entropy, logprobs_and_entropy
-from rlops.losses import aggregate_loss, kl_penalty, policy_loss, value_loss
+from rlops.losses import aggregate_loss, entropy_loss, kl_penalty, policy_loss, value_loss
 from rlops.rollout_correction import (
     rollout_importance_weights,
     rollout_mismatch_metrics,
@@ -32,14 +35,18 @@ __all__ = [
     "aggregate_loss",
     "discounted_cumsum",
     "discounted_returns",
+    "entropy_loss",
     "gae",
+    "gpg_advantages",
     "grpo_advantages",
+    "grpo_passk_advantages",
     "kl_penalty",
     "linear_logprobs_and_entropy",
     "logprobs_and_entropy",
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "opo_advantages",
     "policy_loss",
     "reinforce_plus_plus_baseline_advantages",
     "reinforce_plus_plus_returns",
