@@ -228,3 +228,25 @@ def test_bad_input_names_slimes_argument(i):
     call, err, word = BAD[i]
     with pytest.raises(err, match=word):
         call()
+
+
+# --------------------------------------------------------------------------- deliberate differences
+def test_difference_ratios_are_finite_beyond_e20():
+    ppo_kl = torch.tensor([-100.0])  # log-ratio 100: slime's e^100 is inf in float32
+    loss, frac = slime.compute_cispo_loss(ppo_kl, torch.tensor([-1.0]), torch.tensor([1.0]),
+                                          0.2, 0.2)
+    assert torch.isfinite(loss).all() and frac.item() == 1.0
+    out, _, m = slime.vanilla_tis_function(Namespace(tis_clip=2.0, tis_clip_low=0.0),
+                                           pg_loss=torch.ones(1),
+                                           train_log_probs=[torch.tensor([100.0])],
+                                           rollout_log_probs=[torch.zeros(1)], loss_masks=None)
+    assert out.item() == 2.0 and m["tis"].item() == pytest.approx(math.exp(20.0), rel=1e-6)
+
+
+def test_difference_opsm_never_masks_a_sample_without_loss_tokens():
+    # slime: kl = 0 / 1 = 0 > delta = −1 masks the A < 0 tokens of the empty sample
+    mask, frac = slime.compute_opsm_mask(Namespace(opsm_delta=-1.0), [torch.zeros(2)],
+                                         [torch.zeros(2)], [torch.tensor([-1.0, 1.0])],
+                                         [torch.zeros(2)])
+    torch.testing.assert_close(mask, torch.ones(2))
+    assert frac.item() == 0.0

@@ -417,3 +417,31 @@ def test_bad_input_names_verls_argument(i):
     args.update(override)
     with pytest.raises(err, match=word):
         verl.get_policy_loss_fn(name)(**args)
+
+
+# --------------------------------------------------------------------------- deliberate differences
+def test_difference_gspo_clamps_the_log_ratio_at_20_not_10():
+    one = torch.ones(1, 1)
+    cfg = _config(clip_ratio_low=0.2, clip_ratio_high=1e9)  # upper clip out of the way
+    loss, _ = verl.compute_policy_loss_gspo(torch.zeros(1, 1), torch.full((1, 1), 15.0), one,
+                                            one, config=cfg)
+    assert loss.item() == pytest.approx(-math.exp(15.0))  # verl: −e^10
+
+
+def test_difference_sapo_and_cispo_clamp_only_above():
+    one = torch.ones(1, 1)
+    lp = torch.full((1, 1), -30.0, dtype=torch.float64)
+    loss, m = verl.compute_policy_loss_sapo(torch.zeros(1, 1, dtype=torch.float64), lp, one, one,
+                                            config=_config())
+    # r = e^−30 (verl: e^−20); both gates are σ(−1)·4 to 1e-8
+    assert loss.item() == pytest.approx(-4 / (1 + math.e), rel=1e-8)
+    assert m["actor/ppo_kl"] == pytest.approx(30.0)  # verl: 20 (clamped)
+
+
+def test_difference_geo_mean_gradient_with_per_token_advantages():
+    old, new, adv, mask, _ = _batch(13)
+    loss, _ = _call("geo_mean", old, new, adv, mask, _config(clip_ratio=0.4))
+    ref = ref_geo_mean(old, new, adv, mask, 0.4, 0.4)
+    torch.testing.assert_close(loss, ref)  # same value
+    g, g_ref = torch.autograd.grad(loss, new)[0], torch.autograd.grad(ref, new)[0]
+    assert not torch.allclose(g, g_ref)  # verl: −Ā·R·mean ∇l; here mean(−A_t·R·∇l_t)

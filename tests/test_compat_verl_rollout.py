@@ -260,3 +260,33 @@ def test_bad_input_names_verls_argument(i):
     call, err, word = BAD[i]
     with pytest.raises(err, match=word):
         call()
+
+
+# --------------------------------------------------------------------------- deliberate differences
+def test_difference_metrics():
+    lr = torch.tensor([[math.log(0.25), 0.0, 0.0], [math.log(4.0), 0.0, 0.0],
+                       [0.0, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
+    # TIS: verl's fraction_low counts ratios below 1/threshold (0.25 < 0.5); here 0
+    _, m = verl.compute_rollout_correction_weights(lr, mask, "token", 2.0)
+    assert m["rollout_is_ratio_fraction_low"] == 0.0
+    assert m["rollout_is_ratio_fraction_high"] == pytest.approx(1 / 4)
+    # sequence level: the fraction above counts response tokens (1 of 4), verl rows (1 of 3)
+    _, m = verl.compute_rollout_correction_weights(lr, mask, "sequence", 2.0)
+    assert m["rollout_is_ratio_fraction_high"] == pytest.approx(1 / 4)
+    # rejection: seq_masked_fraction over rows with a response token (1 of 2; verl 1 of 3)
+    lr[1, 0] = math.log(1.5)
+    _, m = verl.compute_rollout_rejection_mask(lr, mask, "seq_sum_k2", 0.5)
+    assert m["rollout_rs_seq_masked_fraction"] == pytest.approx(1 / 2)
+    # a sequence option's mean is over rows (verl: over tokens, weighted by row length)
+    stat = [math.log(0.25) ** 2 / 2, math.log(1.5) ** 2 / 2]
+    assert m["rollout_rs_seq_sum_k2_mean"] == pytest.approx(sum(stat) / 2)
+
+
+def test_difference_log_ratio_not_clamped_before_the_bounds():
+    lr = torch.tensor([[25.0, 0.0]], dtype=torch.float64)
+    # IcePop with an upper bound above e^20: verl compares e^20 (clamped) and keeps the token
+    # only if e^20 <= upper; here the log-weight 25 > log(e^22) is compared unclamped
+    w, _ = verl.compute_rollout_correction_weights(lr, torch.ones(1, 2), "token",
+                                                   f"0.5_{math.exp(22.0)}")
+    assert w[0, 0] == 0.0  # verl: e^20

@@ -2,11 +2,12 @@
 
 Names, arguments and return values follow slime's ``slime/utils/ppo_utils.py``,
 ``slime/backends/megatron_utils/cp_utils.py``, ``slime/utils/distributed_utils.py`` and the
-critic loss of ``slime/backends/megatron_utils/loss.py`` (signatures as of slime's main branch
-in August 2026: the version with ``chunked_discounted_returns`` and the fused log-prob/entropy).
-Arguments are checked first and errors name slime's arguments. Per-sample inputs are lists of
-1-D tensors of varying length; each adapter pads them into one ``[B, T_max]`` batch with a mask,
-makes one rlops call and splits the result back (the only Python loops run over samples).
+critic loss, TIS and IcePop of ``slime/backends/megatron_utils/loss.py`` (signatures as of
+slime's main branch in August 2026: the version with ``chunked_discounted_returns`` and the
+fused log-prob/entropy). Arguments are checked first and errors name slime's arguments.
+Per-sample inputs are lists of 1-D tensors of varying length; each adapter pads them into one
+``[B, T_max]`` batch with a mask, makes one rlops call and splits the result back (the only
+Python loops run over samples).
 
 Where slime reads Megatron's global state (``mpu.get_context_parallel_*``), the adapter takes the
 group as a keyword argument instead: ``cp_group=None`` means no context parallelism. With a CP

@@ -4,12 +4,15 @@ Names, arguments and return tuples follow verl's ``verl/trainer/ppo/core_algos.p
 ``verl/utils/torch_functional.py`` (signatures as of verl's main branch in August 2026:
 estimators return ``(advantages, returns)``; ``agg_loss`` and ``compute_value_loss`` take
 ``dp_size``, ``batch_num_tokens``, ``global_batch_size`` and ``loss_scale_factor``; the
-registered ``"vanilla"`` loss returns ``(loss, metrics)``, the deprecated ``compute_policy_loss``
-``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``). Tensors are ``[bs, response_length]``
-with a 0/1 ``response_mask``; every adapter is one or two rlops calls, with no Python loop over
-tokens, samples or groups (verl's GAE and REINFORCE++ loop over tokens, its GRPO and RLOO over
-samples and groups). Arguments are checked first and errors name verl's arguments; scalars may
-be numbers, numpy scalars or 0-dim tensors.
+registered ``"vanilla"`` loss returns ``(loss, metrics)``, the deprecated
+``compute_policy_loss`` ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``); the registered
+losses ``gspo``, ``sapo``, ``gpg``, ``cispo``, ``clip_cov``, ``kl_cov`` and ``geo_mean`` in
+:data:`POLICY_LOSS_REGISTRY` / :func:`get_policy_loss_fn`; and the rollout correction of
+``verl/trainer/ppo/rollout_corr_helper.py`` with its string options). Tensors are ``[bs,
+response_length]`` with a 0/1 ``response_mask``; every adapter is one or two rlops calls, with
+no Python loop over tokens, samples or groups (verl's GAE and REINFORCE++ loop over tokens, its
+GRPO and RLOO over samples and groups). Arguments are checked first and errors name verl's
+arguments; scalars may be numbers, numpy scalars or 0-dim tensors.
 
 Deliberate differences, detailed in each docstring: tokens with ``response_mask = 0`` get 0 in
 every output (verl leaves whitened or carried values there; no loss reads them); REINFORCE++
