@@ -9,7 +9,7 @@ import pytest
 import torch
 from tests._logprobs_util import assert_as_accurate, forward_backward, nan_filled_empty
 
-from rlops.logprobs import _support, logprobs_and_entropy
+from rlops.logprobs import _support, linear_logprobs_and_entropy, logprobs_and_entropy
 
 FACTOR_FWD, FACTOR_GRAD = 2.0, 3.0
 INF = float("inf")
@@ -291,6 +291,71 @@ def test_without_entropy_and_entropy_grad_off():
     assert lp.requires_grad and not ent.requires_grad
 
 
+# --------------------------------------------------------------------------- fused linear
+LINEAR_CASES = [
+    {"top_k": 6},
+    {"top_p": 0.7, "temperature": 0.8},
+    {"top_k": 15, "top_p": 0.9, "min_p": 0.02, "temperature": 1.2},
+    {"top_k": "t", "top_p": "t"},
+]
+
+
+@pytest.mark.parametrize("kw", LINEAR_CASES)
+@pytest.mark.parametrize("over_support", [False, True])
+def test_linear_matches_reference(kw, over_support):
+    gen = torch.Generator().manual_seed(12)
+    n, h, v = 37, 16, 83
+    hidden = torch.randn(n, h, generator=gen)
+    weight = torch.randn(v, h, generator=gen) * 0.7
+    target = torch.randint(0, v, (n,), generator=gen)
+    grads = [torch.randn(n, generator=gen), torch.randn(n, generator=gen)]
+    per_token = {"top_k": torch.randint(1, 100, (n,), generator=gen),
+                 "top_p": torch.rand(n, generator=gen) * 0.9 + 0.05}
+    kw = {k: (per_token[k] if val == "t" else val) for k, val in kw.items()}
+    tau = kw.get("temperature", 1.0)
+    sampler = {k: kw[k] for k in SAMPLER_KEYS if k in kw}
+    support = reference_support(hidden.double() @ weight.double().T, tau, **sampler)
+    assert torch.equal(support, reference_support(hidden @ weight.T, tau, **sampler))
+
+    def ref(x, w, y):
+        return reference(x @ w.T, y, support, temperature=tau, over_support=over_support)
+
+    with nan_filled_empty():
+        fast = forward_backward(
+            lambda x, w, y: linear_logprobs_and_entropy(
+                x, w, y, **kw, entropy_over_support=over_support, chunk_size=10),
+            (hidden, weight, target), grads)
+    ref32 = forward_backward(ref, (hidden, weight, target), grads)
+    exact = forward_backward(ref, (hidden.double(), weight.double(), target), grads)
+    for k, what in enumerate(["logp", "entropy", "grad hidden", "grad weight"]):
+        assert torch.isfinite(fast[k]).all(), what
+        factor = FACTOR_FWD if k < 2 else FACTOR_GRAD
+        assert_as_accurate(fast[k], ref32[k], exact[k], factor, what)
+
+
+def test_linear_gradcheck_float64():
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(9, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 9, (5,), generator=gen)
+    for kw in ({"top_k": 3}, {"top_p": 0.6, "entropy_over_support": True}):
+        def fn(a, b, kw=kw):
+            return linear_logprobs_and_entropy(a, b, y, **kw, chunk_size=2)
+
+        assert torch.autograd.gradcheck(fn, (x, w))
+        assert torch.autograd.gradgradcheck(fn, (x, w))
+
+
+def test_linear_bad_inputs():
+    x, w, y = torch.zeros(3, 4), torch.zeros(6, 4), torch.zeros(3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"top_k must have shape \[...\] like hidden"):
+        linear_logprobs_and_entropy(x, w, y, top_k=torch.ones(4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"top_p must lie in"):
+        linear_logprobs_and_entropy(x, w, y, top_p=2.0)
+    with pytest.raises(ValueError, match="entropy_over_support=True needs"):
+        linear_logprobs_and_entropy(x, w, y, entropy_over_support=True)
+
+
 # --------------------------------------------------------------------------- errors, meta
 BAD = [
     ({"top_p": 0.0}, ValueError, r"top_p must lie in \(0, 1\]"),
@@ -345,5 +410,12 @@ def test_meta_tensors_no_host_sync(monkeypatch):
                 y = torch.zeros(n, dtype=torch.long, device=device)
                 lp, ent = logprobs_and_entropy(x, y, **args, chunk_size=5)
                 (lp.sum() + ent.sum()).backward()
-                outs.append([(t.shape, t.dtype) for t in (lp, ent, x.grad)])
+                h = torch.zeros(n[0] * n[1], 6, dtype=dtype, device=device, requires_grad=True)
+                w = torch.zeros(v, 6, dtype=dtype, device=device, requires_grad=True)
+                flat = {k: (a.reshape(-1) if isinstance(a, torch.Tensor) else a)
+                        for k, a in args.items()}
+                lp2, ent2 = linear_logprobs_and_entropy(h, w, y.reshape(-1), **flat, chunk_size=5)
+                (lp2.sum() + ent2.sum()).backward()
+                outs.append([(t.shape, t.dtype) for t in (lp, ent, x.grad, lp2, ent2, h.grad,
+                                                          w.grad)])
             assert outs[0] == outs[1]

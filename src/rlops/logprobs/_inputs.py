@@ -103,18 +103,18 @@ def check_flags(**flags: object) -> None:
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
-def _check_sampler_tensor(name, t, lead, integer, dtype):
+def _check_sampler_tensor(name, t, lead, integer, dtype, like):
     if integer and (t.dtype == torch.bool or t.is_floating_point() or t.is_complex()):
         raise TypeError(f"{name} must be an int or an integer tensor, got {t.dtype}")
     if not integer and not t.is_floating_point():
         raise TypeError(f"{name} must be a float or a floating-point tensor, got {t.dtype}")
     if tuple(t.shape) != tuple(lead):
-        raise shape_error(name, f"[...] like logits[..., 0] {list(lead)}", t.shape)
+        raise shape_error(name, f"[...] like {like}[..., 0] {list(lead)}", t.shape)
     return t.reshape(-1).to(torch.long if integer else dtype)
 
 
 def check_sampler(
-    top_k: object, top_p: object, min_p: object, logits: torch.Tensor
+    top_k: object, top_p: object, min_p: object, logits: torch.Tensor, like: str = "logits"
 ) -> tuple[object, object, object] | None:
     """The sampler's filters, checked: ``(top_k, top_p, min_p)`` as Python numbers or flattened
     ``[N]`` tensors (int64; the compute dtype), or None when all three are None.
@@ -133,7 +133,7 @@ def check_sampler(
             out.append(None)
             continue
         if isinstance(x, torch.Tensor):
-            t = _check_sampler_tensor(name, x, lead, integer, dtype)
+            t = _check_sampler_tensor(name, x, lead, integer, dtype, like)
             if values_checked(t) and t.numel() > 0:
                 lo, hi = (int(v) if integer else float(v) for v in torch.aminmax(t))
                 bad = t.isnan().any().item() if not integer else False

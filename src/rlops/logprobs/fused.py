@@ -27,6 +27,7 @@ from rlops.logprobs._inputs import (
 )
 
 __all__ = [
+    "checked_sampler",
     "gather_stats",
     "logits_grad_with_graph",
     "logprobs_and_entropy",
@@ -326,8 +327,8 @@ def logprobs_and_entropy(
         logits, target, keep_mask, temperature = _checked(
             logits, target, temperature, keep_mask, with_entropy, entropy_grad, chunk_size
         )
-        sampler = _checked_sampler(
-            logits, top_k, top_p, min_p, keep_mask, entropy_over_support, world
+        sampler = checked_sampler(
+            "logits", logits, top_k, top_p, min_p, keep_mask, entropy_over_support, world
         )
     except (TypeError, ValueError) as exc:
         if checked:  # the other ranks are about to exchange headers: join them, then raise
@@ -371,10 +372,12 @@ def _checked(logits, target, temperature, keep_mask, with_entropy, entropy_grad,
     return logits, target, keep_mask, temperature
 
 
-def _checked_sampler(logits, top_k, top_p, min_p, keep_mask, entropy_over_support, world):
-    """The sampler filters as a :class:`_support.Sampler`, or None when none is given."""
+def checked_sampler(name, ref, top_k, top_p, min_p, keep_mask, entropy_over_support, world):
+    """The sampler filters as a :class:`_support.Sampler`, or None when none is given.
+
+    ``ref``: the tensor ``[..., X]`` whose leading dims are the tokens (named ``name``)."""
     check_flags(entropy_over_support=entropy_over_support)
-    params = check_sampler(top_k, top_p, min_p, logits)
+    params = check_sampler(top_k, top_p, min_p, ref, name)
     if params is None:
         if entropy_over_support:
             raise ValueError("entropy_over_support=True needs top_k, top_p or min_p")
@@ -391,5 +394,5 @@ def _checked_sampler(logits, top_k, top_p, min_p, keep_mask, entropy_over_suppor
             "keep_mask, or call without group on the full vocabulary"
         )
     named = zip(("top_k", "top_p", "min_p"), params, strict=True)
-    check_same_device("logits", logits, **{n: p for n, p in named if p is not None})
+    check_same_device(name, ref, **{n: p for n, p in named if p is not None})
     return _support.Sampler(*params)

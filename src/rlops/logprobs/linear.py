@@ -28,7 +28,12 @@ from rlops.logprobs._inputs import (
     check_temperature,
     default_chunk,
 )
-from rlops.logprobs.fused import gather_stats, logits_grad_with_graph
+from rlops.logprobs.fused import (
+    checked_sampler,
+    gather_stats,
+    logits_grad_with_graph,
+    support_applied,
+)
 
 __all__ = ["copy_to_tensor_parallel_region", "linear_logprobs_and_entropy"]
 
@@ -41,7 +46,19 @@ def _logits_chunk(h: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, tem
 
 class _FusedLinearLogprobsEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, temperature, with_entropy, group, chunk, start):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        target,
+        temperature,
+        with_entropy,
+        group,
+        chunk,
+        start,
+        sampler,
+        over_support,
+    ):
         _, world = group_rank_size(group)
         v_local = weight.shape[0]
         h2 = hidden.reshape(-1, hidden.shape[-1])
@@ -49,18 +66,24 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
         n = h2.shape[0]
         dtype = compute_dtype(hidden.dtype)
         chunk = chunk or default_chunk(n, v_local, hidden.device, linear=True)
+        masked = sampler is not None and not over_support
         stats = torch.empty(
-            (n, _shard.n_columns(False, with_entropy)), dtype=dtype, device=hidden.device
+            (n, _shard.n_columns(masked, with_entropy)), dtype=dtype, device=hidden.device
         )
         for i in range(0, n, chunk):
             z = _logits_chunk(h2[i : i + chunk], weight, dtype, temperature)
             idx, in_range = _shard.target_index(tgt[i : i + chunk], start, v_local)
-            _shard.stats_chunk(z, True, idx, in_range, None, with_entropy, stats[i : i + chunk])
-        logp, ent, saved = _shard.merge(gather_stats(stats, group, world), False, with_entropy)
+            own, kc = True, None
+            if sampler is not None:
+                params = sampler.rows(i, i + chunk)
+                z, own, kc = support_applied(z, own, idx, in_range, params, over_support)
+            _shard.stats_chunk(z, own, idx, in_range, kc, with_entropy, stats[i : i + chunk])
+        logp, ent, saved = _shard.merge(gather_stats(stats, group, world), masked, with_entropy)
         ctx.set_materialize_grads(False)
-        ctx.meta = (temperature, start, chunk, world)
+        ctx.meta = (temperature, start, chunk, world, sampler, over_support)
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            ctx.save_for_backward(hidden, weight, target, *_shard.pack_saved(saved, False, True))
+            packed = _shard.pack_saved(saved, masked, True)
+            ctx.save_for_backward(hidden, weight, target, *packed)
         lead = hidden.shape[:-1]
         ent_out = ent.view(lead) if ent is not None else logp.new_empty(0)
         if ent is None:
@@ -69,11 +92,11 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        temperature, start, chunk, world = ctx.meta
+        temperature, start, chunk, world, sampler, over_support = ctx.meta
         hidden, weight, target, *saved = ctx.saved_tensors
         saved, has_entropy = _shard.unpack_saved(saved)
         g_ent = g_ent if has_entropy else None
-        nones = (None,) * 6
+        nones = (None,) * 8
         if g_logp is None and g_ent is None:
             return (None, None, *nones)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -85,7 +108,9 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
         ge = None if g_ent is None else g_ent.reshape(-1, 1).to(dtype)
         if torch.is_grad_enabled():  # create_graph=True: a differentiable backward
             op = "linear_logprobs_and_entropy"
-            g = logits_grad_with_graph(h2 @ weight.T, tgt, None, temperature, gl, ge, world, op)
+            g = logits_grad_with_graph(
+                h2 @ weight.T, tgt, None, temperature, gl, ge, world, op, sampler, over_support
+            )
             grad_h = (g @ weight).view(hidden.shape) if need_h else None
             return (grad_h, g.T @ h2 if need_w else None, *nones)
         grad_h = torch.empty_like(h2, memory_format=torch.contiguous_format) if need_h else None
@@ -96,12 +121,16 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
             hc = h2[i:j]
             z = _logits_chunk(hc, weight, dtype, temperature)
             idx, in_range = _shard.target_index(tgt[i:j], start, v_local)
+            own, kc = True, None
+            if sampler is not None:
+                params = sampler.rows(i, j)
+                z, own, kc = support_applied(z, own, idx, in_range, params, over_support)
             g = _shard.grad_chunk(
                 z,
-                True,
+                own,
                 idx,
                 in_range,
-                None,
+                kc,
                 [t[i:j] for t in saved],
                 None if gl is None else gl[i:j],
                 None if ge is None else ge[i:j],
@@ -127,6 +156,10 @@ def linear_logprobs_and_entropy(
     target: torch.Tensor,
     *,
     temperature: float = 1.0,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    entropy_over_support: bool = False,
     with_entropy: bool = True,
     group: object = None,
     chunk_size: int | None = None,
@@ -159,6 +192,9 @@ def linear_logprobs_and_entropy(
         weight: ``[V_local, H]``, the output layer's weight (its shard), same dtype as hidden.
         target: ``[...]`` integer ids in the global vocabulary ``[0, Σ_r V_local_r)``.
         temperature: ``> 0``; divides the logits.
+        top_k, top_p, min_p, entropy_over_support: the sampler's support, rebuilt per token
+            chunk from the chunk's logits, as in :func:`rlops.logprobs.logprobs_and_entropy`
+            (one process only; NotImplementedError with a group of more than one rank).
         with_entropy: if False, skip the entropy and return ``None`` for it.
         group: the tensor-parallel process group, or None (one process, no collective).
         chunk_size: tokens per chunk (``>= 1``); None picks a bound of 32 MiB per
@@ -184,6 +220,9 @@ def linear_logprobs_and_entropy(
         hidden, weight, target, temperature = _checked(
             hidden, weight, target, temperature, with_entropy, chunk_size
         )
+        sampler = checked_sampler(
+            "hidden", hidden, top_k, top_p, min_p, None, entropy_over_support, world
+        )
     except (TypeError, ValueError) as exc:
         if checked:  # the other ranks are about to exchange headers: join them, then raise
             _tp.fail_together(group, world, exc, getattr(hidden, "device", None))
@@ -206,7 +245,16 @@ def linear_logprobs_and_entropy(
         start, vocab = rank * v_local, world * v_local
     check_target_range(target, vocab)
     logp, ent = _FusedLinearLogprobsEntropy.apply(
-        hidden, weight, target, temperature, with_entropy, group, chunk_size, start
+        hidden,
+        weight,
+        target,
+        temperature,
+        with_entropy,
+        group,
+        chunk_size,
+        start,
+        sampler,
+        entropy_over_support,
     )
     return logp, (ent if with_entropy else None)
 
