@@ -245,20 +245,21 @@ def test_same_as_the_replayed_keep_mask():
 def test_chunk_sizes_agree_and_the_support_is_per_chunk(monkeypatch):
     logits, target, grads = _data((50,), 33, seed=7)
     seen = []
-    original = _support.support_chunk
+    original = _support.threshold_chunk
 
     def spy(z, *args):
         seen.append(z.shape[0])
         return original(z, *args)
 
-    monkeypatch.setattr(_support, "support_chunk", spy)
+    monkeypatch.setattr(_support, "threshold_chunk", spy)
     kw = {"top_k": 9, "top_p": 0.8}
     runs = [forward_backward(lambda x, y, c=c: logprobs_and_entropy(x, y, **kw, chunk_size=c),
                              (logits, target), grads) for c in (1, 7, 64)]
     for other in runs[1:]:
         for a, b in zip(runs[0], other, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert max(seen[: 2 * 50]) == 1 and max(seen[100 : 100 + 2 * 8]) == 7  # never [N, V]
+    # Forward only (the backward reuses the saved threshold), one chunk at a time: never [N, V].
+    assert seen == [1] * 50 + [7] * 7 + [1] + [50]
 
 
 def test_gradcheck_float64():

@@ -16,16 +16,16 @@ min-p, then top-k and top-p on what is left):
   rule except at a tie across the boundary, where it keeps an arbitrary (sort-order) subset of
   the tied tokens; keeping them all makes the support a function of the values alone.
 
-The threshold is recomputed in the backward from the same values with the same operations, so
-forward and backward see the same support. It is piecewise constant in the logits: no gradient
-flows through it.
+The forward saves the threshold (one number per token) and the backward rebuilds the support
+as ``z ≥ t`` from it, so both see the same support without sorting again. It is piecewise
+constant in the logits: no gradient flows through it.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["Sampler", "support_chunk"]
+__all__ = ["Sampler", "support_chunk", "threshold_chunk"]
 
 # A per-token parameter is a [C, 1] tensor (rows of the chunk); a scalar is a Python number.
 Param = int | float | torch.Tensor | None
@@ -52,7 +52,13 @@ def _maximum(t: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
 
 
 def support_chunk(z: torch.Tensor, top_k: Param, top_p: Param, min_p: Param) -> torch.Tensor:
-    """``[C, V]`` bool: the sampler's support of scaled logits ``z`` (``z`` is not modified).
+    """``[C, V]`` bool: the support of scaled logits ``z``, ``z ≥`` :func:`threshold_chunk`."""
+    return z >= threshold_chunk(z, top_k, top_p, min_p)
+
+
+def threshold_chunk(z: torch.Tensor, top_k: Param, top_p: Param, min_p: Param) -> torch.Tensor:
+    """``[C, 1]``: the support's threshold per token of scaled logits ``z`` (not modified);
+    ``-inf`` where every token is kept.
 
     ``top_k``: int ``≥ 1`` or ``[C, 1]`` int64 (values ``≥ V`` keep everything); ``top_p``:
     float in ``(0, 1]`` or ``[C, 1]`` in ``z``'s dtype; ``min_p``: float in ``[0, 1]`` or
@@ -68,7 +74,7 @@ def support_chunk(z: torch.Tensor, top_k: Param, top_p: Param, min_p: Param) -> 
     if top_p is None and not isinstance(top_k, torch.Tensor):
         if top_k is not None and top_k < v:
             t = _maximum(t, z.topk(top_k, dim=1, sorted=False).values.amin(dim=1, keepdim=True))
-        return torch.ones_like(z, dtype=torch.bool) if t is None else z >= t
+        return z.new_full((z.shape[0], 1), float("-inf")) if t is None else t
     zs = z.sort(dim=1, descending=True).values
     if top_k is not None:
         if isinstance(top_k, torch.Tensor):
@@ -85,4 +91,4 @@ def support_chunk(z: torch.Tensor, top_k: Param, top_p: Param, min_p: Param) -> 
         if isinstance(top_p, torch.Tensor):  # p = 1 keeps every token, whatever the rounding
             t_p = t_p.masked_fill(top_p >= 1.0, float("-inf"))
         t = _maximum(t, t_p)
-    return torch.ones_like(z, dtype=torch.bool) if t is None else z >= t
+    return z.new_full((z.shape[0], 1), float("-inf")) if t is None else t

@@ -62,18 +62,18 @@ def support_applied(
     own: bool,
     idx: torch.Tensor,
     in_range: torch.Tensor,
-    params: tuple,
+    threshold: torch.Tensor,
     over_support: bool,
 ) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
-    """The sampler's support on one chunk of scaled logits: ``(z, own, keep)`` for
-    :func:`_shard.stats_chunk` / :func:`_shard.grad_chunk`.
+    """The sampler's support ``z ≥ threshold`` (``[C, 1]``) on one chunk of scaled logits:
+    ``(z, own, keep)`` for :func:`_shard.stats_chunk` / :func:`_shard.grad_chunk`.
 
     Without ``over_support`` the support is the chunk's keep mask (the log-prob distribution;
     the entropy stays over all logits). With it, the logits outside the support (the target
     always inside) become ``-inf`` (probability zero), so that both the log-prob and the entropy
     are over the support, and no mask is needed.
     """
-    keep = _support.support_chunk(z, *params)
+    keep = z >= threshold
     if not over_support:
         return z, own, keep
     keep.scatter_(1, idx, keep.gather(1, idx) | in_range)
@@ -90,7 +90,7 @@ def logits_grad_with_graph(
     g_ent: torch.Tensor | None,
     world: int,
     op: str,
-    sampler: _support.Sampler | None = None,
+    threshold: torch.Tensor | None = None,
     over_support: bool = False,
 ) -> torch.Tensor:
     """Gradient w.r.t. the logits ``x`` ``[N, V]`` as a differentiable function of ``x`` and of
@@ -107,8 +107,8 @@ def logits_grad_with_graph(
         )
     z = x.to(compute_dtype(x.dtype)) / temperature
     idx = target.reshape(-1, 1)
-    if sampler is not None:  # a piecewise-constant support: computed without a graph
-        keep = _support.support_chunk(z.detach(), *sampler.rows(0, z.shape[0]))
+    if threshold is not None:  # the sampler's support, piecewise constant: no graph through it
+        keep = z.detach() >= threshold.reshape(-1, 1)
         if over_support:
             keep = keep.scatter(1, idx, True)
             z = z.masked_fill(~keep, float("-inf"))
@@ -145,20 +145,22 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
         stats = torch.empty(
             (n, _shard.n_columns(masked, with_entropy)), dtype=dtype, device=logits.device
         )
+        thr = None if sampler is None else torch.empty((n, 1), dtype=dtype, device=x.device)
         for i in range(0, n, chunk):
             z, own = scaled_chunk(x[i : i + chunk], dtype, temperature)
             idx, in_range = _shard.target_index(tgt[i : i + chunk], start, v_local)
             kc = None if keep2 is None else keep2[i : i + chunk]
             if sampler is not None:
-                params = sampler.rows(i, i + chunk)
-                z, own, kc = support_applied(z, own, idx, in_range, params, over_support)
+                t = thr[i : i + chunk]
+                t.copy_(_support.threshold_chunk(z, *sampler.rows(i, i + chunk)))
+                z, own, kc = support_applied(z, own, idx, in_range, t, over_support)
             _shard.stats_chunk(z, own, idx, in_range, kc, with_entropy, stats[i : i + chunk])
         logp, ent, saved = _shard.merge(gather_stats(stats, group, world), masked, with_entropy)
         saved = _shard.pack_saved(saved, masked, entropy_grad)
         ctx.set_materialize_grads(False)
-        ctx.meta = (temperature, start, chunk, world, sampler, over_support)
+        ctx.meta = (temperature, start, chunk, world, over_support)
         if ctx.needs_input_grad[0]:
-            ctx.save_for_backward(logits, target, keep, *saved)
+            ctx.save_for_backward(logits, target, keep, thr, *saved)
         lead = logits.shape[:-1]
         ent_out = ent.view(lead) if ent is not None else logp.new_empty(0)
         if ent is None or not entropy_grad:
@@ -167,8 +169,8 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        temperature, start, chunk, world, sampler, over_support = ctx.meta
-        logits, target, keep, *saved = ctx.saved_tensors
+        temperature, start, chunk, world, over_support = ctx.meta
+        logits, target, keep, thr, *saved = ctx.saved_tensors
         saved, has_entropy = _shard.unpack_saved(saved)
         g_ent = g_ent if has_entropy else None
         nones = (None,) * 10
@@ -184,7 +186,7 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: a differentiable backward
             grad = logits_grad_with_graph(
                 x, tgt, keep2, temperature, gl, ge, world, "logprobs_and_entropy",
-                sampler, over_support,
+                thr, over_support,
             )
             return (grad.view(logits.shape), *nones)
         grad = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -194,9 +196,8 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
             z, own = scaled_chunk(x[i:j], dtype, temperature)
             idx, in_range = _shard.target_index(tgt[i:j], start, v_local)
             kc = None if keep2 is None else keep2[i:j]
-            if sampler is not None:
-                params = sampler.rows(i, j)
-                z, own, kc = support_applied(z, own, idx, in_range, params, over_support)
+            if thr is not None:
+                z, own, kc = support_applied(z, own, idx, in_range, thr[i:j], over_support)
             g = _shard.grad_chunk(
                 z,
                 own,

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from rlops._checks import check_chunk_size, check_same_device, compute_dtype, shape_error
 from rlops.distributed.groups import group_rank_size
-from rlops.logprobs import _shard, _tp
+from rlops.logprobs import _shard, _support, _tp
 from rlops.logprobs._inputs import (
     check_flags,
     check_logits,
@@ -70,20 +70,22 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
         stats = torch.empty(
             (n, _shard.n_columns(masked, with_entropy)), dtype=dtype, device=hidden.device
         )
+        thr = None if sampler is None else torch.empty((n, 1), dtype=dtype, device=h2.device)
         for i in range(0, n, chunk):
             z = _logits_chunk(h2[i : i + chunk], weight, dtype, temperature)
             idx, in_range = _shard.target_index(tgt[i : i + chunk], start, v_local)
             own, kc = True, None
             if sampler is not None:
-                params = sampler.rows(i, i + chunk)
-                z, own, kc = support_applied(z, own, idx, in_range, params, over_support)
+                t = thr[i : i + chunk]
+                t.copy_(_support.threshold_chunk(z, *sampler.rows(i, i + chunk)))
+                z, own, kc = support_applied(z, own, idx, in_range, t, over_support)
             _shard.stats_chunk(z, own, idx, in_range, kc, with_entropy, stats[i : i + chunk])
         logp, ent, saved = _shard.merge(gather_stats(stats, group, world), masked, with_entropy)
         ctx.set_materialize_grads(False)
-        ctx.meta = (temperature, start, chunk, world, sampler, over_support)
+        ctx.meta = (temperature, start, chunk, world, over_support)
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             packed = _shard.pack_saved(saved, masked, True)
-            ctx.save_for_backward(hidden, weight, target, *packed)
+            ctx.save_for_backward(hidden, weight, target, thr, *packed)
         lead = hidden.shape[:-1]
         ent_out = ent.view(lead) if ent is not None else logp.new_empty(0)
         if ent is None:
@@ -92,8 +94,8 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        temperature, start, chunk, world, sampler, over_support = ctx.meta
-        hidden, weight, target, *saved = ctx.saved_tensors
+        temperature, start, chunk, world, over_support = ctx.meta
+        hidden, weight, target, thr, *saved = ctx.saved_tensors
         saved, has_entropy = _shard.unpack_saved(saved)
         g_ent = g_ent if has_entropy else None
         nones = (None,) * 8
@@ -108,8 +110,12 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
         ge = None if g_ent is None else g_ent.reshape(-1, 1).to(dtype)
         if torch.is_grad_enabled():  # create_graph=True: a differentiable backward
             op = "linear_logprobs_and_entropy"
+            # The logits chunk by chunk, as in the forward: the same bits, so that the saved
+            # threshold selects the same support.
+            rows = [h2[i : i + chunk] @ weight.T for i in range(0, h2.shape[0], chunk)]
+            logits = torch.cat(rows) if rows else h2 @ weight.T
             g = logits_grad_with_graph(
-                h2 @ weight.T, tgt, None, temperature, gl, ge, world, op, sampler, over_support
+                logits, tgt, None, temperature, gl, ge, world, op, thr, over_support
             )
             grad_h = (g @ weight).view(hidden.shape) if need_h else None
             return (grad_h, g.T @ h2 if need_w else None, *nones)
@@ -122,9 +128,8 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
             z = _logits_chunk(hc, weight, dtype, temperature)
             idx, in_range = _shard.target_index(tgt[i:j], start, v_local)
             own, kc = True, None
-            if sampler is not None:
-                params = sampler.rows(i, j)
-                z, own, kc = support_applied(z, own, idx, in_range, params, over_support)
+            if thr is not None:
+                z, own, kc = support_applied(z, own, idx, in_range, thr[i:j], over_support)
             g = _shard.grad_chunk(
                 z,
                 own,
