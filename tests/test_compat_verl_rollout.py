@@ -197,8 +197,10 @@ def test_combined_entry_point():
     # everything off: no weights, the mask unchanged (a copy), mismatch metrics only
     proto, out, m = verl.compute_rollout_correction_and_rejection_mask(old, rollout, mask)
     assert proto is None and torch.equal(out, mask) and out is not mask
-    assert set(m) == {f"rollout_corr/{k}" for k in ("chi2_seq", "chi2_token", "k3_kl", "kl",
-                                                     "log_ppl_diff")}
+    assert set(m) == {f"rollout_corr/{k}" for k in (
+        "chi2_seq", "chi2_token", "k3_kl", "kl", "log_ppl_abs_diff", "log_ppl_diff",
+        "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "rollout_log_ppl", "rollout_ppl",
+        "training_log_ppl", "training_ppl")}
 
 
 def test_signatures_are_verls():
@@ -290,3 +292,33 @@ def test_difference_log_ratio_not_clamped_before_the_bounds():
     w, _ = verl.compute_rollout_correction_weights(lr, torch.ones(1, 2), "token",
                                                    f"0.5_{math.exp(22.0)}")
     assert w[0, 0] == 0.0  # verl: e^20
+
+
+def test_offpolicy_perplexities_as_verl():
+    old, rollout, mask = _batch(5, scale=0.3)
+    m = verl.compute_offpolicy_metrics(old, rollout, mask)
+    rows = range(old.shape[0])
+
+    def row_mean(x, i):
+        return sum(float(x[i, t]) for t in range(T) if mask[i, t]) / int(mask[i].sum())
+
+    train = [-row_mean(old, i) for i in rows]
+    roll = [-row_mean(rollout, i) for i in rows]
+    gap = [a - b for a, b in zip(train, roll)]  # m̄_rollout − m̄_train
+    assert m["training_ppl"] == pytest.approx(sum(math.exp(x) for x in train) / B)
+    assert m["training_log_ppl"] == pytest.approx(sum(train) / B)
+    assert m["rollout_ppl"] == pytest.approx(sum(math.exp(x) for x in roll) / B)
+    assert m["log_ppl_diff"] == pytest.approx(sum(gap) / B)
+    assert m["log_ppl_abs_diff"] == pytest.approx(sum(abs(x) for x in gap) / B)
+    assert m["log_ppl_diff_max"] == pytest.approx(max(gap))
+    assert m["ppl_ratio"] == pytest.approx(sum(math.exp(x) for x in gap) / B)
+    only_train = verl.compute_offpolicy_metrics(old, None, mask)
+    assert set(only_train) == {"training_ppl", "training_log_ppl"}
+
+
+def test_is_std_hand_computed():
+    # IcePop [0.5, 5]: ratios 0.4, 0.8, 6 -> weights 0, 0.8, 0: population std of (0, 0.8, 0)
+    lr = torch.log(torch.tensor([[0.4, 0.8, 6.0]], dtype=torch.float64))
+    _, m = verl.compute_rollout_correction_weights(lr, torch.ones(1, 3), "token", "0.5_5.0")
+    assert m["rollout_is_std"] == pytest.approx(math.sqrt(0.64 / 3 - (0.8 / 3) ** 2))
+    assert m["rollout_is_eff_sample_size"] == pytest.approx(1 / 3)

@@ -32,7 +32,7 @@ __all__ = [
 _IS_METRICS = ("rollout_is_eff_sample_size", "rollout_is_max", "rollout_is_mean",
                "rollout_is_min", "rollout_is_ratio_fraction_high",
                "rollout_is_ratio_fraction_low")
-_MISMATCH = ("chi2_seq", "chi2_token", "k3_kl", "kl", "log_ppl_diff")
+_MISMATCH = ("chi2_seq", "chi2_token", "k3_kl", "kl")
 
 
 def _number(name: str, text: str) -> float:
@@ -46,7 +46,9 @@ def parse_rollout_is_threshold(spec: object) -> tuple[float, float | None]:
     """verl's ``rollout_is_threshold``: ``(upper, lower)``; ``lower`` is ``None`` (TIS) unless the
     spec is ``"lower_upper"`` (IcePop)."""
     name = "rollout_is_threshold"
-    if isinstance(spec, bool) or not isinstance(spec, int | float | str):
+    if isinstance(spec, bool):
+        raise TypeError(f"{name} must be a number or a 'lower_upper' string, not a boolean")
+    if not isinstance(spec, int | float | str):
         raise TypeError(f"{name} must be a number or a 'lower_upper' string, got {spec!r}")
     lower = None
     if isinstance(spec, str):
@@ -157,15 +159,15 @@ def compute_rollout_correction_weights(
 
     Metrics (floats): ``rollout_is_mean`` / ``_min`` / ``_max`` (of the applied weights, before
     normalisation), ``rollout_is_eff_sample_size``, ``rollout_is_ratio_fraction_high`` /
-    ``_low`` (response tokens whose ratio is above / below the bounds), with IcePop
-    ``rollout_is_oob_ratio``, with normalisation ``rollout_is_batch_norm_factor``.
+    ``_low`` (response tokens whose ratio is above / below the bounds), ``rollout_is_std`` (of
+    the applied weights clamped to ``[0, upper]``), with IcePop ``rollout_is_oob_ratio``, with
+    normalisation ``rollout_is_batch_norm_factor``.
 
     Differences: the log-weight is compared with the bounds before clamping at 20 (verl clamps
     to ±20 first; they differ only beyond e^±20). Metrics: at sequence level the fractions count
     response tokens (verl: rows, empty rows included) and min / max are of the applied weights
     (verl: of the raw sequence ratio); with TIS ``rollout_is_ratio_fraction_low`` is 0 (verl
-    counts ratios below 1/threshold); verl's ``rollout_is_std`` and ``rollout_is_seq_*`` are not
-    computed.
+    counts ratios below 1/threshold); verl's ``rollout_is_seq_*`` summaries are not computed.
 
     Example:
         >>> import torch
@@ -186,6 +188,9 @@ def compute_rollout_correction_weights(
         mode="truncate" if lower is None else "mask", threshold=upper, low=lower,
     )
     out = {k: metrics[k].item() for k in _IS_METRICS}
+    # verl's spread of the applied weights (clamped to [0, upper]): population std, 0 for one token
+    spread = rlops.masked_var(weights.clamp(0, upper), mask, unbiased=False)
+    out["rollout_is_std"] = spread.sqrt().item() if int(mask.sum()) > 1 else 0.0
     if lower is not None:
         out["rollout_is_oob_ratio"] = (metrics["rollout_is_ratio_fraction_high"]
                                        + metrics["rollout_is_ratio_fraction_low"]).item()
@@ -254,31 +259,48 @@ def compute_offpolicy_metrics(
     rollout_log_prob: torch.Tensor | None,
     response_mask: torch.Tensor,
 ) -> dict[str, float]:
-    """verl's rollout/trainer mismatch diagnostics, the ones :func:`rlops.rollout_mismatch_metrics`
-    computes: ``kl`` (``E[log π_rollout − log π_train]``), ``k3_kl``, ``chi2_token``,
-    ``chi2_seq`` and ``log_ppl_diff``, as floats.
+    """verl's rollout/trainer mismatch diagnostics, as floats: ``training_ppl`` /
+    ``training_log_ppl`` (the mean over rows of ``exp(−m̄)`` / ``−m̄``, ``m̄`` a row's mean
+    log-prob), and with ``rollout_log_prob`` the same for the rollout, ``kl``
+    (``E[log π_rollout − log π_train]``), ``k3_kl``, ``chi2_token``, ``chi2_seq`` (from
+    :func:`rlops.rollout_mismatch_metrics`) and the per-row gap ``g = m̄_rollout − m̄_train``:
+    ``log_ppl_diff`` (mean ``g``), ``log_ppl_abs_diff``, ``log_ppl_diff_max`` / ``_min``,
+    ``ppl_ratio`` (mean ``e^g``). Row means are over every row, as verl's.
 
-    Differences: rows with no response token are left out of the row means (verl counts them,
-    as 0); verl's perplexities (``training_ppl``, ``rollout_ppl``, their logs, ``ppl_ratio``,
-    ``log_ppl_abs_diff``, ``log_ppl_diff_max`` / ``_min``) are not computed; without
-    ``rollout_log_prob`` the result is empty.
+    Differences: ``k3_kl``'s exponential is clamped at 20 (verl: not clamped); ``chi2_seq`` is
+    over rows with a response token (verl: all rows).
 
     Example:
         >>> import torch
         >>> m = compute_offpolicy_metrics(torch.tensor([[-1.0, -2.0]]),
         ...                               torch.tensor([[-1.5, -2.0]]), torch.ones(1, 2))
-        >>> round(m["kl"], 4), round(m["log_ppl_diff"], 4)
-        (-0.25, -0.25)
+        >>> round(m["kl"], 4), round(m["log_ppl_diff"], 4), round(m["training_log_ppl"], 4)
+        (-0.25, -0.25, 1.5)
     """
     check_2d("old_log_prob", old_log_prob)
     mask = as_bool_mask("response_mask", response_mask, old_log_prob.shape, "old_log_prob",
                         old_log_prob)
     _require_tokens(mask)
+    out = _perplexities("training", old_log_prob, mask)
     if rollout_log_prob is None:
-        return {}
+        return out
     check_same_shape("old_log_prob", old_log_prob, rollout_log_prob=rollout_log_prob)
     metrics = rlops.rollout_mismatch_metrics(old_log_prob, rollout_log_prob, mask)
-    return {k: metrics[k].item() for k in _MISMATCH}
+    out.update({k: metrics[k].item() for k in _MISMATCH})
+    out.update(_perplexities("rollout", rollout_log_prob, mask))
+    # verl's per-row log-perplexity gaps, averaged over every row
+    gap = (rlops.masked_mean(rollout_log_prob.detach(), mask, dim=-1)
+           - rlops.masked_mean(old_log_prob.detach(), mask, dim=-1))
+    out.update({"log_ppl_diff": gap.mean().item(), "log_ppl_abs_diff": gap.abs().mean().item(),
+                "log_ppl_diff_max": gap.max().item(), "log_ppl_diff_min": gap.min().item(),
+                "ppl_ratio": torch.exp(gap).mean().item()})
+    return dict(sorted(out.items()))
+
+
+def _perplexities(name: str, log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """verl's ``<name>_ppl`` (mean over rows of ``exp(−mean log-prob)``) and ``<name>_log_ppl``."""
+    neg = -rlops.masked_mean(log_prob.detach(), mask, dim=-1)
+    return {f"{name}_ppl": torch.exp(neg).mean().item(), f"{name}_log_ppl": neg.mean().item()}
 
 
 def compute_rollout_correction_and_rejection_mask(
