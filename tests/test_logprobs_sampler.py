@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
+from tests._distributed import run_distributed
 from tests._logprobs_util import assert_as_accurate, forward_backward, nan_filled_empty
 
 from rlops.logprobs import _support, linear_logprobs_and_entropy, logprobs_and_entropy
@@ -420,3 +422,46 @@ def test_meta_tensors_no_host_sync(monkeypatch):
                 outs.append([(t.shape, t.dtype) for t in (lp, ent, x.grad, lp2, ent2, h.grad,
                                                           w.grad)])
             assert outs[0] == outs[1]
+
+
+def test_saved_state_is_per_token():
+    """Only per-token numbers are saved besides the inputs (the threshold among them)."""
+    logits, target, _ = _data((40,), 100, seed=14)
+    for kw, count in (({"top_k": 5}, 6), ({"top_p": 0.5, "entropy_over_support": True}, 4),
+                      ({"top_k": 5, "with_entropy": False}, 3)):
+        x = logits.clone().requires_grad_()
+        inputs = {x.data_ptr(), target.data_ptr()}
+        sizes = []
+
+        def pack(t, sizes=sizes, inputs=inputs):
+            if t.data_ptr() not in inputs:
+                sizes.append(t.numel())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logprobs_and_entropy(x, target, **kw)
+        assert sizes == [40] * count, kw
+
+
+def _tensor_parallel_sampler(rank, world):
+    logits, target, _ = _data((6,), 20, seed=15)
+    group = dist.group.WORLD
+    x = logits[:, rank * 10 : (rank + 1) * 10]
+    out = {}
+    for name, kw in (("top_k", {"top_k": 3}), ("top_p on rank 1", {"top_p": 0.5} if rank else {})):
+        try:
+            logprobs_and_entropy(x, target, group=group, **kw)
+            out[name] = None
+        except Exception as exc:  # the test compares the type and message on each rank
+            out[name] = (type(exc).__name__, str(exc))
+    return out
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_raises_on_every_rank():
+    res = run_distributed(_tensor_parallel_sampler, 2)
+    for r in res:
+        assert r["top_k"][0] == "NotImplementedError" and "tensor-parallel" in r["top_k"][1]
+    assert res[1]["top_p on rank 1"][0] == "NotImplementedError"
+    assert res[0]["top_p on rank 1"][0] == "ValueError"  # joined the check, names rank 1
+    assert "rank(s) [1]" in res[0]["top_p on rank 1"][1]

@@ -288,7 +288,11 @@ def logprobs_and_entropy(
     gradients).
 
     Memory: float32 temporaries are ``[chunk_size, V_local]``; saved for the backward are the
-    inputs and 2–5 numbers per token; the backward recomputes the softmax chunk by chunk.
+    inputs and 2–5 numbers per token; the backward recomputes the softmax chunk by chunk. With
+    ``top_k`` / ``top_p`` / ``min_p`` the forward also sorts each chunk (a few more
+    ``[chunk_size, V_local]`` temporaries; top-k alone uses ``topk``), and saves one more
+    number per token, the support's threshold, from which the backward rebuilds the support
+    (``z ≥ t``) without sorting again.
     Logits that cannot be viewed as ``[N, V_local]`` (e.g. a slice ``x[:, :-1]``) are copied.
 
     Args:
@@ -331,7 +335,7 @@ def logprobs_and_entropy(
         sampler = checked_sampler(
             "logits", logits, top_k, top_p, min_p, keep_mask, entropy_over_support, world
         )
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, NotImplementedError) as exc:
         if checked:  # the other ranks are about to exchange headers: join them, then raise
             _tp.fail_together(group, world, exc, getattr(logits, "device", None))
         raise

@@ -228,7 +228,7 @@ def linear_logprobs_and_entropy(
         sampler = checked_sampler(
             "hidden", hidden, top_k, top_p, min_p, None, entropy_over_support, world
         )
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, NotImplementedError) as exc:
         if checked:  # the other ranks are about to exchange headers: join them, then raise
             _tp.fail_together(group, world, exc, getattr(hidden, "device", None))
         raise
