@@ -57,14 +57,27 @@ def test_weights_match_verls_tis_and_icepop(level, spec, upper, lower):
     torch.testing.assert_close(w, ref)
     toks = _tokens(mask)
     assert m["rollout_is_mean"] == pytest.approx(sum(float(ref[p]) for p in toks) / len(toks))
-    assert m["rollout_is_max"] == pytest.approx(max(float(ref[p]) for p in toks))
-    assert m["rollout_is_min"] == pytest.approx(min(float(ref[p]) for p in toks))
+    if level == "token":  # of the applied weights
+        assert m["rollout_is_max"] == pytest.approx(max(float(ref[p]) for p in toks))
+        assert m["rollout_is_min"] == pytest.approx(min(float(ref[p]) for p in toks))
+    else:  # verl: of the rows' raw ratios, every row
+        sums = [sum(float(lr[i, t]) for t in range(T) if mask[i, t]) for i in range(B)]
+        assert m["rollout_is_max"] == pytest.approx(math.exp(max(sums)))
+        assert m["rollout_is_min"] == pytest.approx(math.exp(min(sums)))
+        floor = 1 / upper if lower is None else lower
+        assert m["rollout_is_ratio_fraction_high"] == pytest.approx(
+            sum(s > math.log(upper) for s in sums) / B)
+        assert m["rollout_is_ratio_fraction_low"] == pytest.approx(
+            sum(s < math.log(floor) for s in sums) / B)
     mean = sum(float(ref[p]) for p in toks) / len(toks)
     sq = sum(float(ref[p]) ** 2 for p in toks) / len(toks)
     assert m["rollout_is_eff_sample_size"] == pytest.approx(mean**2 / sq)
     if level == "token":
         high = sum(math.exp(float(lr[p])) > upper for p in toks) / len(toks)
         assert m["rollout_is_ratio_fraction_high"] == pytest.approx(high)
+        floor = 1 / upper if lower is None else lower
+        low = sum(math.exp(float(lr[p])) < floor for p in toks) / len(toks)
+        assert m["rollout_is_ratio_fraction_low"] == pytest.approx(low)
     if lower is not None:
         out = [p for p in toks if ref[p] == 0]
         assert m["rollout_is_oob_ratio"] == pytest.approx(len(out) / len(toks))
@@ -265,17 +278,19 @@ def test_bad_input_names_verls_argument(i):
 
 
 # --------------------------------------------------------------------------- deliberate differences
-def test_difference_metrics():
+def test_metrics_over_rows_and_the_differences():
     lr = torch.tensor([[math.log(0.25), 0.0, 0.0], [math.log(4.0), 0.0, 0.0],
                        [0.0, 0.0, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
-    # TIS: verl's fraction_low counts ratios below 1/threshold (0.25 < 0.5); here 0
+    # TIS: verl's fraction_low counts ratios below 1/threshold (0.25 < 0.5): 1 of 4 tokens
     _, m = verl.compute_rollout_correction_weights(lr, mask, "token", 2.0)
-    assert m["rollout_is_ratio_fraction_low"] == 0.0
+    assert m["rollout_is_ratio_fraction_low"] == pytest.approx(1 / 4)
     assert m["rollout_is_ratio_fraction_high"] == pytest.approx(1 / 4)
-    # sequence level: the fraction above counts response tokens (1 of 4), verl rows (1 of 3)
+    # sequence level, as verl: over rows, the empty row too (ratios 0.25, 4 and 1)
     _, m = verl.compute_rollout_correction_weights(lr, mask, "sequence", 2.0)
-    assert m["rollout_is_ratio_fraction_high"] == pytest.approx(1 / 4)
+    assert m["rollout_is_ratio_fraction_high"] == pytest.approx(1 / 3)
+    assert m["rollout_is_ratio_fraction_low"] == pytest.approx(1 / 3)
+    assert m["rollout_is_max"] == pytest.approx(4.0) and m["rollout_is_min"] == pytest.approx(0.25)
     # rejection: seq_masked_fraction over rows with a response token (1 of 2; verl 1 of 3)
     lr[1, 0] = math.log(1.5)
     _, m = verl.compute_rollout_rejection_mask(lr, mask, "seq_sum_k2", 0.5)

@@ -12,6 +12,7 @@ log-probs against rollout log-probs of 0. Metrics are Python floats under verl's
 
 from __future__ import annotations
 
+import math
 import types
 
 import torch
@@ -157,17 +158,18 @@ def compute_rollout_correction_weights(
     that mean is > 1e-8. :func:`rlops.rollout_importance_weights` (``level``, ``mode``,
     ``threshold``, ``low``).
 
-    Metrics (floats): ``rollout_is_mean`` / ``_min`` / ``_max`` (of the applied weights, before
-    normalisation), ``rollout_is_eff_sample_size``, ``rollout_is_ratio_fraction_high`` /
-    ``_low`` (response tokens whose ratio is above / below the bounds), ``rollout_is_std`` (of
+    Metrics (floats), as verl's: ``rollout_is_mean`` (of the applied weights, before
+    normalisation), ``_min`` / ``_max`` (token: of the applied weights; sequence: of the rows'
+    ratios), ``rollout_is_eff_sample_size``, ``rollout_is_ratio_fraction_high`` / ``_low``
+    (response tokens, or at sequence level rows, whose ratio is above the upper bound / below the
+    lower one, 1/upper for TIS), ``rollout_is_std`` (of
     the applied weights clamped to ``[0, upper]``), with IcePop ``rollout_is_oob_ratio``, with
     normalisation ``rollout_is_batch_norm_factor``.
 
     Differences: the log-weight is compared with the bounds before clamping at 20 (verl clamps
-    to ±20 first; they differ only beyond e^±20). Metrics: at sequence level the fractions count
-    response tokens (verl: rows, empty rows included) and min / max are of the applied weights
-    (verl: of the raw sequence ratio); with TIS ``rollout_is_ratio_fraction_low`` is 0 (verl
-    counts ratios below 1/threshold); verl's ``rollout_is_seq_*`` summaries are not computed.
+    to ±20 first; they differ only beyond e^±20); with TIS and a threshold below 1 the token
+    ``rollout_is_ratio_fraction_low`` is 0; verl's ``rollout_is_seq_*`` summaries are not
+    computed.
 
     Example:
         >>> import torch
@@ -188,6 +190,18 @@ def compute_rollout_correction_weights(
         mode="truncate" if lower is None else "mask", threshold=upper, low=lower,
     )
     out = {k: metrics[k].item() for k in _IS_METRICS}
+    floor = 1.0 / upper if lower is None else lower  # verl's metrics read TIS's floor as 1/upper
+    if rollout_is == "token":
+        if lower is None and floor <= upper:
+            below = rlops.rollout_importance_weights(log_ratio, torch.zeros_like(log_ratio), mask,
+                                                     threshold=upper, low=floor)[2]
+            out["rollout_is_ratio_fraction_low"] = below["rollout_is_ratio_fraction_low"].item()
+    else:  # verl reads sequence ratios once per row, every row counted (an empty row: ratio 1)
+        seq = torch.where(mask, log_ratio.detach(), 0).sum(-1)
+        out["rollout_is_max"] = math.exp(min(seq.max().item(), 20.0))
+        out["rollout_is_min"] = math.exp(max(seq.min().item(), -745.0))
+        out["rollout_is_ratio_fraction_high"] = (seq > math.log(upper)).float().mean().item()
+        out["rollout_is_ratio_fraction_low"] = (seq < math.log(floor)).float().mean().item()
     # verl's spread of the applied weights (clamped to [0, upper]): population std, 0 for one token
     spread = rlops.masked_var(weights.clamp(0, upper), mask, unbiased=False)
     out["rollout_is_std"] = spread.sqrt().item() if int(mask.sum()) > 1 else 0.0
