@@ -291,10 +291,10 @@ def test_metrics_over_rows_and_the_differences():
     assert m["rollout_is_ratio_fraction_high"] == pytest.approx(1 / 3)
     assert m["rollout_is_ratio_fraction_low"] == pytest.approx(1 / 3)
     assert m["rollout_is_max"] == pytest.approx(4.0) and m["rollout_is_min"] == pytest.approx(0.25)
-    # rejection: seq_masked_fraction over rows with a response token (1 of 2; verl 1 of 3)
+    # rejection: seq_masked_fraction over all rows, as verl (1 of 3)
     lr[1, 0] = math.log(1.5)
     _, m = verl.compute_rollout_rejection_mask(lr, mask, "seq_sum_k2", 0.5)
-    assert m["rollout_rs_seq_masked_fraction"] == pytest.approx(1 / 2)
+    assert m["rollout_rs_seq_masked_fraction"] == pytest.approx(1 / 3)
     # a sequence option's mean is over rows (verl: over tokens, weighted by row length)
     stat = [math.log(0.25) ** 2 / 2, math.log(1.5) ** 2 / 2]
     assert m["rollout_rs_seq_sum_k2_mean"] == pytest.approx(sum(stat) / 2)

@@ -238,13 +238,13 @@ def compute_rollout_rejection_mask(
     ``modified_response_mask`` is ``response_mask`` (its dtype) with the rejected tokens 0.
     :func:`rlops.rollout_rejection_mask` with the parsed criteria.
 
-    Metrics (floats): ``rollout_rs_masked_fraction``, ``rollout_rs_seq_masked_fraction``, and
+    Metrics (floats): ``rollout_rs_masked_fraction``, ``rollout_rs_seq_masked_fraction`` (of
+    all rows, as verl), and
     per option ``rollout_rs_<option>_masked_fraction`` and ``_min`` / ``_max`` of its statistic
     (over response tokens for token options, over rows with a response token otherwise) and
     ``_mean``.
 
-    Differences: ``d`` is not clamped to ±20 first (only k3's exponential is clamped at 20);
-    ``rollout_rs_seq_masked_fraction`` is over rows with a response token (verl: all rows); a
+    Differences: ``d`` is not clamped to ±20 first (only k3's exponential is clamped at 20); a
     sequence option's ``_mean`` is over rows (verl: over tokens, each row's statistic weighted
     by its length); verl's per-option ``_std``, ``_fraction_high`` / ``_low``,
     ``_seq_masked_fraction`` and ``_seq_*`` are not computed.
@@ -265,7 +265,10 @@ def compute_rollout_rejection_mask(
     keep, metrics = rlops.rollout_rejection_mask(log_ratio, torch.zeros_like(log_ratio), mask,
                                                  criteria)
     modified = (response_mask * keep).to(response_mask.dtype)
-    return modified, {k: v.item() for k, v in metrics.items()}
+    out = {k: v.item() for k, v in metrics.items()}
+    # verl: the share of all rows (empty ones too) that lost a token
+    out["rollout_rs_seq_masked_fraction"] = (mask & ~keep).any(-1).float().mean().item()
+    return modified, out
 
 
 def compute_offpolicy_metrics(
