@@ -99,7 +99,8 @@ def _options(kind: str, config: object) -> dict[str, object]:
 def _row_geometric_mean(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """verl's geo_mean reading of ``rollout_is_weights``: per row, the geometric mean of
     ``w + 1e-10`` over the response tokens, repeated along the row."""
-    row = rlops.masked_mean(torch.log(weights.detach().float() + 1e-10), mask, dim=-1)
+    w = weights.detach().to(torch.promote_types(weights.dtype, torch.float32))
+    row = rlops.masked_mean(torch.log(w + 1e-10), mask, dim=-1)
     return torch.exp(row)[:, None].expand_as(weights).to(weights.dtype)
 
 
