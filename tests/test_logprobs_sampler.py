@@ -175,6 +175,14 @@ def test_ties_keep_every_tied_logit():
         lp, _ = logprobs_and_entropy(z, y, **kw)
         kept = z[0][reference_support(z, **kw)[0]]
         torch.testing.assert_close(lp, (3.0 - torch.logsumexp(kept, 0)).reshape(1))
+    # top-k = 2 keeps the four tokens tied at 2; top-p then crosses p inside that tie, beyond
+    # the k values the top-k pass returns: all four stay.
+    z2 = torch.tensor([[3.0, 2.0, 2.0, 0.0, 2.0, 2.0]])
+    expected = torch.tensor([[True, True, True, False, True, True]])
+    for p in (0.6, 0.99):
+        assert torch.equal(reference_support(z2, top_k=2, top_p=p), expected)
+        assert torch.equal(_support.support_chunk(z2, 2, p, None), expected)
+        assert torch.equal(_support.support_chunk(z2, torch.tensor([[2]]), p, None), expected)
     gen = torch.Generator().manual_seed(2)
     logits = torch.randint(-3, 4, (40, 50), generator=gen).float()
     target = torch.randint(0, 50, (40,), generator=gen)
@@ -465,3 +473,16 @@ def test_tensor_parallel_raises_on_every_rank():
     assert res[1]["top_p on rank 1"][0] == "NotImplementedError"
     assert res[0]["top_p on rank 1"][0] == "ValueError"  # joined the check, names rank 1
     assert "rank(s) [1]" in res[0]["top_p on rank 1"][1]
+
+
+def test_topk_and_sort_paths_agree():
+    """A scalar top_k with top_p sorts only the k largest values (plus a count of the ties
+    left out); a per-token top_k sorts the whole row: the same support."""
+    gen = torch.Generator().manual_seed(16)
+    for ints in (False, True):
+        z = torch.randn(64, 200, generator=gen) * 3
+        z = z.round() if ints else z
+        for k, p, m in ((5, 0.9, None), (40, 0.5, 0.01), (150, 0.97, None), (1, 0.3, None)):
+            a = _support.support_chunk(z, k, p, m)
+            b = _support.support_chunk(z, torch.full((64, 1), k), p, m)
+            assert torch.equal(a, b), (ints, k, p, m)

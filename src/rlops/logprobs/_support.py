@@ -67,26 +67,35 @@ def threshold_chunk(z: torch.Tensor, top_k: Param, top_p: Param, min_p: Param) -
     v = z.shape[1]
     if isinstance(top_p, float) and top_p >= 1.0:
         top_p = None
+    if isinstance(top_k, int) and top_k >= v:
+        top_k = None
     t = None
     if min_p is not None and not (isinstance(min_p, float) and min_p == 0.0):
         log_min_p = torch.as_tensor(min_p, dtype=z.dtype, device=z.device).log()
         t = z.amax(dim=1, keepdim=True) + log_min_p  # min_p = 0: -inf, keeps everything
     if top_p is None and not isinstance(top_k, torch.Tensor):
-        if top_k is not None and top_k < v:
+        if top_k is not None:
             t = _maximum(t, z.topk(top_k, dim=1, sorted=False).values.amin(dim=1, keepdim=True))
         return z.new_full((z.shape[0], 1), float("-inf")) if t is None else t
-    zs = z.sort(dim=1, descending=True).values
-    if top_k is not None:
-        if isinstance(top_k, torch.Tensor):
+    extra = None  # tokens >= t left out of zs (ties with the k-th value)
+    if isinstance(top_k, int):  # top-p then needs only the k largest values, sorted
+        zs = z.topk(top_k, dim=1).values
+        t = _maximum(t, zs[:, -1:])
+        extra = (z >= t).sum(dim=1, keepdim=True) - (zs >= t).sum(dim=1, keepdim=True)
+    else:
+        zs = z.sort(dim=1, descending=True).values
+        if top_k is not None:
             t = _maximum(t, zs.gather(1, top_k.clamp(1, v) - 1))
-        elif top_k < v:
-            t = _maximum(t, zs[:, top_k - 1 : top_k])
     if top_p is not None:
-        zt = zs if t is None else zs.masked_fill(zs < t, float("-inf"))
-        probs = torch.softmax(zt, dim=1)
-        before = torch.zeros_like(probs)  # the mass strictly before each sorted position
-        torch.cumsum(probs[:, :-1], dim=1, out=before[:, 1:])
-        n_keep = (before < top_p).sum(dim=1, keepdim=True)  # a prefix: the cumsum is monotone
+        top = zs[:, :1]
+        top = torch.where(top == float("-inf"), torch.zeros_like(top), top)
+        w = (zs if t is None else zs.masked_fill(zs < t, float("-inf"))).sub(top).exp_()
+        total = w.sum(dim=1, keepdim=True)
+        if extra is not None:  # the left-out ties, all at value t
+            total = total + extra * (t - top).exp()
+        before = torch.zeros_like(w)  # the mass strictly before each sorted position
+        torch.cumsum(w[:, :-1], dim=1, out=before[:, 1:])
+        n_keep = (before < top_p * total).sum(dim=1, keepdim=True)  # a prefix: monotone
         t_p = zs.gather(1, (n_keep - 1).clamp(min=0))
         if isinstance(top_p, torch.Tensor):  # p = 1 keeps every token, whatever the rounding
             t_p = t_p.masked_fill(top_p >= 1.0, float("-inf"))

@@ -325,6 +325,10 @@ def logprobs_and_entropy(
         tensor([-1.3863, -0.2780])
         >>> ent  # log 4 for uniform logits
         tensor([1.3863, 0.8011])
+        >>> # top-k = 1 keeps every logit tied with the largest (all four in row 0), and
+        >>> # the sampled token even outside it (row 1: the support is {0, 1})
+        >>> logprobs_and_entropy(logits, torch.tensor([1, 1]), top_k=1)[0]
+        tensor([-1.3863, -2.1269])
     """
     rank, world = group_rank_size(group)
     checked = world > 1 and _tp.check_enabled()
