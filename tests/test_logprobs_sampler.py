@@ -451,25 +451,111 @@ def test_saved_state_is_per_token():
         assert sizes == [40] * count, kw
 
 
+TP_N, TP_V, TP_H = 23, 52, 6
+TP_SIZES = (20, 32)  # unequal shards
+TP_CASES = {
+    "top_k": {"top_k": 5},
+    "top_k top_p": {"top_k": 7, "top_p": 0.8, "temperature": 0.7, "chunk_size": 5},
+    "min_p": {"min_p": 0.05, "chunk_size": 4},
+    "all, per token, over support": {"top_k": 10, "top_p": "t", "min_p": 0.01,
+                                     "entropy_over_support": True},
+    "ties": {"top_k": 4, "top_p": 0.6, "ints": True},
+    "k > V_local": {"top_k": 30, "top_p": 0.95},
+}
+
+
+def _tp_case(name):
+    kw = dict(TP_CASES[name])
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    logits = torch.randn(TP_N, TP_V, generator=gen, dtype=torch.float64) * 3
+    if kw.pop("ints", False):
+        logits = logits.round()
+    target = torch.randint(0, TP_V, (TP_N,), generator=gen)
+    grads = [torch.randn(TP_N, generator=gen, dtype=torch.float64) for _ in range(2)]
+    if kw.get("top_p") == "t":
+        kw["top_p"] = torch.rand(TP_N, generator=gen, dtype=torch.float64) * 0.9 + 0.05
+    return logits, target, grads, kw
+
+
+def _tp_linear():
+    gen = torch.Generator().manual_seed(17)
+    hidden = torch.randn(TP_N, TP_H, generator=gen, dtype=torch.float64)
+    weight = torch.randn(TP_V, TP_H, generator=gen, dtype=torch.float64)
+    target = torch.randint(0, TP_V, (TP_N,), generator=gen)
+    grads = [torch.randn(TP_N, generator=gen, dtype=torch.float64) for _ in range(2)]
+    return hidden, weight, target, grads, {"top_k": 6, "top_p": 0.9, "chunk_size": 7}
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as exc:  # the test compares the type and message on each rank
+        return type(exc).__name__, str(exc)
+    return None
+
+
 def _tensor_parallel_sampler(rank, world):
-    logits, target, _ = _data((6,), 20, seed=15)
+    from tests._distributed import count_collectives
+
     group = dist.group.WORLD
-    x = logits[:, rank * 10 : (rank + 1) * 10]
+    cols = slice(sum(TP_SIZES[:rank]), sum(TP_SIZES[: rank + 1]))
     out = {}
-    for name, kw in (("top_k", {"top_k": 3}), ("top_p on rank 1", {"top_p": 0.5} if rank else {})):
-        try:
-            logprobs_and_entropy(x, target, group=group, **kw)
-            out[name] = None
-        except Exception as exc:  # the test compares the type and message on each rank
-            out[name] = (type(exc).__name__, str(exc))
+    for name in TP_CASES:
+        logits, target, grads, kw = _tp_case(name)
+        x = logits[:, cols].clone().requires_grad_()
+        with count_collectives() as fwd:
+            lp, ent = logprobs_and_entropy(x, target, group=group, **kw)
+        with count_collectives() as bwd:
+            torch.autograd.backward([lp, ent], grads)
+        out[name] = {"outs": (lp.detach(), ent.detach()), "grad": x.grad,
+                     "fwd": sum(dict(fwd).values()), "bwd": sum(dict(bwd).values())}
+    hidden, weight, target, grads, kw = _tp_linear()
+    w = weight[cols].clone().requires_grad_()
+    lp, ent = linear_logprobs_and_entropy(hidden, w, target, group=group, **kw)
+    torch.autograd.backward([lp, ent], grads)
+    out["linear"] = {"outs": (lp.detach(), ent.detach()), "grad": w.grad}
+    x = torch.zeros(3, TP_SIZES[rank], dtype=torch.float64)
+    y = torch.zeros(3, dtype=torch.long)
+    out["per-token top_k"] = _raised(lambda: logprobs_and_entropy(
+        x, y, group=group, top_k=torch.ones(3, dtype=torch.long)))
+    out["top_p on rank 1"] = _raised(lambda: logprobs_and_entropy(
+        x, y, group=group, **({"top_p": 0.5} if rank else {})))
+    out["top_k differs"] = _raised(lambda: logprobs_and_entropy(
+        x, y, group=group, top_k=4 + rank))
     return out
 
 
 @pytest.mark.distributed
-def test_tensor_parallel_raises_on_every_rank():
+def test_tensor_parallel_matches_one_process():
+    """The vocabulary in two unequal shards: every rank's outputs and gradient shard equal the
+    one-process results; the forward makes 3 collectives (check, candidates, statistics), the
+    backward none; unsupported or mismatched calls raise on every rank."""
     res = run_distributed(_tensor_parallel_sampler, 2)
+    for name in TP_CASES:
+        logits, target, grads, kw = _tp_case(name)
+        full = forward_backward(lambda x, y, kw=kw: logprobs_and_entropy(x, y, **kw),
+                                (logits, target), grads)
+        for r, rank_res in enumerate(res):
+            got = rank_res[name]
+            cols = slice(sum(TP_SIZES[:r]), sum(TP_SIZES[: r + 1]))
+            for a, b in zip(got["outs"], full[:2], strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
+            torch.testing.assert_close(got["grad"], full[2][:, cols], rtol=1e-12, atol=1e-12)
+            assert got["fwd"] == 3 and got["bwd"] == 0, (name, got["fwd"], got["bwd"])
+    hidden, weight, target, grads, kw = _tp_linear()
+    full = forward_backward(lambda h, w, y: linear_logprobs_and_entropy(h, w, y, **kw),
+                            (hidden, weight, target), grads)
+    for r, rank_res in enumerate(res):
+        cols = slice(sum(TP_SIZES[:r]), sum(TP_SIZES[: r + 1]))
+        for a, b in zip(rank_res["linear"]["outs"], full[:2], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(rank_res["linear"]["grad"], full[3][cols],
+                                   rtol=1e-12, atol=1e-12)
     for r in res:
-        assert r["top_k"][0] == "NotImplementedError" and "tensor-parallel" in r["top_k"][1]
+        assert r["per-token top_k"][0] == "NotImplementedError"
+        assert "top_k must be an int" in r["per-token top_k"][1]
+        assert r["top_k differs"][0] == "ValueError"
+        assert "top_k: [4, 5]" in r["top_k differs"][1]
     assert res[1]["top_p on rank 1"][0] == "NotImplementedError"
     assert res[0]["top_p on rank 1"][0] == "ValueError"  # joined the check, names rank 1
     assert "rank(s) [1]" in res[0]["top_p on rank 1"][1]

@@ -25,7 +25,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Sampler", "support_chunk", "threshold_chunk"]
+__all__ = [
+    "Sampler",
+    "candidates_chunk",
+    "merged_threshold",
+    "n_candidates",
+    "support_chunk",
+    "threshold_chunk",
+]
 
 # A per-token parameter is a [C, 1] tensor (rows of the chunk); a scalar is a Python number.
 Param = int | float | torch.Tensor | None
@@ -87,17 +94,74 @@ def threshold_chunk(z: torch.Tensor, top_k: Param, top_p: Param, min_p: Param) -
         if top_k is not None:
             t = _maximum(t, zs.gather(1, top_k.clamp(1, v) - 1))
     if top_p is not None:
-        top = zs[:, :1]
-        top = torch.where(top == float("-inf"), torch.zeros_like(top), top)
-        w = (zs if t is None else zs.masked_fill(zs < t, float("-inf"))).sub(top).exp_()
-        total = w.sum(dim=1, keepdim=True)
-        if extra is not None:  # the left-out ties, all at value t
-            total = total + extra * (t - top).exp()
-        before = torch.zeros_like(w)  # the mass strictly before each sorted position
-        torch.cumsum(w[:, :-1], dim=1, out=before[:, 1:])
-        n_keep = (before < top_p * total).sum(dim=1, keepdim=True)  # a prefix: monotone
-        t_p = zs.gather(1, (n_keep - 1).clamp(min=0))
-        if isinstance(top_p, torch.Tensor):  # p = 1 keeps every token, whatever the rounding
-            t_p = t_p.masked_fill(top_p >= 1.0, float("-inf"))
-        t = _maximum(t, t_p)
+        t = _maximum(t, _top_p_threshold(zs, t, top_p, extra))
     return z.new_full((z.shape[0], 1), float("-inf")) if t is None else t
+
+
+def _top_p_threshold(
+    zs: torch.Tensor, t: torch.Tensor | None, top_p: Param, extra: torch.Tensor | None
+) -> torch.Tensor:
+    """Top-p's threshold from the values ``zs`` ``[C, K]`` sorted descending (all those
+    ``≥ t``, but ``extra`` ``[C, 1]`` more tokens tied at ``t``): the value of the token at
+    which the mass before it, over the tokens ``≥ t``, first reaches ``top_p``."""
+    top = zs[:, :1]
+    top = torch.where(top == float("-inf"), torch.zeros_like(top), top)
+    w = (zs if t is None else zs.masked_fill(zs < t, float("-inf"))).sub(top).exp_()
+    total = w.sum(dim=1, keepdim=True)
+    if extra is not None:  # the left-out ties, all at value t
+        total = total + extra * (t - top).exp()
+    before = torch.zeros_like(w)  # the mass strictly before each sorted position
+    torch.cumsum(w[:, :-1], dim=1, out=before[:, 1:])
+    n_keep = (before < top_p * total).sum(dim=1, keepdim=True)  # a prefix: monotone
+    t_p = zs.gather(1, (n_keep - 1).clamp(min=0))
+    if isinstance(top_p, torch.Tensor):  # p = 1 keeps every token, whatever the rounding
+        t_p = t_p.masked_fill(top_p >= 1.0, float("-inf"))
+    return t_p
+
+
+# --------------------------------------------------------------------------- tensor parallel
+def n_candidates(top_k: int | None) -> int:
+    """Columns of :func:`candidates_chunk`: ``K`` values, the K-th again, the ties left out."""
+    return (top_k or 1) + 2
+
+
+def candidates_chunk(z: torch.Tensor, top_k: int | None) -> torch.Tensor:
+    """``[C, K + 2]``: one vocabulary shard's candidates for the global threshold.
+
+    The shard's ``K = top_k`` largest values sorted descending (``-inf``-padded when the shard
+    holds fewer; ``K = 1``, the max, without top-k), its K-th value ``v`` and the number of its
+    tokens ``≥ v`` left out (ties with ``v``). The global k largest values lie among the
+    shards' candidates, and every token ``≥`` the global k-th value not among them is such a
+    tie, so the threshold follows from the candidates exactly (:func:`merged_threshold`).
+    """
+    k = top_k or 1
+    kk = min(k, z.shape[1])
+    vals = z.topk(kk, dim=1).values
+    last = vals[:, -1:]
+    left_out = (z >= last).sum(dim=1, keepdim=True) - kk
+    pad = vals.new_full((z.shape[0], k - kk), float("-inf"))
+    return torch.cat([vals, pad, last, left_out.to(z.dtype)], dim=1)
+
+
+def merged_threshold(
+    gathered: torch.Tensor, top_k: int | None, top_p: Param, min_p: Param
+) -> torch.Tensor:
+    """``[R, N, K + 2]`` candidates of every shard → the global threshold ``[N, 1]``, the same
+    as :func:`threshold_chunk` on the full vocabulary (top-p needs top-k here)."""
+    r, n, cols = gathered.shape
+    k = cols - 2
+    zs = gathered[:, :, :k].permute(1, 0, 2).reshape(n, r * k).sort(dim=1, descending=True)
+    zs = zs.values
+    t = None
+    if min_p is not None and not (isinstance(min_p, float) and min_p == 0.0):
+        log_min_p = torch.as_tensor(min_p, dtype=zs.dtype, device=zs.device).log()
+        t = zs[:, :1] + log_min_p
+    if top_k is not None:
+        t = _maximum(t, zs[:, top_k - 1 : top_k])
+    if isinstance(top_p, float) and top_p >= 1.0:
+        top_p = None
+    if top_p is not None:
+        last, left_out = gathered[:, :, k], gathered[:, :, k + 1]
+        extra = torch.where(last == t.view(1, n), left_out, torch.zeros_like(left_out))
+        t = _maximum(t, _top_p_threshold(zs, t, top_p, extra.sum(dim=0).unsqueeze(1)))
+    return zs.new_full((n, 1), float("-inf")) if t is None else t

@@ -1,10 +1,11 @@
 """Tensor-parallel consistency check: one fixed-size all-gather before the statistics.
 
-Every rank of a vocabulary-parallel call sends a header of 11 int64 numbers (:data:`FIELDS`):
+Every rank of a vocabulary-parallel call sends a header of 15 int64 numbers (:data:`FIELDS`):
 the operation, its shard size ``V_local``, the number of tokens, the hidden size (linear op),
-the input dtype, the flags, the temperature (its float64 bits), a position-weighted checksum of
-the target ids, and the argument that it rejected, if any. Every rank then reads the same
-``[world, 11]`` numbers and either
+the input dtype, the flags, the temperature (its float64 bits), the sampler's scalar top_k,
+top_p and min_p (per-token values are not compared), a position-weighted checksum of the
+target ids, and the argument that it rejected, if any. Every rank then reads the same
+``[world, 15]`` numbers and either
 
 - derives its offset in the vocabulary (the sum of the shard sizes of the ranks before it) and
   the full vocabulary size, so shards of unequal size are merged correctly, or
@@ -30,7 +31,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-__all__ = ["FIELDS", "Call", "check_enabled", "fail_together", "shard_layout"]
+__all__ = ["FIELDS", "Call", "check_enabled", "fail_together", "sampler_fields", "shard_layout"]
 
 ENV = "RLOPS_TP_CHECK"
 FIELDS = (
@@ -44,6 +45,10 @@ FIELDS = (
     "entropy_grad",
     "keep_mask given",
     "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "entropy_over_support",
     "target ids (position-weighted checksum)",
 )
 _BAD, _OP, _V_LOCAL, _TOKENS, _HIDDEN, _TARGET = 0, 1, 2, 3, 4, len(FIELDS) - 1
@@ -62,7 +67,31 @@ _ARGUMENTS = (
     "chunk_size",
     "hidden",
     "weight",
+    "top_k",
+    "top_p",
+    "min_p",
+    "entropy_over_support",
 )
+# A sampler parameter given per token (a tensor): its values are not compared.
+_PER_TOKEN = -1
+
+
+def _bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def sampler_fields(top_k: object, top_p: object, min_p: object, over: object) -> tuple:
+    """The header's ``(top_k, top_p, min_p, entropy_over_support)`` numbers: 0 when not given,
+    ``-1`` when per token, else the int or the float64 bits (after the local checks)."""
+
+    def one(x, integer):
+        if x is None:
+            return 0
+        if isinstance(x, torch.Tensor):
+            return _PER_TOKEN
+        return int(x) if integer else _bits(float(x))
+
+    return one(top_k, True), one(top_p, False), one(min_p, False), int(bool(over))
 
 
 def check_enabled() -> bool:
@@ -83,10 +112,11 @@ class Call:
     entropy_grad: bool
     masked: bool
     temperature: float
+    sampler: tuple = (0, 0, 0, 0)
 
     def header(self) -> list[int]:
         """The :data:`FIELDS` but the target checksum (computed on the device)."""
-        bits = struct.unpack("<q", struct.pack("<d", self.temperature))[0]
+        bits = _bits(self.temperature)
         return [
             0,
             _OPS.index(self.op) + 1,
@@ -98,6 +128,7 @@ class Call:
             int(self.entropy_grad),
             int(self.masked),
             bits,
+            *self.sampler,
         ]
 
 
@@ -122,8 +153,17 @@ def _shown(field: int, values: list[int]) -> list:
         return [_DTYPES[v - 1] if 0 < v <= len(_DTYPES) else "other" for v in values]
     if FIELDS[field] in ("with_entropy", "entropy_grad", "keep_mask given"):
         return [bool(v) for v in values]
-    if field == FIELDS.index("temperature"):
-        return [struct.unpack("<d", struct.pack("<q", v))[0] for v in values]
+    if FIELDS[field] in ("temperature", "top_p", "min_p"):
+        return [
+            "per token" if v == _PER_TOKEN else
+            (None if v == 0 and field != FIELDS.index("temperature") else
+             struct.unpack("<d", struct.pack("<q", v))[0])
+            for v in values
+        ]
+    if field == FIELDS.index("top_k"):
+        return ["per token" if v == _PER_TOKEN else (None if v == 0 else v) for v in values]
+    if field == FIELDS.index("entropy_over_support"):
+        return [bool(v) for v in values]
     return values
 
 

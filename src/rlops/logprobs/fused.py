@@ -57,6 +57,20 @@ def gather_stats(stats: torch.Tensor, group: object, world: int) -> torch.Tensor
     return out.view(world, stats.shape[0], stats.shape[1])
 
 
+def sampler_thresholds(
+    chunks, n: int, sampler: _support.Sampler, group: object, world: int, dtype, device
+) -> torch.Tensor:
+    """``[N, 1]`` thresholds of the sampler's support over the vocabulary sharded on ``group``:
+    each shard's candidates (:func:`_support.candidates_chunk`, from ``chunks``, an iterable
+    of ``(i, scaled logits of rows [i, i + C))``), one all-gather, the same merge everywhere."""
+    top_k = sampler.top_k
+    cand = torch.empty((n, _support.n_candidates(top_k)), dtype=dtype, device=device)
+    for i, z in chunks:
+        cand[i : i + z.shape[0]] = _support.candidates_chunk(z, top_k)
+    _, top_p, min_p = sampler.rows(0, n)
+    return _support.merged_threshold(gather_stats(cand, group, world), top_k, top_p, min_p)
+
+
 def support_applied(
     z: torch.Tensor,
     own: bool,
@@ -146,13 +160,18 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
             (n, _shard.n_columns(masked, with_entropy)), dtype=dtype, device=logits.device
         )
         thr = None if sampler is None else torch.empty((n, 1), dtype=dtype, device=x.device)
+        if sampler is not None and world > 1:  # a first pass for the global threshold
+            chunks = ((i, scaled_chunk(x[i : i + chunk], dtype, temperature)[0])
+                      for i in range(0, n, chunk))
+            thr = sampler_thresholds(chunks, n, sampler, group, world, dtype, x.device)
         for i in range(0, n, chunk):
             z, own = scaled_chunk(x[i : i + chunk], dtype, temperature)
             idx, in_range = _shard.target_index(tgt[i : i + chunk], start, v_local)
             kc = None if keep2 is None else keep2[i : i + chunk]
             if sampler is not None:
                 t = thr[i : i + chunk]
-                t.copy_(_support.threshold_chunk(z, *sampler.rows(i, i + chunk)))
+                if world == 1:
+                    t.copy_(_support.threshold_chunk(z, *sampler.rows(i, i + chunk)))
                 z, own, kc = support_applied(z, own, idx, in_range, t, over_support)
             _shard.stats_chunk(z, own, idx, in_range, kc, with_entropy, stats[i : i + chunk])
         logp, ent, saved = _shard.merge(gather_stats(stats, group, world), masked, with_entropy)
@@ -255,8 +274,12 @@ def logprobs_and_entropy(
     is renormalised over the support; the entropy is over all logits, or over the support
     (target included) with ``entropy_over_support=True``. The support is a piecewise-constant
     function of the logits: the gradient is that of the masked softmax, with nothing through
-    the selection. One process only: with a tensor-parallel ``group`` of more than one rank
-    they raise NotImplementedError (the threshold must be global over the vocabulary).
+    the selection. Under a tensor-parallel ``group`` the threshold is global: each shard sends
+    its ``top_k`` largest values per token, its k-th value and how many of its tokens tie with
+    it but were left out (``[N, top_k + 2]``, one more all-gather before the statistics, after
+    a first pass over the chunks), and every rank merges them alike; ``top_k`` must then be an
+    int and ``top_p`` needs ``top_k`` (NotImplementedError otherwise), and per-token
+    ``top_p`` / ``min_p`` must be equal on every rank (not checked).
 
     The vocabulary may be sharded over ``group`` (tensor parallel): rank ``r`` holds the
     logits of the ids that follow the shards of ranks ``< r`` (``[r·V_local, (r+1)·V_local)``
@@ -268,12 +291,13 @@ def logprobs_and_entropy(
     own shard. ``group=None`` means one process holding the whole vocabulary (no collective,
     even if ``torch.distributed`` is initialised). Every rank of the group must call it.
 
-    Consistency check (tensor parallel): before the statistics, one all-gather of 11 numbers
+    Consistency check (tensor parallel): before the statistics, one all-gather of 15 numbers
     per rank compares the tokens, the target ids (a checksum), the dtype, the flags, whether a
-    keep mask is given and the temperature, and collects the shard sizes (which may differ).
+    keep mask is given, the temperature and the scalar sampler parameters, and collects the
+    shard sizes (which may differ).
     Every rank then raises the same ``ValueError`` naming what disagrees, instead of returning
     wrong values or aborting in the collective; a rank whose own arguments are invalid raises
-    its error and the others a ``ValueError`` naming it. Reading the 11 numbers is a host
+    its error and the others a ``ValueError`` naming it. Reading the 15 numbers is a host
     synchronisation; ``RLOPS_TP_CHECK=0`` (on every rank) skips the check, leaving the one
     collective, and then requires shards of equal size.
 
@@ -355,6 +379,7 @@ def logprobs_and_entropy(
             entropy_grad=entropy_grad,
             masked=keep_mask is not None,
             temperature=temperature,
+            sampler=_tp.sampler_fields(top_k, top_p, min_p, entropy_over_support),
         )
         start, vocab = _tp.shard_layout(group, rank, world, call, target)
     else:
@@ -396,11 +421,12 @@ def checked_sampler(name, ref, top_k, top_p, min_p, keep_mask, entropy_over_supp
             "keep_mask and top_k / top_p / min_p are exclusive: give the sampler's support "
             "either as a mask or as its parameters"
         )
-    if world > 1:
+    if world > 1 and (isinstance(params[0], torch.Tensor) or (
+            params[1] is not None and params[0] is None)):
         raise NotImplementedError(
-            "top_k / top_p / min_p with a tensor-parallel group of more than one rank are not "
-            "supported yet (the support threshold must be global over the vocabulary); pass "
-            "keep_mask, or call without group on the full vocabulary"
+            "with a tensor-parallel group of more than one rank, top_k must be an int and "
+            "top_p needs top_k (the global threshold is merged from each shard's top_k "
+            "candidates); pass keep_mask, or call without group on the full vocabulary"
         )
     named = zip(("top_k", "top_p", "min_p"), params, strict=True)
     check_same_device(name, ref, **{n: p for n, p in named if p is not None})

@@ -32,6 +32,7 @@ from rlops.logprobs.fused import (
     checked_sampler,
     gather_stats,
     logits_grad_with_graph,
+    sampler_thresholds,
     support_applied,
 )
 
@@ -71,13 +72,18 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
             (n, _shard.n_columns(masked, with_entropy)), dtype=dtype, device=hidden.device
         )
         thr = None if sampler is None else torch.empty((n, 1), dtype=dtype, device=h2.device)
+        if sampler is not None and world > 1:  # a first pass for the global threshold
+            chunks = ((i, _logits_chunk(h2[i : i + chunk], weight, dtype, temperature))
+                      for i in range(0, n, chunk))
+            thr = sampler_thresholds(chunks, n, sampler, group, world, dtype, h2.device)
         for i in range(0, n, chunk):
             z = _logits_chunk(h2[i : i + chunk], weight, dtype, temperature)
             idx, in_range = _shard.target_index(tgt[i : i + chunk], start, v_local)
             own, kc = True, None
             if sampler is not None:
                 t = thr[i : i + chunk]
-                t.copy_(_support.threshold_chunk(z, *sampler.rows(i, i + chunk)))
+                if world == 1:
+                    t.copy_(_support.threshold_chunk(z, *sampler.rows(i, i + chunk)))
                 z, own, kc = support_applied(z, own, idx, in_range, t, over_support)
             _shard.stats_chunk(z, own, idx, in_range, kc, with_entropy, stats[i : i + chunk])
         logp, ent, saved = _shard.merge(gather_stats(stats, group, world), masked, with_entropy)
@@ -183,7 +189,7 @@ def linear_logprobs_and_entropy(
     Vocabulary-parallel over ``group``: rank ``r`` holds the rows of the output weight for the
     ids that follow the shards of ranks ``< r`` (``[r·V_local, (r+1)·V_local)`` for equal
     shards). The forward issues one collective for the statistics, after the consistency check
-    of :func:`rlops.logprobs.logprobs_and_entropy` (11 numbers per rank, the hidden size among
+    of :func:`rlops.logprobs.logprobs_and_entropy` (15 numbers per rank, the hidden size among
     them; ``RLOPS_TP_CHECK=0`` skips it and then requires equal shards); the backward issues
     none. Double backward (``create_graph=True``) is supported in one process and raises
     RuntimeError with a group of more than one rank. Every rank
@@ -199,7 +205,7 @@ def linear_logprobs_and_entropy(
         temperature: ``> 0``; divides the logits.
         top_k, top_p, min_p, entropy_over_support: the sampler's support, rebuilt per token
             chunk from the chunk's logits, as in :func:`rlops.logprobs.logprobs_and_entropy`
-            (one process only; NotImplementedError with a group of more than one rank).
+            (under a group: one more all-gather of ``[N, top_k + 2]`` candidates).
         with_entropy: if False, skip the entropy and return ``None`` for it.
         group: the tensor-parallel process group, or None (one process, no collective).
         chunk_size: tokens per chunk (``>= 1``); None picks a bound of 32 MiB per
@@ -244,6 +250,7 @@ def linear_logprobs_and_entropy(
             entropy_grad=True,
             masked=False,
             temperature=temperature,
+            sampler=_tp.sampler_fields(top_k, top_p, min_p, entropy_over_support),
         )
         start, vocab = _tp.shard_layout(group, rank, world, call, target)
     else:
