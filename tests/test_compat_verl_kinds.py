@@ -112,7 +112,7 @@ def ref_cispo(old, new, adv, mask, lo, hi, mode):
 def ref_kl_cov(old, new, adv, mask, ratio, coef, mode):
     pos = [(i, t) for i in range(B) for t in range(T) if mask[i, t]]
     a = [float(adv[i, t]) for i, t in pos]
-    p = [float(new[i, t]) for i, t in pos]
+    p = [float(new.detach()[i, t]) for i, t in pos]
     ma, mp = sum(a) / len(a), sum(p) / len(p)
     cov = [(x - ma) * (y - mp) for x, y in zip(a, p)]
     k = max(1, int(len(cov) * ratio))
@@ -242,13 +242,13 @@ def test_clip_cov_zeroes_every_candidate_when_the_quota_covers_them():
     # tokens PPO does not clip with lb < cov < ub; all of them (quota N) get loss 0
     pos = [(i, t) for i in range(B) for t in range(T) if mask[i, t]]
     ma = sum(float(adv[p]) for p in pos) / len(pos)
-    mp = sum(float(new[p]) for p in pos) / len(pos)
+    mp = sum(float(new.detach()[p]) for p in pos) / len(pos)
     mat = torch.zeros_like(new)
     zeroed = 0
     for i, t in pos:
         r = torch.exp(new[i, t] - old[i, t])
         l1, l2 = -adv[i, t] * r, -adv[i, t] * torch.clamp(r, 0.8, 1.2)
-        cov = (float(adv[i, t]) - ma) * (float(new[i, t]) - mp)
+        cov = (float(adv[i, t]) - ma) * (float(new.detach()[i, t]) - mp)
         if not l2 > l1 and lb < cov < ub:
             zeroed += 1
             continue
@@ -336,11 +336,12 @@ def test_global_batch_info_reaches_agg_loss():
     old, new, adv, mask, _ = _batch(10)
     info = {"dp_size": 4, "batch_num_tokens": 100, "global_batch_size": 16}
     loss, _ = _call("gpg", old, new, adv, mask, _config(global_batch_info=info))
-    total = sum(float(-new[i, t] * adv[i, t]) for i in range(B) for t in range(T) if mask[i, t])
+    total = sum(float(-new[i, t].detach() * adv[i, t]) for i in range(B) for t in range(T)
+                if mask[i, t])
     assert loss.item() == pytest.approx(total / 100 * 4)
     loss, _ = _call("sapo", old, new, adv, mask, _config(global_batch_info=info))
     mat = _sapo_mat(old, new, adv)
-    rows = [sum(float(mat[i, t]) for t in range(T) if mask[i, t]) / int(mask[i].sum())
+    rows = [sum(float(mat[i, t].detach()) for t in range(T) if mask[i, t]) / int(mask[i].sum())
             for i in range(B) if mask[i].any()]
     assert loss.item() == pytest.approx(sum(rows) / 16 * 4)
 
