@@ -4,6 +4,7 @@ float64 references that build the full logits and the support token by token."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -516,6 +517,16 @@ def _tensor_parallel_sampler(rank, world):
     out["linear"] = {"outs": (lp.detach(), ent.detach()), "grad": w.grad}
     x = torch.zeros(3, TP_SIZES[rank], dtype=torch.float64)
     y = torch.zeros(3, dtype=torch.long)
+    os.environ["RLOPS_TP_CHECK"] = "0"  # equal shards, the check off: 2 collectives
+    logits, target, grads, kw = _tp_case("top_k top_p")
+    half = TP_V // world
+    xs = logits[:, rank * half : (rank + 1) * half].clone().requires_grad_()
+    with count_collectives() as fwd:
+        lp, ent = logprobs_and_entropy(xs, target, group=group, **kw)
+    torch.autograd.backward([lp, ent], grads)
+    out["unchecked"] = {"outs": (lp.detach(), ent.detach()), "grad": xs.grad,
+                        "fwd": sum(dict(fwd).values())}
+    del os.environ["RLOPS_TP_CHECK"]
     out["per-token top_k"] = _raised(lambda: logprobs_and_entropy(
         x, y, group=group, top_k=torch.ones(3, dtype=torch.long)))
     out["top_p on rank 1"] = _raised(lambda: logprobs_and_entropy(
@@ -551,6 +562,15 @@ def test_tensor_parallel_matches_one_process():
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(rank_res["linear"]["grad"], full[3][cols],
                                    rtol=1e-12, atol=1e-12)
+    logits, target, grads, kw = _tp_case("top_k top_p")
+    full = forward_backward(lambda x, y: logprobs_and_entropy(x, y, **kw), (logits, target), grads)
+    for r, rank_res in enumerate(res):
+        got, half = rank_res["unchecked"], TP_V // len(res)
+        for a, b in zip(got["outs"], full[:2], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got["grad"], full[2][:, r * half : (r + 1) * half],
+                                   rtol=1e-12, atol=1e-12)
+        assert got["fwd"] == 2
     for r in res:
         assert r["per-token top_k"][0] == "NotImplementedError"
         assert "top_k must be an int" in r["per-token top_k"][1]

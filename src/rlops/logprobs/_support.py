@@ -19,6 +19,16 @@ min-p, then top-k and top-p on what is left):
 The forward saves the threshold (one number per token) and the backward rebuilds the support
 as ``z ≥ t`` from it, so both see the same support without sorting again. It is piecewise
 constant in the logits: no gradient flows through it.
+
+Cost per chunk: min-p a max; top-k alone a ``topk``; top-k with top-p a sorted ``topk`` of k
+values and one count of the ties it left out (all at the threshold); top-p without top-k (or a
+per-token top-k) a full sort of the chunk, the expensive case.
+
+Vocabulary shards (tensor parallel): the global k largest values lie among the shards' own k
+largest, so each shard sends those, its k-th value and the count of its ties with it left out
+(:func:`candidates_chunk`), and every rank derives the same global threshold
+(:func:`merged_threshold`). Top-p is then taken over the top-k candidates, which is why it needs
+a scalar top-k there.
 """
 
 from __future__ import annotations

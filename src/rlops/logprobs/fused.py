@@ -4,7 +4,9 @@ The forward reduces each ``[chunk, V_local]`` slice of logits to a few numbers p
 (see :mod:`rlops.logprobs._shard`), gathers them across the vocabulary shards in one collective
 (preceded by a small consistency check, :mod:`rlops.logprobs._tp`) and merges them; the backward
 recomputes the softmax chunk by chunk from the saved per-token statistics and needs no
-collective.
+collective. With the sampler's filters (:mod:`rlops.logprobs._support`) each chunk's support is
+``z ≥ t`` for a per-token threshold ``t``, computed in the chunk loop (one process) or, across
+vocabulary shards, merged from each shard's candidates in one more all-gather before the loop.
 """
 
 from __future__ import annotations
