@@ -33,6 +33,8 @@ a scalar top-k there.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = [
@@ -64,6 +66,10 @@ class Sampler:
         )
 
 
+def _log(x: float | torch.Tensor) -> float | torch.Tensor:
+    return x.log() if isinstance(x, torch.Tensor) else math.log(x)
+
+
 def _maximum(t: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
     return u if t is None else torch.maximum(t, u)
 
@@ -88,8 +94,7 @@ def threshold_chunk(z: torch.Tensor, top_k: Param, top_p: Param, min_p: Param) -
         top_k = None
     t = None
     if min_p is not None and not (isinstance(min_p, float) and min_p == 0.0):
-        log_min_p = torch.as_tensor(min_p, dtype=z.dtype, device=z.device).log()
-        t = z.amax(dim=1, keepdim=True) + log_min_p  # min_p = 0: -inf, keeps everything
+        t = z.amax(dim=1, keepdim=True) + _log(min_p)  # min_p = 0: -inf, keeps everything
     if top_p is None and not isinstance(top_k, torch.Tensor):
         if top_k is not None:
             t = _maximum(t, z.topk(top_k, dim=1, sorted=False).values.amin(dim=1, keepdim=True))
@@ -164,8 +169,7 @@ def merged_threshold(
     zs = zs.values
     t = None
     if min_p is not None and not (isinstance(min_p, float) and min_p == 0.0):
-        log_min_p = torch.as_tensor(min_p, dtype=zs.dtype, device=zs.device).log()
-        t = zs[:, :1] + log_min_p
+        t = zs[:, :1] + _log(min_p)
     if top_k is not None:
         t = _maximum(t, zs[:, top_k - 1 : top_k])
     if isinstance(top_p, float) and top_p >= 1.0:
