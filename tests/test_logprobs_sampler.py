@@ -592,3 +592,11 @@ def test_topk_and_sort_paths_agree():
             a = _support.support_chunk(z, k, p, m)
             b = _support.support_chunk(z, torch.full((64, 1), k), p, m)
             assert torch.equal(a, b), (ints, k, p, m)
+
+
+def test_huge_top_k_keeps_every_token():
+    logits, target, _ = _data((4,), 30, seed=18)
+    a = logprobs_and_entropy(logits, target, top_k=10**12, top_p=0.8)
+    b = logprobs_and_entropy(logits, target, top_p=0.8)
+    for u, w in zip(a, b, strict=True):
+        torch.testing.assert_close(u, w, rtol=0, atol=0)

@@ -278,10 +278,11 @@ def logprobs_and_entropy(
     function of the logits: the gradient is that of the masked softmax, with nothing through
     the selection. Under a tensor-parallel ``group`` the threshold is global: each shard sends
     its ``top_k`` largest values per token, its k-th value and how many of its tokens tie with
-    it but were left out (``[N, top_k + 2]``, one more all-gather before the statistics, after
-    a first pass over the chunks), and every rank merges them alike; ``top_k`` must then be an
-    int and ``top_p`` needs ``top_k`` (NotImplementedError otherwise), and per-token
-    ``top_p`` / ``min_p`` must be equal on every rank (not checked).
+    it but were left out (``[N, top_k + 2]``, ``top_k`` capped at the vocabulary size: one more
+    all-gather before the statistics, after a first pass over the chunks), and every rank
+    merges them alike; ``top_k`` must then be an int and ``top_p`` needs ``top_k``
+    (NotImplementedError otherwise), and per-token ``top_p`` / ``min_p`` must be equal on
+    every rank (not checked).
 
     The vocabulary may be sharded over ``group`` (tensor parallel): rank ``r`` holds the
     logits of the ids that follow the shards of ranks ``< r`` (``[r·V_local, (r+1)·V_local)``
@@ -387,6 +388,8 @@ def logprobs_and_entropy(
     else:
         start, vocab = rank * v_local, world * v_local
     check_target_range(target, vocab)
+    if sampler is not None and isinstance(sampler.top_k, int):  # k >= V keeps every token
+        sampler.top_k = min(sampler.top_k, vocab)
     args = (with_entropy, entropy_grad, group, chunk_size, start, sampler, entropy_over_support)
     logp, ent = _FusedLogprobsEntropy.apply(logits, target, keep_mask, temperature, *args)
     return logp, (ent if with_entropy else None)

@@ -256,6 +256,8 @@ def linear_logprobs_and_entropy(
     else:
         start, vocab = rank * v_local, world * v_local
     check_target_range(target, vocab)
+    if sampler is not None and isinstance(sampler.top_k, int):  # k >= V keeps every token
+        sampler.top_k = min(sampler.top_k, vocab)
     logp, ent = _FusedLinearLogprobsEntropy.apply(
         hidden,
         weight,
