@@ -2,7 +2,7 @@
 
 Each rank holds a slice of the columns of the same logits (or rows of the same output weight);
 its outputs and gradient shard must equal the single-process result on the full vocabulary.
-The forward makes one all-gather of 11 numbers per rank (the consistency check) and one of the
+The forward makes one all-gather of 15 numbers per rank (the consistency check) and one of the
 statistics; with ``RLOPS_TP_CHECK=0`` only the latter; the backward none. Ranks that make
 mismatched calls all raise ``ValueError`` (the harness turns a hang into a timeout error).
 
