@@ -16,7 +16,7 @@ keeps them apart and later processes load them instead of compiling.
 
 import numba
 
-from rlops.scan.exact_arith import two_prod, two_sum
+from rlops.scan.exact_arith import fast_two_sum, two_prod
 
 _jit = numba.njit(cache=True, nogil=True)
 
@@ -38,7 +38,7 @@ def step(t, r, v, m, d, e, o, g, gl, gw, lw, nxt, hi, lo, has_values, has_mask, 
     # the low word of the decay, go into ``low`` (the TD residual's own rounding does not
     # accumulate along the chain and is left as is)
     p, pe = two_prod(gl, hi)
-    s, se = two_sum(r[t] + g * nxt - vt, p)
+    s, se = fast_two_sum(p, r[t] + g * nxt - vt)
     low = gl * lo + (se + (pe + (lw * hi + gw * nxt)))
     a = s + low
     if has_mask:

@@ -15,14 +15,14 @@ the caller.
 
 import numba
 
-from rlops.scan.exact_arith import two_prod, two_sum
+from rlops.scan.exact_arith import fast_two_sum, two_prod
 
 
 @numba.njit(inline="always")
 def _row(xt, w, wl, c, e):
     # c' + e' = xt + (w + wl) * (c + e): c' on the chain, every rounding error into e'
     p, pe = two_prod(w, c)
-    s, se = two_sum(xt, p)
+    s, se = fast_two_sum(p, xt)
     return s, w * e + (se + (pe + wl * c))
 
 
@@ -55,7 +55,7 @@ def _token(xt, at, c, e, zero):
     # one step of a per-token scan: the carry (c, e) is selected away where the decay is 0
     keep = at != 0
     p, pe = two_prod(at, c)
-    s, se = two_sum(xt, p if keep else zero)
+    s, se = fast_two_sum(p if keep else zero, xt)
     return s, (at * e + pe if keep else zero) + se
 
 

@@ -8,7 +8,7 @@ collecting every error off it (compensated summation, Ogita, Rump and Oishi 2005
 import numba
 from numba.extending import intrinsic
 
-__all__ = ["fma", "two_prod", "two_sum"]
+__all__ = ["fast_two_sum", "fma", "two_prod", "two_sum"]
 
 
 @intrinsic
@@ -35,3 +35,12 @@ def two_sum(x, y):
     s = x + y
     b = s - x
     return s, (x - (s - b)) + (y - b)
+
+
+@numba.njit(inline="always")
+def fast_two_sum(big, small):
+    """``(s, err)`` with ``s = fl(big + small)``; ``err`` is the exact rounding error when
+    ``|big| >= |small|`` (Dekker's Fast2Sum, three flops), and otherwise an error estimate that
+    is itself off by at most one rounding of ``small``."""
+    s = big + small
+    return s, small - (s - big)
