@@ -30,9 +30,13 @@ from rlops.logprobs._inputs import (
 
 __all__ = [
     "checked_sampler",
+    "chunk_grads",
+    "chunk_stats",
     "gather_stats",
+    "grad_inputs",
     "logits_grad_with_graph",
     "logprobs_and_entropy",
+    "outputs",
     "scaled_chunk",
     "support_applied",
 ]
@@ -95,6 +99,87 @@ def support_applied(
     keep.scatter_(1, idx, keep.gather(1, idx) | in_range)
     z = z.masked_fill_(~keep, float("-inf")) if own else z.masked_fill(~keep, float("-inf"))
     return z, True, None
+
+
+def chunk_stats(
+    logits_rows, tgt, start, v_local, chunk, keep_rows, sampler, over_support, with_entropy,
+    group, world, stats,
+):
+    """The forward's chunk loop, shared by the logits and the fused linear op: fills this
+    shard's statistics ``stats`` ``[N, k]`` chunk by chunk and returns the sampler's per-token
+    threshold ``[N, 1]`` (None without a sampler). ``logits_rows(i, j)`` gives ``(z, own)`` for
+    tokens ``i:j`` (the scaled logits and which of them this call may overwrite);
+    ``keep_rows(i, j)`` a keep mask or None."""
+    n = tgt.shape[0]
+    thr = None
+    if sampler is not None:
+        thr = torch.empty((n, 1), dtype=stats.dtype, device=stats.device)
+        if world > 1:  # a first pass for the global threshold
+            chunks = ((i, logits_rows(i, i + chunk)[0]) for i in range(0, n, chunk))
+            thr = sampler_thresholds(chunks, n, sampler, group, world, stats.dtype, stats.device)
+    for i in range(0, n, chunk):
+        z, own = logits_rows(i, i + chunk)
+        idx, in_range = _shard.target_index(tgt[i : i + chunk], start, v_local)
+        kc = None if keep_rows is None else keep_rows(i, i + chunk)
+        if sampler is not None:
+            t = thr[i : i + chunk]
+            if world == 1:
+                t.copy_(_support.threshold_chunk(z, *sampler.rows(i, i + chunk)))
+            z, own, kc = support_applied(z, own, idx, in_range, t, over_support)
+        _shard.stats_chunk(z, own, idx, in_range, kc, with_entropy, stats[i : i + chunk])
+    return thr
+
+
+def outputs(ctx, logp, ent, lead, entropy_grad: bool):
+    """The forward's return value: ``(logp, entropy)`` shaped ``lead``; without entropy an
+    empty tensor, and the entropy marked non-differentiable when it has no gradient."""
+    ent_out = ent.view(lead) if ent is not None else logp.new_empty(0)
+    if ent is None or not entropy_grad:
+        ctx.mark_non_differentiable(ent_out)
+    return logp.view(lead), ent_out
+
+
+def grad_inputs(saved, g_logp, g_ent, dtype):
+    """The backward's inputs: ``(saved statistics, g_logp [N, 1], g_ent [N, 1])`` in ``dtype``,
+    or None when no gradient flows into either output."""
+    saved, has_entropy = _shard.unpack_saved(saved)
+    g_ent = g_ent if has_entropy else None
+    if g_logp is None and g_ent is None:
+        return None
+    gl = None if g_logp is None else g_logp.reshape(-1, 1).to(dtype)
+    ge = None if g_ent is None else g_ent.reshape(-1, 1).to(dtype)
+    return saved, gl, ge
+
+
+def chunk_grads(
+    logits_rows, tgt, start, v_local, chunk, keep_rows, thr, over_support, saved, gl, ge,
+    temperature, out=None,
+):
+    """The backward's chunk loop, shared by the logits and the fused linear op: yields
+    ``(i, j, g)``, the gradient with respect to the scaled-logit chunk of tokens ``i:j``
+    (written into ``out[i:j]`` when ``out`` is given), recomputing the softmax from the saved
+    statistics."""
+    inv_tau = 1.0 / temperature
+    for i in range(0, tgt.shape[0], chunk):
+        j = i + chunk
+        z, own = logits_rows(i, j)
+        idx, in_range = _shard.target_index(tgt[i:j], start, v_local)
+        kc = None if keep_rows is None else keep_rows(i, j)
+        if thr is not None:
+            z, own, kc = support_applied(z, own, idx, in_range, thr[i:j], over_support)
+        g = _shard.grad_chunk(
+            z,
+            own,
+            idx,
+            in_range,
+            kc,
+            [t[i:j] for t in saved],
+            None if gl is None else gl[i:j],
+            None if ge is None else ge[i:j],
+            inv_tau,
+            **({} if out is None else {"out": out[i:j]}),
+        )
+        yield i, j, g
 
 
 def logits_grad_with_graph(
@@ -161,49 +246,34 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
         stats = torch.empty(
             (n, _shard.n_columns(masked, with_entropy)), dtype=dtype, device=logits.device
         )
-        thr = None if sampler is None else torch.empty((n, 1), dtype=dtype, device=x.device)
-        if sampler is not None and world > 1:  # a first pass for the global threshold
-            chunks = ((i, scaled_chunk(x[i : i + chunk], dtype, temperature)[0])
-                      for i in range(0, n, chunk))
-            thr = sampler_thresholds(chunks, n, sampler, group, world, dtype, x.device)
-        for i in range(0, n, chunk):
-            z, own = scaled_chunk(x[i : i + chunk], dtype, temperature)
-            idx, in_range = _shard.target_index(tgt[i : i + chunk], start, v_local)
-            kc = None if keep2 is None else keep2[i : i + chunk]
-            if sampler is not None:
-                t = thr[i : i + chunk]
-                if world == 1:
-                    t.copy_(_support.threshold_chunk(z, *sampler.rows(i, i + chunk)))
-                z, own, kc = support_applied(z, own, idx, in_range, t, over_support)
-            _shard.stats_chunk(z, own, idx, in_range, kc, with_entropy, stats[i : i + chunk])
+        keep_rows = None if keep2 is None else (lambda i, j: keep2[i:j])
+        thr = chunk_stats(
+            lambda i, j: scaled_chunk(x[i:j], dtype, temperature),
+            tgt, start, v_local, chunk, keep_rows, sampler, over_support, with_entropy,
+            group, world, stats,
+        )  # fmt: skip
         logp, ent, saved = _shard.merge(gather_stats(stats, group, world), masked, with_entropy)
         saved = _shard.pack_saved(saved, masked, entropy_grad)
         ctx.set_materialize_grads(False)
         ctx.meta = (temperature, start, chunk, world, over_support)
         if ctx.needs_input_grad[0]:
             ctx.save_for_backward(logits, target, keep, thr, *saved)
-        lead = logits.shape[:-1]
-        ent_out = ent.view(lead) if ent is not None else logp.new_empty(0)
-        if ent is None or not entropy_grad:
-            ctx.mark_non_differentiable(ent_out)
-        return logp.view(lead), ent_out
+        return outputs(ctx, logp, ent, logits.shape[:-1], entropy_grad)
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         temperature, start, chunk, world, over_support = ctx.meta
         logits, target, keep, thr, *saved = ctx.saved_tensors
-        saved, has_entropy = _shard.unpack_saved(saved)
-        g_ent = g_ent if has_entropy else None
         nones = (None,) * 10
-        if g_logp is None and g_ent is None:
+        dtype = compute_dtype(logits.dtype)
+        inputs = grad_inputs(saved, g_logp, g_ent, dtype)
+        if inputs is None:
             return (None, *nones)
+        saved, gl, ge = inputs
         v_local = logits.shape[-1]
         x = logits.reshape(-1, v_local)
         tgt = target.reshape(-1)
         keep2 = None if keep is None else keep.reshape(-1, v_local)
-        dtype = compute_dtype(logits.dtype)
-        gl = None if g_logp is None else g_logp.reshape(-1, 1).to(dtype)
-        ge = None if g_ent is None else g_ent.reshape(-1, 1).to(dtype)
         if torch.is_grad_enabled():  # create_graph=True: a differentiable backward
             grad = logits_grad_with_graph(
                 x, tgt, keep2, temperature, gl, ge, world, "logprobs_and_entropy",
@@ -211,26 +281,12 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
             )
             return (grad.view(logits.shape), *nones)
         grad = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        inv_tau = 1.0 / temperature
-        for i in range(0, x.shape[0], chunk):
-            j = i + chunk
-            z, own = scaled_chunk(x[i:j], dtype, temperature)
-            idx, in_range = _shard.target_index(tgt[i:j], start, v_local)
-            kc = None if keep2 is None else keep2[i:j]
-            if thr is not None:
-                z, own, kc = support_applied(z, own, idx, in_range, thr[i:j], over_support)
-            g = _shard.grad_chunk(
-                z,
-                own,
-                idx,
-                in_range,
-                kc,
-                [t[i:j] for t in saved],
-                None if gl is None else gl[i:j],
-                None if ge is None else ge[i:j],
-                inv_tau,
-                out=grad[i:j],
-            )
+        for i, j, g in chunk_grads(
+            lambda i, j: scaled_chunk(x[i:j], dtype, temperature),
+            tgt, start, v_local, chunk,
+            None if keep2 is None else (lambda i, j: keep2[i:j]),
+            thr, over_support, saved, gl, ge, temperature, out=grad,
+        ):  # fmt: skip
             if g.dtype != grad.dtype:  # half-precision logits: the chunk was computed in float32
                 grad[i:j] = g
         return (grad.view(logits.shape), *nones)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from rlops._checks import check_chunk_size, check_same_device, compute_dtype, shape_error
 from rlops.distributed.groups import group_rank_size
-from rlops.logprobs import _shard, _support, _tp
+from rlops.logprobs import _shard, _tp
 from rlops.logprobs._inputs import (
     check_flags,
     check_logits,
@@ -30,10 +30,12 @@ from rlops.logprobs._inputs import (
 )
 from rlops.logprobs.fused import (
     checked_sampler,
+    chunk_grads,
+    chunk_stats,
     gather_stats,
+    grad_inputs,
     logits_grad_with_graph,
-    sampler_thresholds,
-    support_applied,
+    outputs,
 )
 
 __all__ = ["copy_to_tensor_parallel_region", "linear_logprobs_and_entropy"]
@@ -71,49 +73,33 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
         stats = torch.empty(
             (n, _shard.n_columns(masked, with_entropy)), dtype=dtype, device=hidden.device
         )
-        thr = None if sampler is None else torch.empty((n, 1), dtype=dtype, device=h2.device)
-        if sampler is not None and world > 1:  # a first pass for the global threshold
-            chunks = ((i, _logits_chunk(h2[i : i + chunk], weight, dtype, temperature))
-                      for i in range(0, n, chunk))
-            thr = sampler_thresholds(chunks, n, sampler, group, world, dtype, h2.device)
-        for i in range(0, n, chunk):
-            z = _logits_chunk(h2[i : i + chunk], weight, dtype, temperature)
-            idx, in_range = _shard.target_index(tgt[i : i + chunk], start, v_local)
-            own, kc = True, None
-            if sampler is not None:
-                t = thr[i : i + chunk]
-                if world == 1:
-                    t.copy_(_support.threshold_chunk(z, *sampler.rows(i, i + chunk)))
-                z, own, kc = support_applied(z, own, idx, in_range, t, over_support)
-            _shard.stats_chunk(z, own, idx, in_range, kc, with_entropy, stats[i : i + chunk])
+        thr = chunk_stats(
+            lambda i, j: (_logits_chunk(h2[i:j], weight, dtype, temperature), True),
+            tgt, start, v_local, chunk, None, sampler, over_support, with_entropy,
+            group, world, stats,
+        )  # fmt: skip
         logp, ent, saved = _shard.merge(gather_stats(stats, group, world), masked, with_entropy)
         ctx.set_materialize_grads(False)
         ctx.meta = (temperature, start, chunk, world, over_support)
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             packed = _shard.pack_saved(saved, masked, True)
             ctx.save_for_backward(hidden, weight, target, thr, *packed)
-        lead = hidden.shape[:-1]
-        ent_out = ent.view(lead) if ent is not None else logp.new_empty(0)
-        if ent is None:
-            ctx.mark_non_differentiable(ent_out)
-        return logp.view(lead), ent_out
+        return outputs(ctx, logp, ent, hidden.shape[:-1], True)
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         temperature, start, chunk, world, over_support = ctx.meta
         hidden, weight, target, thr, *saved = ctx.saved_tensors
-        saved, has_entropy = _shard.unpack_saved(saved)
-        g_ent = g_ent if has_entropy else None
         nones = (None,) * 8
-        if g_logp is None and g_ent is None:
+        dtype = compute_dtype(hidden.dtype)
+        inputs = grad_inputs(saved, g_logp, g_ent, dtype)
+        if inputs is None:
             return (None, None, *nones)
+        saved, gl, ge = inputs
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         v_local = weight.shape[0]
         h2 = hidden.reshape(-1, hidden.shape[-1])
         tgt = target.reshape(-1)
-        dtype = compute_dtype(hidden.dtype)
-        gl = None if g_logp is None else g_logp.reshape(-1, 1).to(dtype)
-        ge = None if g_ent is None else g_ent.reshape(-1, 1).to(dtype)
         if torch.is_grad_enabled():  # create_graph=True: a differentiable backward
             op = "linear_logprobs_and_entropy"
             # The logits chunk by chunk, as in the forward: the same bits, so that the saved
@@ -128,25 +114,12 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h2, memory_format=torch.contiguous_format) if need_h else None
         # The weight gradient sums over all chunks: accumulate in float32 for half inputs.
         grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
-        for i in range(0, h2.shape[0], chunk):
-            j = i + chunk
+        for i, j, g in chunk_grads(
+            lambda i, j: (_logits_chunk(h2[i:j], weight, dtype, temperature), True),
+            tgt, start, v_local, chunk, None, thr, over_support, saved, gl, ge, temperature,
+        ):  # fmt: skip
+            g = g.to(hidden.dtype)
             hc = h2[i:j]
-            z = _logits_chunk(hc, weight, dtype, temperature)
-            idx, in_range = _shard.target_index(tgt[i:j], start, v_local)
-            own, kc = True, None
-            if thr is not None:
-                z, own, kc = support_applied(z, own, idx, in_range, thr[i:j], over_support)
-            g = _shard.grad_chunk(
-                z,
-                own,
-                idx,
-                in_range,
-                kc,
-                [t[i:j] for t in saved],
-                None if gl is None else gl[i:j],
-                None if ge is None else ge[i:j],
-                1.0 / temperature,
-            ).to(hidden.dtype)
             if need_h:
                 torch.mm(g, weight, out=grad_h[i:j])
             if need_w:
