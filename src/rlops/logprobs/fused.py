@@ -39,6 +39,7 @@ __all__ = [
     "outputs",
     "scaled_chunk",
     "support_applied",
+    "vocab_layout",
 ]
 
 
@@ -128,6 +129,21 @@ def chunk_stats(
             z, own, kc = support_applied(z, own, idx, in_range, t, over_support)
         _shard.stats_chunk(z, own, idx, in_range, kc, with_entropy, stats[i : i + chunk])
     return thr
+
+
+def vocab_layout(group, rank, world, v_local, call, target, sampler) -> int:
+    """This shard's first vocabulary id: from the consistency check's gathered shard sizes when
+    ``call`` is given (shards may differ in size), else ``rank * v_local``. Checks the targets
+    against the whole vocabulary and caps an integer ``top_k`` at it (k >= V keeps every
+    token)."""
+    if call is not None:
+        start, vocab = _tp.shard_layout(group, rank, world, call, target)
+    else:
+        start, vocab = rank * v_local, world * v_local
+    check_target_range(target, vocab)
+    if sampler is not None and isinstance(sampler.top_k, int):
+        sampler.top_k = min(sampler.top_k, vocab)
+    return start
 
 
 def outputs(ctx, logp, ent, lead, entropy_grad: bool):
@@ -440,12 +456,9 @@ def logprobs_and_entropy(
             temperature=temperature,
             sampler=_tp.sampler_fields(top_k, top_p, min_p, entropy_over_support),
         )
-        start, vocab = _tp.shard_layout(group, rank, world, call, target)
     else:
-        start, vocab = rank * v_local, world * v_local
-    check_target_range(target, vocab)
-    if sampler is not None and isinstance(sampler.top_k, int):  # k >= V keeps every token
-        sampler.top_k = min(sampler.top_k, vocab)
+        call = None
+    start = vocab_layout(group, rank, world, v_local, call, target, sampler)
     args = (with_entropy, entropy_grad, group, chunk_size, start, sampler, entropy_over_support)
     logp, ent = _FusedLogprobsEntropy.apply(logits, target, keep_mask, temperature, *args)
     return logp, (ent if with_entropy else None)

@@ -24,7 +24,6 @@ from rlops.logprobs._inputs import (
     check_flags,
     check_logits,
     check_target,
-    check_target_range,
     check_temperature,
     default_chunk,
 )
@@ -36,6 +35,7 @@ from rlops.logprobs.fused import (
     grad_inputs,
     logits_grad_with_graph,
     outputs,
+    vocab_layout,
 )
 
 __all__ = ["copy_to_tensor_parallel_region", "linear_logprobs_and_entropy"]
@@ -225,12 +225,9 @@ def linear_logprobs_and_entropy(
             temperature=temperature,
             sampler=_tp.sampler_fields(top_k, top_p, min_p, entropy_over_support),
         )
-        start, vocab = _tp.shard_layout(group, rank, world, call, target)
     else:
-        start, vocab = rank * v_local, world * v_local
-    check_target_range(target, vocab)
-    if sampler is not None and isinstance(sampler.top_k, int):  # k >= V keeps every token
-        sampler.top_k = min(sampler.top_k, vocab)
+        call = None
+    start = vocab_layout(group, rank, world, v_local, call, target, sampler)
     logp, ent = _FusedLinearLogprobsEntropy.apply(
         hidden,
         weight,
