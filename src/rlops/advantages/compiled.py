@@ -2,7 +2,7 @@
 
 Mask skipping, episode ends and the next-action value are handled in the same backward pass
 over time as the advantage, so nothing but the outputs is written. Four rows run at once with
-compensated carries in registers (:mod:`rlops.scan.compiled`). The kernels are in
+float64 carries in registers (:mod:`rlops.scan.compiled`). The kernels are in
 :mod:`rlops.advantages._numba_kernels`.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from rlops.scan.compiled import as_array, run_rows, two_words
+from rlops.scan.compiled import as_array, run_rows
 
 __all__ = ["gae_compiled", "has_zero"]
 
@@ -20,11 +20,6 @@ def has_zero(*discounts: float | torch.Tensor) -> bool:
     exactly 0. The kernels multiply carries by the discount, so such calls go to the chunked
     method, where a zero decay is an exact cut (NaN beyond it cannot leak back)."""
     return any(bool((d == 0).any()) if isinstance(d, torch.Tensor) else d == 0 for d in discounts)
-
-
-def _interleave(g: tuple, gl: tuple) -> tuple:
-    """The kernels' argument order: gamma, gamma * lam, then their low words."""
-    return g[0], gl[0], g[1], gl[1]
 
 
 def gae_compiled(
@@ -38,9 +33,9 @@ def gae_compiled(
     """Fused GAE in one pass; with ``values=None``, discounted returns (pass ``gamma_lam=gamma``).
 
     ``rewards``/``values`` ``[N, T]`` in the compute dtype (float32/64, CPU); ``mask``/``dones``
-    ``[N, T]`` bool or None; ``gamma``/``gamma_lam`` ``[N]`` (give them in float64: a float32
-    kernel takes each as two words). Returns
-    ``(advantages, returns)``; without values both are the same tensor.
+    ``[N, T]`` bool or None; ``gamma``/``gamma_lam`` ``[N]`` (give them in float64: the carry
+    decays by ``gamma_lam`` in float64; ``gamma`` enters the TD residual in the input dtype).
+    Returns ``(advantages, returns)``; without values both are the same tensor.
     """
     from rlops.advantages._numba_kernels import GAE
 
@@ -58,9 +53,8 @@ def gae_compiled(
         as_array(values, n, rewards.dtype),
         as_array(mask, n, torch.bool),
         as_array(dones, n, torch.bool),
-        *_interleave(
-            two_words(gamma.expand(n), rewards.dtype), two_words(gamma_lam.expand(n), rewards.dtype)
-        ),
+        gamma.expand(n).to(rewards.dtype).contiguous().numpy(),
+        gamma_lam.expand(n).to(torch.float64).contiguous().numpy(),
         adv.numpy(),
         ret.numpy(),
     )

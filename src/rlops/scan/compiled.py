@@ -2,9 +2,9 @@
 
 One pass over the data: the time loop runs backwards over four rows at once, so four
 independent multiply-add chains are in flight instead of one latency-bound chain. The carries
-are compensated (a high word on the latency chain, a low word collecting each addition's
-rounding error off it): a float32 scan over 128K tokens is more accurate than blocked
-summation, at the speed of the plain loop.
+are float64 (one fused multiply-add per step, as long a chain as a float32 one): a float32
+scan over 128K tokens is more accurate than blocked summation, at the speed of the plain
+float32 loop.
 The kernels release the GIL and are single-threaded (numba's own thread pool fights torch's
 OpenMP threads for the cores); large inputs are split by rows over a few Python threads
 (:func:`run_rows`, shared with the fused estimator kernels in :mod:`rlops.advantages`).
@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["LANES", "as_array", "available", "require", "run_rows", "scan_compiled", "two_words"]
+__all__ = ["LANES", "as_array", "available", "require", "run_rows", "scan_compiled"]
 
 LANES = 4
 _MIN_ELEMENTS_PER_THREAD = 1 << 17
@@ -88,19 +88,10 @@ def as_array(t: torch.Tensor | None, n: int, dtype: torch.dtype):
     return t.to(dtype).contiguous().numpy()
 
 
-def two_words(rows: torch.Tensor, dtype: torch.dtype) -> tuple:
-    """A per-row discount (any float dtype) as two ``dtype`` numpy arrays ``(hi, lo)`` with
-    ``hi + lo`` its float64 value: a float32 kernel then decays by 0.999, not by 0.99900001
-    (over 32K steps that rounding alone would cost ~1e-4 of the returns)."""
-    wide = rows.to(torch.float64).contiguous()
-    hi = wide.to(dtype)
-    return hi.numpy(), (wide - hi.to(torch.float64)).to(dtype).numpy()
-
-
 def scan_compiled(x: torch.Tensor, decay: float | torch.Tensor) -> torch.Tensor:
     """Reverse scan of ``x`` ``[N, T]`` (float32/64, CPU); ``decay`` a float, [N, 1] or [N, T].
 
-    Per-row decays are passed as two words (:func:`two_words`), per-token decays in ``x``'s
+    Per-row decays are passed in float64 (the carry's dtype), per-token decays in ``x``'s
     dtype."""
     from rlops.scan import _numba_kernels as k
 
@@ -117,7 +108,8 @@ def scan_compiled(x: torch.Tensor, decay: float | torch.Tensor) -> torch.Tensor:
             w = decay.reshape(-1).expand(n)
         else:
             w = torch.full((n,), float(decay), dtype=torch.float64)
-        run_rows(k.scan_rows, n, x.numel(), x.numpy(), *two_words(w, x.dtype), y.numpy())
+        wide = w.to(torch.float64).contiguous().numpy()
+        run_rows(k.scan_rows, n, x.numel(), x.numpy(), wide, y.numpy())
         cut = w == 0  # a zero decay is an exact cut: y = x, whatever follows (even NaN)
         if bool(cut.any()):  # a host tensor: no device synchronisation
             y[cut] = x[cut]
