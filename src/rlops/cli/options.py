@@ -17,6 +17,7 @@ __all__ = [
     "default_device",
     "device",
     "positive_int",
+    "top_p",
     "writable_path",
 ]
 
@@ -29,6 +30,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def top_p(text: str) -> float:
+    """A top-p sampler's mass: a number in ``(0, 1]``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
     return value
 
 

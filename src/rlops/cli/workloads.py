@@ -1,6 +1,9 @@
 """Workloads measured in fresh processes (module level, so they can be pickled to a child).
 
-Each ``setup_*`` allocates its inputs and returns the zero-argument step to measure.
+Each ``setup_*`` allocates its inputs and returns the zero-argument step to measure. The inputs
+are drawn on the CPU without any temporary of their size (a fresh process's memory figure is
+its high-water mark above the one once the inputs exist, so a transient copy there would hide
+as much of the step's peak), then moved to ``device``.
 """
 
 from __future__ import annotations
@@ -12,17 +15,46 @@ import torch
 from rlops import linear_logprobs_and_entropy, logprobs_and_entropy
 from rlops.cli.baselines import logprobs_entropy_unfused
 
-__all__ = ["setup_linear", "setup_logits"]
+__all__ = ["DTYPES", "setup_linear", "setup_logits", "top_p_keep_mask"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
-def setup_logits(t: int, v: int, fused: bool) -> Callable[[], None]:
+def top_p_keep_mask(
+    logits: torch.Tensor, top_p: float, target: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The ``[..., V]`` bool keep mask of a top-p sampler's support, as trainers rebuild it to
+    replay the sampler: sort descending, softmax (float32, or the logits' dtype if wider),
+    cumulative sum, keep each token whose mass before it is below ``top_p`` (the crossing token
+    included), scatter back to vocabulary order; the ``target`` (the sampled token) is kept.
+    Every step is a full ``[..., V]`` tensor. No gradient."""
+    with torch.no_grad():
+        sorted_z, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(
+            sorted_z, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32)
+        )
+        del sorted_z
+        before = probs.cumsum(dim=-1).sub_(probs)
+        keep = torch.empty(logits.shape, dtype=torch.bool, device=logits.device)
+        keep.scatter_(-1, order, before < top_p)
+        if target is not None:
+            keep.scatter_(-1, target.unsqueeze(-1), True)
+    return keep
+
+
+def _randn(*shape: int, gen: torch.Generator, dtype: torch.dtype, scale: float = 1.0):
+    x = torch.randn(*shape, generator=gen, dtype=dtype)
+    return x.mul_(scale) if scale != 1.0 else x
+
+
+def setup_logits(t: int, v: int, fused: bool, device: str = "cpu") -> Callable[[], None]:
     """Float32 logits ``[t, v]``; the step: log-probs + entropy, fused (rlops) or unfused
     (``log_softmax`` + gather, softmax entropy), forward and backward with random upstream
     gradients for both outputs."""
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(t, v, generator=gen).requires_grad_()
-    target = torch.randint(0, v, (t,), generator=gen)
-    grads = [torch.randn(t, generator=gen), torch.randn(t, generator=gen)]
+    logits = _randn(t, v, gen=gen, dtype=torch.float32).to(device).requires_grad_()
+    target = torch.randint(0, v, (t,), generator=gen).to(device)
+    grads = [torch.randn(t, generator=gen).to(device), torch.randn(t, generator=gen).to(device)]
     fn = logprobs_and_entropy if fused else logprobs_entropy_unfused
 
     def step() -> None:
@@ -32,20 +64,39 @@ def setup_logits(t: int, v: int, fused: bool) -> Callable[[], None]:
     return step
 
 
-def setup_linear(n: int, v: int, h: int, fused: bool) -> Callable[[], None]:
-    """Hidden ``[n, h]`` and output weight ``[v, h]``; the step: log-probs + entropy of
-    ``hidden @ weight.T``, fused or through materialised logits, gradients of both inputs."""
+def setup_linear(
+    n: int,
+    v: int,
+    h: int,
+    fused: bool,
+    *,
+    dtype: str = "float32",
+    top_p: float | None = None,
+    device: str = "cpu",
+) -> Callable[[], None]:
+    """Hidden ``[n, h]`` and output weight ``[v, h]`` in ``dtype``; the step: log-probs +
+    entropy of ``hidden @ weight.T``, forward and backward (gradients of both inputs) with
+    random upstream gradients for both outputs.
+
+    ``fused``: ``linear_logprobs_and_entropy`` (the logits never exist whole); else the logits
+    are materialised and passed to ``logprobs_and_entropy``. ``top_p``: the sampler's support
+    replayed, by ``top_p=`` inside the fused op, or (materialised) by a full ``[n, v]`` keep
+    mask built from the logits as a trainer does (:func:`top_p_keep_mask`).
+    """
     gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(n, h, generator=gen).requires_grad_()
-    weight = (torch.randn(v, h, generator=gen) / h**0.5).requires_grad_()
-    target = torch.randint(0, v, (n,), generator=gen)
-    grads = [torch.randn(n, generator=gen), torch.randn(n, generator=gen)]
+    dt = DTYPES[dtype]
+    hidden = _randn(n, h, gen=gen, dtype=dt).to(device).requires_grad_()
+    weight = _randn(v, h, gen=gen, dtype=dt, scale=h**-0.5).to(device).requires_grad_()
+    target = torch.randint(0, v, (n,), generator=gen).to(device)
+    grads = [torch.randn(n, generator=gen).to(device), torch.randn(n, generator=gen).to(device)]
 
     def step() -> None:
         if fused:
-            outs = linear_logprobs_and_entropy(hidden, weight, target)
+            outs = linear_logprobs_and_entropy(hidden, weight, target, top_p=top_p)
         else:
-            outs = logprobs_and_entropy(hidden @ weight.T, target)
+            logits = hidden @ weight.T
+            keep = None if top_p is None else top_p_keep_mask(logits, top_p, target)
+            outs = logprobs_and_entropy(logits, target, keep_mask=keep)
         torch.autograd.backward(list(outs), grads)
         hidden.grad = weight.grad = None
 
