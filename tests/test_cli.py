@@ -15,11 +15,23 @@ def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
     methods = {r["method"] for r in rows}
     assert {"per-token loop", "chunk loop (C=256)", "rlops auto", "memory floor"} <= methods
     assert {"unfused (log_softmax)", "rlops fused"} <= methods
+    logprobs = {(r["case"], r["method"], r["ours"]) for r in rows if r["section"] == "logprobs"}
+    assert logprobs == {
+        ("log-prob + entropy", "unfused (log_softmax)", False),
+        ("log-prob + entropy", "rlops fused", True),
+        ("output layer + log-prob + entropy", "materialised logits + rlops fused", False),
+        ("output layer + log-prob + entropy", "rlops fused linear", True),
+        ("top-p 0.9 output layer", "materialised + keep mask", False),
+        ("top-p 0.9 output layer", "rlops fused linear top-p", True),
+    }
+    assert data["config"]["hidden"] == 64 and data["config"]["top_p"] == 0.9
     assert all(r["seconds"] > 0 for r in rows)
     assert all(r["peak_bytes"] > 0 for r in rows if r["section"] == "logprobs")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     out = capsys.readouterr().out
     assert "Verdict:" in out and "gae [2x2048]: per-token loop" in out
+    assert "- output layer + log-prob + entropy [256x4096, H=64], forward + backward:" in out
+    assert "- top-p 0.9 output layer [256x4096, H=64], forward + backward:" in out
 
 
 @pytest.mark.parametrize(
@@ -30,6 +42,9 @@ def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
         ["bench", "--dtype", "int8"],
         ["bench", "--sections", "nothing"],
         ["bench", "--vocab", "-3"],
+        ["bench", "--hidden", "0"],
+        ["bench", "--top-p", "0"],
+        ["bench", "--top-p", "nan"],
         ["nonsense"],
     ],
 )

@@ -76,6 +76,21 @@ def test_explicit_options_win_over_quick(tmp_path, capsys):
     assert "grpo [16x48]" in capsys.readouterr().out
 
 
+def test_logprob_options_reach_the_section(monkeypatch):
+    """--hidden and --top-p go to the log-prob section; --hidden falls back to the --quick size."""
+    seen = []
+
+    def logprobs(tokens, vocab, **kwargs):
+        seen.append((tokens, vocab, kwargs["hidden"], kwargs["top_p"]))
+        return []
+
+    monkeypatch.setattr(bench_sections, "bench_logprobs", logprobs)
+    argv = ["bench", "--quick", "--sections", "logprobs", "--logprob-tokens", "16"]
+    assert main([*argv, "--hidden", "24", "--top-p", "0.5"]) == 0
+    assert main(argv) == 0
+    assert seen == [([16], 4096, 24, 0.5), ([16], 4096, bench.QUICK["hidden"], 0.9)]
+
+
 def test_each_section_is_printed_when_it_completes(monkeypatch, capsys):
     """The group table is out before the log-prob section starts."""
     seen = []

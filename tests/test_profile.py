@@ -43,6 +43,9 @@ def test_profile_tiny_config_writes_json_and_png(tmp_path, capsys):
         ["--layers", "-1"],
         ["--device", "tpu9"],
         ["--json", "/nonexistent-folder/p.json"],
+        ["--top-p", "0"],
+        ["--top-p", "1.01"],
+        ["--rlops-head", "lm"],
     ],
 )
 def test_bad_options_exit_2(argv, capsys):
@@ -74,8 +77,36 @@ def test_cuda_without_device_exits_2(capsys):
     assert "no CUDA device" in capsys.readouterr().err
 
 
-def test_naive_and_rlops_steps_compute_the_same_loss_and_gradients():
-    """The profile compares like with like: both steps give one loss and one gradient."""
+@pytest.mark.parametrize(
+    ("argv", "forward_same"),
+    [
+        ([], False),
+        (["--rlops-head", "logits", "--top-p", "0.9"], True),
+        (["--top-p", "0.5"], False),
+    ],
+)
+def test_rlops_head_and_top_p_options(argv, forward_same, tmp_path, capsys):
+    """The fused-linear head (the default) runs the LM head inside the log-prob stage, so the
+    forward is no longer the same code; the materialised head keeps it; top-p is replayed."""
+    json_path = tmp_path / "p.json"
+    assert profile.run(parse([*TINY, *argv, "--json", str(json_path)])) == 0
+    config = json.loads(json_path.read_text())["config"]
+    head = "logits" if "logits" in argv else "fused-linear"
+    top_p = float(argv[argv.index("--top-p") + 1]) if "--top-p" in argv else None
+    assert config["rlops_head"] == head and config["top_p"] == top_p
+    out = capsys.readouterr().out
+    assert f"rlops head: {head}" in out
+    assert (f"top-p {top_p}" in out) == (top_p is not None)
+    forward = next(line for line in out.splitlines() if "forward" in line)
+    assert ("same code" in forward) == forward_same
+    assert profile.same_code(head) == (("forward",) if forward_same else ()) + ("value head",)
+
+
+@pytest.mark.parametrize("head", profile.HEADS)
+@pytest.mark.parametrize("top_p", [None, 0.9])
+def test_naive_and_rlops_steps_compute_the_same_loss_and_gradients(head, top_p):
+    """The profile compares like with like: both steps give one loss and one gradient, with
+    either rlops head, with and without a top-p support."""
     cfg = ModelConfig(vocab=40, context=24, d_model=16, n_layers=1, n_heads=2)
     torch.manual_seed(0)
     model = TinyTransformer(cfg).double()
@@ -84,7 +115,7 @@ def test_naive_and_rlops_steps_compute_the_same_loss_and_gradients():
     no_stages = lambda name: contextlib.nullcontext()  # noqa: E731
     losses, grads = {}, {}
     for impl in profile.IMPLS:
-        losses[impl] = profile.ppo_step(model, data, impl, no_stages)
+        losses[impl] = profile.ppo_step(model, data, impl, no_stages, head=head, top_p=top_p)
         grads[impl] = [p.grad.clone() for p in model.parameters()]
     torch.testing.assert_close(losses["naive"], losses["rlops"])
     for g_naive, g_rlops in zip(grads["naive"], grads["rlops"]):

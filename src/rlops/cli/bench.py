@@ -28,10 +28,13 @@ DEFAULTS = dict(
     seq_len=[4096, 32768, 131072],
     logprob_tokens=[1024, 4096],
     vocab=32000,
+    hidden=512,
     group_batch=256,
     repeats=10,
 )
-QUICK = dict(seq_len=[256, 2048], logprob_tokens=[256], vocab=4096, group_batch=64, repeats=3)
+QUICK = dict(
+    seq_len=[256, 2048], logprob_tokens=[256], vocab=4096, hidden=64, group_batch=64, repeats=3
+)
 
 
 def _sizes(name: str) -> str:
@@ -50,7 +53,8 @@ def add_arguments(subparsers) -> argparse.ArgumentParser:
         help="time rlops against the loops it replaces, on your shapes",
         description="Time rlops beside the implementations it replaces (per-token and "
         "chunk loops for GAE and returns, per-sample loops for group estimators, log_softmax "
-        "for log-probs), side by side in one run, and say in plain words what it buys.",
+        "for log-probs, materialised logits and a top-p keep mask for the output layer), side "
+        "by side in one run, and say in plain words what it buys.",
     )
     p.add_argument("--batch", metavar="B", type=positive_int, default=8, help="rows (default 8)")
     p.add_argument(
@@ -69,6 +73,21 @@ def add_arguments(subparsers) -> argparse.ArgumentParser:
         type=positive_int,
         nargs="+",
         help=f"token counts for the log-prob section {_sizes('logprob_tokens')}",
+    )
+    p.add_argument(
+        "--hidden",
+        metavar="H",
+        type=positive_int,
+        help="hidden size of the output-layer rows of the log-prob section (materialised "
+        f"logits vs the fused linear op) {_sizes('hidden')}",
+    )
+    p.add_argument(
+        "--top-p",
+        metavar="P",
+        type=options.top_p,
+        default=0.9,
+        help="top-p of the log-prob section's sampler rows (a keep mask vs the fused linear op "
+        "with top_p) (default 0.9)",
     )
     p.add_argument(
         "--group-batch",
@@ -154,7 +173,12 @@ def run(args: argparse.Namespace) -> int:
                 progress.update()
             else:
                 new = bench_sections.bench_logprobs(
-                    args.logprob_tokens, args.vocab, device=dev, progress=progress.update
+                    args.logprob_tokens,
+                    args.vocab,
+                    hidden=args.hidden,
+                    top_p=args.top_p,
+                    device=dev,
+                    progress=progress.update,
                 )
             print_rows(new, args.batch, dtype)
             rows += new

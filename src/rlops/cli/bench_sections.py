@@ -6,9 +6,11 @@ Each section is a list of :class:`Row`, measured side by side in one run:
   memory floor: one add plus one copy over the bytes GAE must read and write) and REINFORCE++
   returns (per-sample token loop, chunk loop, rlops), on ``[B, T]``.
 * ``group``: GRPO and RLOO advantages at ``[group_batch, T_min]`` against the per-sample loop.
-* ``logprobs``: log-prob + entropy, forward and backward, fused vs unfused (log_softmax +
-  gather, softmax entropy), time and peak extra memory, each in a fresh process (CPU) or with
-  the CUDA allocator's peak.
+* ``logprobs``: log-prob + entropy, forward and backward, time and peak extra memory, each in
+  a fresh process (CPU) or with the CUDA allocator's peak: over logits, fused vs unfused
+  (log_softmax + gather, softmax entropy); from the output layer's hidden states, materialised
+  logits + fused vs the fused linear op; and with a top-p support, materialised logits + a
+  full keep mask vs the fused linear op with ``top_p``.
 
 Slow baselines are timed at a short length and extrapolated (linear in T) when the full
 length would take more than ``SLOW_LIMIT_S``; such rows are marked ``extrapolated``.
@@ -24,7 +26,7 @@ import torch
 import rlops
 from rlops.cli import baselines
 from rlops.cli.measure import PeakMemory, measure_in_fresh_process, sync, time_median
-from rlops.cli.workloads import setup_logits
+from rlops.cli.workloads import setup_linear, setup_logits
 
 __all__ = ["SLOW_LIMIT_S", "Row", "bench_advantages", "bench_group", "bench_logprobs"]
 
@@ -204,55 +206,72 @@ def bench_group(
     return rows
 
 
-def _cuda_logprobs(tokens: int, vocab: int, fused: bool, device) -> tuple[float, int | None]:
-    with torch.device(device):
-        step = setup_logits(tokens, vocab, fused)
-    step()
-    seconds = time_median(step, device, repeats=5)
-    with PeakMemory(device) as peak:
+def _measure_step(
+    setup: Callable, kwargs: dict, prime: dict, device: torch.device, repeats: int
+) -> tuple[float, int | None]:
+    """Median seconds and peak extra bytes of ``setup(**kwargs)``'s step: on CPU in a fresh
+    process (after the tiny ``prime`` instance), on CUDA here with the allocator's peak."""
+    if device.type == "cuda":
+        step = setup(**kwargs, device=str(device))
         step()
-    return seconds, peak.bytes
+        seconds = time_median(step, device, repeats=5)
+        with PeakMemory(device) as peak:
+            step()
+        return seconds, peak.bytes
+    m = measure_in_fresh_process(
+        setup,
+        kwargs,
+        prime_kwargs=prime,
+        threads=torch.get_num_threads(),
+        repeats=repeats,
+    )
+    return m["time_s"], int(m["peak_extra_bytes"])
 
 
 def bench_logprobs(
     token_counts: list[int],
     vocab: int,
     *,
+    hidden: int = 512,
+    top_p: float = 0.9,
     device: torch.device | str = "cpu",
     repeats: int = 3,
     progress: Callable[[], None] | None = None,
 ) -> list[Row]:
-    """Log-prob + entropy over ``[tokens, vocab]`` fp32 logits, forward + backward: fused vs
-    unfused, time and peak extra memory (CPU: each variant in a fresh process)."""
+    """Log-prob + entropy, forward + backward with random upstream gradients, time and peak
+    extra memory (CPU: each variant in a fresh process), for each token count N:
+
+    * over ``[N, vocab]`` fp32 logits: unfused (``log_softmax``) vs rlops fused;
+    * from ``[N, hidden]`` hidden states and a ``[vocab, hidden]`` output weight: the logits
+      materialised then rlops fused vs rlops fused linear (no ``[N, vocab]`` logits);
+    * the same with a top-p sampler's support replayed: materialised logits and a full
+      ``[N, vocab]`` keep mask (sort, cumsum, scatter) vs rlops fused linear with ``top_p``.
+    """
     device = torch.device(device)
     rows = []
-    for tokens in token_counts:
-        shape = f"{tokens}x{vocab}"
-        for fused, label in ((False, "unfused (log_softmax)"), (True, "rlops fused")):
-            if device.type == "cuda":
-                seconds, peak = _cuda_logprobs(tokens, vocab, fused, device)
-            else:
-                m = measure_in_fresh_process(
-                    setup_logits,
-                    {"t": tokens, "v": vocab, "fused": fused},
-                    prime_kwargs={"t": 8, "v": 64, "fused": fused},
-                    threads=torch.get_num_threads(),
-                    repeats=repeats,
+    linear_case = "output layer + log-prob + entropy"
+    top_p_case = f"top-p {top_p} output layer"
+    for n in token_counts:
+        cases = [
+            ("log-prob + entropy", f"{n}x{vocab}", setup_logits, {"t": n, "v": vocab},
+             {"t": 8, "v": 64}, (("unfused (log_softmax)", {"fused": False}),
+                                 ("rlops fused", {"fused": True}))),
+            (linear_case, f"{n}x{vocab}, H={hidden}", setup_linear,
+             {"n": n, "v": vocab, "h": hidden}, {"n": 8, "v": 64, "h": 8},
+             (("materialised logits + rlops fused", {"fused": False}),
+              ("rlops fused linear", {"fused": True}))),
+            (top_p_case, f"{n}x{vocab}, H={hidden}", setup_linear,
+             {"n": n, "v": vocab, "h": hidden}, {"n": 8, "v": 64, "h": 8},
+             (("materialised + keep mask", {"fused": False, "top_p": top_p}),
+              ("rlops fused linear top-p", {"fused": True, "top_p": top_p}))),
+        ]  # fmt: skip
+        for case, shape, setup, kwargs, prime, methods in cases:
+            for label, kw in methods:
+                seconds, peak = _measure_step(
+                    setup, {**kwargs, **kw}, {**prime, **kw}, device, repeats
                 )
-                seconds, peak = m["time_s"], int(m["peak_extra_bytes"])
-            rows.append(
-                Row(
-                    "logprobs",
-                    "log-prob + entropy",
-                    tokens,
-                    shape,
-                    label,
-                    seconds,
-                    fused,
-                    False,
-                    peak,
-                )
-            )
+                ours = kw["fused"]
+                rows.append(Row("logprobs", case, n, shape, label, seconds, ours, False, peak))
         if progress is not None:
             progress()
     return rows

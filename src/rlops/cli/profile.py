@@ -7,9 +7,18 @@ log-probs, old values, an outcome reward on the last response token):
 =====================  ======================================  ===============================
 stage                  naive (as commonly written)             rlops
 =====================  ======================================  ===============================
-forward                trunk + LM head -> logits [B, T, V]      same
-log-prob + entropy     log_softmax + gather, softmax entropy    ``logprobs_and_entropy``
-                       (``[B, T, V]`` float32 temporaries)      (token-chunked, fused backward)
+forward                trunk + LM head -> logits [B, T, V]      trunk -> hidden states
+                                                                (``--rlops-head logits``: same
+                                                                as naive)
+log-prob + entropy     log_softmax + gather, softmax entropy    ``linear_logprobs_and_entropy``
+                       (``[B, T, V]`` float32 temporaries)      on the hidden states and the LM
+                                                                head's weight, no ``[B, T, V]``
+                                                                logits (``--rlops-head logits``:
+                                                                ``logprobs_and_entropy`` on
+                                                                them); both token-chunked with
+                                                                a fused backward
+ (with ``--top-p P``)  a ``[B, T, V]`` keep mask (sort,         ``top_p=P`` inside the fused op
+                       cumsum, scatter), masked log_softmax     (the support per chunk)
 value head             linear on the hidden states              same
 advantages             per-token Python loop GAE, whitening     ``gae`` (mask-aware scan),
                                                                 ``masked_whiten``
@@ -41,12 +50,14 @@ from rlops.cli.display import Progress, fmt_mib, fmt_ms, print_table, say
 from rlops.cli.measure import PeakMemory, sync
 from rlops.cli.model import ModelConfig, TinyTransformer
 from rlops.cli.options import positive_int
+from rlops.cli.workloads import top_p_keep_mask
 
-__all__ = ["STAGES", "add_arguments", "profile_step", "run"]
+__all__ = ["HEADS", "STAGES", "add_arguments", "profile_step", "run"]
 
 STAGES = ("forward", "log-prob + entropy", "value head", "advantages", "losses", "backward")
-SAME_CODE = ("forward", "value head")  # both implementations run the same code here
+SAME_CODE = ("forward", "value head")  # both run the same code here (forward: rlops head logits)
 IMPLS = ("naive", "rlops")
+HEADS = ("fused-linear", "logits")  # how the rlops step goes from hidden states to log-probs
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 GAMMA, LAM, CLIP, VALUE_COEF, ENTROPY_COEF, KL_COEF = 1.0, 0.95, 0.2, 0.5, 0.01, 0.01
@@ -78,6 +89,21 @@ def make_batch(cfg: ModelConfig, batch: int, seq_len: int, device, gen: torch.Ge
 
 
 # --------------------------------------------------------------------------- naive stages
+def naive_logprobs(logits, target, top_p: float | None = None):
+    """``log_softmax`` + gather and the softmax entropy; with ``top_p``, the log-prob over a
+    ``[B, T, V]`` keep mask of the top-p support (sort, cumsum, scatter), the entropy over all
+    logits (as rlops' ``top_p``)."""
+    if top_p is None:
+        return baselines.logprobs_entropy_unfused(logits, target)
+    keep = top_p_keep_mask(logits, top_p, target)
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logp = torch.log_softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
+    logp = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    probs = torch.softmax(z, dim=-1)
+    entropy = torch.logsumexp(z, dim=-1) - (probs * z).sum(dim=-1)
+    return logp, entropy
+
+
 def naive_advantages(rewards, values, mask):
     """Per-token Python loop GAE, then whitening over the response tokens."""
     adv, ret = baselines.gae_token_loop(rewards * mask, values * mask, GAMMA, LAM)
@@ -115,20 +141,39 @@ def rlops_advantages(rewards, values, mask):
 
 
 # --------------------------------------------------------------------------- one step
-def ppo_step(model: TinyTransformer, data: dict, impl: str, stage) -> torch.Tensor:
+def ppo_step(
+    model: TinyTransformer,
+    data: dict,
+    impl: str,
+    stage,
+    *,
+    head: str = "fused-linear",
+    top_p: float | None = None,
+) -> torch.Tensor:
     """One PPO training step (gradients left in ``model``); returns the loss, detached.
 
-    ``stage(name)`` is a context manager wrapping each stage.
+    ``stage(name)`` is a context manager wrapping each stage. ``head``: how the rlops step goes
+    from the final hidden states to the log-probs (``fused-linear``: the LM head inside
+    ``linear_logprobs_and_entropy``; ``logits``: materialised logits, then
+    ``logprobs_and_entropy``). ``top_p``: replay a top-p sampler's support.
     """
     naive = impl == "naive"
+    fused_head = not naive and head == "fused-linear"
     model.zero_grad(set_to_none=True)
     tokens = data["tokens"]
     with stage("forward"):
         hidden = model.trunk(tokens[:, :-1])
-        logits = model.logits(hidden)
+        logits = None if fused_head else model.logits(hidden)
     with stage("log-prob + entropy"):
-        fn = baselines.logprobs_entropy_unfused if naive else rlops.logprobs_and_entropy
-        logp, entropy = fn(logits, tokens[:, 1:])
+        target = tokens[:, 1:]
+        if naive:
+            logp, entropy = naive_logprobs(logits, target, top_p)
+        elif fused_head:
+            logp, entropy = rlops.linear_logprobs_and_entropy(
+                hidden, model.head.weight, target, top_p=top_p
+            )
+        else:
+            logp, entropy = rlops.logprobs_and_entropy(logits, target, top_p=top_p)
     with stage("value head"):
         values = model.values(hidden).float()
     with stage("advantages"), torch.no_grad():
@@ -142,11 +187,12 @@ def ppo_step(model: TinyTransformer, data: dict, impl: str, stage) -> torch.Tens
     return loss.detach()
 
 
-def profile_step(model, data, device, repeats: int = 5, progress=None) -> dict:
+def profile_step(model, data, device, repeats: int = 5, progress=None, **step_kw) -> dict:
     """``{impl: {stage: {"seconds": median, "peak_bytes": int | None}}}`` for both impls.
 
     The timed steps alternate between the implementations, so that both see the same
-    machine (other processes, clock speed) as closely as possible.
+    machine (other processes, clock speed) as closely as possible. ``step_kw``: ``head`` and
+    ``top_p`` of :func:`ppo_step`.
     """
     times = {impl: {s: [] for s in STAGES} for impl in IMPLS}
     peaks = {impl: {} for impl in IMPLS}
@@ -172,14 +218,14 @@ def profile_step(model, data, device, repeats: int = 5, progress=None) -> dict:
         return stage
 
     for impl in IMPLS:  # warm-up
-        ppo_step(model, data, impl, lambda name: contextlib.nullcontext())
+        ppo_step(model, data, impl, lambda name: contextlib.nullcontext(), **step_kw)
     for _ in range(repeats):
         for impl in IMPLS:
-            ppo_step(model, data, impl, timed(impl))
+            ppo_step(model, data, impl, timed(impl), **step_kw)
             if progress is not None:
                 progress()
     for impl in IMPLS:
-        ppo_step(model, data, impl, measured(impl))
+        ppo_step(model, data, impl, measured(impl), **step_kw)
         if progress is not None:
             progress()
     model.zero_grad(set_to_none=True)
@@ -192,12 +238,12 @@ def profile_step(model, data, device, repeats: int = 5, progress=None) -> dict:
     }
 
 
-def profile_whole_step(model, data, device) -> dict:
+def profile_whole_step(model, data, device, **step_kw) -> dict:
     """``{impl: peak_bytes}`` of one whole step (memory live at its start excluded)."""
     out = {}
     for impl in IMPLS:
         with PeakMemory(device) as peak:
-            ppo_step(model, data, impl, lambda name: contextlib.nullcontext())
+            ppo_step(model, data, impl, lambda name: contextlib.nullcontext(), **step_kw)
         out[impl] = peak.bytes
     model.zero_grad(set_to_none=True)
     return out
@@ -234,6 +280,22 @@ def add_arguments(subparsers) -> argparse.ArgumentParser:
         default="float32",
         help="model and logits dtype (default float32)",
     )
+    p.add_argument(
+        "--rlops-head",
+        choices=HEADS,
+        default=HEADS[0],
+        help="how the rlops step computes the log-probs from the final hidden states: "
+        "fused-linear (the LM head inside linear_logprobs_and_entropy, no [B, T, V] logits) "
+        "or logits (materialised, as naive, then logprobs_and_entropy) (default fused-linear)",
+    )
+    p.add_argument(
+        "--top-p",
+        metavar="P",
+        type=options.top_p,
+        help="replay a top-p sampler's support: naive builds a [B, T, V] keep mask (sort, "
+        "cumsum, scatter), rlops passes top_p to the fused op (default: none, the full "
+        "softmax)",
+    )
     options.add_device(p)
     p.add_argument(
         "--threads",
@@ -266,7 +328,12 @@ HEADER = ["stage", "naive ms", "%", "rlops ms", "%", "speed-up", "naive MiB", "r
 CAPTION = "MiB: most memory a stage held beyond what was live at its start"
 
 
-def _rows(result: dict, step_peak: dict) -> list[list[str]]:
+def same_code(head: str) -> tuple[str, ...]:
+    """The stages both implementations run with the same code, for an rlops ``head``."""
+    return SAME_CODE if head == "logits" else tuple(s for s in SAME_CODE if s != "forward")
+
+
+def _rows(result: dict, step_peak: dict, same: tuple[str, ...] = SAME_CODE) -> list[list[str]]:
     totals = {i: sum(result[i][s]["seconds"] for s in STAGES) for i in IMPLS}
     rows = []
     for s in STAGES:
@@ -278,7 +345,7 @@ def _rows(result: dict, step_peak: dict) -> list[list[str]]:
                 f"{100 * n['seconds'] / totals['naive']:.1f}%",
                 fmt_ms(r["seconds"]),
                 f"{100 * r['seconds'] / totals['rlops']:.1f}%",
-                "same code" if s in SAME_CODE else f"{n['seconds'] / r['seconds']:.2f}x",
+                "same code" if s in same else f"{n['seconds'] / r['seconds']:.2f}x",
                 fmt_mib(n["peak_bytes"]),
                 fmt_mib(r["peak_bytes"]),
             ]
@@ -298,11 +365,11 @@ def _rows(result: dict, step_peak: dict) -> list[list[str]]:
     return rows
 
 
-def verdict(result: dict, step_peak: dict) -> str:
+def verdict(result: dict, step_peak: dict, same: tuple[str, ...] = SAME_CODE) -> str:
     """Plain words: the step before and after, the stage that gained most time (in ms) and the
     one that gained most memory (in MiB), and what dominates the step with rlops."""
     totals = {i: sum(result[i][s]["seconds"] for s in STAGES) for i in IMPLS}
-    differ = [s for s in STAGES if s not in SAME_CODE]
+    differ = [s for s in STAGES if s not in same]
 
     def saved(s: str, key: str) -> float:
         return (result["naive"][s][key] or 0) - (result["rlops"][s][key] or 0)
@@ -392,22 +459,26 @@ def run(args: argparse.Namespace) -> int:
     )
     model = TinyTransformer(cfg).to(device=device, dtype=dtype)
     data = make_batch(cfg, args.batch, args.seq_len, device, gen)
+    step_kw = {"head": args.rlops_head, "top_p": args.top_p}
+    sampler = "" if args.top_p is None else f", top-p {args.top_p}"
     title = (
         f"One PPO step, B={args.batch}, T={args.seq_len}, V={args.vocab}, layers={args.layers}, "
         f"d_model={args.d_model}, {args.dtype}, {device}, torch threads={torch.get_num_threads()}"
+        f", rlops head: {args.rlops_head}{sampler}"
     )
     say(title)
     with Progress(2 * (args.repeats + 1), "PPO steps") as progress:
-        result = profile_step(model, data, device, args.repeats, progress.update)
-    step_peak = profile_whole_step(model, data, device)
+        result = profile_step(model, data, device, args.repeats, progress.update, **step_kw)
+    step_peak = profile_whole_step(model, data, device, **step_kw)
+    same = same_code(args.rlops_head)
     print_table(
-        f"Stages of one PPO step [{args.batch}x{args.seq_len}, V={args.vocab}]",
+        f"Stages of one PPO step [{args.batch}x{args.seq_len}, V={args.vocab}{sampler}]",
         HEADER,
-        _rows(result, step_peak),
+        _rows(result, step_peak, same),
         caption=CAPTION,
         total_row=True,
     )
-    say(verdict(result, step_peak))
+    say(verdict(result, step_peak, same))
     if args.plot:
         save_plot(result, step_peak, title, args.plot)
         say(f"plot saved to {args.plot}")
