@@ -527,8 +527,8 @@ def _tensor_parallel_sampler(rank, world):
     out["unchecked"] = {"outs": (lp.detach(), ent.detach()), "grad": xs.grad,
                         "fwd": sum(dict(fwd).values())}
     del os.environ["RLOPS_TP_CHECK"]
-    out["per-token top_k"] = _raised(lambda: logprobs_and_entropy(
-        x, y, group=group, top_k=torch.ones(3, dtype=torch.long)))
+    out["per-token top_k"] = logprobs_and_entropy(  # all tied: top-k = 1 keeps them all
+        x, y, group=group, top_k=torch.ones(3, dtype=torch.long))[0]
     out["top_p on rank 1"] = _raised(lambda: logprobs_and_entropy(
         x, y, group=group, **({"top_p": 0.5} if rank else {})))
     out["top_k differs"] = _raised(lambda: logprobs_and_entropy(
@@ -540,7 +540,8 @@ def _tensor_parallel_sampler(rank, world):
 def test_tensor_parallel_matches_one_process():
     """The vocabulary in two unequal shards: every rank's outputs and gradient shard equal the
     one-process results; the forward makes 3 collectives (check, candidates, statistics), the
-    backward none; unsupported or mismatched calls raise on every rank."""
+    backward none; mismatched calls raise on every rank. (Top-p without top-k and a per-token
+    top-k, by radix select: tests/test_logprobs_sampler_radix.py.)"""
     res = run_distributed(_tensor_parallel_sampler, 2)
     for name in TP_CASES:
         logits, target, grads, kw = _tp_case(name)
@@ -572,13 +573,13 @@ def test_tensor_parallel_matches_one_process():
                                    rtol=1e-12, atol=1e-12)
         assert got["fwd"] == 2
     for r in res:
-        assert r["per-token top_k"][0] == "NotImplementedError"
-        assert "top_k must be an int" in r["per-token top_k"][1]
+        torch.testing.assert_close(r["per-token top_k"], torch.full((3,), -math.log(TP_V)),
+                                   check_dtype=False)
         assert r["top_k differs"][0] == "ValueError"
         assert "top_k: [4, 5]" in r["top_k differs"][1]
-    assert res[1]["top_p on rank 1"][0] == "NotImplementedError"
-    assert res[0]["top_p on rank 1"][0] == "ValueError"  # joined the check, names rank 1
-    assert "rank(s) [1]" in res[0]["top_p on rank 1"][1]
+        # top_p without top_k is supported: only rank 1 giving it is a mismatch of the check
+        assert r["top_p on rank 1"][0] == "ValueError"
+        assert "top_p: [None, 0.5]" in r["top_p on rank 1"][1]
 
 
 def test_topk_and_sort_paths_agree():

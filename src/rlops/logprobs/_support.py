@@ -27,8 +27,9 @@ per-token top-k) a full sort of the chunk, the expensive case.
 Vocabulary shards (tensor parallel): the global k largest values lie among the shards' own k
 largest, so each shard sends those, its k-th value and the count of its ties with it left out
 (:func:`candidates_chunk`), and every rank derives the same global threshold
-(:func:`merged_threshold`). Top-p is then taken over the top-k candidates, which is why it needs
-a scalar top-k there.
+(:func:`merged_threshold`). Top-p is then taken over the top-k candidates, which is why this
+merge needs a scalar top-k; top-p without top-k and a per-token top-k use the radix select of
+:mod:`rlops.logprobs._radix` instead.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ The forward reduces each ``[chunk, V_local]`` slice of logits to a few numbers p
 recomputes the softmax chunk by chunk from the saved per-token statistics and needs no
 collective. With the sampler's filters (:mod:`rlops.logprobs._support`) each chunk's support is
 ``z ≥ t`` for a per-token threshold ``t``, computed in the chunk loop (one process) or, across
-vocabulary shards, merged from each shard's candidates in one more all-gather before the loop.
+vocabulary shards, before the loop: merged from each shard's candidates in one more all-gather
+(a scalar top-k, min-p), or found by a radix select in a fixed number of all-reduces (top-p
+without top-k, a per-token top-k: :mod:`rlops.logprobs._radix`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch.distributed as dist
 
 from rlops._checks import check_chunk_size, check_same_device, compute_dtype
 from rlops.distributed.groups import group_rank_size
-from rlops.logprobs import _shard, _support, _tp
+from rlops.logprobs import _radix, _shard, _support, _tp
 from rlops.logprobs._inputs import (
     check_flags,
     check_keep_mask,
@@ -65,14 +67,22 @@ def gather_stats(stats: torch.Tensor, group: object, world: int) -> torch.Tensor
 
 
 def sampler_thresholds(
-    chunks, n: int, sampler: _support.Sampler, group: object, world: int, dtype, device
+    logits_rows, n: int, chunk: int, sampler: _support.Sampler, group: object, world: int,
+    dtype, device,
 ) -> torch.Tensor:
-    """``[N, 1]`` thresholds of the sampler's support over the vocabulary sharded on ``group``:
-    each shard's candidates (:func:`_support.candidates_chunk`, from ``chunks``, an iterable
-    of ``(i, scaled logits of rows [i, i + C))``), one all-gather, the same merge everywhere."""
+    """``[N, 1]`` thresholds of the sampler's support over the vocabulary sharded on ``group``,
+    from this shard's scaled logits ``logits_rows(i, j)[0]`` (tokens ``i:j``).
+
+    A scalar top-k (or min-p alone): each shard's candidates
+    (:func:`_support.candidates_chunk`), one all-gather, the same merge everywhere. A per-token
+    top-k, or top-p without top-k: the radix select (:func:`_radix.radix_threshold`), a fixed
+    number of all-reduces, one more pass over the chunks per round."""
+    if _radix.uses_radix(sampler):
+        return _radix.radix_threshold(logits_rows, n, chunk, sampler, group, dtype, device)
     top_k = sampler.top_k
     cand = torch.empty((n, _support.n_candidates(top_k)), dtype=dtype, device=device)
-    for i, z in chunks:
+    for i in range(0, n, chunk):
+        z = logits_rows(i, i + chunk)[0]
         cand[i : i + z.shape[0]] = _support.candidates_chunk(z, top_k)
     _, top_p, min_p = sampler.rows(0, n)
     return _support.merged_threshold(gather_stats(cand, group, world), top_k, top_p, min_p)
@@ -115,9 +125,10 @@ def chunk_stats(
     thr = None
     if sampler is not None:
         thr = torch.empty((n, 1), dtype=stats.dtype, device=stats.device)
-        if world > 1:  # a first pass for the global threshold
-            chunks = ((i, logits_rows(i, i + chunk)[0]) for i in range(0, n, chunk))
-            thr = sampler_thresholds(chunks, n, sampler, group, world, stats.dtype, stats.device)
+        if world > 1:  # first passes for the global threshold
+            thr = sampler_thresholds(
+                logits_rows, n, chunk, sampler, group, world, stats.dtype, stats.device
+            )
     for i in range(0, n, chunk):
         z, own = logits_rows(i, i + chunk)
         idx, in_range = _shard.target_index(tgt[i : i + chunk], start, v_local)
@@ -348,20 +359,33 @@ def logprobs_and_entropy(
     is renormalised over the support; the entropy is over all logits, or over the support
     (target included) with ``entropy_over_support=True``. The support is a piecewise-constant
     function of the logits: the gradient is that of the masked softmax, with nothing through
-    the selection. Under a tensor-parallel ``group`` the threshold is global: each shard sends
-    its ``top_k`` largest values per token, its k-th value and how many of its tokens tie with
-    it but were left out (``[N, top_k + 2]``, ``top_k`` capped at the vocabulary size: one more
-    all-gather before the statistics, after a first pass over the chunks), and every rank
-    merges them alike; ``top_k`` must then be an int and ``top_p`` needs ``top_k``
-    (NotImplementedError otherwise), and per-token ``top_p`` / ``min_p`` must be equal on
-    every rank (not checked).
+    the selection. Under a tensor-parallel ``group`` the threshold is global, found before the
+    statistics after more passes over the chunks, every rank deriving the same value:
+
+    - an int ``top_k`` (with or without ``top_p`` / ``min_p``), or ``min_p`` alone: each shard
+      sends its ``top_k`` largest values per token, its k-th value and how many of its tokens
+      tie with it but were left out (``[N, top_k + 2]``, ``top_k`` capped at the vocabulary
+      size; the max without top-k): one more all-gather, after one pass;
+    - ``top_p`` without ``top_k``, or a per-token ``top_k`` tensor (with or without ``top_p`` /
+      ``min_p``): a radix select of the threshold on the logits' order-preserving integer keys,
+      one byte per round (``R`` = 4 rounds in float32, 8 in float64), each round one pass over
+      the chunks (int64 keys: ``[chunk_size, V_local]`` temporaries) and one all-reduce of
+      per-token histograms (``[256]`` counts, ``[2, 256]`` with the masses for top-p), after
+      one all-reduce of the per-token max ``[N]`` (top-p, min-p). More collectives, but a fixed
+      number and no host read: ``1 + R`` for top-p (with or without min-p), ``R`` for a
+      per-token top-k alone (``1 + R`` with min-p), ``1 + 2R`` for a per-token top-k with
+      top-p; with the check and the statistics, top-p alone in float32 makes 7 collectives per
+      forward (11 in float64).
+
+    Per-token ``top_k`` / ``top_p`` / ``min_p`` must be equal on every rank (not checked).
 
     The vocabulary may be sharded over ``group`` (tensor parallel): rank ``r`` holds the
     logits of the ids that follow the shards of ranks ``< r`` (``[r·V_local, (r+1)·V_local)``
     when all shards have one size). Each shard reduces its slice to a few numbers per token
     (max ``m_r``, ``s_r = Σ exp(z − m_r)``, its own entropy ``h_r``, the target logit if it
     holds the target); the statistics travel in exactly one collective (an all-gather of
-    ``[N, k]``, ``k ≤ 6``) and the backward needs none (``∂logp/∂z = onehot − p``,
+    ``[N, k]``, ``k ≤ 6``; the sampler's threshold adds its own, above) and the backward
+    needs none (``∂logp/∂z = onehot − p``,
     ``∂H/∂z = −p·(log p + H)``). Every rank returns the full results and the gradient of its
     own shard. ``group=None`` means one process holding the whole vocabulary (no collective,
     even if ``torch.distributed`` is initialised). Every rank of the group must call it.
@@ -436,9 +460,9 @@ def logprobs_and_entropy(
             logits, target, temperature, keep_mask, with_entropy, entropy_grad, chunk_size
         )
         sampler = checked_sampler(
-            "logits", logits, top_k, top_p, min_p, keep_mask, entropy_over_support, world
+            "logits", logits, top_k, top_p, min_p, keep_mask, entropy_over_support
         )
-    except (TypeError, ValueError, NotImplementedError) as exc:
+    except (TypeError, ValueError) as exc:
         if checked:  # the other ranks are about to exchange headers: join them, then raise
             _tp.fail_together(group, world, exc, getattr(logits, "device", None))
         raise
@@ -480,7 +504,7 @@ def _checked(logits, target, temperature, keep_mask, with_entropy, entropy_grad,
     return logits, target, keep_mask, temperature
 
 
-def checked_sampler(name, ref, top_k, top_p, min_p, keep_mask, entropy_over_support, world):
+def checked_sampler(name, ref, top_k, top_p, min_p, keep_mask, entropy_over_support):
     """The sampler filters as a :class:`_support.Sampler`, or None when none is given.
 
     ``ref``: the tensor ``[..., X]`` whose leading dims are the tokens (named ``name``)."""
@@ -494,13 +518,6 @@ def checked_sampler(name, ref, top_k, top_p, min_p, keep_mask, entropy_over_supp
         raise ValueError(
             "keep_mask and top_k / top_p / min_p are exclusive: give the sampler's support "
             "either as a mask or as its parameters"
-        )
-    if world > 1 and (isinstance(params[0], torch.Tensor) or (
-            params[1] is not None and params[0] is None)):
-        raise NotImplementedError(
-            "with a tensor-parallel group of more than one rank, top_k must be an int and "
-            "top_p needs top_k (the global threshold is merged from each shard's top_k "
-            "candidates); pass keep_mask, or call without group on the full vocabulary"
         )
     named = zip(("top_k", "top_p", "min_p"), params, strict=True)
     check_same_device(name, ref, **{n: p for n, p in named if p is not None})

@@ -178,7 +178,10 @@ def linear_logprobs_and_entropy(
         temperature: ``> 0``; divides the logits.
         top_k, top_p, min_p, entropy_over_support: the sampler's support, rebuilt per token
             chunk from the chunk's logits, as in :func:`rlops.logprobs.logprobs_and_entropy`
-            (under a group: one more all-gather of ``[N, top_k + 2]`` candidates).
+            (under a group: one more all-gather of ``[N, top_k + 2]`` candidates for an int
+            ``top_k`` or ``min_p`` alone; for ``top_p`` without ``top_k`` or a per-token
+            ``top_k``, the radix select's fixed number of all-reduces, each round one more
+            pass over the chunks that recomputes each chunk's matmul ``hidden @ weightᵀ``).
         with_entropy: if False, skip the entropy and return ``None`` for it.
         group: the tensor-parallel process group, or None (one process, no collective).
         chunk_size: tokens per chunk (``>= 1``); None picks a bound of 32 MiB per
@@ -204,10 +207,8 @@ def linear_logprobs_and_entropy(
         hidden, weight, target, temperature = _checked(
             hidden, weight, target, temperature, with_entropy, chunk_size
         )
-        sampler = checked_sampler(
-            "hidden", hidden, top_k, top_p, min_p, None, entropy_over_support, world
-        )
-    except (TypeError, ValueError, NotImplementedError) as exc:
+        sampler = checked_sampler("hidden", hidden, top_k, top_p, min_p, None, entropy_over_support)
+    except (TypeError, ValueError) as exc:
         if checked:  # the other ranks are about to exchange headers: join them, then raise
             _tp.fail_together(group, world, exc, getattr(hidden, "device", None))
         raise
