@@ -1,7 +1,7 @@
 """The import graph of ``src/rlops`` points down only, has no cycle, and no module reaches into
 another module's private names. Layers (a module may import its own package and lower layers):
 
-    0  _checks
+    0  _checks, _threads                      (argument checks; the CPU thread pool)
     1  scan, distributed                      (the bare recurrence; layout and group helpers)
     2  stats, logprobs                        (leaves)
     3  advantages, group_advantages, losses, rollout_correction, kl_controllers
@@ -22,6 +22,7 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "rlops"
 
 LAYERS = {
     "rlops._checks": 0,
+    "rlops._threads": 0,
     "rlops.scan": 1,
     "rlops.distributed": 1,
     "rlops.stats": 2,
@@ -157,6 +158,8 @@ def test_scan_knows_nothing_of_rl_or_distribution():
         if _unit(m) != "rlops.scan":
             continue
         deps = {d for t, names, _ in _imports(p, m) for d in _resolve(t, names)}
-        outside = {d for d in deps if _unit(d) not in ("rlops.scan", "rlops._checks")}
+        outside = {
+            d for d in deps if _unit(d) not in ("rlops.scan", "rlops._checks", "rlops._threads")
+        }
         assert not outside, f"{m} imports {sorted(outside)}"
         assert "torch.distributed" not in p.read_text(), f"{m} uses torch.distributed"

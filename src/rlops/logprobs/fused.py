@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from rlops._checks import check_chunk_size, check_same_device, compute_dtype
+from rlops._threads import for_each
 from rlops.distributed.groups import group_rank_size
 from rlops.logprobs import _radix, _shard, _support, _tp
 from rlops.logprobs._inputs import (
@@ -32,6 +33,7 @@ from rlops.logprobs._inputs import (
 
 __all__ = [
     "checked_sampler",
+    "chunk_grad",
     "chunk_grads",
     "chunk_stats",
     "gather_stats",
@@ -114,13 +116,14 @@ def support_applied(
 
 def chunk_stats(
     logits_rows, tgt, start, v_local, chunk, keep_rows, sampler, over_support, with_entropy,
-    group, world, stats,
+    group, world, stats, parallel=False,
 ):
     """The forward's chunk loop, shared by the logits and the fused linear op: fills this
     shard's statistics ``stats`` ``[N, k]`` chunk by chunk and returns the sampler's per-token
     threshold ``[N, 1]`` (None without a sampler). ``logits_rows(i, j)`` gives ``(z, own)`` for
     tokens ``i:j`` (the scaled logits and which of them this call may overwrite);
-    ``keep_rows(i, j)`` a keep mask or None."""
+    ``keep_rows(i, j)`` a keep mask or None. ``parallel``: on CPU, spread the chunks over
+    :func:`rlops._threads.for_each` (each chunk's rows are its own)."""
     n = tgt.shape[0]
     thr = None
     if sampler is not None:
@@ -129,7 +132,8 @@ def chunk_stats(
             thr = sampler_thresholds(
                 logits_rows, n, chunk, sampler, group, world, stats.dtype, stats.device
             )
-    for i in range(0, n, chunk):
+
+    def one(i: int) -> None:
         z, own = logits_rows(i, i + chunk)
         idx, in_range = _shard.target_index(tgt[i : i + chunk], start, v_local)
         kc = None if keep_rows is None else keep_rows(i, i + chunk)
@@ -139,7 +143,17 @@ def chunk_stats(
                 t.copy_(_support.threshold_chunk(z, *sampler.rows(i, i + chunk)))
             z, own, kc = support_applied(z, own, idx, in_range, t, over_support)
         _shard.stats_chunk(z, own, idx, in_range, kc, with_entropy, stats[i : i + chunk])
+
+    _loop(one, range(0, n, chunk), stats.device, parallel)
     return thr
+
+
+def _loop(body, starts, device, parallel: bool) -> None:
+    if parallel:
+        for_each(body, starts, device)
+    else:
+        for i in starts:
+            body(i)
 
 
 def vocab_layout(group, rank, world, v_local, call, target, sampler) -> int:
@@ -184,29 +198,36 @@ def chunk_grads(
 ):
     """The backward's chunk loop, shared by the logits and the fused linear op: yields
     ``(i, j, g)``, the gradient with respect to the scaled-logit chunk of tokens ``i:j``
-    (written into ``out[i:j]`` when ``out`` is given), recomputing the softmax from the saved
-    statistics."""
-    inv_tau = 1.0 / temperature
+    (written into ``out[i:j]`` when ``out`` is given; :func:`chunk_grad`), recomputing the
+    softmax from the saved statistics."""
+    args = (logits_rows, tgt, start, v_local, keep_rows, thr, over_support, saved, gl, ge)
     for i in range(0, tgt.shape[0], chunk):
-        j = i + chunk
-        z, own = logits_rows(i, j)
-        idx, in_range = _shard.target_index(tgt[i:j], start, v_local)
-        kc = None if keep_rows is None else keep_rows(i, j)
-        if thr is not None:
-            z, own, kc = support_applied(z, own, idx, in_range, thr[i:j], over_support)
-        g = _shard.grad_chunk(
-            z,
-            own,
-            idx,
-            in_range,
-            kc,
-            [t[i:j] for t in saved],
-            None if gl is None else gl[i:j],
-            None if ge is None else ge[i:j],
-            inv_tau,
-            **({} if out is None else {"out": out[i:j]}),
-        )
-        yield i, j, g
+        yield i, i + chunk, chunk_grad(i, i + chunk, *args, 1.0 / temperature, out)
+
+
+def chunk_grad(
+    i, j, logits_rows, tgt, start, v_local, keep_rows, thr, over_support, saved, gl, ge,
+    inv_tau, out=None,
+):
+    """The gradient with respect to the scaled logits of tokens ``i:j`` (``[C, V_local]``),
+    written into ``out[i:j]`` when ``out`` is given and has the compute dtype."""
+    z, own = logits_rows(i, j)
+    idx, in_range = _shard.target_index(tgt[i:j], start, v_local)
+    kc = None if keep_rows is None else keep_rows(i, j)
+    if thr is not None:
+        z, own, kc = support_applied(z, own, idx, in_range, thr[i:j], over_support)
+    return _shard.grad_chunk(
+        z,
+        own,
+        idx,
+        in_range,
+        kc,
+        [t[i:j] for t in saved],
+        None if gl is None else gl[i:j],
+        None if ge is None else ge[i:j],
+        inv_tau,
+        **({} if out is None else {"out": out[i:j]}),
+    )
 
 
 def logits_grad_with_graph(
@@ -277,7 +298,7 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
         thr = chunk_stats(
             lambda i, j: scaled_chunk(x[i:j], dtype, temperature),
             tgt, start, v_local, chunk, keep_rows, sampler, over_support, with_entropy,
-            group, world, stats,
+            group, world, stats, parallel=True,
         )  # fmt: skip
         logp, ent, saved = _shard.merge(gather_stats(stats, group, world), masked, with_entropy)
         saved = _shard.pack_saved(saved, masked, entropy_grad)
@@ -308,14 +329,19 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
             )
             return (grad.view(logits.shape), *nones)
         grad = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        for i, j, g in chunk_grads(
+        args = (
             lambda i, j: scaled_chunk(x[i:j], dtype, temperature),
-            tgt, start, v_local, chunk,
+            tgt, start, v_local,
             None if keep2 is None else (lambda i, j: keep2[i:j]),
-            thr, over_support, saved, gl, ge, temperature, out=grad,
-        ):  # fmt: skip
+            thr, over_support, saved, gl, ge, 1.0 / temperature, grad,
+        )  # fmt: skip
+
+        def one(i: int) -> None:
+            g = chunk_grad(i, i + chunk, *args)
             if g.dtype != grad.dtype:  # half-precision logits: the chunk was computed in float32
-                grad[i:j] = g
+                grad[i : i + chunk] = g
+
+        _loop(one, range(0, x.shape[0], chunk), x.device, True)
         return (grad.view(logits.shape), *nones)
 
 
@@ -410,9 +436,14 @@ def logprobs_and_entropy(
     the logits are large. A ``-inf`` logit is a probability of zero (finite entropy and
     gradients).
 
-    Memory: float32 temporaries are ``[chunk_size, V_local]``; saved for the backward are the
-    inputs and 2–5 numbers per token; the backward recomputes the softmax chunk by chunk. With
-    ``top_k`` / ``top_p`` / ``min_p`` the forward also sorts each chunk (a few more
+    Threads (CPU): the chunks, forward and backward, are spread over torch's threads, each
+    running whole chunks single-threaded (:mod:`rlops._threads`; the same bits as one thread),
+    so a busy core slows one worker instead of every operation's join.
+
+    Memory: float32 temporaries are ``[chunk_size, V_local]`` (per thread on CPU); saved for
+    the backward are the inputs and 2–5 numbers per token; the backward recomputes the
+    softmax chunk by chunk. With ``top_k`` / ``top_p`` / ``min_p`` the forward also sorts each
+    chunk (a few more
     ``[chunk_size, V_local]`` temporaries; top-k alone uses ``topk``), and saves one more
     number per token, the support's threshold, from which the backward rebuilds the support
     (``z ≥ t``) without sorting again.

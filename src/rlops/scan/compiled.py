@@ -7,7 +7,8 @@ scan over 128K tokens is more accurate than blocked summation, at the speed of t
 float32 loop.
 The kernels release the GIL and are single-threaded (numba's own thread pool fights torch's
 OpenMP threads for the cores); large inputs are split by rows over a few Python threads
-(:func:`run_rows`, shared with the fused estimator kernels in :mod:`rlops.advantages`).
+(:func:`run_rows`, shared with the fused estimator kernels in :mod:`rlops.advantages`; the
+pool is :mod:`rlops._threads`).
 
 numba and numpy are imported on first use only: ``import rlops`` needs neither.
 """
@@ -15,9 +16,10 @@ numba and numpy are imported on first use only: ``import rlops`` needs neither.
 from __future__ import annotations
 
 import functools
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from rlops._threads import for_each
 
 __all__ = ["LANES", "as_array", "available", "require", "run_rows", "scan_compiled"]
 
@@ -54,11 +56,6 @@ def require(x: torch.Tensor, needs_grad: bool = False) -> None:
         )
 
 
-@functools.cache
-def _pool(workers: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(workers, thread_name_prefix="rlops-scan")
-
-
 def run_rows(kernel, n_rows: int, n_elements: int, *args) -> None:
     """Run ``kernel(*args, rows)`` over groups of 4 rows, on several threads when it pays.
     A short last group repeats its last row (the same values are written twice)."""
@@ -66,18 +63,14 @@ def run_rows(kernel, n_rows: int, n_elements: int, *args) -> None:
         tuple(min(r + k, n_rows - 1) for k in range(LANES)) for r in range(0, n_rows, LANES)
     ]
     threads = min(torch.get_num_threads(), n_elements // _MIN_ELEMENTS_PER_THREAD, len(groups))
-    if threads <= 1:
-        for rows in groups:
-            kernel(*args, rows)
-        return
-    per = -(-len(groups) // threads)
+    per = -(-len(groups) // max(threads, 1))
     parts = [groups[i : i + per] for i in range(0, len(groups), per)]
 
     def work(part):
         for rows in part:
             kernel(*args, rows)
 
-    list(_pool(threads).map(work, parts))
+    for_each(work, parts, torch.device("cpu"))
 
 
 def as_array(t: torch.Tensor | None, n: int, dtype: torch.dtype):

@@ -1,0 +1,72 @@
+"""CPU work split over a few Python threads, each running its share on one core.
+
+torch's intra-op parallelism splits every operation over the cores and joins after it. A loop
+of many small operations (the chunk loop of the fused log-probs) then waits at every join, and
+when another process holds one of the cores each join waits for it: such a loop degrades far
+more under contention than one large operation does. Splitting the *loop* instead — each
+worker takes whole items and runs their operations single-threaded — joins once per loop, and
+a worker that is slowed down simply takes fewer items.
+
+torch's thread count is per thread: the workers set theirs to 1 when they start (and put back
+the default that torch gives threads created later, which ``torch.set_num_threads`` also
+sets). A call made from a worker (nested) runs serially instead of waiting on its own pool.
+Each item runs with the caller's grad and inference modes (thread-local too). When the items
+write disjoint outputs the results are bitwise those of the serial loop, whatever thread runs
+which item.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+__all__ = ["for_each", "pool"]
+
+
+_state = threading.local()  # ``worker``: this thread is one of the pool's
+_init_lock = threading.Lock()
+
+
+def _one_thread() -> None:
+    _state.worker = True
+    with _init_lock:
+        default = torch.get_num_threads()  # torch initialises this thread's count from it
+        torch.set_num_threads(1)  # this thread's count, and the default for new threads...
+        restore = threading.Thread(target=torch.set_num_threads, args=(default,))
+        restore.start()  # ...which a throwaway thread puts back
+        restore.join()
+
+
+@functools.cache
+def pool(workers: int) -> ThreadPoolExecutor:
+    """A process-wide pool of ``workers`` threads, each running torch single-threaded."""
+    return ThreadPoolExecutor(workers, thread_name_prefix="rlops", initializer=_one_thread)
+
+
+def for_each(body: Callable[[object], None], items: Iterable, device: torch.device) -> None:
+    """``body(item)`` for every item: over :func:`pool` on CPU when torch's thread count (of the
+    calling thread) is above 1 and there are several items, else in a plain loop. Exceptions
+    propagate (the first item's that raised, after every item has run)."""
+    items = list(items)
+    workers = torch.get_num_threads() if device.type == "cpu" else 1
+    if getattr(_state, "worker", False):
+        workers = 1
+    if workers <= 1 or len(items) <= 1:
+        for item in items:
+            body(item)
+        return
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    def run(item: object) -> None:
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            body(item)
+
+    futures = [pool(workers).submit(run, item) for item in items]
+    errors = [f.exception() for f in futures]
+    for e in errors:
+        if e is not None:
+            raise e
