@@ -443,10 +443,9 @@ def logprobs_and_entropy(
     Memory: float32 temporaries are ``[chunk_size, V_local]`` (per thread on CPU); saved for
     the backward are the inputs and 2–5 numbers per token; the backward recomputes the
     softmax chunk by chunk. With ``top_k`` / ``top_p`` / ``min_p`` the forward also sorts each
-    chunk (a few more
-    ``[chunk_size, V_local]`` temporaries; top-k alone uses ``topk``), and saves one more
-    number per token, the support's threshold, from which the backward rebuilds the support
-    (``z ≥ t``) without sorting again.
+    chunk (a few more ``[chunk_size, V_local]`` temporaries; top-k alone uses ``topk``), and
+    saves one more number per token, the support's threshold, from which the backward
+    rebuilds the support (``z ≥ t``) without sorting again.
     Logits that cannot be viewed as ``[N, V_local]`` (e.g. a slice ``x[:, :-1]``) are copied.
 
     Args:
