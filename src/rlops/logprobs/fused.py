@@ -35,6 +35,7 @@ __all__ = [
     "checked_sampler",
     "chunk_grad",
     "chunk_grads",
+    "chunk_loop",
     "chunk_stats",
     "gather_stats",
     "grad_inputs",
@@ -144,11 +145,13 @@ def chunk_stats(
             z, own, kc = support_applied(z, own, idx, in_range, t, over_support)
         _shard.stats_chunk(z, own, idx, in_range, kc, with_entropy, stats[i : i + chunk])
 
-    _loop(one, range(0, n, chunk), stats.device, parallel)
+    chunk_loop(one, range(0, n, chunk), stats.device, parallel)
     return thr
 
 
-def _loop(body, starts, device, parallel: bool) -> None:
+def chunk_loop(body, starts, device, parallel: bool) -> None:
+    """``body(i)`` for every chunk start: over :func:`rlops._threads.for_each` when
+    ``parallel`` (CPU), else in order."""
     if parallel:
         for_each(body, starts, device)
     else:
@@ -194,23 +197,23 @@ def grad_inputs(saved, g_logp, g_ent, dtype):
 
 def chunk_grads(
     logits_rows, tgt, start, v_local, chunk, keep_rows, thr, over_support, saved, gl, ge,
-    temperature, out=None,
+    temperature,
 ):
-    """The backward's chunk loop, shared by the logits and the fused linear op: yields
-    ``(i, j, g)``, the gradient with respect to the scaled-logit chunk of tokens ``i:j``
-    (written into ``out[i:j]`` when ``out`` is given; :func:`chunk_grad`), recomputing the
-    softmax from the saved statistics."""
+    """The backward's chunk loop in order (the fused linear op's, whose weight gradient sums
+    over the chunks): yields ``(i, j, g)``, :func:`chunk_grad` of tokens ``i:j``."""
     args = (logits_rows, tgt, start, v_local, keep_rows, thr, over_support, saved, gl, ge)
     for i in range(0, tgt.shape[0], chunk):
-        yield i, i + chunk, chunk_grad(i, i + chunk, *args, 1.0 / temperature, out)
+        yield i, i + chunk, chunk_grad(i, i + chunk, *args, 1.0 / temperature)
 
 
 def chunk_grad(
     i, j, logits_rows, tgt, start, v_local, keep_rows, thr, over_support, saved, gl, ge,
     inv_tau, out=None,
 ):
-    """The gradient with respect to the scaled logits of tokens ``i:j`` (``[C, V_local]``),
-    written into ``out[i:j]`` when ``out`` is given and has the compute dtype."""
+    """The backward's step for one chunk, shared by the logits and the fused linear op: the
+    gradient with respect to the scaled logits of tokens ``i:j`` (``[C, V_local]``),
+    recomputing the softmax from the saved statistics; written into ``out`` (those rows' own
+    ``[C, V_local]`` buffer) when it is given and has the compute dtype."""
     z, own = logits_rows(i, j)
     idx, in_range = _shard.target_index(tgt[i:j], start, v_local)
     kc = None if keep_rows is None else keep_rows(i, j)
@@ -226,7 +229,7 @@ def chunk_grad(
         None if gl is None else gl[i:j],
         None if ge is None else ge[i:j],
         inv_tau,
-        **({} if out is None else {"out": out[i:j]}),
+        **({} if out is None else {"out": out}),
     )
 
 
@@ -333,15 +336,15 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
             lambda i, j: scaled_chunk(x[i:j], dtype, temperature),
             tgt, start, v_local,
             None if keep2 is None else (lambda i, j: keep2[i:j]),
-            thr, over_support, saved, gl, ge, 1.0 / temperature, grad,
+            thr, over_support, saved, gl, ge, 1.0 / temperature,
         )  # fmt: skip
 
         def one(i: int) -> None:
-            g = chunk_grad(i, i + chunk, *args)
+            g = chunk_grad(i, i + chunk, *args, grad[i : i + chunk])
             if g.dtype != grad.dtype:  # half-precision logits: the chunk was computed in float32
                 grad[i : i + chunk] = g
 
-        _loop(one, range(0, x.shape[0], chunk), x.device, True)
+        chunk_loop(one, range(0, x.shape[0], chunk), x.device, True)
         return (grad.view(logits.shape), *nones)
 
 
