@@ -47,10 +47,20 @@ CASES = {
 LINEAR_CASES = {
     "linear": (torch.float64, {"temperature": 1.7, "chunk_size": 5}),
     "linear float32": (torch.float32, {"with_entropy": False}),
+    "linear masked": (torch.float64, {"mask": True, "chunk_size": 6}),
+    "linear entropy detached": (torch.float64, {"mask": True, "entropy_grad": False}),
 }
 # Run again on shards of unequal size, and again with the check off (equal shards).
-UNEQUAL_CASES = ("masked", "no entropy", "linear")
-UNCHECKED_CASES = ("masked", "linear")
+UNEQUAL_CASES = ("masked", "no entropy", "linear", "linear masked")
+UNCHECKED_CASES = ("masked", "linear", "linear masked")
+
+
+def _keep_mask(n: int, target: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    keep = torch.rand(n, V, generator=gen) < 0.3
+    keep.scatter_(1, target[:, None], False)  # the op must keep the target itself
+    keep[: n // 3, V // 4 :] = False  # rows whose other shards hold nothing kept
+    keep[n // 3 : n // 2] = False  # rows that keep only the target
+    return keep
 
 
 def _case(name: str, dtype: torch.dtype, kw: dict):
@@ -60,11 +70,7 @@ def _case(name: str, dtype: torch.dtype, kw: dict):
     logits = (torch.randn(n, V, generator=gen) * 4).to(dtype)
     target = torch.randint(0, V, (n,), generator=gen)
     if kw.pop("mask", False):
-        keep = torch.rand(n, V, generator=gen) < 0.3
-        keep.scatter_(1, target[:, None], False)  # the op must keep the target itself
-        keep[: n // 3, V // 4 :] = False  # rows whose other shards hold nothing kept
-        keep[n // 3 : n // 2] = False  # rows that keep only the target
-        kw["keep_mask"] = keep
+        kw["keep_mask"] = _keep_mask(n, target, gen)
     grads = [torch.randn(n, generator=gen).to(dtype) for _ in range(2)]
     return logits, target, grads, kw
 
@@ -74,8 +80,11 @@ def _linear_case(name: str, dtype: torch.dtype, kw: dict):
     hidden = torch.randn(N, H, generator=gen).to(dtype)
     weight = torch.randn(V, H, generator=gen).to(dtype)
     target = torch.randint(0, V, (N,), generator=gen)
+    kw = dict(kw)
+    if kw.pop("mask", False):
+        kw["keep_mask"] = _keep_mask(N, target, gen)
     grads = [torch.randn(N, generator=gen).to(dtype) for _ in range(2)]
-    return hidden, weight, target, grads, dict(kw)
+    return hidden, weight, target, grads, kw
 
 
 def _backward(outs, grads):
@@ -104,6 +113,8 @@ def _columns(r: int, sizes: tuple[int, ...]) -> slice:
 def _run_case(name: str, group, cols: slice) -> dict:
     if name in LINEAR_CASES:
         hidden, weight, target, grads, kw = _linear_case(name, *LINEAR_CASES[name])
+        if "keep_mask" in kw:
+            kw["keep_mask"] = kw["keep_mask"][:, cols]
         h = hidden.clone().requires_grad_()
         w = weight[cols].clone().requires_grad_()
         with count_collectives() as fwd:

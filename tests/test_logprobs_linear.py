@@ -115,6 +115,12 @@ BAD = [
     ({"target": torch.tensor([[0, 1]])}, ValueError, "target must have shape"),
     ({"temperature": 0}, ValueError, "temperature must be"),
     ({"chunk_size": 0}, ValueError, "chunk_size must be >= 1"),
+    ({"keep_mask": torch.ones(2, 4, dtype=torch.bool)}, ValueError,
+     r"keep_mask must have shape \[..., V_local\] like hidden @ weight.T \[2, 5\]"),
+    ({"keep_mask": torch.ones(2, 5)}, TypeError, "keep_mask must be a bool tensor"),
+    ({"keep_mask": torch.ones(2, 5, dtype=torch.bool), "top_p": 0.5}, ValueError,
+     "keep_mask and top_k / top_p / min_p are exclusive"),
+    ({"entropy_grad": 1}, TypeError, "entropy_grad must be a bool"),
 ]
 
 
@@ -125,3 +131,50 @@ def test_bad_inputs(change, error, match):
     with pytest.raises(error, match=match):
         linear_logprobs_and_entropy(args.pop("hidden"), args.pop("weight"), args.pop("target"),
                                     **args)
+
+
+def _keep(n, v, target, seed):
+    keep = torch.rand(n, v, generator=torch.Generator().manual_seed(seed)) < 0.4
+    keep[: n // 4] = False  # rows whose only kept token is the target
+    keep[:, 0] = False  # a column dropped everywhere
+    return keep
+
+
+@pytest.mark.parametrize("chunk_size", [1, 6, None])
+def test_keep_mask_matches_the_definition(chunk_size):
+    """The log-prob over the kept logits (the target always kept), the entropy over all, read
+    from the mask chunk by chunk: as the reference on materialised logits, in float64 too."""
+    hidden, weight, target, grads = _data(41, 53, 8, seed=7)
+    keep = _keep(41, 53, target, 8)
+    fast = forward_backward(_fn(keep_mask=keep, chunk_size=chunk_size),
+                            (hidden, weight, target), grads)
+    ref32 = forward_backward(reference, (hidden, weight, target), grads, keep_mask=keep)
+    exact = forward_backward(reference, (hidden.double(), weight.double(), target), grads,
+                             keep_mask=keep)
+    for k, name in enumerate(NAMES):
+        assert_as_accurate(fast[k], ref32[k], exact[k], FACTOR_FWD if k < 2 else FACTOR_GRAD,
+                           name)
+    # hand-checked rows: only the target kept -> log-prob 0
+    assert (fast[0][: 41 // 4] == 0).all()
+
+
+def test_keep_mask_gradcheck_float64():
+    hidden, weight, target, _ = _data(9, 11, 3, seed=9, dtype=torch.float64)
+    keep = _keep(9, 11, target, 10)
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda a, b: linear_logprobs_and_entropy(a, b, target, keep_mask=keep, chunk_size=4),
+        (h, w),
+    )
+
+
+def test_entropy_grad_off_detaches_the_entropy_only():
+    hidden, weight, target, grads = _data(17, 23, 4, seed=11)
+    with_grad = forward_backward(_fn(), (hidden, weight, target), [grads[0], None])
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = linear_logprobs_and_entropy(h, w, target, entropy_grad=False)
+    assert not ent.requires_grad and lp.requires_grad
+    torch.testing.assert_close(ent, with_grad[1], rtol=0, atol=0)
+    lp.backward(grads[0])
+    torch.testing.assert_close(h.grad, with_grad[2], rtol=0, atol=0)
+    torch.testing.assert_close(w.grad, with_grad[3], rtol=0, atol=0)

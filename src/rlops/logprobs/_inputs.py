@@ -83,16 +83,19 @@ def check_temperature(temperature: object) -> float:
     return t
 
 
-def check_keep_mask(keep_mask: object, logits: torch.Tensor) -> torch.Tensor | None:
+def check_keep_mask(
+    keep_mask: object, shape: torch.Size, like: str = "logits"
+) -> torch.Tensor | None:
+    """None, or a bool tensor of the logits' ``shape`` (``like`` names them in the error)."""
     if keep_mask is None:
         return None
     if not isinstance(keep_mask, torch.Tensor):
         raise TypeError(f"keep_mask must be a bool tensor or None, got {type(keep_mask).__name__}")
     if keep_mask.dtype != torch.bool:
         raise TypeError(f"keep_mask must be a bool tensor, got {keep_mask.dtype}")
-    if keep_mask.shape != logits.shape:
+    if tuple(keep_mask.shape) != tuple(shape):
         raise shape_error(
-            "keep_mask", f"[..., V_local] like logits {list(logits.shape)}", keep_mask.shape
+            "keep_mask", f"[..., V_local] like {like} {list(shape)}", keep_mask.shape
         )
     return keep_mask
 

@@ -532,7 +532,7 @@ def _checked(logits, target, temperature, keep_mask, with_entropy, entropy_grad,
     target = check_target(
         target, logits.shape[:-1], "[...] like logits[..., 0] " + str(list(logits.shape[:-1]))
     )
-    keep_mask = check_keep_mask(keep_mask, logits)
+    keep_mask = check_keep_mask(keep_mask, logits.shape)
     check_same_device("logits", logits, target=target, keep_mask=keep_mask)
     return logits, target, keep_mask, temperature
 

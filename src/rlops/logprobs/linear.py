@@ -22,6 +22,7 @@ from rlops.distributed.groups import group_rank_size
 from rlops.logprobs import _shard, _tp
 from rlops.logprobs._inputs import (
     check_flags,
+    check_keep_mask,
     check_logits,
     check_target,
     check_temperature,
@@ -54,8 +55,10 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
         hidden,
         weight,
         target,
+        keep,
         temperature,
         with_entropy,
+        entropy_grad,
         group,
         chunk,
         start,
@@ -69,28 +72,29 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
         n = h2.shape[0]
         dtype = compute_dtype(hidden.dtype)
         chunk = chunk or default_chunk(n, v_local, hidden.device, linear=True)
-        masked = sampler is not None and not over_support
+        masked = keep is not None or (sampler is not None and not over_support)
+        keep2 = None if keep is None else keep.reshape(-1, v_local)
         stats = torch.empty(
             (n, _shard.n_columns(masked, with_entropy)), dtype=dtype, device=hidden.device
         )
         thr = chunk_stats(
             lambda i, j: (_logits_chunk(h2[i:j], weight, dtype, temperature), True),
-            tgt, start, v_local, chunk, None, sampler, over_support, with_entropy,
-            group, world, stats,
+            tgt, start, v_local, chunk, None if keep2 is None else (lambda i, j: keep2[i:j]),
+            sampler, over_support, with_entropy, group, world, stats,
         )  # fmt: skip
         logp, ent, saved = _shard.merge(gather_stats(stats, group, world), masked, with_entropy)
         ctx.set_materialize_grads(False)
         ctx.meta = (temperature, start, chunk, world, over_support)
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            packed = _shard.pack_saved(saved, masked, True)
-            ctx.save_for_backward(hidden, weight, target, thr, *packed)
-        return outputs(ctx, logp, ent, hidden.shape[:-1], True)
+            packed = _shard.pack_saved(saved, masked, entropy_grad)
+            ctx.save_for_backward(hidden, weight, target, keep, thr, *packed)
+        return outputs(ctx, logp, ent, hidden.shape[:-1], entropy_grad)
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         temperature, start, chunk, world, over_support = ctx.meta
-        hidden, weight, target, thr, *saved = ctx.saved_tensors
-        nones = (None,) * 8
+        hidden, weight, target, keep, thr, *saved = ctx.saved_tensors
+        nones = (None,) * 10
         dtype = compute_dtype(hidden.dtype)
         inputs = grad_inputs(saved, g_logp, g_ent, dtype)
         if inputs is None:
@@ -100,6 +104,7 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
         v_local = weight.shape[0]
         h2 = hidden.reshape(-1, hidden.shape[-1])
         tgt = target.reshape(-1)
+        keep2 = None if keep is None else keep.reshape(-1, v_local)
         if torch.is_grad_enabled():  # create_graph=True: a differentiable backward
             op = "linear_logprobs_and_entropy"
             # The logits chunk by chunk, as in the forward: the same bits, so that the saved
@@ -107,7 +112,7 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
             rows = [h2[i : i + chunk] @ weight.T for i in range(0, h2.shape[0], chunk)]
             logits = torch.cat(rows) if rows else h2 @ weight.T
             g = logits_grad_with_graph(
-                logits, tgt, None, temperature, gl, ge, world, op, thr, over_support
+                logits, tgt, keep2, temperature, gl, ge, world, op, thr, over_support
             )
             grad_h = (g @ weight).view(hidden.shape) if need_h else None
             return (grad_h, g.T @ h2 if need_w else None, *nones)
@@ -116,7 +121,8 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
         for i, j, g in chunk_grads(
             lambda i, j: (_logits_chunk(h2[i:j], weight, dtype, temperature), True),
-            tgt, start, v_local, chunk, None, thr, over_support, saved, gl, ge, temperature,
+            tgt, start, v_local, chunk, None if keep2 is None else (lambda i, j: keep2[i:j]),
+            thr, over_support, saved, gl, ge, temperature,
         ):  # fmt: skip
             g = g.to(hidden.dtype)
             hc = h2[i:j]
@@ -140,11 +146,13 @@ def linear_logprobs_and_entropy(
     target: torch.Tensor,
     *,
     temperature: float = 1.0,
+    keep_mask: torch.Tensor | None = None,
     top_k: int | torch.Tensor | None = None,
     top_p: float | torch.Tensor | None = None,
     min_p: float | torch.Tensor | None = None,
     entropy_over_support: bool = False,
     with_entropy: bool = True,
+    entropy_grad: bool = True,
     group: object = None,
     chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -176,6 +184,9 @@ def linear_logprobs_and_entropy(
         weight: ``[V_local, H]``, the output layer's weight (its shard), same dtype as hidden.
         target: ``[...]`` integer ids in the global vocabulary ``[0, Σ_r V_local_r)``.
         temperature: ``> 0``; divides the logits.
+        keep_mask: ``[..., V_local]`` bool (the support as a mask, e.g. from the engine), read
+            chunk by chunk: the log-prob over the kept logits (the target always kept), the
+            entropy over all. Not with the sampler filters.
         top_k, top_p, min_p, entropy_over_support: the sampler's support, rebuilt per token
             chunk from the chunk's logits, as in :func:`rlops.logprobs.logprobs_and_entropy`
             (under a group: one more all-gather of ``[N, top_k + 2]`` candidates for an int
@@ -183,6 +194,8 @@ def linear_logprobs_and_entropy(
             ``top_k``, the radix select's fixed number of all-reduces, each round one more
             pass over the chunks that recomputes each chunk's matmul ``hidden @ weightᵀ``).
         with_entropy: if False, skip the entropy and return ``None`` for it.
+        entropy_grad: if False, the entropy is returned detached and nothing is saved for its
+            backward (use it when the entropy is only logged).
         group: the tensor-parallel process group, or None (one process, no collective).
         chunk_size: tokens per chunk (``>= 1``); None picks a bound of 32 MiB per
             ``[chunk, V_local]`` float32 buffer on CPU and 128 MiB on accelerators.
@@ -204,10 +217,12 @@ def linear_logprobs_and_entropy(
     rank, world = group_rank_size(group)
     checked = world > 1 and _tp.check_enabled()
     try:
-        hidden, weight, target, temperature = _checked(
-            hidden, weight, target, temperature, with_entropy, chunk_size
+        hidden, weight, target, keep_mask, temperature = _checked(
+            hidden, weight, target, keep_mask, temperature, with_entropy, entropy_grad, chunk_size
         )
-        sampler = checked_sampler("hidden", hidden, top_k, top_p, min_p, None, entropy_over_support)
+        sampler = checked_sampler(
+            "hidden", hidden, top_k, top_p, min_p, keep_mask, entropy_over_support
+        )
     except (TypeError, ValueError) as exc:
         if checked:  # the other ranks are about to exchange headers: join them, then raise
             _tp.fail_together(group, world, exc, getattr(hidden, "device", None))
@@ -221,8 +236,8 @@ def linear_logprobs_and_entropy(
             hidden=weight.shape[1],
             dtype=hidden.dtype,
             with_entropy=with_entropy,
-            entropy_grad=True,
-            masked=False,
+            entropy_grad=entropy_grad,
+            masked=keep_mask is not None,
             temperature=temperature,
             sampler=_tp.sampler_fields(top_k, top_p, min_p, entropy_over_support),
         )
@@ -233,8 +248,10 @@ def linear_logprobs_and_entropy(
         hidden,
         weight,
         target,
+        keep_mask,
         temperature,
         with_entropy,
+        entropy_grad,
         group,
         chunk_size,
         start,
@@ -244,8 +261,11 @@ def linear_logprobs_and_entropy(
     return logp, (ent if with_entropy else None)
 
 
-def _checked(hidden, weight, target, temperature, with_entropy, chunk_size):
-    """This rank's own argument checks: ``(hidden, weight, target as int64, temperature)``."""
+def _checked(
+    hidden, weight, target, keep_mask, temperature, with_entropy, entropy_grad, chunk_size
+):
+    """This rank's own argument checks: ``(hidden, weight, target as int64, keep_mask,
+    temperature)``."""
     hidden = check_logits("hidden", hidden)
     weight = check_logits("weight", weight)
     if weight.dtype != hidden.dtype:
@@ -255,13 +275,16 @@ def _checked(hidden, weight, target, temperature, with_entropy, chunk_size):
             "weight", f"[V_local, H] with V_local >= 1 and H = {hidden.shape[-1]}", weight.shape
         )
     temperature = check_temperature(temperature)
-    check_flags(with_entropy=with_entropy)
+    check_flags(with_entropy=with_entropy, entropy_grad=entropy_grad)
     check_chunk_size(chunk_size)
     target = check_target(
         target, hidden.shape[:-1], "[...] like hidden[..., 0] " + str(list(hidden.shape[:-1]))
     )
-    check_same_device("hidden", hidden, weight=weight, target=target)
-    return hidden, weight, target, temperature
+    keep_mask = check_keep_mask(
+        keep_mask, (*hidden.shape[:-1], weight.shape[0]), "hidden @ weight.T"
+    )
+    check_same_device("hidden", hidden, weight=weight, target=target, keep_mask=keep_mask)
+    return hidden, weight, target, keep_mask, temperature
 
 
 class _CopyToTensorParallelRegion(torch.autograd.Function):

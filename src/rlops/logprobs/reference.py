@@ -53,6 +53,7 @@ def linear_logprobs_and_entropy_reference(
     target: torch.Tensor,
     *,
     temperature: float = 1.0,
+    keep_mask: torch.Tensor | None = None,
     with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The reference on materialised logits: ``hidden [N, H] @ weight [V, H]ᵀ`` in their dtype.
@@ -65,5 +66,9 @@ def linear_logprobs_and_entropy_reference(
         tensor([-1.0986])
     """
     return logprobs_and_entropy_reference(
-        hidden @ weight.T, target, temperature=temperature, with_entropy=with_entropy
+        hidden @ weight.T,
+        target,
+        temperature=temperature,
+        keep_mask=keep_mask,
+        with_entropy=with_entropy,
     )
