@@ -151,7 +151,8 @@ class PeakMemory:
 
 METHOD = (
     "memory: peak RSS high-water (VmHWM) in a fresh spawned process per variant, "
-    "minus the high-water once its inputs exist; time: median wall time after warm-up"
+    "minus the high-water once its inputs exist; time: median wall time after warm-up, "
+    "malloc keeping freed memory"
 )
 
 
@@ -171,11 +172,19 @@ def peak_rss_bytes() -> int:
 
 def measure(step: Callable[[], Any], *, repeats: int = 3, warmup: int = 1) -> dict[str, float]:
     """``{"peak_extra_bytes", "time_s", "times_s"}`` of ``step()``; call it in a fresh process
-    right after building the inputs, so that the first call's peak is the step's own."""
+    right after building the inputs, so that the first call's peak is the step's own.
+
+    The first call measures the memory, with the allocator as the process found it. Then
+    glibc's malloc is set to keep freed memory (:func:`keep_freed_memory`, as ``rlops bench``
+    does) and ``warmup`` more calls run before the timed ones: the times then count the work,
+    not the page faults of blocks ``mmap``-ed afresh on every call (which glibc does for any
+    block over 32 MiB whatever it allocated before, e.g. one ``[chunk, V]`` buffer).
+    """
     base = peak_rss_bytes()
     step()
     extra = peak_rss_bytes() - base
-    for _ in range(max(warmup - 1, 0)):  # the first call above was a warm-up already
+    keep_freed_memory()
+    for _ in range(max(warmup, 1)):
         step()
     times = []
     for _ in range(repeats):
