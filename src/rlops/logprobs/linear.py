@@ -30,6 +30,7 @@ from rlops.logprobs._inputs import (
 )
 from rlops.logprobs.fused import (
     checked_sampler,
+    chunk_grad,
     chunk_grads,
     chunk_stats,
     gather_stats,
@@ -46,6 +47,81 @@ def _logits_chunk(h: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, tem
     """``(h @ weightᵀ)`` in the inputs' dtype (as a materialised output layer), then ``/ τ``."""
     z = (h @ weight.T).to(dtype)
     return z.div_(temperature) if temperature != 1.0 else z
+
+
+def _grads_by_rows(
+    h2, weight, dtype, grad_h, grad_w, over_support, tgt, start, v_local, chunk, keep_rows, thr,
+    saved, gl, ge, temperature,
+):
+    """The backward over token chunks of the whole vocabulary row, in the forward's chunks:
+    each chunk's logits have the forward's bits, so that the saved threshold of the sampler's
+    support selects the same tokens."""
+    for i, j, g in chunk_grads(
+        lambda i, j: (_logits_chunk(h2[i:j], weight, dtype, temperature), True),
+        tgt, start, v_local, chunk, keep_rows, thr, over_support, saved, gl, ge, temperature,
+    ):  # fmt: skip
+        g = g.to(h2.dtype)
+        hc = h2[i:j]
+        if grad_h is not None:
+            torch.mm(g, weight, out=grad_h[i:j])
+        if grad_w is not None:
+            if grad_w.dtype == g.dtype:
+                grad_w.addmm_(g.T, hc)
+            else:
+                grad_w += g.T @ hc
+
+
+_MIN_TILE_VOCAB = 256
+
+
+def _grads_by_tiles(
+    h2, weight, dtype, grad_h, grad_w, tgt, start, v_local, chunk, keep_rows, thr, saved, gl, ge,
+    temperature,
+):
+    """The backward over ``[tokens, vocabulary]`` tiles of the forward chunk's size (no sampler
+    threshold: every tile's gradient is local, given the saved per-token statistics).
+
+    A tile spans as many tokens as fit (all of them when they do) and a slice of the
+    vocabulary, so the weight and its gradient are read and written once per token block
+    rather than once per chunk: with a 152K vocabulary a chunk holds ~55 tokens, and streaming
+    the weight (311 MiB at H = 512) and its gradient per chunk made the backward memory-bound.
+    """
+    n = h2.shape[0]
+    budget = chunk * v_local  # elements of one forward chunk
+    vb = min(v_local, max(_MIN_TILE_VOCAB, budget // max(n, 1)))
+    ct = max(1, min(n, budget // vb))
+    inv_tau = 1.0 / temperature
+    for i in range(0, n, ct):
+        j = min(i + ct, n)
+        hc = h2[i:j]
+        dst = None if grad_h is None else grad_h[i:j]
+        # half inputs: the hidden gradient's rows summed over the tiles in float32
+        acc = None if dst is None or dst.dtype == dtype else torch.zeros_like(dst, dtype=dtype)
+        for v0 in range(0, v_local, vb):
+            v1 = min(v0 + vb, v_local)
+            wb = weight[v0:v1]
+            tile_keep = None
+            if keep_rows is not None:
+                tile_keep = lambda a, b, v0=v0, v1=v1: keep_rows(a, b)[:, v0:v1]  # noqa: E731
+            g = chunk_grad(
+                i, j,
+                lambda a, b, wb=wb: (_logits_chunk(h2[a:b], wb, dtype, temperature), True),
+                tgt, start + v0, v1 - v0, tile_keep, None, False, saved, gl, ge, inv_tau,
+            ).to(h2.dtype)  # fmt: skip
+            if acc is not None:
+                acc += g @ wb
+            elif dst is not None:
+                if v0 == 0:
+                    torch.mm(g, wb, out=dst)
+                else:
+                    dst.addmm_(g, wb)
+            if grad_w is not None:
+                if grad_w.dtype == g.dtype:
+                    grad_w[v0:v1].addmm_(g.T, hc)
+                else:
+                    grad_w[v0:v1] += g.T @ hc
+        if acc is not None:
+            dst.copy_(acc)
 
 
 class _FusedLinearLogprobsEntropy(torch.autograd.Function):
@@ -119,20 +195,12 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h2, memory_format=torch.contiguous_format) if need_h else None
         # The weight gradient sums over all chunks: accumulate in float32 for half inputs.
         grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
-        for i, j, g in chunk_grads(
-            lambda i, j: (_logits_chunk(h2[i:j], weight, dtype, temperature), True),
-            tgt, start, v_local, chunk, None if keep2 is None else (lambda i, j: keep2[i:j]),
-            thr, over_support, saved, gl, ge, temperature,
-        ):  # fmt: skip
-            g = g.to(hidden.dtype)
-            hc = h2[i:j]
-            if need_h:
-                torch.mm(g, weight, out=grad_h[i:j])
-            if need_w:
-                if grad_w.dtype == g.dtype:
-                    grad_w.addmm_(g.T, hc)
-                else:
-                    grad_w += g.T @ hc
+        keep_rows = None if keep2 is None else (lambda i, j: keep2[i:j])
+        args = (tgt, start, v_local, chunk, keep_rows, thr, saved, gl, ge, temperature)
+        if thr is None:
+            _grads_by_tiles(h2, weight, dtype, grad_h, grad_w, *args)
+        else:
+            _grads_by_rows(h2, weight, dtype, grad_h, grad_w, over_support, *args)
         if need_h:
             grad_h = grad_h.view(hidden.shape)
         if need_w:
