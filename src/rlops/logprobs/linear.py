@@ -1,9 +1,11 @@
 """Fused output layer + log-probs + entropy: ``hidden @ weightᵀ`` chunk by chunk, never ``[N, V]``.
 
 Each token chunk's logits ``[chunk, V_local]`` are formed, reduced to per-token statistics and
-dropped; the backward recomputes them per chunk and accumulates the gradients of ``hidden`` and
-``weight``. Vocabulary-parallel as :func:`rlops.logprobs.logprobs_and_entropy`: one collective in
-the forward (after the same consistency check), none in the backward.
+dropped; the backward recomputes them and accumulates the gradients of ``hidden`` and
+``weight``, per ``[tokens, vocabulary]`` tile of the chunk's size (so the weight and its
+gradient move once per token block), or in the forward's chunks under a sampler threshold.
+Vocabulary-parallel as :func:`rlops.logprobs.logprobs_and_entropy`: one collective in the
+forward (after the same consistency check), none in the backward.
 
 The gradient of ``hidden`` sums over the whole vocabulary, so with a sharded vocabulary each
 rank can only compute its shard's part. As in Megatron's column-parallel output layer, the sum
