@@ -36,7 +36,8 @@ def step(t, r, v, m, d, e, o, g, gl, nxt, acc, has_values, has_mask, has_dones):
         nxt = zero if cut else nxt
         acc = 0.0 if cut else acc
     vt = v[t] if has_values else zero
-    a = fma(gl, acc, np.float64(r[t] + g * nxt - vt))
+    # without values the residual is the reward itself (``r + g * 0 - 0`` up to the sign of 0)
+    a = fma(gl, acc, np.float64((r[t] + g * nxt - vt) if has_values else r[t]))
     out = o.dtype.type(a)
     if has_mask:
         act = m[t]
@@ -120,3 +121,34 @@ GAE = {
     (True, True, False): gae_110,
     (True, True, True): gae_111,
 }
+
+
+@numba.njit(inline="always")
+def kl_step(t, kl, m, o, ck, gl, pend, acc):
+    # One token of REINFORCE++ returns: the reward is ``ck * kl[t]`` (``ck = -kl_coef`` in the
+    # input dtype), plus the outcome ``pend`` on the row's last action token, the first one met
+    # walking back (``pend`` is 0 after it); mask-0 tokens pass the carry through.
+    act = m[t]
+    zero = o.dtype.type(0)
+    a = fma(gl, acc, np.float64(ck * kl[t] + pend))
+    o[t] = o.dtype.type(a) if act else zero
+    return (zero if act else pend), (a if act else acc)
+
+
+@_jit
+def returns_kl(kl, outcome, ck, mask, gl, ret, rows):
+    # ret[n, t] = REINFORCE++ return; ``outcome`` [N] and ``ck`` in the input dtype, ``gl`` [N]
+    # the float64 discount (never 0: such rows go to the chunked method).
+    i0, i1, i2, i3 = rows
+    k0, k1, k2, k3 = kl[i0], kl[i1], kl[i2], kl[i3]
+    m0, m1, m2, m3 = mask[i0], mask[i1], mask[i2], mask[i3]
+    o0, o1, o2, o3 = ret[i0], ret[i1], ret[i2], ret[i3]
+    p0, p1, p2, p3 = outcome[i0], outcome[i1], outcome[i2], outcome[i3]
+    l0, l1, l2, l3 = gl[i0], gl[i1], gl[i2], gl[i3]
+    c = ck[0]
+    a0 = a1 = a2 = a3 = np.float64(0)
+    for t in range(kl.shape[1] - 1, -1, -1):
+        p0, a0 = kl_step(t, k0, m0, o0, c, l0, p0, a0)
+        p1, a1 = kl_step(t, k1, m1, o1, c, l1, p1, a1)
+        p2, a2 = kl_step(t, k2, m2, o2, c, l2, p2, a2)
+        p3, a3 = kl_step(t, k3, m3, o3, c, l3, p3, a3)

@@ -12,7 +12,7 @@ import torch
 
 from rlops.scan.compiled import as_array, run_rows
 
-__all__ = ["gae_compiled", "has_zero"]
+__all__ = ["gae_compiled", "has_zero", "reinforce_returns_compiled"]
 
 
 def has_zero(*discounts: float | torch.Tensor) -> bool:
@@ -59,3 +59,39 @@ def gae_compiled(
         ret.numpy(),
     )
     return adv, ret
+
+
+def reinforce_returns_compiled(
+    kl: torch.Tensor,
+    outcome: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    gamma: torch.Tensor,
+) -> torch.Tensor:
+    """REINFORCE++ returns in one pass from the KL, the outcome and the mask.
+
+    ``kl`` ``[N, T]`` float32/64 (CPU), ``outcome`` ``[N]`` in ``kl``'s dtype, ``mask``
+    ``[N, T]`` bool, ``gamma`` ``[N]`` float64 with no zero. The token reward
+    ``-kl_coef * kl[t]`` is rounded in ``kl``'s dtype and the outcome added to it on the last
+    action token, as :func:`rlops.reinforce_plus_plus_returns` builds it for the other methods,
+    so nothing but the returns is written.
+    """
+    from rlops.advantages._numba_kernels import returns_kl
+
+    kl = kl.contiguous()
+    n, t_len = kl.shape
+    ret = torch.empty_like(kl)
+    if n == 0 or t_len == 0:
+        return ret
+    run_rows(
+        returns_kl,
+        n,
+        kl.numel(),
+        kl.numpy(),
+        outcome.to(kl.dtype).contiguous().numpy(),
+        torch.tensor([-kl_coef], dtype=kl.dtype).numpy(),
+        as_array(mask, n, torch.bool),
+        gamma.expand(n).to(torch.float64).contiguous().numpy(),
+        ret.numpy(),
+    )
+    return ret

@@ -14,6 +14,7 @@ from rlops._checks import (
     per_row_discount,
     shape_error,
 )
+from rlops.advantages.compiled import has_zero, reinforce_returns_compiled
 from rlops.advantages.gae import discounted_returns, indicators
 from rlops.advantages.masking import as_rows
 from rlops.scan import resolve_method
@@ -75,6 +76,12 @@ def reinforce_plus_plus_returns(
     mask, _ = indicators(kl.shape, kl, mask, None)
     kl_coef = check_nonneg("kl_coef", kl_coef)
     dtype = torch.promote_types(rewards.dtype, kl.dtype)
+    if cp_group is None and compute_dtype(dtype) == dtype:
+        gamma_ = per_row_discount("gamma", gamma, b, kl)
+        if resolve_method(method, kl, rewards, gamma_) == "compiled" and not has_zero(gamma_):
+            # one pass from the KL: the token rewards are never written (same values as below)
+            rows = as_rows(gamma_, b, torch.float64, kl.device)
+            return reinforce_returns_compiled(kl.to(dtype), rewards.to(dtype), mask, kl_coef, rows)
     token_rewards = torch.where(mask, -kl_coef * kl.to(dtype), 0.0)
     if cp_group is not None:
         from rlops.advantages.context_parallel import cp_reinforce_returns

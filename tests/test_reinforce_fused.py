@@ -1,0 +1,148 @@
+"""The one-pass REINFORCE++ kernel (CPU, numba): the token rewards are built inside the scan.
+
+Its values must be those of the two-step construction the other methods use (the KL-penalised
+token reward with the outcome added on the last action token, then the discounted returns over
+action tokens), bit for bit, and it must be taken exactly where ``auto`` picks the compiled
+method (no grad, float32/float64, no zero discount, no context parallelism).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.oracles import discounted_returns_oracle
+from tests.tolerances import assert_within_reference, needs_numba
+
+import rlops
+from rlops.advantages import compiled
+
+pytestmark = needs_numba
+
+
+def _two_step(outcome, kl, mask, kl_coef, gamma, method):
+    """The construction of the docstring, with the compiled per-token-reward scan."""
+    dtype = torch.promote_types(outcome.dtype, kl.dtype)
+    token_r = torch.where(mask, -kl_coef * kl.to(dtype), 0.0)
+    t_len = kl.shape[1]
+    last = (t_len - 1) - mask.flip(-1).to(torch.uint8).argmax(-1, keepdim=True)
+    score = torch.where(mask.any(-1), outcome.to(dtype), 0.0).unsqueeze(-1)
+    token_r = token_r.scatter_add(1, last, score)
+    return rlops.discounted_returns(token_r, gamma=gamma, mask=mask, method=method)
+
+
+def _inputs(b, t_len, seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    kl = torch.randn(b, t_len, generator=g, dtype=dtype)
+    outcome = torch.randn(b, generator=g, dtype=dtype)
+    mask = torch.rand(b, t_len, generator=g) < 0.7
+    mask[0] = False  # no action token
+    if b > 1:
+        mask[1] = False
+        mask[1, t_len // 2] = True  # a single action token
+    return outcome, kl, mask
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    calls = []
+    real = compiled.reinforce_returns_compiled
+
+    def wrapped(*args):
+        calls.append(args[0].dtype)
+        return real(*args)
+
+    monkeypatch.setattr("rlops.advantages.reinforce.reinforce_returns_compiled", wrapped)
+    return calls
+
+
+@pytest.mark.parametrize("t_len", [1, 2, 127, 128, 129, 1000])
+@pytest.mark.parametrize("b", [1, 3, 4, 9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("gamma", [1.0, 0.99, 0.3, "per-row"])
+def test_bitwise_the_two_step_construction(t_len, b, dtype, gamma, spy):
+    outcome, kl, mask = _inputs(b, t_len, seed=t_len * 31 + b, dtype=dtype)
+    if gamma == "per-row":
+        gamma = torch.linspace(0.2, 1.0, b, dtype=torch.float64)
+    for kl_coef in (0.0, 0.05, 1.7):
+        got = rlops.reinforce_plus_plus_returns(outcome, kl, mask, kl_coef=kl_coef, gamma=gamma)
+        want = _two_step(outcome, kl, mask, kl_coef, gamma, "compiled")
+        assert got.dtype == dtype
+        assert torch.equal(got, want)
+    assert spy == [dtype] * 3
+
+
+def test_mixed_dtypes_promote_before_the_kernel(spy):
+    outcome, kl, mask = _inputs(3, 50, seed=0, dtype=torch.float32)
+    got = rlops.reinforce_plus_plus_returns(outcome.double(), kl, mask, kl_coef=0.1, gamma=0.9)
+    want = _two_step(outcome.double(), kl, mask, 0.1, 0.9, "compiled")
+    assert got.dtype == torch.float64 and torch.equal(got, want)
+    assert spy == [torch.float64]
+
+
+@pytest.mark.parametrize(
+    "case", ["reference", "chunked", "grad", "bfloat16", "zero gamma", "zero row gamma"]
+)
+def test_other_routes_keep_the_two_step_construction(case, spy):
+    outcome, kl, mask = _inputs(3, 40, seed=1, dtype=torch.float32)
+    method, gamma = "auto", 0.9
+    if case in ("reference", "chunked"):
+        method = case
+    elif case == "grad":
+        kl.requires_grad_(True)
+    elif case == "bfloat16":  # the token rewards are rounded to bfloat16 first
+        kl, outcome = kl.bfloat16(), outcome.bfloat16()
+    elif case == "zero gamma":
+        gamma = 0.0
+    else:
+        gamma = torch.tensor([0.5, 0.0, 1.0], dtype=torch.float64)
+    got = rlops.reinforce_plus_plus_returns(outcome, kl, mask, kl_coef=0.1, gamma=gamma,
+                                            method=method)
+    assert spy == []
+    if case == "grad":
+        got.sum().backward()
+        assert kl.grad is not None
+    if case == "bfloat16":  # the same route as before the kernel: bit for bit
+        assert torch.equal(got, _two_step(outcome, kl, mask, 0.1, gamma, "compiled"))
+        return
+    want = _two_step(outcome, kl.detach(), mask, 0.1, gamma, "reference")
+    torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_nan_kl_on_mask0_tokens_and_nan_outcome_on_empty_rows_stay_out(spy):
+    # mask-0 tokens carry no reward and a row without action tokens has no outcome: what they
+    # hold is selected away, never multiplied by 0
+    outcome, kl, mask = _inputs(4, 64, seed=2, dtype=torch.float32)
+    clean = kl.clone()
+    kl[~mask] = float("nan")
+    outcome[0] = float("inf")  # row 0 has no action token
+    got = rlops.reinforce_plus_plus_returns(outcome, kl, mask, kl_coef=0.1, gamma=0.95)
+    outcome[0] = 0.0
+    want = _two_step(outcome, clean, mask, 0.1, 0.95, "reference")
+    assert spy == [torch.float32]
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_hand_computed_row():
+    # actions at 0, 2, 3; token rewards -0.5 * kl = [-0.5, ., -1.0, -1.5], outcome 2.0 on t = 3
+    kl = torch.tensor([[1.0, 9.0, 2.0, 3.0, 9.0]])
+    mask = torch.tensor([[True, False, True, True, False]])
+    got = rlops.reinforce_plus_plus_returns(torch.tensor([2.0]), kl, mask, kl_coef=0.5,
+                                            gamma=0.5, method="compiled")
+    # G3 = -1.5 + 2 = 0.5; G2 = -1 + 0.5 * 0.5 = -0.75; G0 = -0.5 + 0.5 * -0.75 = -0.875
+    assert got.tolist() == [[-0.875, 0.0, -0.75, 0.5, 0.0]]
+
+
+def test_long_float32_rows_as_accurate_as_the_chunked_form():
+    outcome, kl, mask = _inputs(4, 32768, seed=3, dtype=torch.float32)
+    kl = kl.abs() * 0.01
+    kwargs = dict(kl_coef=0.1, gamma=0.999)
+    token_r = torch.where(mask, -0.1 * kl.double(), 0.0)
+    last = (mask.shape[1] - 1) - mask.flip(-1).to(torch.uint8).argmax(-1)
+    rows = mask.any(-1)
+    token_r[rows] = token_r[rows].scatter_add(1, last[rows, None], outcome[rows, None].double())
+    oracle = discounted_returns_oracle(token_r, 0.999, mask=mask)
+    got = rlops.reinforce_plus_plus_returns(outcome, kl, mask, **kwargs)
+    ref = rlops.reinforce_plus_plus_returns(outcome, kl, mask, method="reference", **kwargs)
+    chunked = rlops.reinforce_plus_plus_returns(outcome, kl, mask, method="chunked", **kwargs)
+    assert_within_reference("auto", got, oracle, ref, chunked_out=chunked)
