@@ -324,3 +324,37 @@ def _long_case():
     oracle = reversed_cumsum_oracle(x, extended=EXTENDED)
     ref = discounted_cumsum(x, 1.0, method="reference")
     return x, oracle, ref
+
+
+@needs_numba
+@pytest.mark.parametrize("t_len", [1, 127, 129, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compiled_per_token_pass_without_the_select(t_len, dtype):
+    """The per-token kernel first scans without selecting the carry away at a zero decay (while
+    every carry is finite, ``fma(0, c, x)`` is ``x``): on finite inputs its outputs are those of
+    the pass with the select, bit for bit, and the sum of its carries it returns is finite; a
+    NaN or inf on the way makes that sum non-finite, which sends the rows to the select pass."""
+    from rlops.scan import _numba_kernels as k
+
+    gen = torch.Generator().manual_seed(t_len)
+    x = torch.randn(5, t_len, generator=gen, dtype=dtype)
+    a = torch.rand(5, t_len, generator=gen, dtype=dtype)
+    a[:, ::3] = 0.0
+    fast, cut = torch.empty_like(x), torch.empty_like(x)
+    for rows in ((0, 1, 2, 3), (4, 4, 4, 4)):
+        total = k._tokens_fast(x.numpy(), a.numpy(), fast.numpy(), rows)
+        k._tokens_cut(x.numpy(), a.numpy(), cut.numpy(), rows)
+        assert torch.isfinite(torch.tensor(total))
+    assert torch.equal(fast, cut)
+    for poison in (float("nan"), float("inf")):
+        bad = x.clone()
+        bad[2, -1] = poison
+        total = k._tokens_fast(bad.numpy(), a.numpy(), fast.numpy(), (0, 1, 2, 3))
+        assert not torch.isfinite(torch.tensor(total))
+        got = discounted_cumsum(bad, a, method="compiled")
+        k._tokens_cut(bad.numpy(), a.numpy(), cut.numpy(), (0, 1, 2, 3))
+        k._tokens_cut(bad.numpy(), a.numpy(), cut.numpy(), (4, 4, 4, 4))
+        assert bool(((got == cut) | (got.isnan() & cut.isnan())).all())
+        if t_len > 1:  # the last zero decay before the poison: nothing crosses it
+            cut_at = (t_len - 2) // 3 * 3
+            assert torch.isfinite(got[:, : cut_at + 1]).all()

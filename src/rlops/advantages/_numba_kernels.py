@@ -2,15 +2,17 @@
 
 GAE and discounted returns fused with mask skipping, dones and the next-action value, in one
 backward pass over time, four rows at a time with the carries in registers. The rules are
-those of :mod:`rlops.advantages.masking`, applied token by token with selects: at a done the
-carries are *replaced* by 0 (never multiplied), so nothing crosses it, not even NaN.
+those of :mod:`rlops.advantages.masking`, applied token by token: at a done the carries are
+*replaced* by 0 (never multiplied), so nothing crosses it, not even NaN. The mask and the dones
+are branches, which the spans of real masks (prompt, tool output, padding) predict well.
 
 The advantage carry is float64 whatever the input dtype: its chain is one fused multiply-add
 (``a = δ + γλ·a``, :func:`rlops.scan.exact_arith.fma`), no longer than a float32 one, so a
 float32 input over 128K tokens keeps the accuracy of a float64 loop (its only errors are the
 rounding of each ``δ``, which does not accumulate along the chain, and of each output). The TD
-residual ``δ``, the next-action value and the selects stay in the input dtype (float64 selects
-are slower), so the kernel costs about what a float32 carry does.
+residual ``δ`` and the next-action value stay in the input dtype, and inputs are converted as
+they are read (:func:`rlops.scan.exact_arith.read_operands`), so the kernel costs about what a
+float32 carry does.
 
 One top-level kernel per combination of inputs (values, mask, dones), so numba's on-disk cache
 keeps them apart and later processes load them instead of compiling.
@@ -19,36 +21,39 @@ keeps them apart and later processes load them instead of compiling.
 import numba
 import numpy as np
 
-from rlops.scan.exact_arith import fma
+from rlops.scan.exact_arith import fma, read_operands
 
 _jit = numba.njit(cache=True, nogil=True)
 
 
 @numba.njit(inline="always")
 def step(t, r, v, m, d, e, o, g, gl, nxt, acc, has_values, has_mask, has_dones):
-    # One token of one row, written with selects (no data-dependent branch); ``acc`` is the
-    # float64 advantage (or return) carry, ``nxt`` the value of the next action token and
-    # ``g`` gamma (both in the input dtype, as the TD residual of every other method), ``gl``
-    # gamma * lam in float64 (0.999 is not a float32: the carry decays by the exact value).
+    # One token of one row; ``acc`` is the float64 advantage (or return) carry, ``nxt`` the
+    # value of the next action token and ``g`` gamma (both in the input dtype, as the TD
+    # residual of every other method), ``gl`` gamma * lam in float64 (0.999 is not a float32:
+    # the carry decays by the exact value). Without values the residual is the reward itself
+    # (``r + g * 0 - 0`` up to the sign of 0) and the return is the carry.
     zero = o.dtype.type(0)
     if has_dones:
-        cut = d[t]
-        nxt = zero if cut else nxt
-        acc = 0.0 if cut else acc
-    vt = v[t] if has_values else zero
-    # without values the residual is the reward itself (``r + g * 0 - 0`` up to the sign of 0)
-    a = fma(gl, acc, np.float64((r[t] + g * nxt - vt) if has_values else r[t]))
-    out = o.dtype.type(a)
-    if has_mask:
-        act = m[t]
-        o[t] = (out + vt) if act else zero
+        if d[t]:  # replaced, never multiplied by 0
+            nxt = zero
+            acc = 0.0
+    if (not has_mask) or m[t]:
         if has_values:
-            e[t] = out if act else zero
-        return (vt if act else nxt), (a if act else acc)
-    o[t] = out + vt
-    if has_values:
-        e[t] = out
-    return vt, a
+            vt = v[t]
+            acc = fma(gl, acc, np.float64(r[t] + g * nxt - vt))
+            out = o.dtype.type(acc)
+            o[t] = out + vt
+            e[t] = out
+            nxt = vt
+        else:
+            acc = fma(gl, acc, np.float64(r[t]))
+            o[t] = o.dtype.type(acc)
+    else:  # a mask-0 token: 0 out, the carries pass through
+        o[t] = zero
+        if has_values:
+            e[t] = zero
+    return nxt, acc
 
 
 @numba.njit(inline="always")
@@ -73,41 +78,49 @@ def body(r, v, mask, dones, g, gl, adv, ret, rows, hv, hm, hd):
 
 @_jit
 def gae_000(r, v, mask, dones, g, gl, adv, ret, rows):
+    read_operands()
     body(r, v, mask, dones, g, gl, adv, ret, rows, False, False, False)
 
 
 @_jit
 def gae_001(r, v, mask, dones, g, gl, adv, ret, rows):
+    read_operands()
     body(r, v, mask, dones, g, gl, adv, ret, rows, False, False, True)
 
 
 @_jit
 def gae_010(r, v, mask, dones, g, gl, adv, ret, rows):
+    read_operands()
     body(r, v, mask, dones, g, gl, adv, ret, rows, False, True, False)
 
 
 @_jit
 def gae_011(r, v, mask, dones, g, gl, adv, ret, rows):
+    read_operands()
     body(r, v, mask, dones, g, gl, adv, ret, rows, False, True, True)
 
 
 @_jit
 def gae_100(r, v, mask, dones, g, gl, adv, ret, rows):
+    read_operands()
     body(r, v, mask, dones, g, gl, adv, ret, rows, True, False, False)
 
 
 @_jit
 def gae_101(r, v, mask, dones, g, gl, adv, ret, rows):
+    read_operands()
     body(r, v, mask, dones, g, gl, adv, ret, rows, True, False, True)
 
 
 @_jit
 def gae_110(r, v, mask, dones, g, gl, adv, ret, rows):
+    read_operands()
     body(r, v, mask, dones, g, gl, adv, ret, rows, True, True, False)
 
 
 @_jit
 def gae_111(r, v, mask, dones, g, gl, adv, ret, rows):
+    read_operands()
     body(r, v, mask, dones, g, gl, adv, ret, rows, True, True, True)
 
 
@@ -128,17 +141,21 @@ def kl_step(t, kl, m, o, ck, gl, pend, acc):
     # One token of REINFORCE++ returns: the reward is ``ck * kl[t]`` (``ck = -kl_coef`` in the
     # input dtype), plus the outcome ``pend`` on the row's last action token, the first one met
     # walking back (``pend`` is 0 after it); mask-0 tokens pass the carry through.
-    act = m[t]
     zero = o.dtype.type(0)
-    a = fma(gl, acc, np.float64(ck * kl[t] + pend))
-    o[t] = o.dtype.type(a) if act else zero
-    return (zero if act else pend), (a if act else acc)
+    if m[t]:
+        acc = fma(gl, acc, np.float64(ck * kl[t] + pend))
+        o[t] = o.dtype.type(acc)
+        pend = zero
+    else:
+        o[t] = zero
+    return pend, acc
 
 
 @_jit
 def returns_kl(kl, outcome, ck, mask, gl, ret, rows):
     # ret[n, t] = REINFORCE++ return; ``outcome`` [N] and ``ck`` in the input dtype, ``gl`` [N]
     # the float64 discount (never 0: such rows go to the chunked method).
+    read_operands()
     i0, i1, i2, i3 = rows
     k0, k1, k2, k3 = kl[i0], kl[i1], kl[i2], kl[i3]
     m0, m1, m2, m3 = mask[i0], mask[i1], mask[i2], mask[i3]

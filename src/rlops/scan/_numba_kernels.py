@@ -7,15 +7,20 @@ Four rows at a time ("lanes"), the carries in registers: four independent chains
 multiply-add pipeline busy. ``rows`` holds the four row indices. Each carry is float64 whatever
 the input dtype, advanced by one fused multiply-add (:func:`rlops.scan.exact_arith.fma`): the
 chain is no longer than a float32 one, and a float32 scan over 128K steps has the accuracy of
-a float64 loop rounded once per output. A per-token decay of exactly 0 selects the carry away
-(``0 * NaN`` would be NaN), so it is an exact cut; rows whose constant decay is 0 are copied by
-the caller.
+a float64 loop rounded once per output. The inputs are converted as they are read
+(:func:`rlops.scan.exact_arith.read_operands`).
+
+Exact cuts: rows whose constant decay is 0 are copied by the caller. A per-token decay of
+exactly 0 must select the carry away (``0 * NaN`` would be NaN); while every carry is finite,
+``fma(0, c, x)`` is ``x`` already, so :func:`scan_tokens` runs without the select and adds up
+its carries, and only a row group whose sum is not finite (a NaN or inf met on the way) is
+scanned again with it.
 """
 
 import numba
 import numpy as np
 
-from rlops.scan.exact_arith import fma
+from rlops.scan.exact_arith import fma, read_operands
 
 _jit = numba.njit(cache=True, nogil=True)
 
@@ -23,6 +28,7 @@ _jit = numba.njit(cache=True, nogil=True)
 @_jit
 def scan_rows(x, w, y, rows):
     # y[n, t] = x[n, t] + w[n] * y[n, t+1]; the decay constant along time, float64, never 0.
+    read_operands()
     i0, i1, i2, i3 = rows
     x0, x1, x2, x3 = x[i0], x[i1], x[i2], x[i3]
     y0, y1, y2, y3 = y[i0], y[i1], y[i2], y[i3]
@@ -41,26 +47,52 @@ def scan_rows(x, w, y, rows):
 
 
 @numba.njit(inline="always")
-def _token(xt, at, c):
-    # one step of a per-token scan: the carry is selected away where the decay is 0
-    return fma(np.float64(at), c if at != 0 else 0.0, np.float64(xt))
+def _token(xt, at, c, cut):
+    # one step of a per-token scan; with ``cut`` the carry is selected away where the decay is 0
+    a = np.float64(at)
+    return fma(a, (c if a != 0 else 0.0) if cut else c, np.float64(xt))
 
 
-@_jit
-def scan_tokens(x, a, y, rows):
-    # y[n, t] = x[n, t] + a[n, t] * y[n, t+1]
+@numba.njit(inline="always")
+def _tokens(x, a, y, rows, cut):
+    # y[n, t] = x[n, t] + a[n, t] * y[n, t+1]; returns the sum of the carries
     i0, i1, i2, i3 = rows
     x0, x1, x2, x3 = x[i0], x[i1], x[i2], x[i3]
     a0, a1, a2, a3 = a[i0], a[i1], a[i2], a[i3]
     y0, y1, y2, y3 = y[i0], y[i1], y[i2], y[i3]
     c0 = c1 = c2 = c3 = np.float64(0)
+    s0 = s1 = s2 = s3 = np.float64(0)
     out = y.dtype.type
     for t in range(x.shape[1] - 1, -1, -1):
-        c0 = _token(x0[t], a0[t], c0)
-        c1 = _token(x1[t], a1[t], c1)
-        c2 = _token(x2[t], a2[t], c2)
-        c3 = _token(x3[t], a3[t], c3)
+        c0 = _token(x0[t], a0[t], c0, cut)
+        c1 = _token(x1[t], a1[t], c1, cut)
+        c2 = _token(x2[t], a2[t], c2, cut)
+        c3 = _token(x3[t], a3[t], c3, cut)
+        s0 += c0
+        s1 += c1
+        s2 += c2
+        s3 += c3
         y0[t] = out(c0)
         y1[t] = out(c1)
         y2[t] = out(c2)
         y3[t] = out(c3)
+    return (s0 + s1) + (s2 + s3)
+
+
+@_jit
+def _tokens_fast(x, a, y, rows):
+    read_operands()
+    return _tokens(x, a, y, rows, False)
+
+
+@_jit
+def _tokens_cut(x, a, y, rows):
+    read_operands()
+    return _tokens(x, a, y, rows, True)
+
+
+@_jit
+def scan_tokens(x, a, y, rows):
+    # y[n, t] = x[n, t] + a[n, t] * y[n, t+1], a decay of 0 an exact cut
+    if not np.isfinite(_tokens_fast(x, a, y, rows)):
+        _tokens_cut(x, a, y, rows)
