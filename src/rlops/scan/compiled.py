@@ -4,8 +4,8 @@ One pass over the data: the time loop runs backwards over four rows at once, so 
 independent multiply-add chains are in flight instead of one latency-bound chain. The carries
 are float64 (one fused multiply-add per step, as long a chain as a float32 one, the float32
 inputs converted as they are read): a float32 scan over 128K tokens is more accurate than
-blocked summation, at the speed of the plain float32 loop (a constant discount) or 1.2x it (a
-per-token one; ``docs/architecture.md`` has the measurements).
+blocked summation, at 0.86-1.2x the time of the plain float32 loop for a constant discount
+and 1.2-1.46x for a per-token one (``docs/architecture.md`` has the measurements).
 The kernels release the GIL and are single-threaded (numba's own thread pool fights torch's
 OpenMP threads for the cores); large inputs are split by rows over a few Python threads
 (:func:`run_rows`, shared with the fused estimator kernels in :mod:`rlops.advantages`; the
