@@ -4,6 +4,7 @@ thread-local modes in every item, errors raised, nested calls serial."""
 from __future__ import annotations
 
 import threading
+from concurrent.futures.thread import BrokenThreadPool
 
 import pytest
 import torch
@@ -107,6 +108,51 @@ def test_starting_the_workers_leaves_the_default_of_new_threads():
         t.start()
         t.join()
         assert new == [3]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_every_worker_is_ready_when_the_first_call_returns(monkeypatch):
+    """The race behind a worker that starts late: items are taken by the workers that are up,
+    the call returns, and a late worker then sets the default of new threads to 1 while the
+    caller goes on. Here one worker is made slow to start; the pool must wait for it."""
+    import rlops._threads as threads
+
+    original, ready = threads._one_thread, []
+
+    def slow_third_worker():
+        if threading.current_thread().name.endswith("_2"):
+            threading.Event().wait(0.2)  # a worker that the OS schedules late
+        original()
+        ready.append(threading.current_thread().name)
+
+    monkeypatch.setattr(threads, "_one_thread", slow_third_worker)
+    before = torch.get_num_threads()
+    torch.set_num_threads(5)  # a pool size no other test uses: its workers start here
+    try:
+        for_each(lambda i: None, range(6), CPU)
+        assert len(ready) == 5  # every worker initialised before the call returned
+        new = []
+        t = threading.Thread(target=lambda: new.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert new == [5]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_worker_that_fails_to_start_raises_instead_of_hanging(monkeypatch):
+    import rlops._threads as threads
+
+    def broken():
+        raise RuntimeError("worker start failed")
+
+    monkeypatch.setattr(threads, "_one_thread", broken)
+    before = torch.get_num_threads()
+    torch.set_num_threads(6)  # a pool size no other test uses
+    try:
+        with pytest.raises(BrokenThreadPool):
+            for_each(lambda i: None, range(6), CPU)
     finally:
         torch.set_num_threads(before)
 

@@ -9,10 +9,15 @@ a worker that is slowed down simply takes fewer items.
 
 torch's thread count is per thread: the workers set theirs to 1 when they start (and put back
 the default that torch gives threads created later, which ``torch.set_num_threads`` also
-sets). A call made from a worker (nested) runs serially instead of waiting on its own pool.
-Each item runs with the caller's grad and inference modes (thread-local too). When the items
-write disjoint outputs the results are bitwise those of the serial loop, whatever thread runs
-which item.
+sets). Between those two steps a thread created elsewhere would start with 1, so a pool starts
+all its workers at once and waits for every one to be ready before its first item: the
+default is back before the call that made the pool returns, and no worker starts later (a
+lazily started one could reset the default in the middle of the caller's next statement).
+
+A call made from a worker (nested) runs serially instead of waiting on its own pool. Each item
+runs with the caller's grad and inference modes (thread-local too). When the items write
+disjoint outputs the results are bitwise those of the serial loop, whatever thread runs which
+item.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import torch
 
@@ -43,8 +48,24 @@ def _one_thread() -> None:
 
 @functools.cache
 def pool(workers: int) -> ThreadPoolExecutor:
-    """A process-wide pool of ``workers`` threads, each running torch single-threaded."""
-    return ThreadPoolExecutor(workers, thread_name_prefix="rlops", initializer=_one_thread)
+    """A process-wide pool of ``workers`` threads, each running torch single-threaded, all
+    started and initialised before it is returned."""
+    executor = ThreadPoolExecutor(workers, thread_name_prefix="rlops", initializer=_one_thread)
+    # One task per worker that waits for all the others: no task ends before every worker has
+    # taken one, so the executor starts all ``workers`` threads (it starts a new one on each
+    # submission while none is idle), and each has run its initializer once they all return.
+    # If a worker fails to start, the barrier is broken so that the others do not wait forever.
+    ready = threading.Barrier(workers)
+    try:
+        futures = [executor.submit(ready.wait) for _ in range(workers)]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in done:
+            f.result()
+    except BaseException:
+        ready.abort()
+        executor.shutdown(wait=False, cancel_futures=True)
+        raise
+    return executor
 
 
 def for_each(body: Callable[[object], None], items: Iterable, device: torch.device) -> None:
