@@ -78,7 +78,8 @@ def _group_moments(
     ``[B]`` numbers only, so they are computed in float64 whatever the scores' dtype: a plain
     two-pass mean and deviation, at least as accurate as a per-group loop in the scores'
     dtype. A group whose scores are all equal gets deviations of exactly 0. The deviations are
-    divided by the group's largest one before squaring, so no finite score overflows.
+    divided by the power of two at or below the group's largest one before squaring, so no
+    finite score overflows, and the scaling rounds nothing (a power of two).
     ``gid`` are the dense group ids of ``_dense_group_ids``.
     """
     x = s.to(_wide_dtype(s.device))
@@ -88,7 +89,7 @@ def _group_moments(
     mean = _group_sum(x, gid) / n
     centred = torch.where(hi == lo, 0.0, x - mean)
     big = _group_max(centred.abs(), gid)
-    big = torch.where(big > 0, big, 1.0)
+    big = torch.ldexp(torch.ones_like(big), torch.frexp(big).exponent - 1)  # 2^k <= big < 2^(k+1)
     m2_unit = _group_sum((centred / big).square(), gid)
     std = big * torch.sqrt(m2_unit / (n - 1).clamp_min(1))
     return n, centred, std
