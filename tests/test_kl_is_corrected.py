@@ -78,14 +78,12 @@ def test_hand_computed_values_and_gradients():
     # r·(e^(−d) − 1 + d): 1·0; 2·(ln2 − 1/2); (1/2)·(1 − ln2); 2·(1 − ln2); (1/2)·(ln2 − 1/2); e^-1
     value = [[0.0, 2 * LN2 - 1, 0.5 * (1 - LN2)], [2 * (1 - LN2), 0.5 * (LN2 - 0.5), 1 / math.e]]
     torch.testing.assert_close(out, torch.tensor(value, dtype=torch.float64), rtol=1e-14, atol=0)
-    g_lp, g_rp, g_op = torch.autograd.grad(out.sum(), (lp, rp, op))
-    # ∂/∂logp = r·d, ∂/∂ref_logp = r·(e^(−d) − 1), ∂/∂old_logp = −r·k3
+    g_lp, g_rp, g_op = torch.autograd.grad(out.sum(), (lp, rp, op), allow_unused=True)
+    # ∂/∂logp = r·d; ref_logp and old_logp are constants: no gradient
     want_lp = [[0.0, 2 * LN2, -0.5 * LN2], [-2 * LN2, 0.5 * LN2, 1.0]]
-    want_rp = [[0.0, -1.0, 0.5], [2.0, -0.25, 1 / math.e - 1]]
     f64 = torch.float64
     torch.testing.assert_close(g_lp, torch.tensor(want_lp, dtype=f64), rtol=1e-14, atol=1e-16)
-    torch.testing.assert_close(g_rp, torch.tensor(want_rp, dtype=f64), rtol=1e-14, atol=1e-16)
-    torch.testing.assert_close(g_op, -torch.tensor(value, dtype=f64), rtol=1e-14, atol=1e-16)
+    assert g_rp is None and g_op is None
 
 
 # --------------------------------------------------------------------------- gradients
@@ -95,10 +93,10 @@ def test_gradcheck_and_gradgradcheck(kind):
     lp = -torch.rand(2, 3, generator=gen, dtype=torch.float64) - 0.5
     rp = lp + 0.8 * torch.randn(2, 3, generator=gen, dtype=torch.float64)
     op = lp + 0.5 * torch.randn(2, 3, generator=gen, dtype=torch.float64)
-    inputs = tuple(x.clone().requires_grad_(True) for x in (lp, rp, op))
+    inputs = (lp.clone().requires_grad_(True),)
 
-    def fn(a, b, c):
-        return kl_penalty(a, b, kind, old_logp=c)
+    def fn(a):  # ref_logp and old_logp are constants: the gradient is logp's only
+        return kl_penalty(a, rp, kind, old_logp=op)
 
     assert torch.autograd.gradcheck(fn, inputs)
     assert torch.autograd.gradgradcheck(fn, inputs)
@@ -111,14 +109,13 @@ def test_k3_gradient_is_the_formulas_even_where_the_value_saturates(dtype):
     lr, d = (x.flatten() for x in torch.meshgrid(vals, vals, indexing="ij"))
     logp = torch.full_like(lr, -2.0)
     ref, old = logp - d, logp - lr
-    lp, rp, op = (x.to(dtype).requires_grad_(True) for x in (logp, ref, old))
-    out = kl_penalty(lp, rp, "k3", old_logp=op)
-    g_lp, g_rp, g_op = torch.autograd.grad(out.sum(), (lp, rp, op))
+    lp = logp.to(dtype).requires_grad_(True)
+    out = kl_penalty(lp, ref.to(dtype), "k3", old_logp=old.to(dtype))
+    (g_lp,) = torch.autograd.grad(out.sum(), lp)
     r = torch.exp(lr.clamp_max(20))
     k3 = torch.expm1(-d.clamp_min(-20)) + d.clamp_min(-20)
     eps = torch.finfo(dtype).eps
-    for got, want in ((out, r * k3), (g_lp, r * d), (g_rp, r * torch.expm1(-d.clamp_min(-20))),
-                      (g_op, -r * k3)):
+    for got, want in ((out, r * k3), (g_lp, r * d)):
         assert torch.isfinite(got).all()
         assert ((got.double() - want).abs() <= 4 * eps * want.abs()).all()
     assert (out >= 0).all()
@@ -199,9 +196,9 @@ def test_log_ratios_of_50_are_finite(kind, dtype):
     lp, rp, op = (x.to(dtype).requires_grad_(True) for x in (logp, logp - d, logp - lr))
     out = kl_penalty(lp, rp, kind, old_logp=op)
     assert torch.isfinite(out).all()
-    grads = torch.autograd.grad(out.float().sum(), (lp, rp, op))
+    (grad,) = torch.autograd.grad(out.float().sum(), lp)
     if dtype != torch.float16:  # float16 cannot hold a gradient of r = e^20 (max 65504)
-        assert all(torch.isfinite(g).all() for g in grads)
+        assert torch.isfinite(grad).all()
     if kind in ("k3", "low_var_kl", "abs", "k2"):
         assert (out >= 0).all()
 

@@ -34,12 +34,13 @@ Numerical rules:
 * Half-precision inputs are computed in float32; weights and metrics are returned in the
   computation dtype (float32 for half inputs). Entries with mask 0 are replaced before any
   arithmetic, so NaN/inf padding reaches nothing.
-* Everything is detached (weights change the measure, not the objective). Metrics are 0-dim
-  tensors; nothing reads a value back to the host. With ``group=`` (the data-parallel ranks
-  that share a batch) every batch-wide quantity of a call — the normaliser and every metric —
-  comes from one ``all_gather`` of a few float64 numbers per rank; every rank must call, ranks
-  with no action token included. A batch (or group) with no action token gives metrics 0
-  (``rollout_is_batch_norm_factor`` 1).
+* Everything is detached (weights change the measure, not the objective): ``old_logp`` and
+  ``rollout_logp`` stand for fixed policies and are detached where they are received. Metrics
+  are 0-dim tensors; nothing reads a value back to the host. With ``group=`` (the
+  data-parallel ranks that share a batch) every batch-wide quantity of a call — the
+  normaliser and every metric — comes from one ``all_gather`` of a few float64 numbers per
+  rank; every rank must call, ranks with no action token included. A batch (or group) with no
+  action token gives metrics 0 (``rollout_is_batch_norm_factor`` 1).
 * Context parallelism: where each row is split over the ranks of ``cp_group`` (any split, e.g.
   Megatron's zigzag), sequence quantities (sequence and geometric weights, ``seq_*``
   rejection, ``chi2_seq``, ``log_ppl_diff``) are over the whole row: each rank sends ``[B, k]``
@@ -317,6 +318,9 @@ def rollout_importance_weights(
         truncate    w = exp(clamp(ℓ, L, min(H, 20)))        TIS: min(ρ, threshold), or clamp
         mask        w = exp(min(ℓ, 20)) if L ≤ ℓ ≤ H else 0  MIS / IcePop: the token (row) dropped
 
+    (``ℓ = NaN``, from a NaN log-prob, is not in ``[L, H]``: ``mask`` mode drops it; in
+    ``truncate`` mode its weight is NaN.)
+
     ``mask`` mode also drops the token (every action token of the row, at sequence and
     geometric level) from the returned ``keep_mask``. Thresholds are compared with ``ℓ`` in log
     space, before any clamp. With ``batch_normalize`` the weights are divided by their mean
@@ -326,8 +330,9 @@ def rollout_importance_weights(
 
     Args:
         old_logp: ``[B, T]`` log-probs of the sampled tokens under the trainer (before the
-            update: verl's ``old_log_prob``).
-        rollout_logp: ``[B, T]`` log-probs of the same tokens from the rollout engine.
+            update: verl's ``old_log_prob``); a constant (detached inside).
+        rollout_logp: ``[B, T]`` log-probs of the same tokens from the rollout engine; a
+            constant (detached inside).
         mask: ``[B, T]`` 0/1 action mask (``response_mask``; may hold multi-turn spans).
         level: ``"token"``, ``"sequence"`` or ``"geometric"``.
         mode: ``"truncate"`` or ``"mask"``.
@@ -388,7 +393,8 @@ def rollout_importance_weights(
         keep = b.keep
         w = torch.exp(lw.clamp(lo, min(hi, MAX_LOG_WEIGHT)))
     else:
-        keep = b.keep & ~above & ~below
+        # inside [L, H]: a NaN log-weight (a NaN log-prob) is outside, so it is dropped too
+        keep = b.keep & (lw >= lo) & (lw <= hi)
         w = torch.exp(lw.clamp_max(MAX_LOG_WEIGHT))
     w = torch.where(keep, w, 0)
 

@@ -16,6 +16,9 @@ Numerical rules:
 * Entries with mask 0 are replaced with ``torch.where`` before any arithmetic, so NaN/inf there
   (padding) reaches neither the loss nor any gradient: their gradient is exactly 0.
 * Nothing reads a value back to the host; metrics are detached 0-dim tensors.
+* Inputs that stand for a fixed policy or a target (``old_logp``, ``ref_logp``, ``old_values``,
+  ``returns``, advantages, ``rollout_is_weights``, the global counts) are constants: detached
+  once where a public function receives them, so the gradient reaches the live input only.
 """
 
 from rlops.losses._common import MAX_EXP_ARG

@@ -1,5 +1,17 @@
-"""Numbers shared by the loss modules (private to the package)."""
+"""Numbers and rules shared by the loss modules (private to the package)."""
 
-__all__ = ["MAX_EXP_ARG"]
+from __future__ import annotations
+
+import torch
+
+__all__ = ["MAX_EXP_ARG", "constant"]
 
 MAX_EXP_ARG = 20.0
+
+
+def constant(x: torch.Tensor | None) -> torch.Tensor | None:
+    """An input that stands for a fixed policy or a target (``old_logp``, ``ref_logp``,
+    ``old_values``, ``returns``, advantages, IS weights): detached, as TRL and verl treat them,
+    so no gradient flows into it even when the caller passes a tensor that requires grad (e.g.
+    ``old_logp=logp`` on the first epoch). Applied once, where a public function receives it."""
+    return None if x is None else x.detach()

@@ -3,6 +3,8 @@ normaliser."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -15,6 +17,7 @@ from rlops._checks import (
     check_positive,
     compute_dtype,
     shape_error,
+    values_checked,
 )
 from rlops.distributed.groups import group_rank_size
 
@@ -30,9 +33,17 @@ AGG_MODES = (
 
 
 # --------------------------------------------------------------------------- normalisers
-def _count(name: str, value: object) -> float | torch.Tensor | None:
-    """A global count: None, a number >= 0, or a 0-dim real tensor (kept on its device, never
-    read on the host)."""
+def _read(value: torch.Tensor) -> float | None:
+    """A 0-dim count's value where checks read values (CPU, or ``RLOPS_CHECK_VALUES=1``);
+    None elsewhere (no host synchronisation) and on the meta device (no value to read)."""
+    if value.device.type == "meta" or not values_checked(value):
+        return None
+    return float(value)
+
+
+def _count(name: str, value: object, ref: torch.Tensor) -> float | torch.Tensor | None:
+    """A global count: None, a finite number >= 0, or a 0-dim real tensor (kept on its device,
+    detached; its value is checked only where ``_read`` reads it). ``ref`` is the loss input."""
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
@@ -40,17 +51,27 @@ def _count(name: str, value: object) -> float | torch.Tensor | None:
             raise shape_error(name, "[] (a count)", value.shape)
         if value.is_complex() or value.dtype == torch.bool:
             raise TypeError(f"{name} must be a real count, got a tensor of {value.dtype}")
+        if value.device.type == "meta" and ref.device.type != "meta":
+            raise ValueError(
+                f"{name} is a tensor on the meta device, which holds no value, but the loss "
+                f"inputs are on {ref.device}: pass the count as a number or a tensor on "
+                f"{ref.device}"
+            )
+        value = value.detach()
+        v = _read(value)
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name} must be a finite count >= 0, got {v}")
         return value
     as_real(name, value)
     return check_nonneg(name, value)
 
 
 def _check_normalisers(
-    num_tokens: object, num_seqs: object, group: object
+    num_tokens: object, num_seqs: object, group: object, ref: torch.Tensor
 ) -> tuple[float | torch.Tensor | None, float | torch.Tensor | None, object]:
     """Check the global-normaliser arguments; ``group`` excludes the two counts."""
-    num_tokens = _count("num_tokens", num_tokens)
-    num_seqs = _count("num_seqs", num_seqs)
+    num_tokens = _count("num_tokens", num_tokens, ref)
+    num_seqs = _count("num_seqs", num_seqs, ref)
     if group is not None:
         group_rank_size(group)
         if num_tokens is not None or num_seqs is not None:
@@ -90,16 +111,35 @@ def _denominator(
     counts: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """The denominator of ``mode``: from ``counts`` (the group's ``(tokens, rows)``), else
-    ``num_tokens`` / ``num_seqs``, else None (this call's own count)."""
+    ``num_tokens`` / ``num_seqs``, else None (this call's own count).
+
+    A given count of 0 is 1 when this call has no action token (its loss is 0 and so is its
+    gradient: a rank with nothing to do in data parallelism) and a ``ValueError`` when it has
+    one, where the values are read (see ``_read``); where they are not, the count is used
+    as it is, so that a 0 with action tokens (or a negative count: NaN) gives a non-finite
+    loss rather than a silently rescaled one."""
     if not _needs_count(mode):
         return None
     token_mode = mode == "token-mean"
-    if counts is not None:
-        return counts[0 if token_mode else 1].to(dtype)
-    value = num_tokens if token_mode else num_seqs
+    if counts is not None:  # a group sum: 0 only when no rank has an action token
+        return counts[0 if token_mode else 1].to(dtype).clamp_min(1)
+    name, value = ("num_tokens", num_tokens) if token_mode else ("num_seqs", num_seqs)
     if value is None:
         return None
-    return torch.as_tensor(value, dtype=dtype, device=keep.device)
+    n = torch.as_tensor(value, dtype=dtype, device=keep.device)
+    known = value if isinstance(value, float) else _read(value)
+    if known is not None and known > 0:
+        return n
+    if known == 0 and keep.device.type != "meta" and values_checked(keep):
+        if bool(keep.any()):
+            raise ValueError(
+                f"{name} is 0 but this call has action tokens (mask 1): give the global "
+                f"count of the batch, at least this call's own ({name} = 0 is only for a "
+                "call without action tokens, whose loss is then 0)"
+            )
+        return torch.ones_like(n)
+    n = torch.where(n < 0, math.nan, n)
+    return torch.where((n == 0) & ~keep.any(), 1, n)
 
 
 # --------------------------------------------------------------------------- aggregation
@@ -112,20 +152,21 @@ def _aggregate(
 ) -> torch.Tensor:
     """``mode`` reduction of ``x``, which must already be 0 where ``keep`` is False;
     ``mode=None`` returns ``x`` itself (the per-token matrix). ``denom`` is the global
-    normaliser (tokens for token-mean, sequences for the seq-mean modes), None for local."""
+    normaliser (tokens for token-mean, sequences for the seq-mean modes; see
+    ``_denominator``), None for this call's own count."""
     if mode is None:
         return x
     if mode == "token-sum":
         return x.sum()
     if mode == "token-mean":
-        n = keep.sum().to(x.dtype) if denom is None else denom
-        return x.sum() / n.clamp_min(1)
+        n = keep.sum().to(x.dtype).clamp_min(1) if denom is None else denom
+        return x.sum() / n
     tokens = keep.sum(-1).to(x.dtype)
     seq = x.sum(-1)
     if mode == "seq-mean-token-mean":
         seq = seq / tokens.clamp_min(1)
-    n = (tokens > 0).sum().to(x.dtype) if denom is None else denom
-    out = seq.sum() / n.clamp_min(1)
+    n = (tokens > 0).sum().to(x.dtype).clamp_min(1) if denom is None else denom
+    out = seq.sum() / n
     if mode == "seq-mean-token-sum-norm":
         out = out / (x.shape[-1] if loss_scale_factor is None else loss_scale_factor)
     return out
@@ -202,7 +243,8 @@ def aggregate_loss(
     (``rlops.compat.verl.agg_loss`` keeps that). ``token-sum`` needs no normaliser and
     ``seq-mean-token-sum-norm`` needs the same ``L`` on every micro-batch (pass
     ``loss_scale_factor`` when ``T`` varies). Counts may be 0-dim tensors on the device (they
-    are not read on the host).
+    are not read on the host). A count of 0 gives 0 on a call without action tokens and is an
+    error on one with action tokens (never silently taken as 1).
 
     ``seq-mean-token-sum-norm`` is Dr.GRPO's objective (https://arxiv.org/abs/2503.20783):
     the mean over sequences of each sequence's token *sum*, divided by a constant ``L`` instead
@@ -215,8 +257,16 @@ def aggregate_loss(
         mask: ``[B, T]`` 0/1 action mask.
         mode: one of :data:`AGG_MODES`.
         loss_scale_factor: ``L`` for ``seq-mean-token-sum-norm`` (``> 0``); ignored otherwise.
-        num_tokens: action tokens of the global batch (``>= 0``), for ``token-mean``.
-        num_seqs: rows with an action token in the global batch, for the seq-mean modes.
+        num_tokens: action tokens of the global batch, for ``token-mean``: a finite number
+            ``>= 0`` or a 0-dim tensor (a constant: detached). 0 is for a call without action
+            tokens (its loss is 0, with gradient 0: a rank with nothing to do still joins);
+            with action tokens it raises ``ValueError``. Negative, NaN or infinite counts raise
+            ``ValueError`` when given as a number or a CPU tensor; a tensor on an accelerator
+            is not read (no host synchronisation, unless ``RLOPS_CHECK_VALUES=1``): there such a
+            count gives a non-finite loss instead (``x/0``, NaN). A tensor on the meta device
+            raises ``ValueError`` unless the loss is on the meta device too.
+        num_seqs: rows with an action token in the global batch, for the seq-mean modes; the
+            same rules as ``num_tokens``.
         group: a data-parallel process group with one micro-batch of whole rows per rank,
             instead of the two counts (under context parallelism, where a row is split over
             ranks, pass the counts).
@@ -239,7 +289,7 @@ def aggregate_loss(
     if mode is None:
         raise ValueError(f"mode must be one of {list(AGG_MODES)}, got None")
     loss_scale_factor = _check_agg("mode", mode, loss_scale_factor)
-    num_tokens, num_seqs, group = _check_normalisers(num_tokens, num_seqs, group)
+    num_tokens, num_seqs, group = _check_normalisers(num_tokens, num_seqs, group, loss_mat)
     dtype = compute_dtype(loss_mat.dtype)
     x = torch.where(keep, loss_mat.to(dtype), 0)
     counts = None

@@ -89,7 +89,7 @@ def entropy_loss(
     keep = as_bool_mask("mask", mask, entropy.shape, "entropy", entropy)
     check_choice("agg", agg, AGG_MODES)
     loss_scale_factor = _check_agg("agg", agg, loss_scale_factor)
-    num_tokens, num_seqs, group = _check_normalisers(num_tokens, num_seqs, group)
+    num_tokens, num_seqs, group = _check_normalisers(num_tokens, num_seqs, group, entropy)
     coef = _check_coef(coef, entropy)
     agg_entropy = aggregate_loss(entropy, keep, agg, loss_scale_factor=loss_scale_factor,
                                  num_tokens=num_tokens, num_seqs=num_seqs, group=group)

@@ -178,6 +178,7 @@ def _gspo(lp, lr, adv, keep, dtype, clip_low, clip_high) -> Out:
     log_s = _row_mean(lr, keep).detach()  # log s_i: mean log-ratio over the row's actions
     ratio = _exp(log_s + (lp - lp.detach()))  # value s_i, gradient s_i·∇log π_t
     loss, hit = _clip_max(ratio, adv, clip_low, clip_high)
+    loss = torch.where(keep, loss, 0)  # the row's s_i (NaN from one token) stays off mask 0
     seq_ratio = torch.exp(log_s.squeeze(-1).clamp_max(MAX_EXP_ARG))
     rows = keep.any(-1)
     return loss, {"pg_clipfrac": _hits(hit, keep),
@@ -228,7 +229,8 @@ def _geo_mean(lp, lr, adv, keep, dtype, clip_low, clip_high) -> Out:
     log_r = _row_mean(lr_clip, keep).detach()  # log of the row's geometric-mean ratio
     ratio = _exp(log_r + (lr_clip - lr_clip.detach()))
     out = lr != lr_clamped
-    return -adv * ratio, {"pg_clipfrac": _hits(out & (adv > 0), keep),
+    loss = torch.where(keep, -adv * ratio, 0)  # the row's R_i (NaN from one token) stays off mask 0
+    return loss, {"pg_clipfrac": _hits(out & (adv > 0), keep),
                           "pg_clipfrac_lower": _hits(out & (adv < 0), keep)}
 
 

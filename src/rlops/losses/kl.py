@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from rlops._checks import as_float_tensor, check_choice, check_same_shape, compute_dtype
-from rlops.losses._common import MAX_EXP_ARG
+from rlops.losses._common import MAX_EXP_ARG, constant
 
 __all__ = ["KL_KINDS", "kl_penalty"]
 
@@ -30,25 +30,20 @@ def _kl_value(d: torch.Tensor, kind: str) -> torch.Tensor:
     return k3 if kind == "k3" else k3.clamp_max(10.0)
 
 
-def _is_corrected(
-    lp: torch.Tensor, rp: torch.Tensor, d: torch.Tensor, op: torch.Tensor, kind: str
-) -> torch.Tensor:
-    """``r·k(d)``, ``r = exp(min(lp − op, 20))``, ``d = lp − rp``; k3's gradient written out."""
+def _is_corrected(lp: torch.Tensor, d: torch.Tensor, op: torch.Tensor, kind: str) -> torch.Tensor:
+    """``r·k(d)``, ``r = exp(min(lp − op, 20))``, ``d = lp − rp`` (``rp``, ``op`` constants);
+    k3's gradient written out."""
     r = torch.exp((lp - op).clamp_max(MAX_EXP_ARG))
     value = r * _kl_value(d, kind)
     if kind != "k3" or not value.requires_grad:
         return value
     # The chain rule gives ∂/∂lp = r·k3 + r·(1 − e^(−d)): two terms of size r·e^(−d) that
     # cancel to r·d, a relative error of ~eps·e^(−d)/|d| (2% at d = −15 in float32), and past
-    # the clamp on −d the first term stays r·e^20. So the value is r·k3 and the gradients are
-    # the formula's, each computed directly: (∂lp, ∂rp, ∂op) = (r·d, r·(e^(−d) − 1), −r·k3).
-    # Each pair adds ½(x − sg x)(g + sg g): value 0, first derivative g, second derivatives
-    # those of g.
-    grads = ((lp, r * d), (rp, r * torch.expm1(-d.clamp_min(-MAX_EXP_ARG))), (op, -value))
-    out = value.detach()
-    for x, g in grads:
-        out = out + 0.5 * (x - x.detach()) * (g + g.detach())
-    return out
+    # the clamp on −d the first term stays r·e^20. So the value is r·k3 and the gradient is the
+    # formula's, r·d, computed directly: ½(lp − sg lp)(g + sg g) has value 0, first derivative
+    # g and second derivative that of g.
+    g = r * d
+    return value.detach() + 0.5 * (lp - lp.detach()) * (g + g.detach())
 
 
 def kl_penalty(
@@ -68,9 +63,12 @@ def kl_penalty(
         k3             e^(−d) − 1 + d = expm1(−d) + d      (≥ 0; −d clamped to ≤ 20 before exp)
         low_var_kl     min(k3, 10)                          (k3 clamped to [−10, 10], as verl)
 
+    ``ref_logp`` (and ``old_logp``) stand for fixed policies: they are constants, detached
+    inside, so the gradient flows into ``logp`` only, as verl and TRL treat the reference.
+
     A ``+`` suffix (``"k3+"``, ``"low_var_kl+"``, ...) is the straight-through variant: the value
-    of the kind, the gradient of k2 (``∂/∂logp = d``, ``∂/∂ref_logp = −d``; second derivatives
-    too), whose expectation is the gradient of KL(π‖π_ref) where k1's and k3's are not.
+    of the kind, the gradient of k2 (``∂/∂logp = d``; second derivative too), whose expectation
+    is the gradient of KL(π‖π_ref) where k1's and k3's are not.
     Unlike verl, ``"k3"`` here is not clamped at 10 (as slime); use ``"low_var_kl"`` for that.
 
     **Importance-sampling correction** (``old_logp`` given; DeepSeek-V3.2's "unbiased KL
@@ -85,25 +83,27 @@ def kl_penalty(
     are unbiased (for k1 and k3, ``E_π[k] = KL(π‖π_ref)``; for the other kinds, the on-policy
     mean of that kind). A detached ratio would give k3 the gradient ``E_π[(1 − π_ref/π)∇log π]
     = ∇ KL(π_ref‖π)``, the other direction, with the weight ``π_ref/π`` that is unbounded as
-    π ≪ π_ref. The corrected k3's gradient is ``r·d`` per token::
+    π ≪ π_ref. (``old_logp`` itself is a constant: only the ``logp`` in ``r`` carries the
+    gradient.) The corrected k3's gradient is ``r·d`` per token::
 
-        ∂/∂logp = r·k3 + r·(1 − e^(−d)) = r·d,   ∂/∂ref_logp = r·(e^(−d) − 1),
-        ∂/∂old_logp = −r·k3
+        ∂/∂logp = r·k3 + r·(1 − e^(−d)) = r·d
 
     computed as written (the two ``r·e^(−d)`` terms of the chain rule would cancel in
-    floating point), with ``r`` and ``e^(−d)`` clamped as in the value. So where ``d < −20``
-    the value saturates but ``∂/∂logp`` stays ``r·d``, not ``r·e^20``. With
-    ``old_logp = logp.detach()`` the value is the kind's own and k3's gradient is ``d``, that
-    of ``"k3+"``. Unlike slime (``--use-unbiased-kl``), ``low_var_kl`` is ``r·min(k3, 10)``,
+    floating point), with ``r`` clamped as in the value. So where ``d < −20`` the value
+    saturates but ``∂/∂logp`` stays ``r·d``, not ``r·e^20``. With ``old_logp = logp`` (or
+    ``logp.detach()``) the value is the kind's own and k3's gradient is ``d``, that of
+    ``"k3+"``. Unlike slime (``--use-unbiased-kl``), ``low_var_kl`` is ``r·min(k3, 10)``,
     an estimate of ``E_π[min(k3, 10)]``, not ``min(r·k3, 10)``. The straight-through ``+``
     kinds are another fix of the same gradient: combined with ``old_logp`` they raise.
 
     Args:
-        logp: ``[B, T]`` (any shape) log-probs under the current policy.
-        ref_logp: log-probs under the reference policy, same shape.
+        logp: ``[B, T]`` (any shape) log-probs under the current policy (carries the
+            gradient).
+        ref_logp: log-probs under the reference policy, same shape; a constant (detached
+            inside).
         kind: one of :data:`KL_KINDS`.
         old_logp: log-probs under the policy that sampled the tokens, same shape, or None
-            (samples from π itself: no correction).
+            (samples from π itself: no correction); a constant (detached inside).
 
     Returns:
         Tensor of ``logp``'s shape and dtype (no reduction, no mask); finite for finite inputs.
@@ -131,11 +131,13 @@ def kl_penalty(
                 f"straight-through kind {kind!r}: both correct the estimator's gradient; "
                 f"use {base!r}"
             )
+    # The reference and sampling policies are constants: no gradient into them.
+    ref_logp, old_logp = constant(ref_logp), constant(old_logp)
     dtype = compute_dtype(logp.dtype)
-    lp, rp = logp.to(dtype), ref_logp.to(dtype)
-    d = lp - rp
+    lp = logp.to(dtype)
+    d = lp - ref_logp.to(dtype)
     if old_logp is not None:
-        out = _is_corrected(lp, rp, d, old_logp.to(dtype), base)
+        out = _is_corrected(lp, d, old_logp.to(dtype), base)
     elif straight_through:
         # Value 0·(2d) = 0 added to the kind's value; first and second derivatives are k2's
         # (d and 1). Unlike k2 − k2.detach(), it does not square d, so it cannot overflow.

@@ -11,6 +11,7 @@ from rlops._checks import (
     check_same_shape,
     compute_dtype,
 )
+from rlops.losses._common import constant
 from rlops.losses.aggregation import _check_agg, _check_normalisers, _loss_and_metrics
 from rlops.losses.kinds import POLICY_KINDS, check_options, token_losses
 
@@ -73,7 +74,9 @@ def policy_loss(
     read no value on the host. ``clip_high`` defaults to ``clip_low`` when only ``clip_low`` is
     given; an infinite clip turns that side off.
 
-    ``rollout_is_weights`` (``[B, T]``, detached) multiplies ``ℓ`` before aggregation: pass
+    ``old_logp``, ``advantages`` and ``rollout_is_weights`` stand for a fixed policy and fixed
+    targets: they are detached inside, so the gradient flows into ``logp`` only.
+    ``rollout_is_weights`` (``[B, T]``) multiplies ``ℓ`` before aggregation: pass
     truncated token-level IS weights, or a sequence-level weight repeated along its row.
 
     Differences from verl's registered losses: every kind aggregates with ``agg`` (verl forces
@@ -85,12 +88,14 @@ def policy_loss(
 
     Args:
         logp: ``[B, T]`` log-probs under the policy being trained (carries the gradient).
-        old_logp: ``[B, T]`` log-probs under the policy that sampled the tokens.
-        advantages: ``[B, T]``.
+        old_logp: ``[B, T]`` log-probs under the policy that sampled the tokens; a constant
+            (detached inside: ``old_logp=logp`` gives the gradient of ``old_logp=logp.detach()``,
+            ratio 1).
+        advantages: ``[B, T]``; a constant (detached inside).
         mask: ``[B, T]`` 0/1 action mask.
         kind: one of :data:`POLICY_KINDS`.
-        rollout_is_weights: ``None`` or a floating ``[B, T]`` multiplier (no gradient flows
-            into it).
+        rollout_is_weights: ``None`` or a floating ``[B, T]`` multiplier; a constant
+            (detached inside).
         agg: aggregation mode, see :func:`aggregate_loss`; ``None`` returns the per-token loss
             matrix ``[B, T]`` (0 on mask-0 tokens).
         loss_scale_factor, num_tokens, num_seqs, group: see :func:`aggregate_loss` (global
@@ -134,7 +139,10 @@ def policy_loss(
     if rollout_is_weights is not None:
         check_same_shape("logp", logp, rollout_is_weights=rollout_is_weights)
     loss_scale_factor = _check_agg("agg", agg, loss_scale_factor)
-    num_tokens, num_seqs, group = _check_normalisers(num_tokens, num_seqs, group)
+    num_tokens, num_seqs, group = _check_normalisers(num_tokens, num_seqs, group, logp)
+    # The sampling policy, the advantages and the weights are constants: no gradient into them.
+    old_logp, advantages = constant(old_logp), constant(advantages)
+    rollout_is_weights = constant(rollout_is_weights)
 
     dtype = compute_dtype(logp.dtype)
     # Mask-0 entries are replaced before any arithmetic, so their gradient is exactly 0.
@@ -150,6 +158,6 @@ def policy_loss(
         **sums,
     }
     if rollout_is_weights is not None:
-        loss_mat = loss_mat * torch.where(keep, rollout_is_weights.detach().to(dtype), 0)
+        loss_mat = loss_mat * torch.where(keep, rollout_is_weights.to(dtype), 0)
     return _loss_and_metrics(loss_mat, keep, agg, loss_scale_factor, dtype, num_tokens,
                              num_seqs, group, sums)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlops._checks import as_bool_mask, check_2d, check_positive, check_same_shape, compute_dtype
+from rlops.losses._common import constant
 from rlops.losses.aggregation import _check_agg, _check_normalisers, _loss_and_metrics
 
 __all__ = ["value_loss"]
@@ -26,12 +27,14 @@ def value_loss(
     """Clipped value loss: ``0.5·agg(max((V − R)², (V_clip − R)²))``.
 
     ``V_clip = clamp(V, V_old − clip, V_old + clip)`` keeps the new value within ``clip`` of the
-    value at sampling time; ``clip=None`` gives the plain ``0.5·agg((V − R)²)``.
+    value at sampling time; ``clip=None`` gives the plain ``0.5·agg((V − R)²)``. ``V_old`` and
+    ``R`` are constants (detached inside): the gradient flows into ``V`` only.
 
     Args:
         values: ``[B, T]`` value predictions being trained (``vpreds``).
-        old_values: ``[B, T]`` value predictions at sampling time.
-        returns: ``[B, T]`` regression targets.
+        old_values: ``[B, T]`` value predictions at sampling time; a constant (detached
+            inside).
+        returns: ``[B, T]`` regression targets; a constant (detached inside).
         mask: ``[B, T]`` 0/1 action mask.
         clip: ``None`` or ``> 0`` (verl's ``cliprange_value``).
         agg: aggregation mode, see :func:`aggregate_loss`; ``None`` returns the per-token loss
@@ -60,7 +63,9 @@ def value_loss(
     if clip is not None:
         clip = check_positive("clip", clip)
     loss_scale_factor = _check_agg("agg", agg, loss_scale_factor)
-    num_tokens, num_seqs, group = _check_normalisers(num_tokens, num_seqs, group)
+    num_tokens, num_seqs, group = _check_normalisers(num_tokens, num_seqs, group, values)
+    # The values at sampling time and the targets are constants: no gradient into them.
+    old_values, returns = constant(old_values), constant(returns)
 
     dtype = compute_dtype(values.dtype)
     v, ret = (torch.where(keep, x.to(dtype), 0) for x in (values, returns))
