@@ -154,6 +154,7 @@ class AdaptiveKLController:
         """
         kl = _check_kl(current_kl)
         n = _check_n_steps(n_steps)
+        error: float | torch.Tensor
         if isinstance(kl, torch.Tensor):
             if isinstance(self.value, torch.Tensor) and self.value.device != kl.device:
                 raise ValueError(
