@@ -1,15 +1,25 @@
 """KL controllers: hand-computed update sequences (Ziegler et al.'s rule), the ±0.2 clip,
-numbers and tensors as ``current_kl`` (a device tensor is never read), verl's factory, bad input."""
+numbers and tensors as ``current_kl`` (a device tensor is never read), inputs taken as
+constants (no graph), verl's factory and its names, bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import rlops
 import rlops.kl_controllers as klc
-from rlops.kl_controllers import AdaptiveKLController, FixedKLController, kl_controller
+from rlops.kl_controllers import (
+    AdaptiveKLController,
+    FixedKLController,
+    get_kl_controller,
+    kl_controller,
+)
 
 
 def ziegler(value, target, horizon, steps):
@@ -144,22 +154,100 @@ def test_kl_on_another_device_than_the_coefficient(monkeypatch):
         ctrl.update(torch.tensor(0.1), 64)
 
 
+# --------------------------------------------------------------------------- constants
+def test_a_kl_with_a_graph_is_read_as_a_number_and_its_graph_left_alone():
+    """The batch KL usually comes out of the loss computation: the update reads its value,
+    builds nothing on it, and warns about nothing (no float() of a tensor requiring grad)."""
+    logp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    kl = (logp - torch.tensor([-1.2, -1.5, -0.5])).mean()  # 0.1/3, carries a graph
+    ctrl, fixed = AdaptiveKLController(0.5, 0.1, 100), FixedKLController(0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ctrl.update(kl, 10)
+        fixed.update(kl, 10)
+    e = max(float(kl.detach()) / 0.1 - 1, -0.2)  # -0.667 clipped to -0.2
+    assert ctrl.value == pytest.approx(0.5 * (1 + e * 10 / 100), rel=1e-7)
+    assert isinstance(ctrl.value, float) and fixed.value == 0.5
+    kl.backward()  # the caller's graph is intact and unchanged
+    assert torch.equal(logp.grad, torch.full((3,), 1 / 3))
+
+
+def test_the_device_path_builds_no_graph(monkeypatch):
+    """On an accelerator ``.value`` becomes a tensor: it never requires grad, whatever the KL."""
+    monkeypatch.setattr(klc, "_on_device", lambda t: True)
+    logp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    ctrl = AdaptiveKLController(0.5, 0.1, 100)
+    with torch.enable_grad():
+        for _ in range(3):
+            ctrl.update((logp * 0.3).sum().neg(), 50)  # 0.9: above the target, × 1.1
+    assert isinstance(ctrl.value, torch.Tensor)
+    assert not ctrl.value.requires_grad and ctrl.value.grad_fn is None
+    assert float(ctrl.value) == pytest.approx(0.5 * 1.1**3, rel=1e-12)
+
+
+def test_n_steps_is_a_number_not_a_tensor():
+    for ctrl in (FixedKLController(0.1), AdaptiveKLController(0.1, 0.1, 100)):
+        with pytest.raises(TypeError, match="n_steps"):
+            ctrl.update(0.2, torch.tensor(8.0, requires_grad=True))
+
+
 # --------------------------------------------------------------------------- factory
+@dataclasses.dataclass
+class KLControlConfig:  # verl's dataclass (verl/trainer/config/algorithm.py), restated
+    type: str = "fixed"
+    kl_coef: float = 0.001
+    horizon: int = 10000
+    target_kl: float = 0.1
+
+
+def test_the_submodule_is_reachable_from_the_package():
+    assert rlops.kl_controllers.AdaptiveKLController is AdaptiveKLController
+    assert rlops.kl_controllers.get_kl_controller is get_kl_controller
+
+
 def test_factory_follows_verl():
-    fixed = kl_controller("fixed", kl_coef=0.01, horizon=0)  # horizon ignored, as in verl
+    """verl: fixed -> FixedKLController(kl_coef=cfg.kl_coef); adaptive ->
+    AdaptiveKLController(init_kl_coef=cfg.kl_coef, target_kl=cfg.target_kl, horizon=cfg.horizon)."""
+    adaptive = {"type": "adaptive", "kl_coef": 0.2, "target_kl": 6.0, "horizon": 500}
+    for cfg in (adaptive, SimpleNamespace(**adaptive), KLControlConfig(**adaptive)):
+        ada = get_kl_controller(cfg)
+        assert isinstance(ada, AdaptiveKLController)
+        assert (ada.value, ada.target, ada.horizon) == (0.2, 6.0, 500)
+    fixed = get_kl_controller(KLControlConfig(kl_coef=0.01, horizon=0))  # horizon unused
     assert isinstance(fixed, FixedKLController) and fixed.value == 0.01
-    ada = kl_controller("adaptive", kl_coef=0.2, target_kl=6.0, horizon=500)
+    default = get_kl_controller(KLControlConfig())  # verl's defaults: a fixed 0.001
+    assert isinstance(default, FixedKLController) and default.value == 0.001
+    assert get_kl_controller({}).value == 0.001  # missing keys: verl's defaults
+    ada = get_kl_controller({"type": "adaptive"})
+    assert (ada.value, ada.target, ada.horizon) == (0.001, 0.1, 10000)
+
+
+def test_factory_errors_name_the_setting():
+    for horizon in (0, -5):
+        with pytest.raises(ValueError, match=r"kl_ctrl\.horizon"):
+            get_kl_controller({"type": "adaptive", "horizon": horizon})
+    for kind in ("Adaptive", "linear", None):
+        with pytest.raises(ValueError, match=r"kl_ctrl\.type"):
+            get_kl_controller({"type": kind})
+    with pytest.raises(ValueError, match=r"kl_ctrl\.kl_coef"):
+        get_kl_controller({"type": "fixed", "kl_coef": -1.0})
+    with pytest.raises(ValueError, match=r"kl_ctrl\.target_kl"):
+        get_kl_controller({"type": "adaptive", "target_kl": math.inf})
+    for bad in (None, "adaptive", 0.1):
+        with pytest.raises(TypeError, match="kl_ctrl"):
+            get_kl_controller(bad)
+
+
+def test_the_old_factory_is_a_deprecated_alias():
+    with pytest.warns(DeprecationWarning, match="get_kl_controller"):
+        ada = kl_controller("adaptive", kl_coef=0.2, target_kl=6.0, horizon=500)
     assert isinstance(ada, AdaptiveKLController)
     assert (ada.value, ada.target, ada.horizon) == (0.2, 6.0, 500)
-    default = kl_controller("adaptive")  # verl's KLControlConfig defaults
-    assert (default.value, default.target, default.horizon) == (0.001, 0.1, 10000)
-    assert kl_controller("fixed").value == 0.001
-    for horizon in (0, -5):
-        with pytest.raises(ValueError, match="horizon"):
-            kl_controller("adaptive", horizon=horizon)
-    for kind in ("Adaptive", "linear", None):
-        with pytest.raises(ValueError, match="kind"):
-            kl_controller(kind)
+    with pytest.warns(DeprecationWarning):
+        fixed = kl_controller("fixed", kl_coef=0.01, horizon=0)
+    assert isinstance(fixed, FixedKLController) and fixed.value == 0.01
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="kind"):
+        kl_controller("linear")
 
 
 # --------------------------------------------------------------------------- bad input

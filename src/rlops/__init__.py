@@ -5,6 +5,7 @@ and value losses, masked statistics, log-probs and entropy, and the distributed 
 need, as pure functions on ``[B, T]`` tensors.
 """
 
+from rlops import kl_controllers as kl_controllers  # rlops.kl_controllers.X after import rlops
 from rlops.advantages import (
     discounted_cumsum,
     discounted_returns,

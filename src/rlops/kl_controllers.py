@@ -1,9 +1,15 @@
 """Controllers of the KL-penalty coefficient β: fixed, or adapted towards a target KL.
 
-Small state objects with verl's names and meanings (``FixedKLController``,
-``AdaptiveKLController``, ``get_kl_controller`` in ``verl/trainer/ppo/core_algos.py``): the
+Small state objects with verl's names, arguments and meanings (``FixedKLController(kl_coef)``,
+``AdaptiveKLController(init_kl_coef, target_kl, horizon)`` and the factory
+``get_kl_controller(kl_ctrl)`` of ``verl/trainer/ppo/core_algos.py``, which reads verl's
+``algorithm.kl_ctrl`` settings ``type``, ``kl_coef``, ``target_kl``, ``horizon``): the
 coefficient is ``.value``; after each batch the trainer calls ``update(current_kl, n_steps)``
 with the batch's mean KL and its number of samples.
+
+Both inputs of ``update`` are constants, never part of an autograd graph: ``current_kl`` is
+read as a number (a tensor is detached first, and one on an accelerator stays there, detached),
+``n_steps`` must be an integer, and ``.value`` never requires a gradient.
 
 The adaptive rule is Ziegler et al.'s proportional controller
 (https://arxiv.org/abs/1909.08593, section 2.2)::
@@ -23,12 +29,19 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
+from collections.abc import Mapping
 
 import torch
 
 from rlops._checks import as_real, check_choice, check_nonneg, check_positive, values_checked
 
-__all__ = ["AdaptiveKLController", "FixedKLController", "kl_controller"]
+__all__ = [
+    "AdaptiveKLController",
+    "FixedKLController",
+    "get_kl_controller",
+    "kl_controller",
+]
 
 #: the clip of the proportional error, as in Ziegler et al. and verl
 _CLIP = 0.2
@@ -50,12 +63,19 @@ def _check_kl(current_kl: object, read: bool = True) -> float | torch.Tensor:
         if current_kl.is_complex() or current_kl.dtype == torch.bool:
             raise TypeError(f"current_kl must be a real tensor, got {current_kl.dtype}")
         if not read:
-            return current_kl
+            return current_kl.detach()
         if _on_device(current_kl):
             wide = torch.float64 if current_kl.device.type != "mps" else torch.float32
             return current_kl.detach().to(wide)
         current_kl = current_kl.detach()
     return as_real("current_kl", current_kl)
+
+
+def _finite_positive(name: str, value: object) -> float:
+    v = check_positive(name, value)
+    if math.isinf(v):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return v
 
 
 def _check_n_steps(n_steps: object) -> int:
@@ -122,9 +142,7 @@ class AdaptiveKLController:
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: float) -> None:
         self.value: float | torch.Tensor = check_nonneg("init_kl_coef", init_kl_coef)
-        self.target = check_positive("target_kl", target_kl)
-        if math.isinf(self.target):
-            raise ValueError(f"target_kl must be finite, got {target_kl}")
+        self.target = _finite_positive("target_kl", target_kl)
         self.horizon = check_positive("horizon", horizon)
 
     def update(self, current_kl: float | torch.Tensor, n_steps: int) -> None:
@@ -136,6 +154,7 @@ class AdaptiveKLController:
         """
         kl = _check_kl(current_kl)
         n = _check_n_steps(n_steps)
+        error: float | torch.Tensor
         if isinstance(kl, torch.Tensor):
             if isinstance(self.value, torch.Tensor) and self.value.device != kl.device:
                 raise ValueError(
@@ -158,6 +177,61 @@ class AdaptiveKLController:
         )
 
 
+#: verl's ``KLControlConfig`` defaults (``verl/trainer/config/algorithm.py``)
+_KL_CTRL_DEFAULTS = {"type": "fixed", "kl_coef": 0.001, "target_kl": 0.1, "horizon": 10000}
+
+
+def _setting(kl_ctrl: object, key: str) -> object:
+    """``kl_ctrl[key]`` for a mapping, ``kl_ctrl.key`` for an object, else verl's default."""
+    if isinstance(kl_ctrl, Mapping):
+        return kl_ctrl.get(key, _KL_CTRL_DEFAULTS[key])
+    return getattr(kl_ctrl, key, _KL_CTRL_DEFAULTS[key])
+
+
+def get_kl_controller(kl_ctrl: object) -> FixedKLController | AdaptiveKLController:
+    """The KL controller of verl's ``algorithm.kl_ctrl`` settings (verl's ``get_kl_controller``).
+
+    ``kl_ctrl.type == "fixed"`` gives ``FixedKLController(kl_coef=kl_ctrl.kl_coef)``;
+    ``"adaptive"`` gives ``AdaptiveKLController(init_kl_coef=kl_ctrl.kl_coef,
+    target_kl=kl_ctrl.target_kl, horizon=kl_ctrl.horizon)``, which needs ``horizon > 0``. The
+    config's ``kl_coef`` is the adaptive controller's *initial* coefficient, as in verl.
+
+    Args:
+        kl_ctrl: verl's ``KLControlConfig``, an OmegaConf node, any object with those
+            attributes, or a mapping with those keys; a missing one takes verl's default
+            (``type="fixed"``, ``kl_coef=0.001``, ``target_kl=0.1``, ``horizon=10000``).
+
+    Returns:
+        A ``FixedKLController`` or an ``AdaptiveKLController``.
+
+    Raises:
+        ValueError: ``kl_ctrl.type`` is neither ``"fixed"`` nor ``"adaptive"`` (verl:
+            ``NotImplementedError``), or a setting is out of range (verl: ``AssertionError``
+            for ``horizon <= 0``); each names ``kl_ctrl.<key>``.
+
+    Example:
+        >>> get_kl_controller({"type": "adaptive", "kl_coef": 0.2, "target_kl": 6.0})
+        AdaptiveKLController(value=0.2, target_kl=6.0, horizon=10000.0)
+        >>> get_kl_controller({"kl_coef": 0.05}).value
+        0.05
+    """
+    if kl_ctrl is None or isinstance(kl_ctrl, (str, bytes, numbers.Number)):
+        raise TypeError(
+            "kl_ctrl must be a config with type, kl_coef, target_kl and horizon (verl's "
+            f"KLControlConfig, an object or a mapping), got {type(kl_ctrl).__name__}"
+        )
+    kind = _setting(kl_ctrl, "type")
+    check_choice("kl_ctrl.type", kind, ("fixed", "adaptive"))
+    kl_coef = _setting(kl_ctrl, "kl_coef")
+    if kind == "fixed":
+        return FixedKLController(check_nonneg("kl_ctrl.kl_coef", kl_coef))
+    return AdaptiveKLController(
+        init_kl_coef=check_nonneg("kl_ctrl.kl_coef", kl_coef),
+        target_kl=_finite_positive("kl_ctrl.target_kl", _setting(kl_ctrl, "target_kl")),
+        horizon=check_positive("kl_ctrl.horizon", _setting(kl_ctrl, "horizon")),
+    )
+
+
 def kl_controller(
     kind: str,
     *,
@@ -165,27 +239,27 @@ def kl_controller(
     target_kl: float = 0.1,
     horizon: float = 10000,
 ) -> FixedKLController | AdaptiveKLController:
-    """A KL controller from verl's ``algorithm.kl_ctrl`` settings (``get_kl_controller``).
+    """Deprecated: use :func:`get_kl_controller` (verl's name), or the classes directly.
 
-    ``kind="fixed"`` gives ``FixedKLController(kl_coef)`` (``target_kl`` and ``horizon`` are
-    ignored, as in verl); ``kind="adaptive"`` gives ``AdaptiveKLController(kl_coef, target_kl,
-    horizon)``, which needs ``horizon > 0``. The defaults are verl's ``KLControlConfig``.
-    From a verl config: ``kl_controller(cfg.type, kl_coef=cfg.kl_coef,
-    target_kl=cfg.target_kl, horizon=cfg.horizon)``.
-
-    Args:
-        kind: ``"fixed"`` or ``"adaptive"`` (verl's ``type``).
-        kl_coef: ``>= 0``, the (initial) coefficient.
-        target_kl: ``> 0``, the adaptive controller's target KL.
-        horizon: ``> 0``, the adaptive controller's horizon.
-
-    Returns:
-        A ``FixedKLController`` or an ``AdaptiveKLController``.
+    ``kl_controller(kind, kl_coef=c, target_kl=t, horizon=h)`` is
+    ``get_kl_controller({"type": kind, "kl_coef": c, "target_kl": t, "horizon": h})``: for
+    ``kind="adaptive"``, ``AdaptiveKLController(init_kl_coef=c, target_kl=t, horizon=h)``.
+    Emits a ``DeprecationWarning``.
 
     Example:
-        >>> kl_controller("adaptive", kl_coef=0.2, target_kl=6.0, horizon=10000)
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore", DeprecationWarning)
+        ...     kl_controller("adaptive", kl_coef=0.2, target_kl=6.0, horizon=10000)
         AdaptiveKLController(value=0.2, target_kl=6.0, horizon=10000.0)
     """
+    warnings.warn(
+        "rlops.kl_controllers.kl_controller(kind, kl_coef=...) is deprecated: use "
+        "get_kl_controller({'type': kind, 'kl_coef': ..., 'target_kl': ..., 'horizon': ...}) "
+        "(verl's factory) or AdaptiveKLController(init_kl_coef, target_kl, horizon)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     check_choice("kind", kind, ("fixed", "adaptive"))
     if kind == "fixed":
         return FixedKLController(kl_coef)

@@ -1,4 +1,5 @@
-"""Compiled single-pass CPU scan (numba, an optional extra: ``pip install rlops[fast]``).
+"""Compiled single-pass CPU scan (numba, the optional ``fast`` extra: ``pip install -e ".[fast]"``
+in a clone of rlops, or ``pip install numba``).
 
 One pass over the data: the time loop runs backwards over four rows at once, so four
 independent multiply-add chains are in flight instead of one latency-bound chain. The carries
@@ -46,7 +47,8 @@ def require(x: torch.Tensor, needs_grad: bool = False) -> None:
     """Raise ``ValueError`` unless ``method="compiled"`` can run on ``x``."""
     if not available():
         raise ValueError(
-            'method="compiled" needs numba: pip install "rlops[fast]" (or use method="chunked")'
+            'method="compiled" needs numba: pip install numba (in a clone of rlops: '
+            'pip install -e ".[fast]"), or use method="chunked"'
         )
     if x.device.type != "cpu":
         raise ValueError(f'method="compiled" runs on CPU tensors, got device {x.device}')
