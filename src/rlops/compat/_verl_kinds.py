@@ -37,7 +37,7 @@ from rlops._checks import (
 from rlops.losses import AGG_MODES
 from rlops.losses.policy import row_geometric_mean
 
-__all__ = ["FORCED_AGG", "batch_info", "config_value", "kind_loss"]
+__all__ = ["batch_info", "config_value", "kind_loss"]
 
 
 def config_value(config: object, name: str, default: object = None) -> object:
@@ -140,7 +140,7 @@ _METRICS: dict[str, tuple[tuple[str, str | None], ...]] = {
                  ("pg_clipfrac_lower", "pg_clipfrac_lower")),
 }
 # verl aggregates these with a fixed mode whatever loss_agg_mode says
-FORCED_AGG = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean"}
+_FORCED_AGG = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean"}
 
 
 def kind_loss(
@@ -155,9 +155,8 @@ def kind_loss(
     rollout_is_weights: torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """verl's registered loss ``kind`` (one name in both) on :func:`rlops.policy_loss`:
-    ``(pg_loss, metrics)``;
-    ``agg_loss`` is :func:`rlops.compat.verl.agg_loss`. The arguments after ``agg_loss`` are
-    those of verl's registered signature."""
+    ``(pg_loss, metrics)``. ``agg_loss`` is :func:`rlops.compat.verl.agg_loss`; the arguments
+    after it are those of verl's registered signature."""
     if config is None:
         raise ValueError(f"config (verl's actor config) must be given for the {kind!r} loss")
     check_2d("old_log_prob", old_log_prob)
@@ -178,7 +177,7 @@ def kind_loss(
         loss = rlops.aggregate_loss(loss_mat, mask, "seq-mean-token-mean",
                                     num_seqs=max(old_log_prob.shape[0], 1))
     else:
-        loss = agg_loss(loss_mat, mask, FORCED_AGG.get(kind, loss_agg_mode), **batch_info(config))
+        loss = agg_loss(loss_mat, mask, _FORCED_AGG.get(kind, loss_agg_mode), **batch_info(config))
     out = {}
     for key, source in _METRICS[kind]:
         out[f"actor/{key}"] = 0.0 if source is None else metrics[source].item()
