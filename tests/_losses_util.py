@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DTYPES", "acc_dtype", "assert_within_ref_error", "random_mask"]
+__all__ = ["DTYPES", "acc_dtype", "assert_within_ref_error", "make_inputs", "random_mask"]
 
 DTYPES = [torch.bfloat16, torch.float32, torch.float64]
 
@@ -24,6 +24,17 @@ def random_mask(b: int, t: int, gen: torch.Generator) -> torch.Tensor:
             s = int(torch.randint(1, n - 2, (1,), generator=gen))
             mask[i, s : s + int(torch.randint(1, 3, (1,), generator=gen))] = 0
     return mask
+
+
+def make_inputs(dtype, seed, b=6, t=29, spread=0.3):
+    """``(logp, old_logp, advantages, mask)`` for the loss tests: old log-probs in [−3, 0],
+    ``logp`` off them by ``spread``·N(0, 1), standard-normal advantages (all drawn in float64,
+    then cast to ``dtype``) and a :func:`random_mask`."""
+    gen = torch.Generator().manual_seed(seed)
+    old = -torch.rand(b, t, generator=gen, dtype=torch.float64) * 3
+    logp = old + spread * torch.randn(b, t, generator=gen, dtype=torch.float64)
+    adv = torch.randn(b, t, generator=gen, dtype=torch.float64)
+    return logp.to(dtype), old.to(dtype), adv.to(dtype), random_mask(b, t, gen)
 
 
 def assert_within_ref_error(out, exact, ref_same, scale=0.0):

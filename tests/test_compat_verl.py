@@ -2,6 +2,8 @@
 
 The restatements are plain loops written from the formulas in verl's docstrings and comments
 (float64), not copies of its code. Deliberate differences are tested as differences.
+Float32 results follow the rule of ``tests/tolerances.py``: their error against the float64
+restatement is at most twice the error of the same restatement run in float32, plus a few ulps.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from tests.tolerances import assert_within_reference
 
 from rlops.compat import verl
 
@@ -422,18 +425,20 @@ def test_logprobs_and_entropy_from_logits():
     gen = _gen(11)
     logits = torch.randn(2, 5, 33, generator=gen) * 3
     labels = torch.randint(0, 33, (2, 5), generator=gen)
-    z = logits.double()
-    want_logp = z.log_softmax(-1).gather(-1, labels[..., None])[..., 0]
-    want_ent = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
-    torch.testing.assert_close(verl.logprobs_from_logits(logits, labels).double(), want_logp)
-    torch.testing.assert_close(verl.entropy_from_logits(logits).double(), want_ent)
+    leaf = logits.clone().requires_grad_()
+    got = {"logp": verl.logprobs_from_logits(logits, labels),
+           "ent": verl.entropy_from_logits(leaf)}
+    got["grad"], = torch.autograd.grad(got["ent"].sum(), leaf)
+    exact, ref32 = ({}, {})
+    for out, dtype in ((exact, torch.float64), (ref32, torch.float32)):
+        z = logits.to(dtype).requires_grad_()
+        out["logp"] = z.log_softmax(-1).gather(-1, labels[..., None])[..., 0]
+        out["ent"] = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
+        out["grad"], = torch.autograd.grad(out["ent"].sum(), z)
+    for name, value in got.items():
+        assert_within_reference(name, value.detach(), exact[name].detach(), ref32[name].detach())
     half = verl.logprobs_from_logits(logits.bfloat16(), labels)
     assert half.dtype == torch.float32 and half.shape == (2, 5)
-    leaf = logits.clone().requires_grad_()
-    g, = torch.autograd.grad(verl.entropy_from_logits(leaf).sum(), leaf)
-    zz = z.clone().requires_grad_()
-    g_ref, = torch.autograd.grad((-(zz.softmax(-1) * zz.log_softmax(-1)).sum(-1)).sum(), zz)
-    torch.testing.assert_close(g.double(), g_ref, rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------- arguments

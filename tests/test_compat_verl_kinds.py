@@ -388,6 +388,45 @@ def test_dict_config_works_like_attribute_config():
         assert a[1] == d[1]
 
 
+def test_a_key_set_to_none_reads_as_verl_reads_it():
+    """verl's actor config: an absent key takes the field's default; a key set to None falls
+    back where verl writes ``x if x is not None else default`` (clip_ratio_low / _high, the
+    policy_loss options) and fails where verl reads it as a number (tau_pos, clip_ratio_c) or
+    spreads it (global_batch_info). The verl and kind adapters read the config the same way."""
+    old, new, adv, mask, _ = _batch(13)
+    # clip_ratio_low / clip_ratio_high = None -> clip_ratio, in every adapter that reads them
+    for name in ("vanilla", "gspo", "cispo", "geo_mean"):
+        fn = verl.get_policy_loss_fn(name)
+        unset = fn(old, new, adv, mask, config=_config(clip_ratio=0.3))
+        given = fn(old, new, adv, mask,
+                   config=_config(clip_ratio=0.3, clip_ratio_low=0.3, clip_ratio_high=0.3))
+        torch.testing.assert_close(unset[0], given[0], rtol=0, atol=0)
+    # policy_loss.* = None -> verl's fallbacks (2e-4, 1, 5; 2e-4, 1)
+    unset = _call("kl_cov", old, new, adv, mask, _config())
+    given = _call("kl_cov", old, new, adv, mask, _config(kl_cov_ratio=2e-4, ppo_kl_coef=1.0))
+    torch.testing.assert_close(unset[0], given[0], rtol=0, atol=0)
+    # absent keys -> the ActorConfig defaults (tau 1.0 / 1.05, clip_ratio_c 3.0, no batch info)
+    absent = _call("sapo", old, new, adv, mask, {})
+    given = _call("sapo", old, new, adv, mask, {"tau_pos": 1.0, "tau_neg": 1.05})
+    torch.testing.assert_close(absent[0], given[0], rtol=0, atol=0)
+    absent = verl.compute_policy_loss_vanilla(old, new, adv, mask, config={"clip_ratio": 0.2})
+    given = verl.compute_policy_loss_vanilla(
+        old, new, adv, mask, config={"clip_ratio": 0.2, "clip_ratio_c": 3.0,
+                                     "global_batch_info": {}})
+    torch.testing.assert_close(absent[0], given[0], rtol=0, atol=0)
+    # None where verl has no fallback: an error naming the key, in both adapters
+    with pytest.raises(TypeError, match="tau_pos"):
+        _call("sapo", old, new, adv, mask, _config(tau_pos=None))
+    with pytest.raises(TypeError, match="clip_ratio_c"):
+        verl.compute_policy_loss_vanilla(old, new, adv, mask, config=_config(clip_ratio_c=None))
+    for name in ("vanilla", "gpg", "sapo"):
+        with pytest.raises(TypeError, match="global_batch_info"):
+            verl.get_policy_loss_fn(name)(old, new, adv, mask,
+                                          config=_config(global_batch_info=None))
+    with pytest.raises(ValueError, match="policy_loss"):
+        _call("kl_cov", old, new, adv, mask, _config(policy_loss=None))
+
+
 _O = torch.zeros(2, 3)
 _M = torch.ones(2, 3)
 BAD = [

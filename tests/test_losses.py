@@ -7,19 +7,17 @@ import math
 import mpmath
 import pytest
 import torch
-from tests._losses_util import DTYPES, acc_dtype, assert_within_ref_error, random_mask
+from tests._losses_util import (
+    DTYPES,
+    acc_dtype,
+    assert_within_ref_error,
+    make_inputs,
+    random_mask,
+)
 
 from rlops.losses import AGG_MODES, aggregate_loss, policy_loss, value_loss
 
 mpmath.mp.dps = 40
-
-
-def make_inputs(dtype, seed, b=6, t=29, spread=0.3):
-    gen = torch.Generator().manual_seed(seed)
-    old = -torch.rand(b, t, generator=gen, dtype=torch.float64) * 3
-    logp = old + spread * torch.randn(b, t, generator=gen, dtype=torch.float64)
-    adv = torch.randn(b, t, generator=gen, dtype=torch.float64)
-    return logp.to(dtype), old.to(dtype), adv.to(dtype), random_mask(b, t, gen)
 
 
 # --------------------------------------------------------------------------- references

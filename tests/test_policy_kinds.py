@@ -9,7 +9,7 @@ import math
 import mpmath
 import pytest
 import torch
-from tests._losses_util import DTYPES, acc_dtype, assert_within_ref_error, random_mask
+from tests._losses_util import DTYPES, acc_dtype, assert_within_ref_error, make_inputs
 from tests.test_losses import ref_aggregate
 
 import rlops
@@ -31,14 +31,6 @@ OPTIONS = {
     "kl_cov": {"kl_cov_ratio": 0.1, "ppo_kl_coef": 0.7},
     "geo_mean": {"clip_low": 0.3, "clip_high": 0.4},
 }
-
-
-def make_inputs(dtype, seed, b=6, t=29, spread=0.3):
-    gen = torch.Generator().manual_seed(seed)
-    old = -torch.rand(b, t, generator=gen, dtype=torch.float64) * 3
-    logp = old + spread * torch.randn(b, t, generator=gen, dtype=torch.float64)
-    adv = torch.randn(b, t, generator=gen, dtype=torch.float64)
-    return logp.to(dtype), old.to(dtype), adv.to(dtype), random_mask(b, t, gen)
 
 
 # --------------------------------------------------------------------------- the references

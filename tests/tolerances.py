@@ -29,12 +29,16 @@ import torch
 
 __all__ = [
     "ALL_METHODS",
+    "FAST_METHODS",
     "FLOOR_ULPS",
+    "METHODS",
     "abs_diff",
     "assert_half_matches",
     "assert_within_bound",
     "assert_within_reference",
+    "for_each_method",
     "max_abs_err",
+    "needs_numba",
     "serial_bound",
     "ulp",
     "ulp_at",

@@ -30,7 +30,7 @@ from rlops.rollout_correction import (
 )
 from rlops.stats import masked_mean, masked_var, masked_whiten
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place it is written: pyproject.toml reads it from here
 
 __all__ = [
     "aggregate_loss",

@@ -16,6 +16,7 @@ import torch
 import rlops
 from rlops._checks import as_real, check_nonneg, check_positive, check_same_shape
 from rlops.compat import _ragged
+from rlops.rollout_correction import MAX_LOG_WEIGHT
 
 __all__ = ["compute_cispo_loss", "compute_opsm_mask", "icepop_function", "vanilla_tis_function"]
 
@@ -25,14 +26,16 @@ def _row(x: torch.Tensor) -> torch.Tensor:
 
 
 def _ratios(log_ratio: torch.Tensor, upper: float, lower: float | None, mode: str):
-    """``(ratio, weight)`` per token of ``log_ratio`` (any shape): the ratio ``e^{log_ratio}`` and
-    the weight of :func:`rlops.rollout_importance_weights` at token level (``mode`` truncate:
-    ``clip(ratio, lower, upper)``; mask: ``ratio`` inside ``[lower, upper]``, else 0)."""
+    """``(ratio, weight)`` per token of ``log_ratio`` (any shape): the weight of
+    :func:`rlops.rollout_importance_weights` at token level (``mode`` truncate:
+    ``clip(ratio, lower, upper)``; mask: ``ratio`` inside ``[lower, upper]``, else 0) and the
+    ratio ``e^{log_ratio}`` it is made from, saturated as the weight is (at ``MAX_LOG_WEIGHT``),
+    so the two are equal wherever no bound applies."""
     lr = _row(log_ratio.detach())
-    zeros, everywhere = torch.zeros_like(lr), torch.ones_like(lr, dtype=torch.bool)
-    ratio = rlops.rollout_importance_weights(lr, zeros, everywhere, threshold=math.inf)[0]
-    weight = rlops.rollout_importance_weights(lr, zeros, everywhere, mode=mode, threshold=upper,
-                                              low=lower)[0]
+    everywhere = torch.ones_like(lr, dtype=torch.bool)
+    weight = rlops.rollout_importance_weights(lr, torch.zeros_like(lr), everywhere, mode=mode,
+                                              threshold=upper, low=lower)[0]
+    ratio = torch.exp(lr.to(weight.dtype).clamp_max(MAX_LOG_WEIGHT))
     return ratio.reshape(log_ratio.shape), weight.reshape(log_ratio.shape)
 
 

@@ -7,6 +7,14 @@ options from verl's actor config under verl's names (``clip_ratio``, ``clip_rati
 ``clip_cov_lb`` / ``clip_cov_ub``, ``policy_loss.kl_cov_ratio`` / ``ppo_kl_coef``,
 ``global_batch_info``), computes the per-token loss with one :func:`rlops.policy_loss` call
 (``agg=None``) and aggregates it as verl does. Metrics are Python floats under verl's keys.
+:mod:`rlops.compat.verl` defines the registered functions (and their docstrings) on
+:func:`kind_loss`.
+
+Reading the config (:func:`config_value`) follows verl: a key that is absent takes verl's default
+(its ``ActorConfig`` field default); a key set to ``None`` reads ``None``, which falls back to the
+default only where verl writes ``x if x is not None else default`` (``clip_ratio_low`` /
+``clip_ratio_high`` to ``clip_ratio``, the ``policy_loss.*`` options) and is an error, naming the
+key, where verl would fail on it (``tau_pos``, ``clip_ratio_c``, ``global_batch_info``, ...).
 """
 
 from __future__ import annotations
@@ -27,19 +35,30 @@ from rlops._checks import (
     check_same_shape,
 )
 from rlops.losses import AGG_MODES
+from rlops.losses.policy import row_geometric_mean
 
-__all__ = ["LOSS_AGG_MODES", "config_value", "policy_loss_adapter", "registered_losses"]
-
-LOSS_AGG_MODES = tuple(dict.fromkeys((*AGG_MODES, "token-sum")))
+__all__ = ["batch_info", "config_value", "kind_loss"]
 
 
 def config_value(config: object, name: str, default: object = None) -> object:
-    """``config.name`` for attribute-style configs (dataclass, OmegaConf), else ``config[name]``;
-    ``default`` when absent or ``None``."""
+    """``config[name]`` for mappings (dict, OmegaConf ``DictConfig``), else ``config.name``
+    (dataclass, namespace): ``default`` when the key is absent (or ``config`` is ``None``), the
+    value as set otherwise, ``None`` included, as verl's ``config.get(name, default)`` reads."""
     if config is None:
         return default
-    value = config.get(name) if isinstance(config, Mapping) else getattr(config, name, None)
-    return default if value is None else value
+    if isinstance(config, Mapping):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+def batch_info(config: object) -> Mapping:
+    """``config.global_batch_info``: the keywords verl passes to ``agg_loss`` (``{}`` when
+    absent, as verl's ``ActorConfig`` default)."""
+    info = config_value(config, "global_batch_info", {})
+    if not isinstance(info, Mapping):
+        raise TypeError("config.global_batch_info must be a mapping of agg_loss keywords "
+                        f"(dp_size, batch_num_tokens, ...), got {type(info).__name__}")
+    return info
 
 
 def _clip_pair(config: object, log_space: bool = False) -> dict[str, float]:
@@ -69,9 +88,19 @@ def _fraction(name: str, value: object) -> float:
     return value
 
 
+def _policy_loss_option(config: object, name: str, default: float) -> object:
+    """``config.policy_loss.name``, ``default`` when absent or ``None`` (verl: ``x if x is not
+    None else default``); ``config.policy_loss`` itself defaults to verl's defaults when absent
+    and must not be ``None`` (verl asserts it)."""
+    pl = config_value(config, "policy_loss", {})
+    if pl is None:
+        raise ValueError("config.policy_loss must not be None (verl asserts it is set)")
+    value = config_value(pl, name)
+    return default if value is None else value
+
+
 def _options(kind: str, config: object) -> dict[str, object]:
     """The rlops options of ``kind`` from verl's actor config."""
-    pl = config_value(config, "policy_loss")
     if kind in ("gspo", "cispo"):
         return _clip_pair(config)
     if kind == "geo_mean":
@@ -80,28 +109,23 @@ def _options(kind: str, config: object) -> dict[str, object]:
         return {"tau_pos": check_positive("config.tau_pos", config_value(config, "tau_pos", 1.0)),
                 "tau_neg": check_positive("config.tau_neg", config_value(config, "tau_neg", 1.05))}
     if kind == "clip_cov":
-        lb = as_real("config.policy_loss.clip_cov_lb", config_value(pl, "clip_cov_lb", 1.0))
-        ub = as_real("config.policy_loss.clip_cov_ub", config_value(pl, "clip_cov_ub", 5.0))
+        lb = as_real("config.policy_loss.clip_cov_lb",
+                     _policy_loss_option(config, "clip_cov_lb", 1.0))
+        ub = as_real("config.policy_loss.clip_cov_ub",
+                     _policy_loss_option(config, "clip_cov_ub", 5.0))
         if not lb < ub:
             raise ValueError("config.policy_loss.clip_cov_lb must be < config.policy_loss."
                              f"clip_cov_ub, got {lb} and {ub}")
         return {**_clip_pair(config), "clip_cov_lb": lb, "clip_cov_ub": ub,
                 "clip_cov_ratio": _fraction("config.policy_loss.clip_cov_ratio",
-                                            config_value(pl, "clip_cov_ratio", 2e-4))}
+                                            _policy_loss_option(config, "clip_cov_ratio",
+                                                                2e-4))}
     if kind == "kl_cov":
         return {"kl_cov_ratio": _fraction("config.policy_loss.kl_cov_ratio",
-                                          config_value(pl, "kl_cov_ratio", 2e-4)),
+                                          _policy_loss_option(config, "kl_cov_ratio", 2e-4)),
                 "ppo_kl_coef": check_nonneg("config.policy_loss.ppo_kl_coef",
-                                            config_value(pl, "ppo_kl_coef", 1.0))}
+                                            _policy_loss_option(config, "ppo_kl_coef", 1.0))}
     return {}
-
-
-def _row_geometric_mean(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """verl's geo_mean reading of ``rollout_is_weights``: per row, the geometric mean of
-    ``w + 1e-10`` over the response tokens, repeated along the row."""
-    w = weights.detach().to(torch.promote_types(weights.dtype, torch.float32))
-    row = rlops.masked_mean(torch.log(w + 1e-10), mask, dim=-1)
-    return torch.exp(row)[:, None].expand_as(weights).to(weights.dtype)
 
 
 # verl's metric keys per kind: (verl key, rlops metric or a constant 0.0)
@@ -119,52 +143,42 @@ _METRICS: dict[str, tuple[tuple[str, str | None], ...]] = {
 _FORCED_AGG = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean"}
 
 
-def policy_loss_adapter(kind: str, agg_loss: Callable, name: str) -> Callable:
-    """The adapter of verl's registered loss ``name``, computed as rlops kind ``kind``;
-    ``agg_loss`` is :func:`rlops.compat.verl.agg_loss`."""
-    default_mode = _FORCED_AGG.get(kind, "token-mean")
-
-    def adapter(
-        old_log_prob: torch.Tensor,
-        log_prob: torch.Tensor,
-        advantages: torch.Tensor,
-        response_mask: torch.Tensor,
-        loss_agg_mode: str = default_mode,
-        config: object = None,
-        rollout_is_weights: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        if config is None:
-            raise ValueError(f"config (verl's actor config) must be given for the {name!r} loss")
-        check_2d("old_log_prob", old_log_prob)
-        weights = {} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}
-        check_same_shape("old_log_prob", old_log_prob, log_prob=log_prob, advantages=advantages,
-                         **weights)
-        mask = as_bool_mask("response_mask", response_mask, old_log_prob.shape, "old_log_prob",
-                            old_log_prob)
-        check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
-        if kind == "geo_mean" and rollout_is_weights is not None:
-            rollout_is_weights = _row_geometric_mean(rollout_is_weights, mask)
-        loss_mat, metrics = rlops.policy_loss(
-            log_prob, old_log_prob, advantages, mask, kind=kind,
-            rollout_is_weights=rollout_is_weights, agg=None, **_options(kind, config),
-        )
-        if kind == "geo_mean":  # verl: a plain mean over all rows, whatever loss_agg_mode says
-            loss = rlops.aggregate_loss(loss_mat, mask, "seq-mean-token-mean",
-                                        num_seqs=max(old_log_prob.shape[0], 1))
-        else:
-            info = config_value(config, "global_batch_info") or {}
-            loss = agg_loss(loss_mat, mask, _FORCED_AGG.get(kind, loss_agg_mode), **info)
-        out = {}
-        for key, source in _METRICS[kind]:
-            out[f"actor/{key}"] = 0.0 if source is None else metrics[source].item()
-        return loss, out
-
-    adapter.__name__ = adapter.__qualname__ = f"compute_policy_loss_{name}"
-    return adapter
-
-
-def registered_losses(agg_loss: Callable) -> dict[str, Callable]:
-    """verl's registered name -> adapter, for the kinds rlops has (``"vanilla"`` excluded)."""
-    names = {"gspo": "gspo", "sapo": "sapo", "gpg": "gpg", "clip_cov": "clip_cov",
-             "kl_cov": "kl_cov", "geo_mean": "geo_mean", "cispo": "cispo"}
-    return {name: policy_loss_adapter(kind, agg_loss, name) for name, kind in names.items()}
+def kind_loss(
+    kind: str,
+    agg_loss: Callable,
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str,
+    config: object,
+    rollout_is_weights: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """verl's registered loss ``kind`` (one name in both) on :func:`rlops.policy_loss`:
+    ``(pg_loss, metrics)``. ``agg_loss`` is :func:`rlops.compat.verl.agg_loss`; the arguments
+    after it are those of verl's registered signature."""
+    if config is None:
+        raise ValueError(f"config (verl's actor config) must be given for the {kind!r} loss")
+    check_2d("old_log_prob", old_log_prob)
+    weights = {} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}
+    check_same_shape("old_log_prob", old_log_prob, log_prob=log_prob, advantages=advantages,
+                     **weights)
+    mask = as_bool_mask("response_mask", response_mask, old_log_prob.shape, "old_log_prob",
+                        old_log_prob)
+    check_choice("loss_agg_mode", loss_agg_mode, AGG_MODES)
+    options = _options(kind, config)
+    if kind == "geo_mean" and rollout_is_weights is not None:
+        rollout_is_weights = row_geometric_mean(rollout_is_weights, mask, eps=1e-10)
+    loss_mat, metrics = rlops.policy_loss(
+        log_prob, old_log_prob, advantages, mask, kind=kind,
+        rollout_is_weights=rollout_is_weights, agg=None, **options,
+    )
+    if kind == "geo_mean":  # verl: a plain mean over all rows, whatever loss_agg_mode says
+        loss = rlops.aggregate_loss(loss_mat, mask, "seq-mean-token-mean",
+                                    num_seqs=max(old_log_prob.shape[0], 1))
+    else:
+        loss = agg_loss(loss_mat, mask, _FORCED_AGG.get(kind, loss_agg_mode), **batch_info(config))
+    out = {}
+    for key, source in _METRICS[kind]:
+        out[f"actor/{key}"] = 0.0 if source is None else metrics[source].item()
+    return loss, out

@@ -23,7 +23,6 @@ token gives 0 instead of raising or NaN; bfloat16 log-probs and entropies come b
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 
 import torch
 
@@ -39,7 +38,7 @@ from rlops._checks import (
     shape_error,
 )
 from rlops.compat._args import as_int
-from rlops.compat._verl_kinds import registered_losses
+from rlops.compat._verl_kinds import batch_info, config_value, kind_loss
 from rlops.compat._verl_rollout import (
     compute_offpolicy_metrics,
     compute_rollout_correction_and_rejection_mask,
@@ -77,19 +76,6 @@ __all__ = [
     "logprobs_from_logits",
     "masked_whiten",
 ]
-
-
-# verl's loss_agg_mode names; token-sum is the local token sum (times dp_size)
-_LOSS_AGG_MODES = tuple(dict.fromkeys((*AGG_MODES, "token-sum")))
-
-
-def _config(config: object, name: str, default: object = None) -> object:
-    """``config.name`` for attribute-style configs (dataclass, OmegaConf), else ``config[name]``."""
-    if config is None:
-        return default
-    if isinstance(config, Mapping):
-        return config.get(name, default)
-    return getattr(config, name, default)
 
 
 def _response_mask(response_mask: object, like_name: str, like: torch.Tensor) -> torch.Tensor:
@@ -256,7 +242,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
         >>> compute_reinforce_plus_plus_outcome_advantage(r, m, {"gamma": 0.5})[1]
         tensor([[0.5000, 0.0000, 0.0000, 1.0000]])
     """
-    gamma = _config(config, "gamma")
+    gamma = config_value(config, "gamma")
     if gamma is None:
         raise ValueError("config must provide gamma (config.gamma or config['gamma'])")
     gamma = check_unit_interval("gamma", gamma)
@@ -358,7 +344,7 @@ def agg_loss(
     """
     check_2d("loss_mat", loss_mat)
     keep = as_bool_mask("loss_mask", loss_mask, loss_mat.shape, "loss_mat", loss_mat)
-    check_choice("loss_agg_mode", loss_agg_mode, _LOSS_AGG_MODES)
+    check_choice("loss_agg_mode", loss_agg_mode, AGG_MODES)
     dp_size = as_int("dp_size", dp_size, minimum=1)
     if loss_scale_factor is not None:
         loss_scale_factor = check_positive("loss_scale_factor", loss_scale_factor)
@@ -448,7 +434,7 @@ def compute_policy_loss(
         >>> loss, clipfrac
         (tensor(-1.1000), tensor(0.5000))
     """
-    check_choice("loss_agg_mode", loss_agg_mode, _LOSS_AGG_MODES)
+    check_choice("loss_agg_mode", loss_agg_mode, AGG_MODES)
     loss_mat, metrics, mask = _ppo_loss(old_log_prob, log_prob, advantages, response_mask,
                                         cliprange, cliprange_low, cliprange_high, clip_ratio_c)
     loss = agg_loss(loss_mat, mask, loss_agg_mode)
@@ -484,21 +470,20 @@ def compute_policy_loss_vanilla(
     """
     if config is None:
         raise ValueError("config (the actor config with clip_ratio) must be given")
-    check_choice("loss_agg_mode", loss_agg_mode, _LOSS_AGG_MODES)
+    check_choice("loss_agg_mode", loss_agg_mode, AGG_MODES)
     loss_mat, metrics, mask = _ppo_loss(
         old_log_prob,
         log_prob,
         advantages,
         response_mask,
-        _config(config, "clip_ratio"),
-        _config(config, "clip_ratio_low"),
-        _config(config, "clip_ratio_high"),
-        _config(config, "clip_ratio_c", 3.0),
+        config_value(config, "clip_ratio"),
+        config_value(config, "clip_ratio_low"),
+        config_value(config, "clip_ratio_high"),
+        config_value(config, "clip_ratio_c", 3.0),
         names=("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c"),
         rollout_is_weights=rollout_is_weights,
     )
-    info = _config(config, "global_batch_info") or {}
-    loss = agg_loss(loss_mat, mask, loss_agg_mode, **info)
+    loss = agg_loss(loss_mat, mask, loss_agg_mode, **batch_info(config))
     return loss, {
         "actor/pg_clipfrac": metrics["pg_clipfrac"].item(),
         "actor/ppo_kl": metrics["ppo_kl"].item(),
@@ -507,9 +492,16 @@ def compute_policy_loss_vanilla(
 
 
 # --------------------------------------------------------------------------- registered losses
-_KIND_ADAPTERS = registered_losses(agg_loss)
-compute_policy_loss_gspo = _KIND_ADAPTERS["gspo"]
-compute_policy_loss_gspo.__doc__ = """verl's registered ``"gspo"`` loss: ``(pg_loss, metrics)``.
+def compute_policy_loss_gspo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    config=None,
+    rollout_is_weights: torch.Tensor | None = None,
+):
+    """verl's registered ``"gspo"`` loss: ``(pg_loss, metrics)``.
 
     GSPO-token: PPO's clipped max with the ratio ``s_t = sg(s_i)·π_t/sg(π_t)``,
     ``s_i = exp(mean_i(log π − log π_old))`` over the row's response tokens, clip ranges
@@ -526,11 +518,24 @@ compute_policy_loss_gspo.__doc__ = """verl's registered ``"gspo"`` loss: ``(pg_l
         >>> loss, m["actor/pg_clipfrac"]
         (tensor(-1.), 0.0)
     """
-compute_policy_loss_sapo = _KIND_ADAPTERS["sapo"]
-compute_policy_loss_sapo.__doc__ = """verl's registered ``"sapo"`` loss: ``(pg_loss, metrics)``.
+    return kind_loss("gspo", agg_loss, old_log_prob, log_prob, advantages, response_mask,
+                     loss_agg_mode, config, rollout_is_weights)
+
+
+def compute_policy_loss_sapo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    config=None,
+    rollout_is_weights: torch.Tensor | None = None,
+):
+    """verl's registered ``"sapo"`` loss: ``(pg_loss, metrics)``.
 
     ``−A·σ(τ·(r − 1))·4/τ`` with ``τ = config.tau_pos`` where ``A > 0``, else ``config.tau_neg``
-    (defaults 1.0, 1.05); aggregated with ``seq-mean-token-mean`` whatever ``loss_agg_mode``
+    (verl's defaults 1.0, 1.05 where absent); aggregated with ``seq-mean-token-mean`` whatever
+    ``loss_agg_mode``
     says, as verl. Metrics ``actor/ppo_kl``; ``actor/pg_clipfrac`` and ``_lower`` are 0.
 
     Difference: the log-ratio is clamped only above (at 20; verl: to [−20, 20]).
@@ -542,8 +547,20 @@ compute_policy_loss_sapo.__doc__ = """verl's registered ``"sapo"`` loss: ``(pg_l
         >>> loss
         tensor(-2.)
     """
-compute_policy_loss_gpg = _KIND_ADAPTERS["gpg"]
-compute_policy_loss_gpg.__doc__ = """verl's registered ``"gpg"`` loss: ``(pg_loss, {})``.
+    return kind_loss("sapo", agg_loss, old_log_prob, log_prob, advantages, response_mask,
+                     loss_agg_mode, config, rollout_is_weights)
+
+
+def compute_policy_loss_gpg(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights: torch.Tensor | None = None,
+):
+    """verl's registered ``"gpg"`` loss: ``(pg_loss, {})``.
 
     ``−A·log π`` per token, aggregated with ``loss_agg_mode`` and ``config.global_batch_info``.
 
@@ -554,24 +571,20 @@ compute_policy_loss_gpg.__doc__ = """verl's registered ``"gpg"`` loss: ``(pg_los
         >>> loss, m
         (tensor(1.5000), {})
     """
-compute_policy_loss_cispo = _KIND_ADAPTERS["cispo"]
-compute_policy_loss_cispo.__doc__ = """verl's registered ``"cispo"`` loss: ``(pg_loss, metrics)``.
+    return kind_loss("gpg", agg_loss, old_log_prob, log_prob, advantages, response_mask,
+                     loss_agg_mode, config, rollout_is_weights)
 
-    ``−sg(clip(r, 1 − clip_ratio_low, 1 + clip_ratio_high))·A·log π`` per token, aggregated with
-    ``loss_agg_mode``. Metrics ``actor/pg_clipfrac`` (the weight is clipped), ``actor/ppo_kl``,
-    ``actor/pg_clipfrac_lower`` (0).
 
-    Difference: the log-ratio is clamped only above (at 20; verl: to [−20, 20]).
-
-    Example:
-        >>> import torch
-        >>> loss, m = compute_policy_loss_cispo(torch.zeros(1, 2), torch.tensor([[0.5, -1.0]]),
-        ...     torch.ones(1, 2), torch.ones(1, 2), config={"clip_ratio": 0.2})
-        >>> round(loss.item(), 4), m["actor/pg_clipfrac"]
-        (0.1, 1.0)
-    """
-compute_policy_loss_clip_cov = _KIND_ADAPTERS["clip_cov"]
-compute_policy_loss_clip_cov.__doc__ = """verl's registered ``"clip_cov"`` loss: ``(pg_loss,
+def compute_policy_loss_clip_cov(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights: torch.Tensor | None = None,
+):
+    """verl's registered ``"clip_cov"`` loss: ``(pg_loss,
     metrics)``.
 
     PPO's clipped loss (no dual clip), set to 0 on a random set of ``max(⌊clip_cov_ratio·N⌋,
@@ -589,8 +602,20 @@ compute_policy_loss_clip_cov.__doc__ = """verl's registered ``"clip_cov"`` loss:
         >>> loss, m["actor/pg_clipfrac"]
         (tensor(-1.), 0.0)
     """
-compute_policy_loss_kl_cov = _KIND_ADAPTERS["kl_cov"]
-compute_policy_loss_kl_cov.__doc__ = """verl's registered ``"kl_cov"`` loss: ``(pg_loss, metrics)``.
+    return kind_loss("clip_cov", agg_loss, old_log_prob, log_prob, advantages, response_mask,
+                     loss_agg_mode, config, rollout_is_weights)
+
+
+def compute_policy_loss_kl_cov(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights: torch.Tensor | None = None,
+):
+    """verl's registered ``"kl_cov"`` loss: ``(pg_loss, metrics)``.
 
     ``−A·r`` per token plus ``ppo_kl_coef·|log r|`` on the ``max(⌊kl_cov_ratio·N⌋, 1)`` response
     tokens of largest centred covariance (``config.policy_loss``; verl's fallbacks 2e-4 and 1.0
@@ -606,8 +631,20 @@ compute_policy_loss_kl_cov.__doc__ = """verl's registered ``"kl_cov"`` loss: ``(
         >>> round(m["actor/ppo_kl"], 4)
         0.25
     """
-compute_policy_loss_geo_mean = _KIND_ADAPTERS["geo_mean"]
-compute_policy_loss_geo_mean.__doc__ = """verl's registered ``"geo_mean"`` loss (GMPO):
+    return kind_loss("kl_cov", agg_loss, old_log_prob, log_prob, advantages, response_mask,
+                     loss_agg_mode, config, rollout_is_weights)
+
+
+def compute_policy_loss_geo_mean(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights: torch.Tensor | None = None,
+):
+    """verl's registered ``"geo_mean"`` loss (GMPO):
     ``(pg_loss, metrics)``.
 
     ``−Ā_i·R_i`` per row, ``R_i`` the geometric mean of the row's ratios clipped
@@ -628,10 +665,50 @@ compute_policy_loss_geo_mean.__doc__ = """verl's registered ``"geo_mean"`` loss 
         >>> round(loss.item(), 4)
         -1.1052
     """
+    return kind_loss("geo_mean", agg_loss, old_log_prob, log_prob, advantages, response_mask,
+                     loss_agg_mode, config, rollout_is_weights)
+
+
+def compute_policy_loss_cispo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights: torch.Tensor | None = None,
+):
+    """verl's registered ``"cispo"`` loss: ``(pg_loss, metrics)``.
+
+    ``−sg(clip(r, 1 − clip_ratio_low, 1 + clip_ratio_high))·A·log π`` per token, aggregated with
+    ``loss_agg_mode``. Metrics ``actor/pg_clipfrac`` (the weight is clipped), ``actor/ppo_kl``,
+    ``actor/pg_clipfrac_lower`` (0).
+
+    Difference: the log-ratio is clamped only above (at 20; verl: to [−20, 20]).
+
+    Example:
+        >>> import torch
+        >>> loss, m = compute_policy_loss_cispo(torch.zeros(1, 2), torch.tensor([[0.5, -1.0]]),
+        ...     torch.ones(1, 2), torch.ones(1, 2), config={"clip_ratio": 0.2})
+        >>> round(loss.item(), 4), m["actor/pg_clipfrac"]
+        (0.1, 1.0)
+    """
+    return kind_loss("cispo", agg_loss, old_log_prob, log_prob, advantages, response_mask,
+                     loss_agg_mode, config, rollout_is_weights)
+
 
 #: verl's registered policy-loss names -> adapters (verl's ``dppo_tv``, ``dppo_kl``, ``dro``
 #: and ``bypass_mode`` have no rlops kind and are not listed).
-POLICY_LOSS_REGISTRY = {"vanilla": compute_policy_loss_vanilla, **_KIND_ADAPTERS}
+POLICY_LOSS_REGISTRY = {
+    "vanilla": compute_policy_loss_vanilla,
+    "gspo": compute_policy_loss_gspo,
+    "sapo": compute_policy_loss_sapo,
+    "gpg": compute_policy_loss_gpg,
+    "clip_cov": compute_policy_loss_clip_cov,
+    "kl_cov": compute_policy_loss_kl_cov,
+    "geo_mean": compute_policy_loss_geo_mean,
+    "cispo": compute_policy_loss_cispo,
+}
 
 
 def get_policy_loss_fn(name: str):
@@ -678,7 +755,7 @@ def compute_value_loss(
     check_same_shape("vpreds", vpreds, returns=returns, values=values)
     mask = _response_mask(response_mask, "vpreds", vpreds)
     clip = check_positive("cliprange_value", cliprange_value)
-    check_choice("loss_agg_mode", loss_agg_mode, _LOSS_AGG_MODES)
+    check_choice("loss_agg_mode", loss_agg_mode, AGG_MODES)
     half_mat, metrics = rlops.value_loss(vpreds, values, returns, mask, clip=clip, agg=None)
     loss = agg_loss(half_mat, mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size,
                     loss_scale_factor)

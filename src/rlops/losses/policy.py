@@ -15,7 +15,7 @@ from rlops.losses._common import constant
 from rlops.losses.aggregation import _check_agg, _check_normalisers, _loss_and_metrics
 from rlops.losses.kinds import POLICY_KINDS, check_options, token_losses
 
-__all__ = ["POLICY_KINDS", "policy_loss"]
+__all__ = ["POLICY_KINDS", "policy_loss", "row_geometric_mean"]
 
 
 def policy_loss(
@@ -161,3 +161,32 @@ def policy_loss(
         loss_mat = loss_mat * torch.where(keep, rollout_is_weights.to(dtype), 0)
     return _loss_and_metrics(loss_mat, keep, agg, loss_scale_factor, dtype, num_tokens,
                              num_seqs, group, sums)
+
+
+def row_geometric_mean(
+    weights: torch.Tensor, keep: torch.Tensor, *, eps: float = 0.0
+) -> torch.Tensor:
+    """Per row, the geometric mean of ``weights + eps`` over the row's action tokens, repeated
+    along the row: ``exp(Σ_t m·log(w + eps) / max(Σ_t m, 1))`` (1 for a row with no action
+    token). A row-level ``rollout_is_weights`` for :func:`policy_loss` made from per-token
+    weights (verl's geo_mean loss reads them so, with ``eps = 1e-10``).
+
+    Args:
+        weights: ``[B, T]`` non-negative floating weights, read detached (checked by the
+            caller, as ``policy_loss`` checks ``rollout_is_weights``).
+        keep: ``[B, T]`` bool action mask; entries off it are never read.
+        eps: added to every weight before its logarithm (``0``: a zero weight makes its row 0).
+
+    Returns:
+        ``[B, T]`` detached, in ``weights``' dtype (computed in float32 for half weights).
+
+    Example:
+        >>> import torch
+        >>> keep = torch.tensor([[True, True, False]])
+        >>> row_geometric_mean(torch.tensor([[1.0, 4.0, 9.0]]), keep)
+        tensor([[2., 2., 2.]])
+    """
+    w = weights.detach().to(compute_dtype(weights.dtype))
+    log_w = torch.where(keep, torch.log(torch.where(keep, w, 1) + eps), 0)
+    row = log_w.sum(-1, keepdim=True) / keep.sum(-1, keepdim=True).to(w.dtype).clamp_min(1)
+    return torch.exp(row).expand_as(weights).to(weights.dtype)
