@@ -1,0 +1,189 @@
+"""Every public function, and the adapters' hot functions, under ``torch.compile``.
+
+Each one is compiled with ``fullgraph=True`` and the default Inductor backend on CPU, run
+forward and backward, and compared with eager: both the compiled and the eager float32 results
+are measured against an eager float64 run, and the compiled one must be within the rule of
+``tests/tolerances.py`` (at most twice the eager float32 error plus a few ulps). Outputs that
+are not floating point (masks, counts) must be equal.
+
+``dynamic=True``: the ``[B, T]`` functions are called at four lengths; after the first call,
+three new lengths may cost at most one recompile (Dynamo's frame counters).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import pytest
+import torch
+from tests.tolerances import assert_within_reference
+
+import rlops
+from rlops.compat import slime, verl
+
+pytestmark = pytest.mark.slow
+
+
+@functools.cache
+def _inputs(b: int, t: int, v: int = 11, h: int = 6, seed: int = 0) -> dict[str, torch.Tensor]:
+    """float64 inputs; masks, dones, ids and targets as integers or booleans."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    mask = torch.rand(b, t, generator=g) > 0.25
+    mask[:, 0] = True
+    dones = torch.zeros(b, t, dtype=torch.bool)
+    dones[0, t // 2] = True
+    return {
+        "r": rand(b, t), "v": rand(b, t), "kl": rand(b, t).abs(), "x": rand(b, t),
+        "logp": -rand(b, t).abs(), "old": -rand(b, t).abs(), "adv": rand(b, t),
+        "decay": torch.rand(b, t, generator=g, dtype=torch.float64),
+        "score": rand(b), "index": torch.arange(b) // 2,
+        "mask": mask, "dones": dones,
+        "logits": rand(b, t, v) * 2, "target": torch.randint(0, v, (b, t), generator=g),
+        "hidden": rand(b * t, h), "weight": rand(v, h) / 2,
+    }
+
+
+# name -> (function of the inputs dict, names of the inputs the backward differentiates)
+Case = tuple[Callable[[dict], object], tuple[str, ...]]
+CASES: dict[str, Case] = {
+    "aggregate_loss": (lambda d: rlops.aggregate_loss(d["x"], d["mask"], "seq-mean-token-mean"),
+                       ("x",)),
+    "discounted_cumsum": (lambda d: rlops.discounted_cumsum(d["x"], d["decay"]), ("x",)),
+    "discounted_returns": (lambda d: rlops.discounted_returns(
+        d["r"], gamma=0.99, mask=d["mask"], dones=d["dones"]), ("r",)),
+    "entropy_loss": (lambda d: rlops.entropy_loss(d["x"], d["mask"], coef=0.01), ("x",)),
+    "gae": (lambda d: rlops.gae(d["r"], d["v"], gamma=0.99, lam=0.95, mask=d["mask"],
+                                dones=d["dones"]), ("r", "v")),
+    "gpg_advantages": (lambda d: rlops.gpg_advantages(d["score"], d["index"], d["mask"]),
+                       ("score",)),
+    "grpo_advantages": (lambda d: rlops.grpo_advantages(d["score"], d["index"], d["mask"]),
+                        ("score",)),
+    "grpo_passk_advantages": (lambda d: rlops.grpo_passk_advantages(
+        d["score"], d["index"], d["mask"]), ("score",)),
+    "kl_penalty": (lambda d: rlops.kl_penalty(d["logp"], d["old"], "low_var_kl"), ("logp",)),
+    "linear_logprobs_and_entropy": (lambda d: rlops.linear_logprobs_and_entropy(
+        d["hidden"], d["weight"], d["target"].reshape(-1)), ("hidden", "weight")),
+    "logprobs_and_entropy": (lambda d: rlops.logprobs_and_entropy(d["logits"], d["target"]),
+                             ("logits",)),
+    "masked_mean": (lambda d: rlops.masked_mean(d["x"], d["mask"]), ("x",)),
+    "masked_var": (lambda d: rlops.masked_var(d["x"], d["mask"]), ("x",)),
+    "masked_whiten": (lambda d: rlops.masked_whiten(d["x"], d["mask"]), ("x",)),
+    "opo_advantages": (lambda d: rlops.opo_advantages(d["score"], d["index"], d["mask"]),
+                       ("score",)),
+    "policy_loss": (lambda d: rlops.policy_loss(d["logp"], d["old"], d["adv"], d["mask"],
+                                                dual_clip=3.0), ("logp",)),
+    "reinforce_plus_plus_baseline_advantages": (
+        lambda d: rlops.reinforce_plus_plus_baseline_advantages(
+            d["score"], d["index"], d["mask"]), ("score",)),
+    "reinforce_plus_plus_returns": (lambda d: rlops.reinforce_plus_plus_returns(
+        d["score"], d["kl"], d["mask"], kl_coef=0.1, gamma=1.0), ("score", "kl")),
+    "remax_advantages": (lambda d: rlops.remax_advantages(d["r"], d["score"], d["mask"]),
+                         ("r",)),
+    "rloo_advantages": (lambda d: rlops.rloo_advantages(d["score"], d["index"], d["mask"]),
+                        ("score",)),
+    "rollout_importance_weights": (lambda d: rlops.rollout_importance_weights(
+        d["old"], d["logp"], d["mask"], level="sequence", mode="mask", low=0.5), ()),
+    "rollout_mismatch_metrics": (lambda d: rlops.rollout_mismatch_metrics(
+        d["old"], d["logp"], d["mask"]), ()),
+    "rollout_rejection_mask": (lambda d: rlops.rollout_rejection_mask(
+        d["old"], d["logp"], d["mask"], {"token_k1": 2.0, "seq_mean_k3": 0.5}), ()),
+    "value_loss": (lambda d: rlops.value_loss(d["v"], d["old"], d["r"], d["mask"], clip=0.2),
+                   ("v",)),
+    # the adapters' hot functions
+    "slime.chunked_gae": (lambda d: slime.chunked_gae(d["r"], d["v"], 0.99, 0.95), ("r", "v")),
+    "slime.get_reinforce_plus_plus_returns": (lambda d: slime.get_reinforce_plus_plus_returns(
+        list(d["score"]), list(d["kl"]), list(d["mask"].to(torch.int64)),
+        [d["kl"].shape[1]] * d["kl"].shape[0], [d["kl"].shape[1]] * d["kl"].shape[0],
+        kl_coef=0.1, gamma=1.0), ("kl",)),
+    "slime.calculate_log_probs_and_entropy": (lambda d: slime.calculate_log_probs_and_entropy(
+        d["logits"][0], d["target"][0], None, with_entropy=True), ("logits",)),
+    "verl.compute_gae_advantage_return": (lambda d: verl.compute_gae_advantage_return(
+        d["r"], d["v"], d["mask"].to(d["r"].dtype), 0.99, 0.95), ()),
+    "verl.agg_loss": (lambda d: verl.agg_loss(d["x"], d["mask"].to(d["x"].dtype),
+                                              "seq-mean-token-sum-norm"), ("x",)),
+}
+CASES.update({
+    f"verl.{name}": (lambda d, fn=fn: fn(d["old"], d["logp"], d["adv"],
+                                         d["mask"].to(d["logp"].dtype), "token-mean", None),
+                     ("logp",))
+    for name, fn in verl.POLICY_LOSS_REGISTRY.items()
+})
+
+
+def _tensors(out: object) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [t for k in sorted(out) for t in _tensors(out[k])]
+    if isinstance(out, (tuple, list)):
+        return [t for part in out for t in _tensors(part)]
+    return []  # None, Python numbers
+
+
+def _run(fn: Callable[[dict], object], d64: dict, grads: tuple[str, ...], dtype: torch.dtype,
+         compiled: bool) -> list[torch.Tensor]:
+    """Outputs, then the gradients of a fixed random weighting of the float outputs."""
+    d = {k: (v.to(dtype).requires_grad_(k in grads) if v.is_floating_point() else v)
+         for k, v in d64.items()}
+    outs = _tensors((torch.compile(fn, fullgraph=True) if compiled else fn)(d))
+    results = [o.detach() for o in outs]
+    live = [o for o in outs if o.requires_grad]
+    if grads:
+        assert live, "no output carries a gradient"
+        g = torch.Generator().manual_seed(1)
+        total = sum((o * torch.randn(o.shape, generator=g, dtype=o.dtype)).sum() for o in live)
+        results += list(torch.autograd.grad(total, [d[k] for k in grads], allow_unused=True))
+    return results
+
+
+def _compare(name: str, compiled: list, eager: list, eager64: list) -> None:
+    assert len(compiled) == len(eager) == len(eager64), name
+    for i, (c, e, e64) in enumerate(zip(compiled, eager, eager64, strict=True)):
+        what = f"{name} output {i}"
+        if e is None:
+            assert c is None, what
+        elif not e.is_floating_point():
+            assert torch.equal(c, e), what
+        else:
+            assert c.dtype == e.dtype and c.shape == e.shape, what
+            assert_within_reference(what, c, e64.double(), e)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fullgraph_forward_and_backward_equal_eager(name):
+    torch._dynamo.reset()
+    fn, grads = CASES[name]
+    d64 = _inputs(4, 37)
+    eager64 = _run(fn, d64, grads, torch.float64, compiled=False)
+    eager = _run(fn, d64, grads, torch.float32, compiled=False)
+    compiled = _run(fn, d64, grads, torch.float32, compiled=True)
+    _compare(name, compiled, eager, eager64)
+
+
+DYNAMIC = ["discounted_cumsum", "gae", "discounted_returns", "reinforce_plus_plus_returns",
+           "logprobs_and_entropy", "policy_loss", "aggregate_loss", "masked_whiten"]
+
+
+@pytest.mark.parametrize("name", DYNAMIC)
+def test_three_new_lengths_cost_at_most_one_recompile(name):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    fn, _ = CASES[name]
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    results = []
+    for t in (16, 37, 64, 129):
+        d = {k: (v.float() if v.is_floating_point() else v) for k, v in _inputs(3, t).items()}
+        results.append((t, compiled(d), fn(d)))
+        if t == 16:
+            first = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] - first <= 1, dict(counters["stats"])
+    for t, c, e in results:
+        for a, b in zip(_tensors(c), _tensors(e), strict=True):
+            assert a.shape == b.shape, (name, t)
