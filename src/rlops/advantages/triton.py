@@ -31,7 +31,15 @@ import torch
 import triton
 import triton.language as tl
 
-from rlops.scan.triton import acc_dtype, block_carries, block_size, compose1, compose2, tl_dtype
+from rlops.scan.triton import (
+    acc_dtype,
+    block_carries,
+    block_size,
+    cast_to,
+    compose1,
+    compose2,
+    tl_dtype,
+)
 
 __all__ = ["gae_triton", "reinforce_returns_triton"]
 
@@ -76,7 +84,7 @@ def _estimator_block(
             a_in = tl.load(carry_ptr + cell).to(ACC)
             y = c + p * tl.where(p == 0, 0.0, a_in)
             y = tl.where(act, y, zero)
-            tl.store(ret_ptr + base + t, y.to(ret_ptr.dtype.element_ty), mask=ok)
+            tl.store(ret_ptr + base + t, cast_to(y, ret_ptr.dtype.element_ty), mask=ok)
         else:
             tl.store(summ_ptr + cell, _first(p, i, BLOCK))
             tl.store(summ_ptr + plane + cell, _first(c, i, BLOCK))
@@ -92,7 +100,7 @@ def _estimator_block(
             e = tl.where(act, v, zero)
         else:  # REINFORCE++ returns: (G, O = the outcome until the last action token)
             ck = tl.load(ck_ptr).to(ACC)
-            tok = (ck * r.to(ACC)).to(r_ptr.dtype.element_ty).to(ACC)
+            tok = cast_to(ck * r.to(ACC), r_ptr.dtype.element_ty).to(ACC)
             p = tl.where(act, gamma, one)
             q = tl.where(act, one, zero)
             s = tl.where(act, zero, one)
@@ -105,11 +113,11 @@ def _estimator_block(
             a = c + p * tl.where(p == 0, 0.0, a_in) + q * tl.where(q == 0, 0.0, w_in)
             adv = tl.where(act, a, zero)
             if MODE == 2:
-                tl.store(adv_ptr + base + t, adv.to(adv_ptr.dtype.element_ty), mask=ok)
+                tl.store(adv_ptr + base + t, cast_to(adv, adv_ptr.dtype.element_ty), mask=ok)
                 ret = tl.where(act, v + a, zero)
-                tl.store(ret_ptr + base + t, ret.to(ret_ptr.dtype.element_ty), mask=ok)
+                tl.store(ret_ptr + base + t, cast_to(ret, ret_ptr.dtype.element_ty), mask=ok)
             else:
-                tl.store(ret_ptr + base + t, adv.to(ret_ptr.dtype.element_ty), mask=ok)
+                tl.store(ret_ptr + base + t, cast_to(adv, ret_ptr.dtype.element_ty), mask=ok)
         else:
             tl.store(summ_ptr + cell, _first(p, i, BLOCK))
             tl.store(summ_ptr + plane + cell, _first(q, i, BLOCK))

@@ -44,6 +44,7 @@ __all__ = [
     "acc_dtype",
     "block_carries",
     "block_size",
+    "cast_to",
     "compose1",
     "compose2",
     "reverse_scan",
@@ -74,6 +75,18 @@ def compose2(p2, q2, s2, c2, e2, p1, q1, s1, c1, e1):
 
 
 @triton.jit
+def cast_to(v, ty: tl.constexpr):
+    """``v`` in ``ty``, rounded to nearest even. bfloat16 is rounded on the bits (what the
+    hardware conversion does; the interpreter's conversion truncates)."""
+    if ty == tl.bfloat16:
+        bits = v.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = bits + (0x7FFF + ((bits >> 16) & 1))
+        out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.where(v != v, v.to(tl.float32).to(tl.bfloat16), out)  # NaN stays NaN
+    return v.to(ty)
+
+
+@triton.jit
 def _first(v, i, BLOCK: tl.constexpr):
     # the value at scan position BLOCK - 1 (the earliest time of the block): exact, NaN-safe
     return tl.sum(tl.where(i == BLOCK - 1, v, 0.0), axis=0)
@@ -100,7 +113,7 @@ def _scan_block(
     if FINAL:
         y_in = tl.load(carry_ptr + cell).to(ACC)
         y = c + p * tl.where(p == 0, 0.0, y_in)
-        tl.store(y_ptr + base + t, y.to(y_ptr.dtype.element_ty), mask=ok)
+        tl.store(y_ptr + base + t, cast_to(y, y_ptr.dtype.element_ty), mask=ok)
     else:
         tl.store(summ_ptr + cell, _first(p, i, BLOCK))
         tl.store(summ_ptr + B * NB + cell, _first(c, i, BLOCK))
