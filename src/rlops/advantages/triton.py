@@ -1,0 +1,235 @@
+"""GAE, discounted returns and REINFORCE++ returns as Triton kernels (CUDA; CPU tensors under
+``TRITON_INTERPRET=1``), each one kernel over the inputs with the rules of
+:mod:`rlops.advantages.masking` applied token by token.
+
+Every estimator is a reverse scan of per-token affine maps on a state of one or two numbers,
+composed with :func:`rlops.scan.triton.compose1` / :func:`rlops.scan.triton.compose2` and run
+by the two-level scheme of :mod:`rlops.scan.triton` (block maps, a scan over blocks, the
+blocks again with their carries):
+
+* discounted returns, state ``G``: an action token ``G ← r + γ·G``; a mask-0 token passes
+  ``G`` through; a done replaces it by 0 (``G ← r`` or ``0``);
+* GAE, state ``(A, W)``, ``W`` the value of the next action token: an action token
+  ``(A, W) ← ((r − V) + γλ·A + γ·W, V)``, a mask-0 token passes both through, a done cuts
+  both before the token is applied. The TD residual ``δ = r + γ·W − V`` is thus not rounded
+  on its own (``r − V`` is, then the products are added);
+* REINFORCE++ returns, state ``(G, O)`` starting from ``(0, outcome)``: an action token
+  ``(G, O) ← (r_kl + γ·G + O, 0)`` with ``r_kl = −kl_coef·kl`` rounded in the input dtype, so
+  the outcome lands on the row's last action token, the first one met walking back.
+
+Block summaries are five numbers per block and row for the two-number states (the same five
+the context-parallel GAE exchanges per chunk), two for returns. Zero discounts and dones are
+exact cuts (selected, never multiplied), so NaN past a done never reaches earlier tokens.
+Rows whose inputs are half precision accumulate in float32; float64 in float64.
+
+Forward only: where a gradient is needed, the chunked path keeps it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rlops.scan.triton import (
+    acc_dtype,
+    block_carries,
+    block_size,
+    cast_to,
+    compose1,
+    compose2,
+    tl_dtype,
+)
+
+__all__ = ["gae_triton", "reinforce_returns_triton"]
+
+RETURNS, GAE, RPP = 1, 2, 3
+
+
+@triton.jit
+def _first(v, i, BLOCK: tl.constexpr):
+    return tl.sum(tl.where(i == BLOCK - 1, v, 0.0), axis=0)
+
+
+@triton.jit
+def _estimator_block(
+    r_ptr, v_ptr, m_ptr, d_ptr, g_ptr, gl_ptr, ck_ptr, adv_ptr, ret_ptr, summ_ptr, carry_ptr,
+    B, T, NB,
+    MODE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DONES: tl.constexpr,
+    FINAL: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    i = tl.arange(0, BLOCK)
+    t = blk * BLOCK + (BLOCK - 1 - i)  # scan order: the latest time first
+    ok = t < T
+    base = row.to(tl.int64) * T
+    act = ok
+    if HAS_MASK:
+        act = act & (tl.load(m_ptr + base + t, mask=ok, other=0) != 0)
+    done = t < 0
+    if HAS_DONES:
+        done = ok & (tl.load(d_ptr + base + t, mask=ok, other=0) != 0)
+    r = tl.load(r_ptr + base + t, mask=act, other=0.0)
+    gamma = tl.load(g_ptr + row).to(ACC)
+    zero = tl.zeros([BLOCK], ACC)
+    one = zero + 1.0
+    cell = row.to(tl.int64) * NB + blk
+    plane = B * NB
+    if MODE == 1:  # discounted returns: one number of state
+        p = tl.where(done, zero, tl.where(act, gamma, one))
+        c = tl.where(act, r.to(ACC), zero)
+        p, c = tl.associative_scan((p, c), 0, compose1)
+        if FINAL:
+            a_in = tl.load(carry_ptr + cell).to(ACC)
+            y = c + p * tl.where(p == 0, 0.0, a_in)
+            y = tl.where(act, y, zero)
+            tl.store(ret_ptr + base + t, cast_to(y, ret_ptr.dtype.element_ty), mask=ok)
+        else:
+            tl.store(summ_ptr + cell, _first(p, i, BLOCK))
+            tl.store(summ_ptr + plane + cell, _first(c, i, BLOCK))
+    else:
+        if MODE == 2:  # GAE: (A, W = value of the next action token)
+            v = tl.load(v_ptr + base + t, mask=act, other=0.0).to(ACC)
+            gl = tl.load(gl_ptr + row).to(ACC)
+            keep = act & (done == 0)
+            p = tl.where(keep, gl, tl.where(act | done, zero, one))
+            q = tl.where(keep, gamma, zero)
+            s = tl.where(act | done, zero, one)
+            c = tl.where(act, r.to(ACC) - v, zero)
+            e = tl.where(act, v, zero)
+        else:  # REINFORCE++ returns: (G, O = the outcome until the last action token)
+            ck = tl.load(ck_ptr).to(ACC)
+            tok = cast_to(ck * r.to(ACC), r_ptr.dtype.element_ty).to(ACC)
+            p = tl.where(act, gamma, one)
+            q = tl.where(act, one, zero)
+            s = tl.where(act, zero, one)
+            c = tl.where(act, tok, zero)
+            e = zero
+        p, q, s, c, e = tl.associative_scan((p, q, s, c, e), 0, compose2)
+        if FINAL:
+            a_in = tl.load(carry_ptr + cell).to(ACC)
+            w_in = tl.load(carry_ptr + plane + cell).to(ACC)
+            a = c + p * tl.where(p == 0, 0.0, a_in) + q * tl.where(q == 0, 0.0, w_in)
+            adv = tl.where(act, a, zero)
+            if MODE == 2:
+                tl.store(adv_ptr + base + t, cast_to(adv, adv_ptr.dtype.element_ty), mask=ok)
+                ret = tl.where(act, v + a, zero)
+                tl.store(ret_ptr + base + t, cast_to(ret, ret_ptr.dtype.element_ty), mask=ok)
+            else:
+                tl.store(ret_ptr + base + t, cast_to(adv, ret_ptr.dtype.element_ty), mask=ok)
+        else:
+            tl.store(summ_ptr + cell, _first(p, i, BLOCK))
+            tl.store(summ_ptr + plane + cell, _first(q, i, BLOCK))
+            tl.store(summ_ptr + 2 * plane + cell, _first(s, i, BLOCK))
+            tl.store(summ_ptr + 3 * plane + cell, _first(c, i, BLOCK))
+            tl.store(summ_ptr + 4 * plane + cell, _first(e, i, BLOCK))
+
+
+def _run(mode, r, v, mask, dones, gamma, gamma_lam, ck, init, adv, ret, block_t):
+    b, t_len = r.shape
+    if b == 0 or t_len == 0:
+        return
+    acc = init.dtype
+    block = block_size(b, t_len, block_t)
+    nb = triton.cdiv(t_len, block)
+    two = mode != RETURNS
+    dummy = ret
+    ptrs = (
+        r,
+        dummy if v is None else v,
+        dummy if mask is None else mask,
+        dummy if dones is None else dones,
+        gamma,
+        gamma if gamma_lam is None else gamma_lam,
+        gamma if ck is None else ck,
+        dummy if adv is None else adv,
+        ret,
+    )
+    flags = dict(
+        MODE=mode,
+        HAS_MASK=mask is not None,
+        HAS_DONES=dones is not None,
+        BLOCK=block,
+        ACC=tl_dtype(acc),
+        num_warps=4,
+    )
+    if nb == 1:
+        carries = init.reshape(init.shape[0], b, 1)
+    else:
+        summ = torch.empty((5 if two else 2, b, nb), dtype=acc, device=r.device)
+        _estimator_block[(b, nb)](*ptrs, summ, summ, b, t_len, nb, FINAL=False, **flags)
+        carries = block_carries(summ, init)
+    _estimator_block[(b, nb)](*ptrs, carries, carries, b, t_len, nb, FINAL=True, **flags)
+
+
+def _indicator(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A mask or dones as a contiguous bool tensor (read as bytes by the kernels)."""
+    return None if t is None else t.bool().contiguous()
+
+
+def gae_triton(
+    rewards: torch.Tensor,
+    values: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    dones: torch.Tensor | None,
+    gamma: torch.Tensor,
+    gamma_lam: torch.Tensor,
+    *,
+    block_t: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE in one kernel; with ``values=None``, discounted returns (``gamma_lam`` unused).
+
+    ``rewards`` / ``values`` ``[N, T]`` (any float dtype, read as they are); ``mask`` /
+    ``dones`` ``[N, T]`` bool or 0/1, or None; ``gamma`` / ``gamma_lam`` ``[N]``, rounded to
+    the carry dtype (float32, float64 for float64 inputs). Returns ``(advantages, returns)``
+    in the promoted dtype of the inputs, 0 on mask-0 tokens; without values both are the
+    same tensor. Same semantics as :func:`rlops.advantages.reference.gae_reference`.
+    """
+    r = rewards.contiguous()
+    n, t_len = r.shape
+    dtypes = (r.dtype,) if values is None else (r.dtype, values.dtype)
+    acc = acc_dtype(*dtypes)
+    out_dtype = r.dtype if values is None else torch.promote_types(r.dtype, values.dtype)
+    g = gamma.reshape(-1).expand(n).to(acc).contiguous()
+    ret = torch.empty((n, t_len), dtype=out_dtype, device=r.device)
+    if values is None:
+        init = torch.zeros((1, n), dtype=acc, device=r.device)
+        _run(RETURNS, r, None, _indicator(mask), _indicator(dones), g, None, None, init, None,
+             ret, block_t)  # fmt: skip
+        return ret, ret
+    v = values.contiguous()
+    gl = gamma_lam.reshape(-1).expand(n).to(acc).contiguous()
+    adv = torch.empty_like(ret)
+    init = torch.zeros((2, n), dtype=acc, device=r.device)
+    _run(GAE, r, v, _indicator(mask), _indicator(dones), g, gl, None, init, adv, ret, block_t)
+    return adv, ret
+
+
+def reinforce_returns_triton(
+    kl: torch.Tensor,
+    outcome: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    gamma: torch.Tensor,
+    *,
+    block_t: int | None = None,
+) -> torch.Tensor:
+    """REINFORCE++ returns in one kernel from the KL, the outcome and the mask.
+
+    ``kl`` ``[N, T]``, ``outcome`` ``[N]``, ``mask`` ``[N, T]`` bool or 0/1, ``gamma`` ``[N]``.
+    The token reward ``−kl_coef·kl[t]`` is rounded in ``kl``'s dtype; the outcome is added on
+    each row's last action token (rows without one get 0s). Returns ``[N, T]`` in the promoted
+    dtype of ``kl`` and ``outcome``, 0 on mask-0 tokens, as
+    :func:`rlops.reinforce_plus_plus_returns`.
+    """
+    out_dtype = torch.promote_types(kl.dtype, outcome.dtype)
+    k = kl.to(out_dtype).contiguous()
+    n, t_len = k.shape
+    acc = acc_dtype(out_dtype)
+    ret = torch.empty((n, t_len), dtype=out_dtype, device=k.device)
+    g = gamma.reshape(-1).expand(n).to(acc).contiguous()
+    ck = torch.tensor([-kl_coef], dtype=acc, device=k.device)
+    init = torch.stack([torch.zeros(n, dtype=acc, device=k.device), outcome.to(acc).reshape(n)])
+    _run(RPP, k, None, _indicator(mask), None, g, None, ck, init, None, ret, block_t)
+    return ret

@@ -1,0 +1,326 @@
+"""The discounted reverse scan as Triton kernels (CUDA; CPU tensors under ``TRITON_INTERPRET=1``).
+
+    y[t] = x[t] + a[t] * y[t+1],        y[T] = y_boot (default 0)
+
+Each step is the affine map ``f_t(y) = x[t] + a[t]·y``; maps compose associatively,
+``(a, x) ∘ (a', x') = (a·a', x + a·x')`` (the earlier step applied after the later one), so a
+block of time reduces to one map. Rows and blocks of time are independent programs (a
+two-level scan, so that one long row fills the device):
+
+1. every ``(row, block)`` program scans its block with ``tl.associative_scan`` (time indices
+   flipped, so the scan runs forward over the reversed block) and writes the block's map: its
+   decay product and its head value (two numbers);
+2. one program per row scans the block maps (shifted by one block) and applies them to
+   ``y_boot``: the value entering each block from the right;
+3. every ``(row, block)`` program scans its block again and applies the carry.
+
+The inputs are read twice and the output written once; nothing ``[B, T]``-sized is written
+but ``y``. :func:`compose2` is the same machinery for a two-number state
+(``A' = c + p·A + q·W``, ``W' = e + s·W``), on which :mod:`rlops.advantages.triton` builds GAE
+and REINFORCE++ returns in one kernel each.
+
+A decay of exactly 0 is an exact cut: every product of a coefficient with a value *selects*
+the value away where the coefficient is 0 (``p·where(p == 0, 0, y)``), so NaN or inf beyond a
+cut never reaches earlier tokens. Carries are float32 (float64 for float64 inputs); half
+inputs are read, accumulated in float32 and written back in their dtype.
+
+Backward (:class:`ReverseScan`): the adjoint of a reverse scan is the same scan forward in
+time, ``gx[t] = g[t] + a[t-1]·gx[t-1]``, run by these kernels on the time-reversed gradient
+with the decays shifted one step; ``ga[t] = gx[t]·y[t+1]`` (0 at a cut, as on the other
+paths), and ``g_boot = gx[T-1]·a[T-1]``.
+
+Not exported: the dispatch of :mod:`rlops.scan` and :mod:`rlops.advantages` decides when
+these run.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "ReverseScan",
+    "acc_dtype",
+    "block_carries",
+    "block_size",
+    "cast_to",
+    "compose1",
+    "compose2",
+    "reverse_scan",
+]
+
+# Rows x blocks of time to have in flight before blocks get large (an H100 has 132 SMs).
+_MIN_PROGRAMS = 1024
+_MAX_BLOCK = 1024
+_MIN_BLOCK = 256
+_CARRY_BLOCK = 1024
+
+
+@triton.jit
+def compose1(p2, c2, p1, c1):
+    """``(p1, c1) ∘ (p2, c2)``: step 1 (earlier) after step 2 (later, accumulated)."""
+    return p1 * p2, c1 + p1 * tl.where(p1 == 0, 0.0, c2)
+
+
+@triton.jit
+def compose2(p2, q2, s2, c2, e2, p1, q1, s1, c1, e1):
+    """Two-number state ``(A, W) ↦ (c + p·A + q·W, e + s·W)``: map 1 (earlier) after map 2."""
+    p = p1 * p2
+    q = p1 * q2 + q1 * s2
+    s = s1 * s2
+    c = c1 + p1 * tl.where(p1 == 0, 0.0, c2) + q1 * tl.where(q1 == 0, 0.0, e2)
+    e = e1 + s1 * tl.where(s1 == 0, 0.0, e2)
+    return p, q, s, c, e
+
+
+@triton.jit
+def cast_to(v, ty: tl.constexpr):
+    """``v`` in ``ty``, rounded to nearest even. bfloat16 is rounded on the bits (what the
+    hardware conversion does; the interpreter's conversion truncates)."""
+    if ty == tl.bfloat16:
+        bits = v.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = bits + (0x7FFF + ((bits >> 16) & 1))
+        out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.where(v != v, v.to(tl.float32).to(tl.bfloat16), out)  # NaN stays NaN
+    return v.to(ty)
+
+
+@triton.jit
+def _first(v, i, BLOCK: tl.constexpr):
+    # the value at scan position BLOCK - 1 (the earliest time of the block): exact, NaN-safe
+    return tl.sum(tl.where(i == BLOCK - 1, v, 0.0), axis=0)
+
+
+@triton.jit
+def _scan_block(
+    x_ptr, a_ptr, y_ptr, summ_ptr, carry_ptr, B, T, NB,
+    PER_TOKEN: tl.constexpr, FINAL: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    i = tl.arange(0, BLOCK)
+    t = blk * BLOCK + (BLOCK - 1 - i)  # scan order: the latest time first
+    ok = t < T
+    base = row.to(tl.int64) * T
+    x = tl.load(x_ptr + base + t, mask=ok, other=0.0).to(ACC)
+    if PER_TOKEN:
+        a = tl.load(a_ptr + base + t, mask=ok, other=1.0).to(ACC)
+    else:
+        a = tl.where(ok, tl.load(a_ptr + row).to(ACC), 1.0)
+    p, c = tl.associative_scan((a, x), 0, compose1)
+    cell = row.to(tl.int64) * NB + blk
+    if FINAL:
+        y_in = tl.load(carry_ptr + cell).to(ACC)
+        y = c + p * tl.where(p == 0, 0.0, y_in)
+        tl.store(y_ptr + base + t, cast_to(y, y_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(summ_ptr + cell, _first(p, i, BLOCK))
+        tl.store(summ_ptr + B * NB + cell, _first(c, i, BLOCK))
+
+
+@triton.jit
+def _carry_kernel(summ_ptr, init_ptr, carry_ptr, B, NB, TWO: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per row: the state entering each block from the right. Lane k composes the
+    # maps of blocks k+1 .. (end of tile) and applies them to the state entering the tile.
+    row = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    plane = B * NB
+    rb = row.to(tl.int64) * NB
+    a_in = tl.load(init_ptr + row)
+    w_in = a_in
+    if TWO:
+        w_in = tl.load(init_ptr + B + row)
+    for j in range(tl.cdiv(NB, BLOCK)):
+        k = NB - 1 - j * BLOCK - i
+        src = k + 1
+        ok = (src < NB) & (k >= 0)
+        p = tl.load(summ_ptr + rb + src, mask=ok, other=1.0)
+        if TWO:
+            q = tl.load(summ_ptr + plane + rb + src, mask=ok, other=0.0)
+            s = tl.load(summ_ptr + 2 * plane + rb + src, mask=ok, other=1.0)
+            c = tl.load(summ_ptr + 3 * plane + rb + src, mask=ok, other=0.0)
+            e = tl.load(summ_ptr + 4 * plane + rb + src, mask=ok, other=0.0)
+            p, q, s, c, e = tl.associative_scan((p, q, s, c, e), 0, compose2)
+            a = c + p * tl.where(p == 0, 0.0, a_in) + q * tl.where(q == 0, 0.0, w_in)
+            w = e + s * tl.where(s == 0, 0.0, w_in)
+            tl.store(carry_ptr + plane + rb + k, w, mask=k >= 0)
+            w_in = _first(w, i, BLOCK)
+        else:
+            c = tl.load(summ_ptr + plane + rb + src, mask=ok, other=0.0)
+            p, c = tl.associative_scan((p, c), 0, compose1)
+            a = c + p * tl.where(p == 0, 0.0, a_in)
+        tl.store(carry_ptr + rb + k, a, mask=k >= 0)
+        a_in = _first(a, i, BLOCK)
+
+
+def acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The carries' dtype: float64 if any input is float64, else float32."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def tl_dtype(dtype: torch.dtype):
+    """The Triton type of a float32 / float64 torch dtype."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def block_size(rows: int, t_len: int, block_t: int | None = None) -> int:
+    """Time steps per program: ``block_t`` (a power of two) if given, else 1024, halved down
+    to 256 while fewer than ~1024 programs would run (one long row still fills the device);
+    never more than ``t_len`` rounded up to a power of two (at least 16)."""
+    cap = max(16, triton.next_power_of_2(max(t_len, 1)))
+    if block_t is not None:
+        if block_t < 1 or block_t & (block_t - 1):
+            raise ValueError(f"block_t must be a power of two >= 1, got {block_t}")
+        return min(max(block_t, 16), cap)
+    block = _MAX_BLOCK
+    while block > _MIN_BLOCK and rows * triton.cdiv(t_len, block) < _MIN_PROGRAMS:
+        block //= 2
+    return min(block, cap)
+
+
+def block_carries(summaries: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
+    """The state entering every block from the right.
+
+    ``summaries``: ``[2, B, NB]`` block maps ``(p, c)`` or ``[5, B, NB]`` ``(p, q, s, c, e)``;
+    ``init``: ``[1, B]`` or ``[2, B]``, the state past the end of each row. Returns
+    ``[1 | 2, B, NB]`` in the summaries' dtype."""
+    _, b, nb = summaries.shape
+    two = summaries.shape[0] == 5
+    carries = torch.empty((2 if two else 1, b, nb), dtype=summaries.dtype, device=summaries.device)
+    if b == 0 or nb == 0:
+        return carries
+    if nb == 1:
+        return carries.copy_(init.unsqueeze(-1))
+    block = min(_CARRY_BLOCK, max(16, triton.next_power_of_2(nb)))
+    init = init.to(summaries.dtype).contiguous()
+    _carry_kernel[(b,)](summaries, init, carries, b, nb, TWO=two, BLOCK=block, num_warps=4)
+    return carries
+
+
+def _scan_forward(x, a, y_boot, block_t):
+    """``y`` for ``x`` ``[B, T]`` contiguous, ``a`` ``[B]`` or ``[B, T]`` contiguous (any float
+    dtype), ``y_boot`` ``[B]`` in the carry dtype; ``y`` in ``x``'s dtype."""
+    b, t_len = x.shape
+    y = torch.empty_like(x)
+    if b == 0 or t_len == 0:
+        return y
+    acc = acc_dtype(x.dtype, a.dtype)
+    per_token = a.dim() == 2
+    block = block_size(b, t_len, block_t)
+    nb = triton.cdiv(t_len, block)
+    common = dict(PER_TOKEN=per_token, BLOCK=block, ACC=tl_dtype(acc), num_warps=4)
+    if nb == 1:
+        carries = y_boot.reshape(1, b, 1)
+    else:
+        summ = torch.empty((2, b, nb), dtype=acc, device=x.device)
+        _scan_block[(b, nb)](x, a, y, summ, summ, b, t_len, nb, FINAL=False, **common)
+        carries = block_carries(summ, y_boot.reshape(1, b))
+    _scan_block[(b, nb)](x, a, y, carries, carries, b, t_len, nb, FINAL=True, **common)
+    return y
+
+
+def _canonical(x: torch.Tensor, a, y_boot):
+    """``(x [B, T], decay [B] or [B, T], y_boot [B] in the carry dtype)``, checked."""
+    if x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"x must be a floating [B, T] tensor, got {x.dtype} {list(x.shape)}")
+    b, t_len = x.shape
+    if isinstance(a, torch.Tensor):
+        if not a.is_floating_point():
+            raise TypeError(f"a must be a float or a floating tensor, got {a.dtype}")
+        shape = tuple(a.shape)
+        if shape in ((b,), (b, 1)) or (shape == (b, t_len) and t_len == 1):
+            dec = a.reshape(b)
+        elif shape == (b, t_len):
+            dec = a
+        else:
+            raise ValueError(
+                f"a must be a float, [B] or [B, 1] (per row) or [B, T] (per token) with "
+                f"[B, T] = {[b, t_len]}, got {list(shape)}"
+            )
+    else:
+        dec = torch.full((b,), float(a), dtype=acc_dtype(x.dtype), device=x.device)
+    acc = acc_dtype(x.dtype, dec.dtype)
+    if y_boot is None:
+        boot = torch.zeros(b, dtype=acc, device=x.device)
+    elif isinstance(y_boot, torch.Tensor):
+        if y_boot.numel() != b:
+            raise ValueError(f"y_boot must be [B] or [B, 1] with B = {b}, got {list(y_boot.shape)}")
+        boot = y_boot.reshape(b).to(acc)
+    else:
+        boot = torch.full((b,), float(y_boot), dtype=acc, device=x.device)
+    return x.contiguous(), dec.contiguous(), boot.contiguous()
+
+
+class ReverseScan(torch.autograd.Function):
+    """Autograd of the reverse scan; the backward is the adjoint scan forward in time.
+
+    ``forward(x [B, T], decay [B] | [B, T], y_boot [B], block_t)``; gradients for ``x``, a
+    tensor decay and ``y_boot``: ``gx[t] = g[t] + a[t-1]·gx[t-1]`` (this module's kernels on
+    the reversed time axis), ``ga[t] = gx[t]·y[t+1]`` (0 where ``a[t] = 0``: the cut selects
+    ``y[t+1]`` away, as the reference's autograd does), a per-row decay's gradient the row
+    sum of ``ga``, ``g_boot = gx[T-1]·a[T-1]``."""
+
+    @staticmethod
+    def forward(ctx, x, decay, y_boot, block_t):
+        y = _scan_forward(x, decay, y_boot, block_t)
+        ctx.block_t = block_t
+        ctx.save_for_backward(decay, y, y_boot)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        decay, y, y_boot = ctx.saved_tensors
+        b, t_len = y.shape
+        if t_len == 0:
+            return torch.zeros_like(g), None, torch.zeros_like(y_boot), None
+        per_token = decay.dim() == 2
+        acc = acc_dtype(g.dtype, decay.dtype)
+        if per_token:  # decay'[s] = a[T-2-s]; nothing follows s = T-1
+            shifted = torch.cat([decay[:, :-1].flip(-1), decay.new_zeros(b, 1)], dim=1)
+        else:
+            shifted = decay
+        zero = torch.zeros(b, dtype=acc, device=g.device)
+        gx = _scan_forward(g.flip(-1).contiguous(), shifted.contiguous(), zero, ctx.block_t)
+        gx = gx.flip(-1)
+        a_full = decay if per_token else decay.unsqueeze(1).expand(b, t_len)
+        gx_acc = gx.to(acc)
+        g_boot = None
+        if ctx.needs_input_grad[2]:
+            g_boot = (gx_acc[:, -1] * a_full[:, -1].to(acc)).to(y_boot.dtype)
+        g_dec = None
+        if ctx.needs_input_grad[1]:
+            nxt = torch.cat([y[:, 1:].to(acc), y_boot.reshape(b, 1).to(acc)], dim=1)
+            ga = gx_acc * torch.where(a_full == 0, 0.0, nxt)
+            g_dec = (ga if per_token else ga.sum(dim=1)).to(decay.dtype)
+        return gx, g_dec, g_boot, None
+
+
+def reverse_scan(
+    x: torch.Tensor,
+    a: float | torch.Tensor,
+    *,
+    y_boot: float | torch.Tensor | None = None,
+    block_t: int | None = None,
+) -> torch.Tensor:
+    """``y[t] = x[t] + a[t]·y[t+1]``, ``y[T] = y_boot``, over ``x`` ``[B, T]`` in Triton.
+
+    Args:
+        x: ``[B, T]`` floating (half dtypes accumulate in float32, float64 in float64).
+        a: a float, a per-row tensor ``[B]`` / ``[B, 1]`` or a per-token ``[B, T]`` tensor.
+            A decay of exactly 0 is an exact cut.
+        y_boot: the value past the end of each row: a float or ``[B]`` / ``[B, 1]`` (0).
+        block_t: time steps per program (a power of two); default by shape
+            (:func:`block_size`).
+
+    Returns:
+        ``y`` ``[B, T]`` in ``x``'s dtype; differentiable w.r.t. ``x``, a tensor ``a`` and a
+        tensor ``y_boot`` (:class:`ReverseScan`).
+
+    Example:
+        >>> import torch
+        >>> reverse_scan(torch.tensor([[1.0, 1.0, 1.0]]), 0.5)  # doctest: +SKIP
+        tensor([[1.7500, 1.5000, 1.0000]])
+    """
+    x2, dec, boot = _canonical(x, a, y_boot)
+    return ReverseScan.apply(x2, dec, boot, block_t)
