@@ -214,6 +214,15 @@ BAD = [
     (lambda: _tis(pg=torch.zeros(4)), ValueError, "pg_loss"),
     (lambda: _tis(rollout=[torch.zeros(2)]), ValueError, "rollout_log_probs"),
     (lambda: _tis(train=torch.zeros(3)), TypeError, "train_log_probs"),
+    # 2 samples against 1 with the same 3 tokens in all: the counts are named
+    (lambda: _tis(train=[torch.zeros(2), torch.zeros(1)]), ValueError,
+     "train_log_probs has 2, rollout_log_probs has 1"),
+    (lambda: _tis(rollout=[torch.zeros(2), torch.zeros(1)], fn="icepop_function"), ValueError,
+     "train_log_probs has 1, rollout_log_probs has 2"),
+    # as many samples, same total, different lengths: sample 0 is named
+    (lambda: _tis(train=[torch.zeros(2), torch.zeros(1)], rollout=[torch.zeros(1), torch.zeros(2)],
+                  fn="icepop_function"), ValueError,
+     r"train_log_probs\[0\] has 2 entries but rollout_log_probs\[0\] has 1"),
     (lambda: slime.compute_opsm_mask(_A, _L, _L, _L, [torch.ones(3)] * 2), ValueError,
      "loss_masks"),
     (lambda: slime.compute_opsm_mask(_A, _L, [torch.zeros(2)], _L, [torch.ones(3)]), ValueError,

@@ -81,8 +81,16 @@ def compute_cispo_loss(
 
 
 def _tis_inputs(args, pg_loss, train_log_probs, rollout_log_probs):
-    old = torch.cat(_ragged.as_1d_list("train_log_probs", train_log_probs))
-    rollout = torch.cat(_ragged.as_1d_list("rollout_log_probs", rollout_log_probs))
+    train = _ragged.as_1d_list("train_log_probs", train_log_probs)
+    rollouts = _ragged.as_1d_list("rollout_log_probs", rollout_log_probs)
+    # equal totals are not enough: the samples must pair up, token for token
+    _ragged.check_counts(train_log_probs=train, rollout_log_probs=rollouts)
+    for i, (a, b) in enumerate(zip(train, rollouts)):
+        if a.numel() != b.numel():
+            raise ValueError(f"train_log_probs[{i}] has {a.numel()} entries but "
+                             f"rollout_log_probs[{i}] has {b.numel()}")
+    old = torch.cat(train) if train else torch.zeros(0)
+    rollout = torch.cat(rollouts) if rollouts else torch.zeros(0)
     check_same_shape("pg_loss", pg_loss, **{"torch.cat(train_log_probs)": old,
                                             "torch.cat(rollout_log_probs)": rollout})
     upper = check_positive("args.tis_clip", args.tis_clip)
@@ -116,7 +124,10 @@ def vanilla_tis_function(args, *, pg_loss, train_log_probs, rollout_log_probs, l
     :func:`rlops.rollout_importance_weights` at token level, truncate mode.
 
     Differences: ``ρ`` is ``exp`` of a log-ratio clamped at 20 (slime: inf beyond ~88 in
-    float32); ``args.tis_clip`` must be > 0 and ``args.tis_clip_low`` in ``[0, tis_clip]``.
+    float32); ``args.tis_clip`` must be > 0 and ``args.tis_clip_low`` in ``[0, tis_clip]``;
+    ``train_log_probs`` and ``rollout_log_probs`` must hold as many samples, of equal lengths
+    (slime concatenates each list unchecked, so lists that only agree in total pair the wrong
+    tokens).
 
     Example:
         >>> import torch
