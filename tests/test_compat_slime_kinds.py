@@ -167,6 +167,37 @@ def test_opsm_matches_slime(delta):
         assert bool((mask == 0).any()) and bool((mask == 1).any())
 
 
+def test_opsm_weights_hand_computed():
+    """slime multiplies by ``loss_masks`` as given: kl = Σ w·(old − new) / max(Σ w, 1)."""
+    new = [torch.tensor([-2.0, -1.0]), torch.tensor([-3.0, -1.0])]
+    old = [torch.tensor([-1.0, -1.0]), torch.tensor([-1.0, -1.0])]
+    adv = [torch.tensor([-1.0, -1.0]), torch.tensor([-1.0, 1.0])]
+    # sample 0: (0.5·1 + 1·0) / 1.5 = 1/3 (read as 0/1: 1/2);
+    # sample 1: (0.25·2 + 0.25·0) / max(0.5, 1) = 0.5 (the floor of 1, not 0.5, divides)
+    w = [torch.tensor([0.5, 1.0]), torch.tensor([0.25, 0.25])]
+    mask, frac = slime.compute_opsm_mask(Namespace(opsm_delta=0.4), new, old, adv, w)
+    torch.testing.assert_close(mask, torch.tensor([1.0, 1.0, 0.0, 1.0]))  # 1/3 < 0.4 < 0.5
+    assert frac.item() == pytest.approx(1 / 1)
+    mask, frac = slime.compute_opsm_mask(Namespace(opsm_delta=0.3), new, old, adv, w)
+    torch.testing.assert_close(mask, torch.tensor([0.0, 0.0, 0.0, 1.0]))  # both above 0.3
+    assert frac.item() == pytest.approx(2 / 1.5 + 1 / 1)
+    mask, _ = slime.compute_opsm_mask(Namespace(opsm_delta=0.45), new, old, adv, w)
+    torch.testing.assert_close(mask, torch.tensor([1.0, 1.0, 0.0, 1.0]))
+    mask, _ = slime.compute_opsm_mask(Namespace(opsm_delta=0.55), new, old, adv, w)
+    torch.testing.assert_close(mask, torch.ones(4))  # a true weighted mean (1.0) would mask
+
+
+@pytest.mark.parametrize("delta", [1e-4, 0.03])
+def test_opsm_fractional_weights_match_slime(delta):
+    new, old, adv, _ = _opsm_batch(7)
+    g = torch.Generator().manual_seed(8)
+    masks = [torch.rand(x.numel(), generator=g) * 1.5 for x in new]
+    mask, frac = slime.compute_opsm_mask(Namespace(opsm_delta=delta), new, old, adv, masks)
+    ref, ref_frac = ref_opsm(delta, new, old, adv, masks)
+    torch.testing.assert_close(mask, ref)
+    assert float(frac) == pytest.approx(ref_frac)
+
+
 def test_opsm_uses_local_advantage_pieces():
     """Under context parallelism slime passes whole responses for the KL and this rank's
     pieces of the advantages; the mask follows the advantages' lengths."""
@@ -214,6 +245,15 @@ BAD = [
     (lambda: _tis(pg=torch.zeros(4)), ValueError, "pg_loss"),
     (lambda: _tis(rollout=[torch.zeros(2)]), ValueError, "rollout_log_probs"),
     (lambda: _tis(train=torch.zeros(3)), TypeError, "train_log_probs"),
+    # 2 samples against 1 with the same 3 tokens in all: the counts are named
+    (lambda: _tis(train=[torch.zeros(2), torch.zeros(1)]), ValueError,
+     "train_log_probs has 2, rollout_log_probs has 1"),
+    (lambda: _tis(rollout=[torch.zeros(2), torch.zeros(1)], fn="icepop_function"), ValueError,
+     "train_log_probs has 1, rollout_log_probs has 2"),
+    # as many samples, same total, different lengths: sample 0 is named
+    (lambda: _tis(train=[torch.zeros(2), torch.zeros(1)], rollout=[torch.zeros(1), torch.zeros(2)],
+                  fn="icepop_function"), ValueError,
+     r"train_log_probs\[0\] has 2 entries but rollout_log_probs\[0\] has 1"),
     (lambda: slime.compute_opsm_mask(_A, _L, _L, _L, [torch.ones(3)] * 2), ValueError,
      "loss_masks"),
     (lambda: slime.compute_opsm_mask(_A, _L, [torch.zeros(2)], _L, [torch.ones(3)]), ValueError,
@@ -243,10 +283,11 @@ def test_difference_ratios_are_finite_beyond_e20():
     assert out.item() == 2.0 and m["tis"].item() == pytest.approx(math.exp(20.0), rel=1e-6)
 
 
-def test_difference_opsm_never_masks_a_sample_without_loss_tokens():
-    # slime: kl = 0 / 1 = 0 > delta = −1 masks the A < 0 tokens of the empty sample
+def test_opsm_masks_a_sample_without_loss_tokens_as_slime():
+    # slime: kl = 0 / max(0, 1) = 0 > delta = −1 masks the A < 0 tokens of the empty sample;
+    # clipfrac 1 / max(0, 1)
     mask, frac = slime.compute_opsm_mask(Namespace(opsm_delta=-1.0), [torch.zeros(2)],
                                          [torch.zeros(2)], [torch.tensor([-1.0, 1.0])],
                                          [torch.zeros(2)])
-    torch.testing.assert_close(mask, torch.ones(2))
-    assert frac.item() == 0.0
+    torch.testing.assert_close(mask, torch.tensor([0.0, 1.0]))
+    assert frac.item() == 1.0

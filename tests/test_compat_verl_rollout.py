@@ -337,3 +337,30 @@ def test_is_std_hand_computed():
     _, m = verl.compute_rollout_correction_weights(lr, torch.ones(1, 3), "token", "0.5_5.0")
     assert m["rollout_is_std"] == pytest.approx(math.sqrt(0.64 / 3 - (0.8 / 3) ** 2))
     assert m["rollout_is_eff_sample_size"] == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sequence_ratio_past_exps_range(dtype):
+    # every row's log-ratio sums to 800 > log(float64 max) ≈ 709.8. verl: the weight is
+    # e^{clamp(800, ±20)} truncated at 2; rollout_is_max = e^{min(800, 20)};
+    # rollout_is_min = torch.exp(800) in the log-ratio's dtype = inf (no cap); all rows high
+    lr = torch.full((2, 4), 200.0, dtype=dtype)
+    w, m = verl.compute_rollout_correction_weights(lr, torch.ones(2, 4), "sequence", 2.0)
+    torch.testing.assert_close(w, torch.full((2, 4), 2.0, dtype=dtype))
+    assert m["rollout_is_max"] == pytest.approx(math.exp(20.0), rel=1e-6)
+    assert m["rollout_is_min"] == math.inf
+    assert m["rollout_is_ratio_fraction_high"] == 1.0
+    assert m["rollout_is_mean"] == pytest.approx(2.0)
+    # token level (each ρ_t = e^20 after verl's clamp, truncated at 2)
+    w, m = verl.compute_rollout_correction_weights(lr, torch.ones(2, 4), "token", 2.0)
+    torch.testing.assert_close(w, torch.full((2, 4), 2.0, dtype=dtype))
+    assert m["rollout_is_min"] == m["rollout_is_max"] == 2.0
+
+
+def test_sequence_ratio_min_in_the_log_ratios_dtype():
+    # a row sum of 100: verl's torch.exp(100) is inf in float32 (> 88.7), e^100 in float64
+    lr = torch.tensor([[60.0, 40.0]])
+    _, m = verl.compute_rollout_correction_weights(lr, torch.ones(1, 2), "sequence", 2.0)
+    assert m["rollout_is_min"] == math.inf
+    _, m = verl.compute_rollout_correction_weights(lr.double(), torch.ones(1, 2), "sequence", 2.0)
+    assert m["rollout_is_min"] == pytest.approx(math.exp(100.0))

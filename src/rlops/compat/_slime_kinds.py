@@ -3,13 +3,13 @@
 and ``slime/backends/megatron_utils/loss.py`` (``vanilla_tis_function``, ``icepop_function``).
 
 Tokens are slime's concatenated 1-D layout; each adapter lays them out as one ``[1, N]`` row
-(or pads per-sample lists into ``[B, T]``) for one or two rlops calls.
+(or pads per-sample lists into ``[B, T]``) for one or two rlops calls; OPSM's per-sample
+weighted mean is one vectorised torch expression on the padded batch.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
 
@@ -81,8 +81,16 @@ def compute_cispo_loss(
 
 
 def _tis_inputs(args, pg_loss, train_log_probs, rollout_log_probs):
-    old = torch.cat(_ragged.as_1d_list("train_log_probs", train_log_probs))
-    rollout = torch.cat(_ragged.as_1d_list("rollout_log_probs", rollout_log_probs))
+    train = _ragged.as_1d_list("train_log_probs", train_log_probs)
+    rollouts = _ragged.as_1d_list("rollout_log_probs", rollout_log_probs)
+    # equal totals are not enough: the samples must pair up, token for token
+    _ragged.check_counts(train_log_probs=train, rollout_log_probs=rollouts)
+    for i, (a, b) in enumerate(zip(train, rollouts)):
+        if a.numel() != b.numel():
+            raise ValueError(f"train_log_probs[{i}] has {a.numel()} entries but "
+                             f"rollout_log_probs[{i}] has {b.numel()}")
+    old = torch.cat(train) if train else torch.zeros(0)
+    rollout = torch.cat(rollouts) if rollouts else torch.zeros(0)
     check_same_shape("pg_loss", pg_loss, **{"torch.cat(train_log_probs)": old,
                                             "torch.cat(rollout_log_probs)": rollout})
     upper = check_positive("args.tis_clip", args.tis_clip)
@@ -116,7 +124,10 @@ def vanilla_tis_function(args, *, pg_loss, train_log_probs, rollout_log_probs, l
     :func:`rlops.rollout_importance_weights` at token level, truncate mode.
 
     Differences: ``ρ`` is ``exp`` of a log-ratio clamped at 20 (slime: inf beyond ~88 in
-    float32); ``args.tis_clip`` must be > 0 and ``args.tis_clip_low`` in ``[0, tis_clip]``.
+    float32); ``args.tis_clip`` must be > 0 and ``args.tis_clip_low`` in ``[0, tis_clip]``;
+    ``train_log_probs`` and ``rollout_log_probs`` must hold as many samples, of equal lengths
+    (slime concatenates each list unchecked, so lists that only agree in total pair the wrong
+    tokens).
 
     Example:
         >>> import torch
@@ -157,18 +168,20 @@ def icepop_function(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_m
 def compute_opsm_mask(args, full_log_probs, full_old_log_probs, advantages, loss_masks):
     """Off-policy sequence masking (OPSM): ``(opsm_mask, opsm_clipfrac)``, slime's ``--use-opsm``.
 
-    Per sample ``i``, the sequence KL ``kl_i = Σ_t m·(old − new) / max(Σ_t m, 1)`` over its loss
-    mask (``full_old_log_probs[i]``, ``full_log_probs[i]``: whole responses). A token of
-    ``advantages[i]`` (this rank's piece) is masked (0) where ``A < 0`` and
-    ``kl_i > args.opsm_delta``: negative-advantage tokens of samples that drifted too far off
-    policy stop pushing down. ``opsm_mask`` is the concatenated float32 1/0 mask;
-    ``opsm_clipfrac`` the sum over samples of masked tokens / ``max(Σ loss_masks[i], 1)``, as
-    slime. :func:`rlops.rollout_rejection_mask` with the criterion ``seq_mean_k1`` (``k1`` of
-    ``new`` against ``old`` is ``old − new``) at upper ratio bound ``e^{opsm_delta}``.
+    Per sample ``i``, with ``w = loss_masks[i]``, the sequence KL
+    ``kl_i = Σ_t w_t·(old_t − new_t) / max(Σ_t w_t, 1)`` (``full_old_log_probs[i]``,
+    ``full_log_probs[i]``: whole responses). A token of ``advantages[i]`` (this rank's piece) is
+    masked (0) where ``A < 0`` and ``kl_i > args.opsm_delta``: negative-advantage tokens of
+    samples that drifted too far off policy stop pushing down. ``opsm_mask`` is the
+    concatenated float32 1/0 mask; ``opsm_clipfrac`` the sum over samples of masked tokens /
+    ``max(Σ_t w_t, 1)``. One vectorised pass over the padded ``[B, T]`` batch.
 
-    Differences: a sample with no loss-mask token is never masked (slime masks its ``A < 0``
-    tokens when ``opsm_delta < 0``); ``kl_i < −708`` (the log of the smallest float64 lower
-    bound) would also be masked.
+    All of this is slime's code read as written, ``loss_masks`` included: slime multiplies by
+    the mask as given, so a weight counts as its value (a 0.5 weighs a token's log-ratio by
+    0.5 and counts 0.5 in the denominators, whose floor is 1: weights summing to less than 1
+    are divided by 1). Any real weights give a finite, well-defined result there, so they are
+    followed rather than refused; a 0/1 mask gives the masked mean. A sample whose weights sum
+    to 0 has ``kl_i = 0``, masked only when ``opsm_delta < 0``, as slime.
 
     Example:
         >>> import torch
@@ -200,15 +213,15 @@ def compute_opsm_mask(args, full_log_probs, full_old_log_probs, advantages, loss
     device = adv[0].device
     n = _ragged.pad([x.detach() for x in new])
     o = _ragged.pad([x.detach().to(n.device) for x in old], n.shape[1])
-    m = _ragged.pad([x.to(n.device) for x in masks], n.shape[1]) != 0
-    keep, _ = rlops.rollout_rejection_mask(
-        n, o, m, {"seq_mean_k1": (sys.float_info.min, math.exp(min(max(delta, -700.0), 700.0)))})
-    rejected = (m.any(-1) & ~keep.any(-1)).to(device)
+    w = _ragged.pad([x.detach().to(n.device) for x in masks], n.shape[1])  # zero-padded
+    w = w.to(torch.promote_types(torch.promote_types(n.dtype, o.dtype), w.dtype))
+    weight = w.sum(-1).clamp_min(1)
+    kl = ((o - n) * w).sum(-1) / weight
+    rejected = (kl > delta).to(device)
     a = _ragged.pad(adv)
     lengths = [x.numel() for x in adv]
     ends = torch.as_tensor(lengths, device=device)[:, None]
     valid = torch.arange(a.shape[1], device=device) < ends
     masked = ((a < 0) & rejected[:, None] & valid).float()
-    counts = m.sum(-1).clamp_min(1).to(device=device, dtype=torch.float32)
-    clipfrac = (masked.sum(-1) / counts).sum()
+    clipfrac = (masked.sum(-1) / weight.to(device=device, dtype=torch.float32)).sum()
     return torch.cat(_ragged.split(1.0 - masked, lengths)), clipfrac

@@ -160,7 +160,9 @@ def compute_rollout_correction_weights(
 
     Metrics (floats), as verl's: ``rollout_is_mean`` (of the applied weights, before
     normalisation), ``_min`` / ``_max`` (token: of the applied weights; sequence: of the rows'
-    ratios), ``rollout_is_eff_sample_size``, ``rollout_is_ratio_fraction_high`` / ``_low``
+    ratios ``e^{Σ_t log_ratio}`` in the log-ratio's dtype, ``_max`` capped at ``e^20``, ``_min``
+    not capped: inf once every row's sum is past ``exp``'s range, about 88.7 in float32 and
+    709.8 in float64), ``rollout_is_eff_sample_size``, ``rollout_is_ratio_fraction_high`` / ``_low``
     (response tokens, or at sequence level rows, whose ratio is above the upper bound / below the
     lower one, 1/upper for TIS), ``rollout_is_std`` (of
     the applied weights clamped to ``[0, upper]``), with IcePop ``rollout_is_oob_ratio``, with
@@ -198,8 +200,10 @@ def compute_rollout_correction_weights(
             out["rollout_is_ratio_fraction_low"] = below["rollout_is_ratio_fraction_low"].item()
     else:  # verl reads sequence ratios once per row, every row counted (an empty row: ratio 1)
         seq = torch.where(mask, log_ratio.detach(), 0).sum(-1)
-        out["rollout_is_max"] = math.exp(min(seq.max().item(), 20.0))
-        out["rollout_is_min"] = math.exp(max(seq.min().item(), -745.0))
+        # as verl: exp in the log-ratio's dtype, the max capped at e^20, the min not capped,
+        # so it is inf once every row's sum is past the dtype's range (float32: 88.7)
+        out["rollout_is_max"] = torch.exp(seq.max().clamp(max=20.0)).item()
+        out["rollout_is_min"] = torch.exp(seq.min()).item()
         out["rollout_is_ratio_fraction_high"] = (seq > math.log(upper)).float().mean().item()
         out["rollout_is_ratio_fraction_low"] = (seq < math.log(floor)).float().mean().item()
     # verl's spread of the applied weights (clamped to [0, upper]): population std, 0 for one token
