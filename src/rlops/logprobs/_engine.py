@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -113,7 +113,8 @@ def prepare(
         sampler = checked_sampler(inputs.name, inputs.x, options, inputs.keep)
     except (TypeError, ValueError) as exc:
         if tp_checked:  # the other ranks are about to exchange headers: join them, then raise
-            _tp.fail_together(options.group, world, exc, getattr(first, "device", None))
+            group = cast(dist.ProcessGroup, options.group)
+            _tp.fail_together(group, world, exc, getattr(first, "device", None))
         raise
     call = None
     if tp_checked:
@@ -163,8 +164,8 @@ def checked_sampler(
     given. ``ref``: the tensor ``[..., X]`` whose leading dims are the tokens (named ``name``)."""
     over = options.entropy_over_support
     check_flags(entropy_over_support=over)
-    params = check_sampler(options.top_k, options.top_p, options.min_p, ref, name)
-    if params is None:
+    sampler = check_sampler(options.top_k, options.top_p, options.min_p, ref, name)
+    if sampler is None:
         if over:
             raise ValueError("entropy_over_support=True needs top_k, top_p or min_p")
         return None
@@ -173,9 +174,9 @@ def checked_sampler(
             "keep_mask and top_k / top_p / min_p are exclusive: give the sampler's support "
             "either as a mask or as its parameters"
         )
-    named = zip(("top_k", "top_p", "min_p"), params, strict=True)
-    check_same_device(name, ref, **{n: p for n, p in named if p is not None})
-    return Sampler(*params)
+    params = {"top_k": sampler.top_k, "top_p": sampler.top_p, "min_p": sampler.min_p}
+    check_same_device(name, ref, **{n: p for n, p in params.items() if p is not None})
+    return sampler
 
 
 def vocab_layout(
@@ -195,7 +196,8 @@ def vocab_layout(
     whole vocabulary; an integer ``top_k`` is capped at it (k ≥ V keeps every token) in a new
     sampler, ``sampler`` itself unchanged."""
     if call is not None:
-        start, vocab = _tp.shard_layout(group, rank, world, call, target)
+        pg = cast(dist.ProcessGroup, group)  # a group of world > 1 ranks (group_rank_size)
+        start, vocab = _tp.shard_layout(pg, rank, world, call, target)
     else:
         start, vocab = rank * v_local, world * v_local
     check_target_range(target, vocab)

@@ -134,8 +134,10 @@ def _select(
     the summed histograms per round, the same bin picked on every rank."""
     dtype = plan.dtype
     bins = torch.arange(_BINS, device=plan.device)
-    prefix = above = target = None
-    left = None if k is None else k.to(dtype).clamp(min=1)  # the rank still to reach
+    prefix: torch.Tensor | None = None
+    target: torch.Tensor | None = None  # top-p: p·S, the mass to reach
+    above: torch.Tensor | None = None  # top-p: the mass above the prefix found so far
+    left = None if k is None else k.to(dtype).clamp(min=1)  # top-k: the rank still to reach
     n_rounds = rounds(dtype)
     for r in range(n_rounds):
         shift = 8 * (n_rounds - 1 - r)
@@ -143,14 +145,14 @@ def _select(
         dist.all_reduce(hist, op=dist.ReduceOp.SUM, group=plan.group)
         count = hist[0]
         count_above = _exclusive_from_top(count)
-        if k is not None:
+        if left is not None:
             if r == 0:  # k >= V: the smallest value, which keeps every logit
                 left = torch.minimum(left, count_above[:, :1] + count[:, :1])
             b = ((count_above + count) >= left).sum(dim=1, keepdim=True).sub_(1).clamp_(0)
             left = left - count_above.gather(1, b)
-        else:
+        elif p is not None:
             mass, mass_above = hist[1], _exclusive_from_top(hist[1])
-            if r == 0:
+            if target is None or above is None:  # the first round
                 above = torch.zeros_like(mass[:, :1])
                 target = p * (mass_above[:, :1] + mass[:, :1])  # p·S
             kept = (count > 0) & (above + mass_above < target)
@@ -159,7 +161,10 @@ def _select(
             top = torch.where(count > 0, bins, 0).amax(dim=1, keepdim=True)
             b = torch.where(first < _BINS, first, top)
             above = above + mass_above.gather(1, b)
+        else:
+            raise ValueError("_select needs k or p")
         prefix = b - _BINS // 2 if prefix is None else prefix * _BINS + b
+    assert prefix is not None
     return prefix
 
 
@@ -178,20 +183,23 @@ def radix_threshold(plan: Plan, logits: Logits) -> torch.Tensor:
         top_p = None
     use_min_p = min_p is not None and not (not isinstance(min_p, torch.Tensor) and min_p == 0.0)
     inf = float("-inf")
-    t = m = None
+    t: torch.Tensor | None = None
+    m: torch.Tensor | None = None  # the global max of each token's logits
     if top_p is not None or use_min_p:
         m = torch.full((n, 1), inf, dtype=dtype, device=device)
         for i in plan.starts:
             z = logits(i, i + plan.chunk)[0]
             m[i : i + z.shape[0]] = z.amax(dim=1, keepdim=True)
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        if use_min_p:
-            t = m + (min_p.log() if isinstance(min_p, torch.Tensor) else math.log(min_p))
+        if isinstance(min_p, torch.Tensor):
+            t = m + min_p.log()
+        elif use_min_p and min_p is not None:
+            t = m + math.log(min_p)
     if top_k is not None:
         k = top_k if isinstance(top_k, torch.Tensor) else torch.full((n, 1), top_k, device=device)
         t_k = key_float(_select(plan, logits, k=k), dtype)
         t = t_k if t is None else torch.maximum(t, t_k)
-    if top_p is not None:
+    if top_p is not None and m is not None:
         ref = torch.where(m == inf, torch.zeros_like(m), m)
         t_p = key_float(_select(plan, logits, p=top_p, ref=ref, lower=t), dtype)
         if isinstance(top_p, torch.Tensor):  # p = 1 keeps every token, whatever the rounding
