@@ -116,22 +116,7 @@ def prepare(
             group = cast(dist.ProcessGroup, options.group)
             _tp.fail_together(group, world, exc, getattr(first, "device", None))
         raise
-    call = None
-    if tp_checked:
-        call = _tp.Call(
-            op=op,
-            v_local=inputs.v_local,
-            tokens=inputs.target.numel(),
-            hidden=inputs.hidden,
-            dtype=inputs.x.dtype,
-            with_entropy=options.with_entropy,
-            entropy_grad=options.entropy_grad,
-            masked=inputs.keep is not None,
-            temperature=inputs.temperature,
-            sampler=_tp.sampler_fields(
-                options.top_k, options.top_p, options.min_p, options.entropy_over_support
-            ),
-        )
+    call = _header(op, inputs, options) if tp_checked else None
     start, sampler = vocab_layout(
         call, inputs.target, sampler, group=options.group, rank=rank, world=world,
         v_local=inputs.v_local,
@@ -155,6 +140,24 @@ def prepare(
         world=world,
     )
     return inputs, plan
+
+
+def _header(op: str, inputs: Checked, options: Options) -> _tp.Call:
+    """What this rank was asked to compute, for the consistency check."""
+    return _tp.Call(
+        op=op,
+        v_local=inputs.v_local,
+        tokens=inputs.target.numel(),
+        hidden=inputs.hidden,
+        dtype=inputs.x.dtype,
+        with_entropy=options.with_entropy,
+        entropy_grad=options.entropy_grad,
+        masked=inputs.keep is not None,
+        temperature=inputs.temperature,
+        sampler=_tp.sampler_fields(
+            options.top_k, options.top_p, options.min_p, options.entropy_over_support
+        ),
+    )
 
 
 def checked_sampler(
