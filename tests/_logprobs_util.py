@@ -1,15 +1,24 @@
-"""Shared helpers of the log-prob tests: run an op forward + backward, compare errors vs float64."""
+"""Shared helpers of the log-prob tests: run an op forward + backward, compare errors with
+float64 (or, for float64 results, a ``numpy.longdouble`` oracle)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
+import numpy as np
 import torch
 
-__all__ = ["assert_as_accurate", "forward_backward", "nan_filled_empty"]
+__all__ = [
+    "assert_as_accurate",
+    "assert_as_accurate_as_float64",
+    "forward_backward",
+    "longdouble_oracle",
+    "nan_filled_empty",
+]
 
 EPS32 = torch.finfo(torch.float32).eps
+EPS64 = torch.finfo(torch.float64).eps
 
 
 def forward_backward(
@@ -63,3 +72,61 @@ def nan_filled_empty() -> Iterator[None]:
         yield
     finally:
         torch.empty = original
+
+
+def longdouble_oracle(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    support: torch.Tensor,
+    grads: Sequence[torch.Tensor],
+    *,
+    temperature: float = 1.0,
+    over_support: bool = False,
+) -> list[np.ndarray]:
+    """``[logp, entropy, grad]`` from the definitions in ``numpy.longdouble`` (80-bit where the
+    platform has it), for float64 inputs ``logits`` ``[N, V]``, ``target`` ``[N]``.
+
+    ``z = logits / τ``; ``K = support ∪ {target}``; ``logp = z_y − lse(z over K)``; the entropy
+    ``H = −Σ p log p`` over all of ``z`` (over ``K`` with ``over_support``); the gradient
+    w.r.t. the logits ``(g_logp·(onehot − p_K) − g_ent·p·(log p + H)) / τ`` under the upstream
+    gradients ``grads`` (``[N]`` each).
+    """
+    ld = np.longdouble
+    z = logits.double().numpy().astype(ld) / ld(temperature)
+    rows, y = np.arange(z.shape[0]), target.numpy()
+    keep = support.numpy().copy()
+    keep[rows, y] = True
+    zk = np.where(keep, z, ld(-np.inf))
+
+    def softmax(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        d = x - x.max(axis=1, keepdims=True)
+        log_s = np.log(np.exp(d).sum(axis=1, keepdims=True))
+        return np.exp(d - log_s), d - log_s
+
+    with np.errstate(invalid="ignore"):  # 0 · log 0 outside the support: taken as 0
+        p_k, log_pk = softmax(zk)
+        p, log_p = softmax(zk if over_support else z)
+        ent = -np.where(p > 0, p * log_p, ld(0)).sum(axis=1)
+        dh = np.where(p > 0, p * (log_p + ent[:, None]), ld(0))
+    onehot = np.zeros_like(z)
+    onehot[rows, y] = 1
+    g_logp, g_ent = (g.double().numpy().astype(ld)[:, None] for g in grads)
+    grad = (g_logp * (onehot - p_k) - g_ent * dh) / ld(temperature)
+    return [log_pk[rows, y], ent, grad]
+
+
+def assert_as_accurate_as_float64(
+    fast: torch.Tensor, ref: torch.Tensor, oracle: np.ndarray, factor: float, what: str
+) -> None:
+    """:func:`assert_as_accurate` for float64 results against a ``longdouble`` ``oracle``:
+    ``max|fast − oracle| ≤ factor · max|ref − oracle|``, ``ref`` the float64 reference, with a
+    floor of one float64 rounding of the largest value."""
+    assert tuple(fast.shape) == oracle.shape, (what, fast.shape, oracle.shape)
+    if oracle.size == 0:
+        return
+    ld = np.longdouble
+    err_fast = float(np.abs(fast.numpy().astype(ld) - oracle).max())
+    err_ref = float(np.abs(ref.numpy().astype(ld) - oracle).max())
+    floor = EPS64 * float(np.abs(oracle).max())
+    bound = max(factor * err_ref, floor)
+    assert err_fast <= bound, f"{what}: error {err_fast:.3g} > {factor} x reference {err_ref:.3g}"

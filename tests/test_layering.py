@@ -163,3 +163,38 @@ def test_scan_knows_nothing_of_rl_or_distribution():
         }
         assert not outside, f"{m} imports {sorted(outside)}"
         assert "torch.distributed" not in p.read_text(), f"{m} uses torch.distributed"
+
+
+LOGPROBS = SRC / "logprobs"
+MAX_POSITIONAL = 6
+
+
+def test_log_prob_ops_share_the_engine_not_each_other():
+    """``linear.py`` and ``fused.py`` are siblings on ``_engine``: the op on logits exports only
+    itself, and the linear op takes no private name (nor any engine name) from it."""
+    linear = _imports(LOGPROBS / "linear.py", "rlops.logprobs.linear")
+    from_fused = [(names, line) for target, names, line in linear
+                  if target == "rlops.logprobs.fused" or "fused" in names]
+    assert not from_fused, f"logprobs/linear.py imports from fused.py: {from_fused}"
+    tree = ast.parse((LOGPROBS / "fused.py").read_text())
+    exported = [
+        ast.literal_eval(node.value) for node in tree.body
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+    ]
+    assert exported == [["logprobs_and_entropy"]], exported
+
+
+def test_log_prob_functions_take_few_positional_parameters():
+    """No function in ``src/rlops/logprobs`` takes more than 6 positional parameters: calls
+    pass keywords or the frozen plan, never long positional lists."""
+    wide = []
+    for path in sorted(LOGPROBS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                args = node.args
+                n = len(args.posonlyargs) + len(args.args) + (args.vararg is not None)
+                if n > MAX_POSITIONAL:
+                    name = getattr(node, "name", "<lambda>")
+                    wide.append(f"{path.name}:{node.lineno} {name} ({n})")
+    assert not wide, f"functions with more than {MAX_POSITIONAL} positional parameters: {wide}"

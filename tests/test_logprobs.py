@@ -255,3 +255,23 @@ def test_default_chunk_bounds_the_temporaries():
         assert 1 <= c <= max(n, 1)
         assert c == 1 or c * v * 4 <= 4 << 20
     assert default_chunk(0, 50, cpu) == 1
+
+
+def test_with_entropy_overloads():
+    """Type checkers see ``(Tensor, Tensor)`` for ``with_entropy=True`` (the default) and
+    ``(Tensor, None)`` for ``with_entropy=False``, on both ops."""
+    from typing import Literal, get_overloads, get_type_hints
+
+    from rlops.logprobs import linear_logprobs_and_entropy
+
+    for fn in (logprobs_and_entropy, linear_logprobs_and_entropy):
+        hints = [get_type_hints(o) for o in get_overloads(fn)]
+        returns = {h["with_entropy"]: h["return"] for h in hints}
+        assert returns[Literal[True]] == tuple[torch.Tensor, torch.Tensor]
+        assert returns[Literal[False]] == tuple[torch.Tensor, None]
+        assert returns[bool] == tuple[torch.Tensor, torch.Tensor | None]
+        x = torch.zeros(2, 3)
+        args = (x, torch.zeros(2, dtype=torch.long)) if fn is logprobs_and_entropy else (
+            x, torch.zeros(4, 3), torch.zeros(2, dtype=torch.long))
+        assert fn(*args, with_entropy=False)[1] is None
+        assert isinstance(fn(*args)[1], torch.Tensor)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from tests._distributed import run_distributed
 from tests._logprobs_util import assert_as_accurate, forward_backward, nan_filled_empty
 
-from rlops.logprobs import _support, linear_logprobs_and_entropy, logprobs_and_entropy
+from rlops.logprobs import _engine, _support, linear_logprobs_and_entropy, logprobs_and_entropy
 
 FACTOR_FWD, FACTOR_GRAD = 2.0, 3.0
 INF = float("inf")
@@ -270,7 +270,8 @@ def test_chunk_sizes_agree_and_the_support_is_per_chunk(monkeypatch):
         for a, b in zip(runs[0], other, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     # Forward only (the backward reuses the saved threshold), one chunk at a time: never [N, V].
-    assert seen == [1] * 50 + [7] * 7 + [1] + [50]
+    # The chunks may run on the thread pool in any order: compare the multisets.
+    assert sorted(seen) == sorted([1] * 50 + [7] * 7 + [1] + [50])
 
 
 def test_gradcheck_float64():
@@ -601,3 +602,21 @@ def test_huge_top_k_keeps_every_token():
     b = logprobs_and_entropy(logits, target, top_p=0.8)
     for u, w in zip(a, b, strict=True):
         torch.testing.assert_close(u, w, rtol=0, atol=0)
+
+
+def test_vocab_layout_leaves_the_callers_sampler_as_it_is():
+    """The whole vocabulary caps an int top_k in a new sampler; the given one is not modified."""
+    target = torch.tensor([0, 9])
+    sampler = _support.Sampler(100, 0.9, None)
+    start, capped = _engine.vocab_layout(
+        None, target, sampler, group=None, rank=0, world=1, v_local=10
+    )
+    assert start == 0
+    assert (capped.top_k, capped.top_p, capped.min_p) == (10, 0.9, None)
+    assert (sampler.top_k, sampler.top_p, sampler.min_p) == (100, 0.9, None)
+    per_token = _support.Sampler(torch.tensor([3, 200]), None, None)
+    assert _engine.vocab_layout(
+        None, target, per_token, group=None, rank=0, world=1, v_local=10
+    )[1] is per_token
+    assert _engine.vocab_layout(None, target, None, group=None, rank=0, world=1, v_local=10) == (
+        0, None)

@@ -17,12 +17,13 @@ from tests.test_logprobs_sampler import reference, reference_support
 
 from rlops._checks import compute_dtype
 from rlops.logprobs import (
+    _engine,
     _radix,
     _support,
-    fused,
     linear_logprobs_and_entropy,
     logprobs_and_entropy,
 )
+from rlops.logprobs._plan import Plan
 
 N, V, H = 23, 52, 6
 SIZES = {2: (20, 32), 4: (9, 17, 1, 25)}  # unequal shards, one of a single id
@@ -167,16 +168,27 @@ def _threshold_kw(kw: dict, params: dict) -> dict:
     return {k: (params[k] if v == "t" else v) for k, v in kw.items()}
 
 
+class _Given(_engine.Producer):
+    """A producer of logits already scaled and in the compute dtype."""
+
+    def __init__(self, z: torch.Tensor) -> None:
+        self.z = z
+
+    def logits(self, i: int, j: int) -> tuple[torch.Tensor, bool]:
+        return self.z[i:j], False
+
+
 def _sharded_threshold(z: torch.Tensor, rank: int, world: int, chunk: int, kw: dict):
     """The global thresholds ``[N, 1]`` from this rank's shard of ``z`` (``kw``: the sampler's
     scalars or ``[N, 1]`` tensors)."""
     zl = z[:, _cols(rank, SIZES[world])]
     flat = (kw.get(k) for k in SAMPLER_KEYS)
     sampler = _support.Sampler(*(t.reshape(-1) if isinstance(t, torch.Tensor) else t for t in flat))
-    return fused.sampler_thresholds(
-        lambda i, j: (zl[i:j], False), z.shape[0], chunk, sampler, dist.group.WORLD, world,
-        z.dtype, z.device,
+    plan = Plan(
+        rows=z.shape[0], v_local=zl.shape[1], chunk=chunk, dtype=z.dtype, device=z.device,
+        sampler=sampler, group=dist.group.WORLD, world=world,
     )  # fmt: skip
+    return _engine.sampler_thresholds(plan, _Given(zl))
 
 
 def _thresholds(rank: int, world: int) -> list[torch.Tensor]:  # in a rank of _worker

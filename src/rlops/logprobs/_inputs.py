@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 
 from rlops._checks import as_float_tensor, compute_dtype, shape_error, values_checked
+from rlops.logprobs._support import Sampler, TopK, TopP
 
 __all__ = [
     "check_flags",
@@ -50,7 +52,7 @@ def check_logits(name: str, x: object, ndim: int | None = None) -> torch.Tensor:
     return x
 
 
-def check_target(target: object, shape: torch.Size, expected: str) -> torch.Tensor:
+def check_target(target: object, shape: tuple[int, ...], expected: str) -> torch.Tensor:
     """An integer tensor of ``shape`` (its values: :func:`check_target_range`), as int64."""
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
@@ -64,8 +66,7 @@ def check_target(target: object, shape: torch.Size, expected: str) -> torch.Tens
 def check_target_range(target: torch.Tensor, vocab: int) -> None:
     """Every id lies in ``[0, vocab)`` (read on CPU only, see :func:`values_checked`)."""
     if values_checked(target) and target.numel() > 0:
-        lo, hi = torch.aminmax(target)
-        lo, hi = int(lo), int(hi)
+        lo, hi = (int(v) for v in torch.aminmax(target))
         if lo < 0 or hi >= vocab:
             bad = lo if lo < 0 else hi
             raise ValueError(
@@ -84,7 +85,7 @@ def check_temperature(temperature: object) -> float:
 
 
 def check_keep_mask(
-    keep_mask: object, shape: torch.Size, like: str = "logits"
+    keep_mask: object, shape: tuple[int, ...], like: str = "logits"
 ) -> torch.Tensor | None:
     """None, or a bool tensor of the logits' ``shape`` (``like`` names them in the error)."""
     if keep_mask is None:
@@ -106,7 +107,9 @@ def check_flags(**flags: object) -> None:
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
-def _check_sampler_tensor(name, t, lead, integer, dtype, like):
+def _check_sampler_tensor(
+    name: str, t: torch.Tensor, lead: torch.Size, integer: bool, dtype: torch.dtype, like: str
+) -> torch.Tensor:
     if integer and (t.dtype == torch.bool or t.is_floating_point() or t.is_complex()):
         raise TypeError(f"{name} must be an int or an integer tensor, got {t.dtype}")
     if not integer and not t.is_floating_point():
@@ -118,9 +121,9 @@ def _check_sampler_tensor(name, t, lead, integer, dtype, like):
 
 def check_sampler(
     top_k: object, top_p: object, min_p: object, logits: torch.Tensor, like: str = "logits"
-) -> tuple[object, object, object] | None:
-    """The sampler's filters, checked: ``(top_k, top_p, min_p)`` as Python numbers or flattened
-    ``[N]`` tensors (int64; the compute dtype), or None when all three are None.
+) -> Sampler | None:
+    """The sampler's filters, checked: a :class:`Sampler` of Python numbers or flattened ``[N]``
+    tensors (int64; the compute dtype), or None when all three are None.
 
     ``top_k`` ``≥ 1``; ``top_p`` in ``(0, 1]``; ``min_p`` in ``[0, 1]``. A tensor's values are
     checked on CPU only (:func:`values_checked`); a scalar's always.
@@ -129,7 +132,7 @@ def check_sampler(
         return None
     lead = logits.shape[:-1]
     dtype = compute_dtype(logits.dtype)
-    out = []
+    out: list[int | float | torch.Tensor | None] = []
     for name, x in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
         integer = name == "top_k"
         if x is None:
@@ -139,7 +142,7 @@ def check_sampler(
             t = _check_sampler_tensor(name, x, lead, integer, dtype, like)
             if values_checked(t) and t.numel() > 0:
                 lo, hi = (int(v) if integer else float(v) for v in torch.aminmax(t))
-                bad = t.isnan().any().item() if not integer else False
+                bad = bool(t.isnan().any().item()) if not integer else False
                 _check_sampler_range(name, lo, hi, bad)
             out.append(t)
             continue
@@ -149,7 +152,8 @@ def check_sampler(
         value = int(x) if integer else float(x)
         _check_sampler_range(name, value, value, math.isnan(value) if not integer else False)
         out.append(value)
-    return tuple(out)
+    k, p, m = out  # top_k: an int or int64; top_p, min_p: floats or the compute dtype
+    return Sampler(cast(TopK, k), cast(TopP, p), cast(TopP, m))
 
 
 def _check_sampler_range(name: str, lo: float, hi: float, nan: bool) -> None:

@@ -31,10 +31,12 @@ exact up to ``2**24`` tokens per vocabulary in float32.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from rlops.logprobs._plan import Plan
 from rlops.logprobs._support import Sampler
 
 __all__ = ["float_key", "key_float", "radix_threshold", "rounds", "uses_radix"]
@@ -43,6 +45,8 @@ _BINS = 256
 # The bits flipped in a negative float's pattern (all but the sign), per compute dtype.
 _MAGNITUDE = {torch.float32: (1 << 31) - 1, torch.float64: (1 << 63) - 1}
 _INT = {torch.float32: torch.int32, torch.float64: torch.int64}
+# ``logits(i, j)``: ``(scaled logits of tokens i:j in the compute dtype, own)`` of this shard.
+Logits = Callable[[int, int], tuple[torch.Tensor, bool]]
 
 
 def uses_radix(sampler: Sampler) -> bool:
@@ -76,13 +80,22 @@ def key_float(key: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return bits.to(_INT[dtype]).view(dtype)
 
 
-def _histograms(logits_rows, n, chunk, shift, prefix, lower, ref, dtype, device):
+def _histograms(
+    plan: Plan,
+    logits: Logits,
+    shift: int,
+    prefix: torch.Tensor | None,
+    *,
+    lower: torch.Tensor | None,
+    ref: torch.Tensor | None,
+) -> torch.Tensor:
     """``[1 or 2, N, 256]``: per token, the count (and with ``ref``, the mass ``exp(z − ref)``)
     of this shard's logits ``≥ lower`` whose key above bit ``shift + 8`` is ``prefix``
     (all of them when ``prefix`` is None), binned by the key's byte at ``shift``."""
-    hist = torch.zeros((1 if ref is None else 2, n, _BINS), dtype=dtype, device=device)
-    for i in range(0, n, chunk):
-        z = logits_rows(i, i + chunk)[0]
+    dtype = plan.dtype
+    hist = torch.zeros((1 if ref is None else 2, plan.rows, _BINS), dtype=dtype, device=plan.device)
+    for i in plan.starts:
+        z = logits(i, i + plan.chunk)[0]
         j = i + z.shape[0]
         key = float_key(z)
         if prefix is None:  # the top byte, signed: -128..127
@@ -107,28 +120,39 @@ def _exclusive_from_top(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([incl[:, 1:], torch.zeros_like(incl[:, :1])], dim=1)
 
 
-def _select(logits_rows, n, chunk, group, dtype, device, *, k=None, p=None, ref=None, lower=None):
+def _select(
+    plan: Plan,
+    logits: Logits,
+    *,
+    k: torch.Tensor | None = None,
+    p: float | torch.Tensor | None = None,
+    ref: torch.Tensor | None = None,
+    lower: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The key ``[N, 1]`` int64 of the k-th largest value (``k`` given) or of top-p's crossing
     value among the logits ``≥ lower`` (``p``, masses relative to ``ref``): one all-reduce of
     the summed histograms per round, the same bin picked on every rank."""
-    bins = torch.arange(_BINS, device=device)
-    prefix = above = target = None
-    left = None if k is None else k.to(dtype).clamp(min=1)  # the rank still to reach
+    dtype = plan.dtype
+    bins = torch.arange(_BINS, device=plan.device)
+    prefix: torch.Tensor | None = None
+    target: torch.Tensor | None = None  # top-p: p·S, the mass to reach
+    above: torch.Tensor | None = None  # top-p: the mass above the prefix found so far
+    left = None if k is None else k.to(dtype).clamp(min=1)  # top-k: the rank still to reach
     n_rounds = rounds(dtype)
     for r in range(n_rounds):
         shift = 8 * (n_rounds - 1 - r)
-        hist = _histograms(logits_rows, n, chunk, shift, prefix, lower, ref, dtype, device)
-        dist.all_reduce(hist, op=dist.ReduceOp.SUM, group=group)
+        hist = _histograms(plan, logits, shift, prefix, lower=lower, ref=ref)
+        dist.all_reduce(hist, op=dist.ReduceOp.SUM, group=plan.group)
         count = hist[0]
         count_above = _exclusive_from_top(count)
-        if k is not None:
+        if left is not None:
             if r == 0:  # k >= V: the smallest value, which keeps every logit
                 left = torch.minimum(left, count_above[:, :1] + count[:, :1])
             b = ((count_above + count) >= left).sum(dim=1, keepdim=True).sub_(1).clamp_(0)
             left = left - count_above.gather(1, b)
-        else:
+        elif p is not None:
             mass, mass_above = hist[1], _exclusive_from_top(hist[1])
-            if r == 0:
+            if target is None or above is None:  # the first round
                 above = torch.zeros_like(mass[:, :1])
                 target = p * (mass_above[:, :1] + mass[:, :1])  # p·S
             kept = (count > 0) & (above + mass_above < target)
@@ -137,39 +161,47 @@ def _select(logits_rows, n, chunk, group, dtype, device, *, k=None, p=None, ref=
             top = torch.where(count > 0, bins, 0).amax(dim=1, keepdim=True)
             b = torch.where(first < _BINS, first, top)
             above = above + mass_above.gather(1, b)
+        else:
+            raise ValueError("_select needs k or p")
         prefix = b - _BINS // 2 if prefix is None else prefix * _BINS + b
+    assert prefix is not None
     return prefix
 
 
-def radix_threshold(logits_rows, n, chunk, sampler, group, dtype, device) -> torch.Tensor:
-    """``[N, 1]`` thresholds of the sampler's support over the vocabulary sharded on ``group``,
+def radix_threshold(plan: Plan, logits: Logits) -> torch.Tensor:
+    """``[N, 1]`` thresholds of the plan's sampler over the vocabulary sharded on its group,
     equal to :func:`rlops.logprobs._support.threshold_chunk` on the full vocabulary.
 
-    ``logits_rows(i, j)`` gives ``(scaled logits of tokens i:j in dtype, own)``, this shard's
-    columns; it is called once per chunk in each pass (one for the max, one per round).
+    ``logits(i, j)`` gives ``(scaled logits of tokens i:j in the compute dtype, own)``, this
+    shard's columns; it is called once per chunk in each pass (one for the max, one per round).
     """
-    top_k, top_p, min_p = sampler.rows(0, n)
+    if plan.sampler is None:
+        raise ValueError("radix_threshold needs a plan with a sampler")
+    n, dtype, device, group = plan.rows, plan.dtype, plan.device, plan.group
+    top_k, top_p, min_p = plan.sampler.rows(0, n)
     if not isinstance(top_p, torch.Tensor) and top_p is not None and top_p >= 1.0:
         top_p = None
     use_min_p = min_p is not None and not (not isinstance(min_p, torch.Tensor) and min_p == 0.0)
     inf = float("-inf")
-    t = m = None
+    t: torch.Tensor | None = None
+    m: torch.Tensor | None = None  # the global max of each token's logits
     if top_p is not None or use_min_p:
         m = torch.full((n, 1), inf, dtype=dtype, device=device)
-        for i in range(0, n, chunk):
-            z = logits_rows(i, i + chunk)[0]
+        for i in plan.starts:
+            z = logits(i, i + plan.chunk)[0]
             m[i : i + z.shape[0]] = z.amax(dim=1, keepdim=True)
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        if use_min_p:
-            t = m + (min_p.log() if isinstance(min_p, torch.Tensor) else math.log(min_p))
-    args = (logits_rows, n, chunk, group, dtype, device)
+        if isinstance(min_p, torch.Tensor):
+            t = m + min_p.log()
+        elif use_min_p and min_p is not None:
+            t = m + math.log(min_p)
     if top_k is not None:
         k = top_k if isinstance(top_k, torch.Tensor) else torch.full((n, 1), top_k, device=device)
-        t_k = key_float(_select(*args, k=k), dtype)
+        t_k = key_float(_select(plan, logits, k=k), dtype)
         t = t_k if t is None else torch.maximum(t, t_k)
-    if top_p is not None:
+    if top_p is not None and m is not None:
         ref = torch.where(m == inf, torch.zeros_like(m), m)
-        t_p = key_float(_select(*args, p=top_p, ref=ref, lower=t), dtype)
+        t_p = key_float(_select(plan, logits, p=top_p, ref=ref, lower=t), dtype)
         if isinstance(top_p, torch.Tensor):  # p = 1 keeps every token, whatever the rounding
             t_p = t_p.masked_fill(top_p >= 1.0, inf)
         t = t_p if t is None else torch.maximum(t, t_p)

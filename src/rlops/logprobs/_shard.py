@@ -25,6 +25,8 @@ both local to the shard.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 __all__ = [
@@ -79,6 +81,7 @@ def stats_chunk(
     idx: torch.Tensor,
     in_range: torch.Tensor,
     keep: torch.Tensor | None,
+    *,
     entropy: bool,
     out: torch.Tensor,
 ) -> None:
@@ -96,6 +99,7 @@ def stats_chunk(
         return
     if entropy:
         m, s, h = _softmax_stats(z, False, True)
+        assert h is not None
         out[:, 3:4], out[:, 4:5], out[:, 5:6] = m, s, h
     zk = z.masked_fill_(~keep, float("-inf")) if own else z.masked_fill(~keep, float("-inf"))
     zk.scatter_(1, idx, torch.where(in_range, zy, zk.gather(1, idx)))  # the target is always kept
@@ -141,7 +145,8 @@ def grad_chunk(
     idx: torch.Tensor,
     in_range: torch.Tensor,
     keep: torch.Tensor | None,
-    saved: tuple[torch.Tensor, ...],
+    *,
+    saved: Sequence[torch.Tensor],
     g_logp: torch.Tensor | None,
     g_ent: torch.Tensor | None,
     inv_tau: float,
@@ -179,6 +184,7 @@ def grad_chunk(
             grad.addcmul_(p, c_logp)
         else:
             grad = p.mul_(c_logp) if dst is None else torch.mul(p, c_logp, out=dst)
+    assert grad is not None, "grad_chunk needs g_logp or g_ent"
     if g_logp is not None:
         onehot = torch.where(in_range, g_logp * inv_tau, torch.zeros_like(g_logp))
         grad.scatter_add_(1, idx, onehot)

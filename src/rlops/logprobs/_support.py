@@ -35,6 +35,7 @@ merge needs a scalar top-k; top-p without top-k and a per-token top-k use the ra
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -48,23 +49,32 @@ __all__ = [
 ]
 
 # A per-token parameter is a [C, 1] tensor (rows of the chunk); a scalar is a Python number.
-Param = int | float | torch.Tensor | None
+TopK = int | torch.Tensor | None
+TopP = float | torch.Tensor | None
 
 
+@dataclass(frozen=True)
 class Sampler:
     """The checked sampler parameters: scalars, or per-token ``[N]`` tensors (flattened)."""
 
-    __slots__ = ("min_p", "top_k", "top_p")
+    top_k: TopK
+    top_p: TopP
+    min_p: TopP
 
-    def __init__(self, top_k: Param, top_p: Param, min_p: Param) -> None:
-        self.top_k, self.top_p, self.min_p = top_k, top_p, min_p
-
-    def rows(self, i: int, j: int) -> tuple[Param, Param, Param]:
+    def rows(self, i: int, j: int) -> tuple[TopK, TopP, TopP]:
         """The parameters of rows ``[i, j)``: scalars as they are, tensors as ``[C, 1]``."""
-        return tuple(
-            p[i:j].unsqueeze(1) if isinstance(p, torch.Tensor) else p
-            for p in (self.top_k, self.top_p, self.min_p)
-        )
+        return _rows(self.top_k, i, j), _rows(self.top_p, i, j), _rows(self.min_p, i, j)
+
+    def capped(self, vocab: int) -> Sampler:
+        """The same sampler with an int ``top_k`` capped at the vocabulary size ``vocab``
+        (``k ≥ V`` keeps every token); ``self`` is left as it is."""
+        if isinstance(self.top_k, int) and self.top_k > vocab:
+            return replace(self, top_k=vocab)
+        return self
+
+
+def _rows(p, i: int, j: int):
+    return p[i:j].unsqueeze(1) if isinstance(p, torch.Tensor) else p
 
 
 def _log(x: float | torch.Tensor) -> float | torch.Tensor:
@@ -75,12 +85,12 @@ def _maximum(t: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
     return u if t is None else torch.maximum(t, u)
 
 
-def support_chunk(z: torch.Tensor, top_k: Param, top_p: Param, min_p: Param) -> torch.Tensor:
+def support_chunk(z: torch.Tensor, top_k: TopK, top_p: TopP, min_p: TopP) -> torch.Tensor:
     """``[C, V]`` bool: the support of scaled logits ``z``, ``z ≥`` :func:`threshold_chunk`."""
     return z >= threshold_chunk(z, top_k, top_p, min_p)
 
 
-def threshold_chunk(z: torch.Tensor, top_k: Param, top_p: Param, min_p: Param) -> torch.Tensor:
+def threshold_chunk(z: torch.Tensor, top_k: TopK, top_p: TopP, min_p: TopP) -> torch.Tensor:
     """``[C, 1]``: the support's threshold per token of scaled logits ``z`` (not modified);
     ``-inf`` where every token is kept.
 
@@ -115,7 +125,10 @@ def threshold_chunk(z: torch.Tensor, top_k: Param, top_p: Param, min_p: Param) -
 
 
 def _top_p_threshold(
-    zs: torch.Tensor, t: torch.Tensor | None, top_p: Param, extra: torch.Tensor | None
+    zs: torch.Tensor,
+    t: torch.Tensor | None,
+    top_p: float | torch.Tensor,
+    extra: torch.Tensor | None,
 ) -> torch.Tensor:
     """Top-p's threshold from the values ``zs`` ``[C, K]`` sorted descending (all those
     ``≥ t``, but ``extra`` ``[C, 1]`` more tokens tied at ``t``): the value of the token at
@@ -124,7 +137,7 @@ def _top_p_threshold(
     top = torch.where(top == float("-inf"), torch.zeros_like(top), top)
     w = (zs if t is None else zs.masked_fill(zs < t, float("-inf"))).sub(top).exp_()
     total = w.sum(dim=1, keepdim=True)
-    if extra is not None:  # the left-out ties, all at value t
+    if extra is not None and t is not None:  # the left-out ties, all at value t
         total = total + extra * (t - top).exp()
     before = torch.zeros_like(w)  # the mass strictly before each sorted position
     torch.cumsum(w[:, :-1], dim=1, out=before[:, 1:])
@@ -160,14 +173,13 @@ def candidates_chunk(z: torch.Tensor, top_k: int | None) -> torch.Tensor:
 
 
 def merged_threshold(
-    gathered: torch.Tensor, top_k: int | None, top_p: Param, min_p: Param
+    gathered: torch.Tensor, top_k: int | None, top_p: TopP, min_p: TopP
 ) -> torch.Tensor:
     """``[R, N, K + 2]`` candidates of every shard → the global threshold ``[N, 1]``, the same
     as :func:`threshold_chunk` on the full vocabulary (top-p needs top-k here)."""
     r, n, cols = gathered.shape
     k = cols - 2
-    zs = gathered[:, :, :k].permute(1, 0, 2).reshape(n, r * k).sort(dim=1, descending=True)
-    zs = zs.values
+    zs = gathered[:, :, :k].permute(1, 0, 2).reshape(n, r * k).sort(dim=1, descending=True).values
     t = None
     if min_p is not None and not (isinstance(min_p, float) and min_p == 0.0):
         t = zs[:, :1] + _log(min_p)
@@ -176,6 +188,7 @@ def merged_threshold(
     if isinstance(top_p, float) and top_p >= 1.0:
         top_p = None
     if top_p is not None:
+        assert t is not None, "top-p over the shards' candidates needs top_k (else: radix select)"
         last, left_out = gathered[:, :, k], gathered[:, :, k + 1]
         extra = torch.where(last == t.view(1, n), left_out, torch.zeros_like(left_out))
         t = _maximum(t, _top_p_threshold(zs, t, top_p, extra.sum(dim=0).unsqueeze(1)))

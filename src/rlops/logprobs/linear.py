@@ -12,16 +12,22 @@ rank can only compute its shard's part. As in Megatron's column-parallel output 
 over ranks belongs to the layer's input: the hidden states enter the tensor-parallel region
 through an op that is the identity forward and all-reduces the gradient backward (Megatron's
 ``copy_to_tensor_model_parallel_region``, or :func:`copy_to_tensor_parallel_region` here).
+
+The chunk loops are the engine's (:mod:`rlops.logprobs._engine`), as for the op on logits; this
+op's producer multiplies a chunk of hidden states by the weight, and its backward accumulates
+the gradients of ``hidden`` and ``weight``.
 """
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 import torch.distributed as dist
 
-from rlops._checks import check_chunk_size, check_same_device, compute_dtype, shape_error
+from rlops._checks import check_chunk_size, check_same_device, shape_error
 from rlops.distributed.groups import group_rank_size
-from rlops.logprobs import _shard, _tp
+from rlops.logprobs import _engine
 from rlops.logprobs._inputs import (
     check_flags,
     check_keep_mask,
@@ -30,86 +36,88 @@ from rlops.logprobs._inputs import (
     check_temperature,
     default_chunk,
 )
-from rlops.logprobs.fused import (
-    checked_sampler,
-    chunk_grad,
-    chunk_grads,
-    chunk_stats,
-    gather_stats,
-    grad_inputs,
-    logits_grad_with_graph,
-    outputs,
-    vocab_layout,
-)
+from rlops.logprobs._plan import Plan
 
 __all__ = ["copy_to_tensor_parallel_region", "linear_logprobs_and_entropy"]
 
-
-def _logits_chunk(h: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, temperature: float):
-    """``(h @ weightᵀ)`` in the inputs' dtype (as a materialised output layer), then ``/ τ``."""
-    z = (h @ weight.T).to(dtype)
-    return z.div_(temperature) if temperature != 1.0 else z
-
-
-def _grads_by_rows(
-    h2, weight, dtype, grad_h, grad_w, over_support, tgt, start, v_local, chunk, keep_rows, thr,
-    saved, gl, ge, temperature,
-):
-    """The backward over token chunks of the whole vocabulary row, in the forward's chunks:
-    each chunk's logits have the forward's bits, so that the saved threshold of the sampler's
-    support selects the same tokens."""
-    for i, j, g in chunk_grads(
-        lambda i, j: (_logits_chunk(h2[i:j], weight, dtype, temperature), True),
-        tgt, start, v_local, chunk, keep_rows, thr, over_support, saved, gl, ge, temperature,
-    ):  # fmt: skip
-        g = g.to(h2.dtype)
-        hc = h2[i:j]
-        if grad_h is not None:
-            torch.mm(g, weight, out=grad_h[i:j])
-        if grad_w is not None:
-            if grad_w.dtype == g.dtype:
-                grad_w.addmm_(g.T, hc)
-            else:
-                grad_w += g.T @ hc
-
-
+_OP = "linear_logprobs_and_entropy"
+# The narrowest vocabulary slice of a backward tile.
 _MIN_TILE_VOCAB = 256
 
 
+class _Matmul(_engine.Producer):
+    """Chunks of rows of ``hidden @ weightᵀ`` in the inputs' dtype (as a materialised output
+    layer), then in the compute dtype and ``/ τ``; a fresh buffer each time."""
+
+    def __init__(self, h2: torch.Tensor, weight: torch.Tensor, plan: Plan) -> None:
+        self.h2, self.weight = h2, weight
+        self.dtype, self.temperature = plan.dtype, plan.temperature
+
+    def logits(self, i: int, j: int) -> tuple[torch.Tensor, bool]:
+        z = (self.h2[i:j] @ self.weight.T).to(self.dtype)
+        return (z.div_(self.temperature) if self.temperature != 1.0 else z), True
+
+
+def _add_weight_grad(grad_w: torch.Tensor, g: torch.Tensor, hc: torch.Tensor) -> None:
+    """``grad_w += gᵀ · hc`` (``grad_w`` in float32 for half inputs)."""
+    if grad_w.dtype == g.dtype:
+        grad_w.addmm_(g.T, hc)
+    else:
+        grad_w += g.T @ hc
+
+
+def _grads_by_rows(
+    plan: Plan,
+    h2: torch.Tensor,
+    weight: torch.Tensor,
+    grad_h: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+) -> None:
+    """The backward over token chunks of the whole vocabulary row, in the forward's chunks:
+    each chunk's logits have the forward's bits, so that the saved threshold of the sampler's
+    support selects the same tokens."""
+    producer = _Matmul(h2, weight, plan)
+    for i in plan.starts:
+        j = i + plan.chunk
+        g = producer.grad(plan, i, j).to(h2.dtype)
+        if grad_h is not None:
+            torch.mm(g, weight, out=grad_h[i:j])
+        if grad_w is not None:
+            _add_weight_grad(grad_w, g, h2[i:j])
+
+
 def _grads_by_tiles(
-    h2, weight, dtype, grad_h, grad_w, tgt, start, v_local, chunk, keep_rows, thr, saved, gl, ge,
-    temperature,
-):
+    plan: Plan,
+    h2: torch.Tensor,
+    weight: torch.Tensor,
+    grad_h: torch.Tensor | None,
+    grad_w: torch.Tensor | None,
+) -> None:
     """The backward over ``[tokens, vocabulary]`` tiles of the forward chunk's size (no sampler
     threshold: every tile's gradient is local, given the saved per-token statistics).
 
     A tile spans as many tokens as fit (all of them when they do) and a slice of the
     vocabulary, so the weight and its gradient are read and written once per token block
     rather than once per chunk: with a 152K vocabulary a chunk holds ~55 tokens, and streaming
-    the weight (311 MiB at H = 512) and its gradient per chunk made the backward memory-bound.
+    the weight and its gradient per chunk made the backward memory-bound.
     """
-    n = h2.shape[0]
-    budget = chunk * v_local  # elements of one forward chunk
+    n, v_local = plan.rows, plan.v_local
+    budget = plan.chunk * v_local  # elements of one forward chunk
     vb = min(v_local, max(_MIN_TILE_VOCAB, budget // max(n, 1)))
     ct = max(1, min(n, budget // vb))
-    inv_tau = 1.0 / temperature
+    tiles = [(v0, min(v0 + vb, v_local)) for v0 in range(0, v_local, vb)]
+    producers = [_Matmul(h2, weight[v0:v1], plan) for v0, v1 in tiles]
+    plans = [plan.tile(v0, v1) for v0, v1 in tiles]
     for i in range(0, n, ct):
         j = min(i + ct, n)
-        hc = h2[i:j]
         dst = None if grad_h is None else grad_h[i:j]
         # half inputs: the hidden gradient's rows summed over the tiles in float32
-        acc = None if dst is None or dst.dtype == dtype else torch.zeros_like(dst, dtype=dtype)
-        for v0 in range(0, v_local, vb):
-            v1 = min(v0 + vb, v_local)
-            wb = weight[v0:v1]
-            tile_keep = None
-            if keep_rows is not None:
-                tile_keep = lambda a, b, v0=v0, v1=v1: keep_rows(a, b)[:, v0:v1]  # noqa: E731
-            g = chunk_grad(
-                i, j,
-                lambda a, b, wb=wb: (_logits_chunk(h2[a:b], wb, dtype, temperature), True),
-                tgt, start + v0, v1 - v0, tile_keep, None, False, saved, gl, ge, inv_tau,
-            ).to(h2.dtype)  # fmt: skip
+        acc = None
+        if dst is not None and dst.dtype != plan.dtype:
+            acc = torch.zeros_like(dst, dtype=plan.dtype)
+        for (v0, v1), producer, tile in zip(tiles, producers, plans, strict=True):
+            g = producer.grad(tile, i, j).to(h2.dtype)
+            wb = producer.weight
             if acc is not None:
                 acc += g @ wb
             elif dst is not None:
@@ -118,96 +126,108 @@ def _grads_by_tiles(
                 else:
                     dst.addmm_(g, wb)
             if grad_w is not None:
-                if grad_w.dtype == g.dtype:
-                    grad_w[v0:v1].addmm_(g.T, hc)
-                else:
-                    grad_w[v0:v1] += g.T @ hc
-        if acc is not None:
+                _add_weight_grad(grad_w[v0:v1], g, h2[i:j])
+        if acc is not None and dst is not None:
             dst.copy_(acc)
 
 
 class _FusedLinearLogprobsEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx,
-        hidden,
-        weight,
-        target,
-        keep,
-        temperature,
-        with_entropy,
-        entropy_grad,
-        group,
-        chunk,
-        start,
-        sampler,
-        over_support,
-    ):
-        _, world = group_rank_size(group)
-        v_local = weight.shape[0]
+    def forward(ctx, hidden, weight, target, keep, plan):
+        plan = plan.bound(target, keep)
         h2 = hidden.reshape(-1, hidden.shape[-1])
-        tgt = target.reshape(-1)
-        n = h2.shape[0]
-        dtype = compute_dtype(hidden.dtype)
-        chunk = chunk or default_chunk(n, v_local, hidden.device, linear=True)
-        masked = keep is not None or (sampler is not None and not over_support)
-        keep2 = None if keep is None else keep.reshape(-1, v_local)
-        stats = torch.empty(
-            (n, _shard.n_columns(masked, with_entropy)), dtype=dtype, device=hidden.device
-        )
-        thr = chunk_stats(
-            lambda i, j: (_logits_chunk(h2[i:j], weight, dtype, temperature), True),
-            tgt, start, v_local, chunk, None if keep2 is None else (lambda i, j: keep2[i:j]),
-            sampler, over_support, with_entropy, group, world, stats,
-        )  # fmt: skip
-        logp, ent, saved = _shard.merge(gather_stats(stats, group, world), masked, with_entropy)
-        ctx.set_materialize_grads(False)
-        ctx.meta = (temperature, start, chunk, world, over_support)
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
-            packed = _shard.pack_saved(saved, masked, entropy_grad)
-            ctx.save_for_backward(hidden, weight, target, keep, thr, *packed)
-        return outputs(ctx, logp, ent, hidden.shape[:-1], entropy_grad)
+        producer = _Matmul(h2, weight, plan)
+        return _engine.forward(ctx, plan, producer, (hidden, weight, target, keep))
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        temperature, start, chunk, world, over_support = ctx.meta
-        hidden, weight, target, keep, thr, *saved = ctx.saved_tensors
-        nones = (None,) * 10
-        dtype = compute_dtype(hidden.dtype)
-        inputs = grad_inputs(saved, g_logp, g_ent, dtype)
-        if inputs is None:
-            return (None, None, *nones)
-        saved, gl, ge = inputs
+        restored = _engine.restore(ctx, g_logp, g_ent)
+        if restored is None:
+            return None, None, None, None, None
+        (hidden, weight, _, _), plan = restored
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        v_local = weight.shape[0]
         h2 = hidden.reshape(-1, hidden.shape[-1])
-        tgt = target.reshape(-1)
-        keep2 = None if keep is None else keep.reshape(-1, v_local)
         if torch.is_grad_enabled():  # create_graph=True: a differentiable backward
-            op = "linear_logprobs_and_entropy"
             # The logits chunk by chunk, as in the forward: the same bits, so that the saved
             # threshold selects the same support.
-            rows = [h2[i : i + chunk] @ weight.T for i in range(0, h2.shape[0], chunk)]
+            rows = [h2[i : i + plan.chunk] @ weight.T for i in plan.starts]
             logits = torch.cat(rows) if rows else h2 @ weight.T
-            g = logits_grad_with_graph(
-                logits, tgt, keep2, temperature, gl, ge, world, op, thr, over_support
-            )
+            g = _engine.grad_with_graph(plan, logits, _OP)
             grad_h = (g @ weight).view(hidden.shape) if need_h else None
-            return (grad_h, g.T @ h2 if need_w else None, *nones)
+            return grad_h, (g.T @ h2 if need_w else None), None, None, None
         grad_h = torch.empty_like(h2, memory_format=torch.contiguous_format) if need_h else None
         # The weight gradient sums over all chunks: accumulate in float32 for half inputs.
-        grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
-        keep_rows = None if keep2 is None else (lambda i, j: keep2[i:j])
-        args = (tgt, start, v_local, chunk, keep_rows, thr, saved, gl, ge, temperature)
-        if thr is None:
-            _grads_by_tiles(h2, weight, dtype, grad_h, grad_w, *args)
-        else:
-            _grads_by_rows(h2, weight, dtype, grad_h, grad_w, over_support, *args)
-        if need_h:
-            grad_h = grad_h.view(hidden.shape)
+        grad_w = None
         if need_w:
-            grad_w = grad_w.to(weight.dtype)
-        return (grad_h, grad_w, *nones)
+            grad_w = torch.zeros(weight.shape, dtype=plan.dtype, device=weight.device)
+        if plan.threshold is None:
+            _grads_by_tiles(plan, h2, weight, grad_h, grad_w)
+        else:
+            _grads_by_rows(plan, h2, weight, grad_h, grad_w)
+        return (
+            None if grad_h is None else grad_h.view(hidden.shape),
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None,
+            None,
+            None,
+        )
+
+
+@overload
+def linear_logprobs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    temperature: float = ...,
+    keep_mask: torch.Tensor | None = ...,
+    top_k: int | torch.Tensor | None = ...,
+    top_p: float | torch.Tensor | None = ...,
+    min_p: float | torch.Tensor | None = ...,
+    entropy_over_support: bool = ...,
+    with_entropy: Literal[True] = ...,
+    entropy_grad: bool = ...,
+    group: object = ...,
+    chunk_size: int | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def linear_logprobs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    temperature: float = ...,
+    keep_mask: torch.Tensor | None = ...,
+    top_k: int | torch.Tensor | None = ...,
+    top_p: float | torch.Tensor | None = ...,
+    min_p: float | torch.Tensor | None = ...,
+    entropy_over_support: bool = ...,
+    with_entropy: Literal[False],
+    entropy_grad: bool = ...,
+    group: object = ...,
+    chunk_size: int | None = ...,
+) -> tuple[torch.Tensor, None]: ...
+
+
+@overload
+def linear_logprobs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    temperature: float = ...,
+    keep_mask: torch.Tensor | None = ...,
+    top_k: int | torch.Tensor | None = ...,
+    top_p: float | torch.Tensor | None = ...,
+    min_p: float | torch.Tensor | None = ...,
+    entropy_over_support: bool = ...,
+    with_entropy: bool = ...,
+    entropy_grad: bool = ...,
+    group: object = ...,
+    chunk_size: int | None = ...,
+) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
 def linear_logprobs_and_entropy(
@@ -284,58 +304,31 @@ def linear_logprobs_and_entropy(
         >>> logp, ent
         (tensor([-0.2395, -1.0986]), tensor([0.6656, 1.0986]))
     """
-    rank, world = group_rank_size(group)
-    checked = world > 1 and _tp.check_enabled()
-    try:
-        hidden, weight, target, keep_mask, temperature = _checked(
-            hidden, weight, target, keep_mask, temperature, with_entropy, entropy_grad, chunk_size
-        )
-        sampler = checked_sampler(
-            "hidden", hidden, top_k, top_p, min_p, keep_mask, entropy_over_support
-        )
-    except (TypeError, ValueError) as exc:
-        if checked:  # the other ranks are about to exchange headers: join them, then raise
-            _tp.fail_together(group, world, exc, getattr(hidden, "device", None))
-        raise
-    v_local = weight.shape[0]
-    if checked:
-        call = _tp.Call(
-            op="linear_logprobs_and_entropy",
-            v_local=v_local,
-            tokens=target.numel(),
-            hidden=weight.shape[1],
-            dtype=hidden.dtype,
-            with_entropy=with_entropy,
-            entropy_grad=entropy_grad,
-            masked=keep_mask is not None,
-            temperature=temperature,
-            sampler=_tp.sampler_fields(top_k, top_p, min_p, entropy_over_support),
-        )
-    else:
-        call = None
-    start = vocab_layout(group, rank, world, v_local, call, target, sampler)
+    options = _engine.Options(
+        temperature=temperature,
+        keep_mask=keep_mask,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        entropy_over_support=entropy_over_support,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
+        group=group,
+        chunk_size=chunk_size,
+    )
+    inputs, plan = _engine.prepare(
+        _OP, hidden, options, lambda: _checked(hidden, weight, target, options)
+    )
     logp, ent = _FusedLinearLogprobsEntropy.apply(
-        hidden,
-        weight,
-        target,
-        keep_mask,
-        temperature,
-        with_entropy,
-        entropy_grad,
-        group,
-        chunk_size,
-        start,
-        sampler,
-        entropy_over_support,
+        inputs.x, inputs.weight, inputs.target, inputs.keep, plan
     )
     return logp, (ent if with_entropy else None)
 
 
 def _checked(
-    hidden, weight, target, keep_mask, temperature, with_entropy, entropy_grad, chunk_size
-):
-    """This rank's own argument checks: ``(hidden, weight, target as int64, keep_mask,
-    temperature)``."""
+    hidden: object, weight: object, target: object, options: _engine.Options
+) -> _engine.Checked:
+    """This rank's own argument checks (the sampler's are the engine's)."""
     hidden = check_logits("hidden", hidden)
     weight = check_logits("weight", weight)
     if weight.dtype != hidden.dtype:
@@ -344,17 +337,26 @@ def _checked(
         raise shape_error(
             "weight", f"[V_local, H] with V_local >= 1 and H = {hidden.shape[-1]}", weight.shape
         )
-    temperature = check_temperature(temperature)
-    check_flags(with_entropy=with_entropy, entropy_grad=entropy_grad)
-    check_chunk_size(chunk_size)
-    target = check_target(
-        target, hidden.shape[:-1], "[...] like hidden[..., 0] " + str(list(hidden.shape[:-1]))
-    )
-    keep_mask = check_keep_mask(
-        keep_mask, (*hidden.shape[:-1], weight.shape[0]), "hidden @ weight.T"
-    )
+    temperature = check_temperature(options.temperature)
+    check_flags(with_entropy=options.with_entropy, entropy_grad=options.entropy_grad)
+    check_chunk_size(options.chunk_size)
+    lead = hidden.shape[:-1]
+    target = check_target(target, lead, "[...] like hidden[..., 0] " + str(list(lead)))
+    v_local = weight.shape[0]
+    keep_mask = check_keep_mask(options.keep_mask, (*lead, v_local), "hidden @ weight.T")
     check_same_device("hidden", hidden, weight=weight, target=target, keep_mask=keep_mask)
-    return hidden, weight, target, keep_mask, temperature
+    n, chunk = target.numel(), options.chunk_size
+    return _engine.Checked(
+        name="hidden",
+        x=hidden,
+        weight=weight,
+        target=target,
+        keep=keep_mask,
+        temperature=temperature,
+        v_local=v_local,
+        chunk=chunk if chunk is not None else default_chunk(n, v_local, hidden.device, linear=True),
+        hidden=weight.shape[1],
+    )
 
 
 class _CopyToTensorParallelRegion(torch.autograd.Function):

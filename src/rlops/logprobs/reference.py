@@ -1,8 +1,9 @@
 """The unfused reference: ``log_softmax`` + gather for log-probs, softmax · log_softmax for entropy.
 
 Plain PyTorch on the full vocabulary in one process, materialising every ``[..., V]``
-intermediate. It defines the semantics the fused ops must match (tests) and is the baseline they
-are measured against (benchmarks). Not exported from :mod:`rlops`.
+intermediate, the sampler's support included (:func:`sampler_keep_mask`: each filter stated on
+the sorted vocabulary). It defines the semantics the fused ops must match (tests) and is the
+baseline they are measured against (benchmarks). Not exported from :mod:`rlops`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,64 @@ import torch
 
 from rlops._checks import compute_dtype
 
-__all__ = ["linear_logprobs_and_entropy_reference", "logprobs_and_entropy_reference"]
+__all__ = [
+    "linear_logprobs_and_entropy_reference",
+    "logprobs_and_entropy_reference",
+    "sampler_keep_mask",
+]
+
+
+def _per_token(p: int | float | torch.Tensor, z: torch.Tensor) -> int | float | torch.Tensor:
+    """A scalar as it is; a per-token tensor ``[...]`` as ``[..., 1]`` beside ``z [..., V]``."""
+    return p.to(z.device).unsqueeze(-1) if isinstance(p, torch.Tensor) else p
+
+
+def sampler_keep_mask(
+    z: torch.Tensor,
+    *,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[..., V]`` bool: the sampler's support of the scaled logits ``z`` ``[..., V]``.
+
+    The filters in vLLM's order, each on what the previous ones kept (``p = softmax(z)``):
+
+    - min-p keeps ``p_v ≥ min_p · max_u p_u``, i.e. ``exp(z_v − max z) ≥ min_p``;
+    - top-k keeps every logit ``≥`` the k-th largest kept value (ties with it kept too);
+    - top-p sorts the kept logits descending, renormalises their probabilities, and keeps the
+      smallest prefix whose mass reaches ``top_p`` (the token at which the mass before it is
+      still ``< top_p`` is the last kept), and every logit tied with its value; ``top_p = 1``
+      keeps everything.
+
+    Each parameter is a scalar or a per-token tensor ``[...]``; None leaves that filter off.
+    The target is not part of this mask (the log-prob ops always keep it).
+
+    Example:
+        >>> import torch
+        >>> z = torch.tensor([[3.0, 1.0, 1.0, 0.0]])
+        >>> sampler_keep_mask(z, top_k=2)  # the tie with the 2nd value is kept
+        tensor([[ True,  True,  True, False]])
+    """
+    inf = float("-inf")
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if min_p is not None:
+        keep &= torch.exp(z - z.amax(dim=-1, keepdim=True)) >= _per_token(min_p, z)
+    if top_k is not None:
+        desc = z.masked_fill(~keep, inf).sort(dim=-1, descending=True).values
+        k = top_k if isinstance(top_k, torch.Tensor) else torch.tensor(top_k)
+        k = k.to(z.device).expand(z.shape[:-1]).clamp(1, z.shape[-1])
+        keep &= z >= desc.gather(-1, k.unsqueeze(-1) - 1)
+    if top_p is not None:
+        desc = z.masked_fill(~keep, inf).sort(dim=-1, descending=True).values
+        q = torch.softmax(desc, dim=-1)
+        before = torch.zeros_like(q)  # the mass strictly before each sorted position
+        before[..., 1:] = torch.cumsum(q[..., :-1], dim=-1)
+        last = (before < _per_token(top_p, z)).sum(dim=-1, keepdim=True) - 1
+        t_p = desc.gather(-1, last.clamp(min=0))
+        everything = torch.as_tensor(top_p, device=z.device).unsqueeze(-1) >= 1.0
+        keep &= (z >= t_p) | everything
+    return keep
 
 
 def logprobs_and_entropy_reference(
@@ -20,29 +78,49 @@ def logprobs_and_entropy_reference(
     *,
     temperature: float = 1.0,
     keep_mask: torch.Tensor | None = None,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    entropy_over_support: bool = False,
     with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Reference log-probs and entropy over the full vocabulary ``[..., V]``.
 
-    ``z = logits / temperature`` in float32 (float64 stays float64);
-    ``logp = log_softmax(z masked to keep_mask ∪ {target}).gather(target)``;
-    ``entropy = −(softmax(z) · log_softmax(z)).sum(−1)`` over the unmasked logits.
+    ``z = logits / temperature`` in float32 (float64 stays float64); the support ``K`` is
+    ``keep_mask``, or the sampler's (:func:`sampler_keep_mask` on ``z``, in that dtype), and
+    always holds the target;
+    ``logp = log_softmax(z masked to K).gather(target)``;
+    ``entropy = −(softmax(z) · log_softmax(z)).sum(−1)`` over the unmasked logits, or over
+    ``K`` with ``entropy_over_support=True``.
 
     Example:
         >>> import torch
         >>> logp, ent = logprobs_and_entropy_reference(torch.zeros(1, 4), torch.tensor([2]))
         >>> logp, ent
         (tensor([-1.3863]), tensor([1.3863]))
+        >>> logprobs_and_entropy_reference(  # top-2 of four equal logits keeps all four
+        ...     torch.zeros(1, 4), torch.tensor([2]), top_k=2, with_entropy=False)[0]
+        tensor([-1.3863])
     """
     z = logits.to(compute_dtype(logits.dtype)) / temperature
     idx = target.long().unsqueeze(-1)
+    if top_k is not None or top_p is not None or min_p is not None:
+        if keep_mask is not None:
+            raise ValueError("give the support either as keep_mask or as top_k / top_p / min_p")
+        keep_mask = sampler_keep_mask(z.detach(), top_k=top_k, top_p=top_p, min_p=min_p)
+    if entropy_over_support and keep_mask is None:
+        raise ValueError("entropy_over_support=True needs keep_mask, top_k, top_p or min_p")
     zk = z
+    keep = None
     if keep_mask is not None:
         keep = keep_mask.scatter(-1, idx, True)
         zk = z.masked_fill(~keep, float("-inf"))
-    logp = torch.log_softmax(zk, dim=-1).gather(-1, idx).squeeze(-1)
+    log_pk = torch.log_softmax(zk, dim=-1)
+    logp = log_pk.gather(-1, idx).squeeze(-1)
     if not with_entropy:
         return logp, None
+    if entropy_over_support and keep is not None:
+        return logp, -(torch.softmax(zk, dim=-1) * log_pk.masked_fill(~keep, 0.0)).sum(dim=-1)
     log_p = torch.log_softmax(z, dim=-1)
     return logp, -(torch.softmax(z, dim=-1) * log_p).sum(dim=-1)
 
@@ -54,6 +132,10 @@ def linear_logprobs_and_entropy_reference(
     *,
     temperature: float = 1.0,
     keep_mask: torch.Tensor | None = None,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    entropy_over_support: bool = False,
     with_entropy: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The reference on materialised logits: ``hidden [N, H] @ weight [V, H]ᵀ`` in their dtype.
@@ -70,5 +152,9 @@ def linear_logprobs_and_entropy_reference(
         target,
         temperature=temperature,
         keep_mask=keep_mask,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        entropy_over_support=entropy_over_support,
         with_entropy=with_entropy,
     )

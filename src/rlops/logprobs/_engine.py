@@ -1,0 +1,442 @@
+"""The chunk engine under the log-prob ops: one preamble, the chunk loops, a producer interface.
+
+Both public ops run the same engine on a :class:`~rlops.logprobs._plan.Plan` and differ only in
+their :class:`Producer`, the object that makes a chunk of this shard's scaled logits (a slice of
+the logits, or ``hidden @ weightᵀ``), and in what they do with the gradient of the logits
+(write it, or multiply it into the hidden and weight gradients).
+
+- :func:`prepare`: the preamble. This rank's checks (a rank that fails joins the
+  tensor-parallel consistency check before raising, :func:`_tp.fail_together`), the check
+  itself (:func:`_tp.shard_layout`: the shard's first id, the whole vocabulary), and the plan.
+- :func:`forward`: the statistics chunk by chunk (:meth:`Producer.stats`; the sampler's global
+  threshold first under tensor parallelism, :func:`sampler_thresholds`), the one collective
+  (:func:`gather_stats`), the merge (:func:`_shard.merge`) and what the backward keeps.
+- :func:`restore` → the backward's plan; :meth:`Producer.grad` per chunk of rows (any rows: the
+  fused linear op asks for ``[tokens, vocabulary]`` tiles through :meth:`Plan.tile`);
+  :func:`logits_grad` writes it into the logits' gradient; :func:`grad_with_graph` is the
+  differentiable backward (double backward).
+
+A producer gives :meth:`Producer.logits`. The default :meth:`Producer.stats` and
+:meth:`Producer.grad` run the torch maths of :mod:`rlops.logprobs._shard` on those logits; a
+producer that computes a chunk's statistics or its gradient by other means (a kernel reading
+the logits in vocabulary tiles) overrides them and keeps :meth:`Producer.logits` for the
+passes of the sampler's threshold under tensor parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from rlops._checks import check_same_device, compute_dtype
+from rlops._threads import for_each
+from rlops.distributed.groups import group_rank_size
+from rlops.logprobs import _radix, _shard, _support, _tp
+from rlops.logprobs._inputs import check_flags, check_sampler, check_target_range
+from rlops.logprobs._plan import Plan
+from rlops.logprobs._support import Sampler
+
+__all__ = [
+    "Checked",
+    "Options",
+    "Producer",
+    "checked_sampler",
+    "forward",
+    "gather_stats",
+    "grad_with_graph",
+    "logits_grad",
+    "prepare",
+    "restore",
+    "sampler_thresholds",
+    "support_applied",
+    "vocab_layout",
+]
+
+
+# --------------------------------------------------------------------------- the preamble
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """The keyword arguments of a public log-prob op, as the caller gave them (unchecked: the
+    types are the documented ones, which the checks enforce)."""
+
+    temperature: float = 1.0
+    keep_mask: torch.Tensor | None = None
+    top_k: int | torch.Tensor | None = None
+    top_p: float | torch.Tensor | None = None
+    min_p: float | torch.Tensor | None = None
+    entropy_over_support: bool = False
+    with_entropy: bool = True
+    entropy_grad: bool = True
+    group: object = None
+    chunk_size: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checked:
+    """One op's inputs after this rank's own checks.
+
+    ``x``: the tensor whose leading dims are the tokens (``logits`` or ``hidden``, named
+    ``name``); ``weight``: the output layer's (linear op) or None; ``target`` as int64;
+    ``chunk``: tokens per chunk (the op's default when ``chunk_size`` is None); ``hidden``: the
+    hidden size (0 for logits), compared across ranks.
+    """
+
+    name: str
+    x: torch.Tensor
+    weight: torch.Tensor | None = None
+    target: torch.Tensor
+    keep: torch.Tensor | None
+    temperature: float
+    v_local: int
+    chunk: int
+    hidden: int = 0
+
+
+def prepare(
+    op: str, first: object, options: Options, check: Callable[[], Checked]
+) -> tuple[Checked, Plan]:
+    """The preamble of the op named ``op``: ``(checked inputs, plan)``.
+
+    ``check()`` runs the op's own checks; ``first``: its first argument as given (its device
+    carries the consistency check when the checks fail). With a tensor-parallel group, every
+    rank then joins one header exchange that either gives this shard's place in the
+    vocabulary or raises the same ``ValueError`` on every rank (:mod:`rlops.logprobs._tp`).
+    """
+    rank, world = group_rank_size(options.group)
+    tp_checked = world > 1 and _tp.check_enabled()
+    try:
+        inputs = check()
+        sampler = checked_sampler(inputs.name, inputs.x, options, inputs.keep)
+    except (TypeError, ValueError) as exc:
+        if tp_checked:  # the other ranks are about to exchange headers: join them, then raise
+            group = cast(dist.ProcessGroup, options.group)
+            _tp.fail_together(group, world, exc, getattr(first, "device", None))
+        raise
+    call = _header(op, inputs, options) if tp_checked else None
+    start, sampler = vocab_layout(
+        call, inputs.target, sampler, group=options.group, rank=rank, world=world,
+        v_local=inputs.v_local,
+    )  # fmt: skip
+    over_support = options.entropy_over_support
+    plan = Plan(
+        rows=inputs.target.numel(),
+        v_local=inputs.v_local,
+        start=start,
+        chunk=inputs.chunk,
+        dtype=compute_dtype(inputs.x.dtype),
+        device=inputs.x.device,
+        lead=tuple(inputs.x.shape[:-1]),
+        temperature=inputs.temperature,
+        with_entropy=options.with_entropy,
+        entropy_grad=options.entropy_grad,
+        masked=inputs.keep is not None or (sampler is not None and not over_support),
+        sampler=sampler,
+        over_support=over_support,
+        group=options.group,
+        world=world,
+    )
+    return inputs, plan
+
+
+def _header(op: str, inputs: Checked, options: Options) -> _tp.Call:
+    """What this rank was asked to compute, for the consistency check."""
+    return _tp.Call(
+        op=op,
+        v_local=inputs.v_local,
+        tokens=inputs.target.numel(),
+        hidden=inputs.hidden,
+        dtype=inputs.x.dtype,
+        with_entropy=options.with_entropy,
+        entropy_grad=options.entropy_grad,
+        masked=inputs.keep is not None,
+        temperature=inputs.temperature,
+        sampler=_tp.sampler_fields(
+            options.top_k, options.top_p, options.min_p, options.entropy_over_support
+        ),
+    )
+
+
+def checked_sampler(
+    name: str, ref: torch.Tensor, options: Options, keep_mask: torch.Tensor | None
+) -> Sampler | None:
+    """The sampler filters of ``options`` as a :class:`_support.Sampler`, or None when none is
+    given. ``ref``: the tensor ``[..., X]`` whose leading dims are the tokens (named ``name``)."""
+    over = options.entropy_over_support
+    check_flags(entropy_over_support=over)
+    sampler = check_sampler(options.top_k, options.top_p, options.min_p, ref, name)
+    if sampler is None:
+        if over:
+            raise ValueError("entropy_over_support=True needs top_k, top_p or min_p")
+        return None
+    if keep_mask is not None:
+        raise ValueError(
+            "keep_mask and top_k / top_p / min_p are exclusive: give the sampler's support "
+            "either as a mask or as its parameters"
+        )
+    params = {"top_k": sampler.top_k, "top_p": sampler.top_p, "min_p": sampler.min_p}
+    check_same_device(name, ref, **{n: p for n, p in params.items() if p is not None})
+    return sampler
+
+
+def vocab_layout(
+    call: _tp.Call | None,
+    target: torch.Tensor,
+    sampler: Sampler | None,
+    *,
+    group: object,
+    rank: int,
+    world: int,
+    v_local: int,
+) -> tuple[int, Sampler | None]:
+    """``(this shard's first vocabulary id, the sampler for the whole vocabulary)``.
+
+    The first id comes from the consistency check's gathered shard sizes when ``call`` is given
+    (shards may differ in size), else it is ``rank * v_local``. Checks the targets against the
+    whole vocabulary; an integer ``top_k`` is capped at it (k ≥ V keeps every token) in a new
+    sampler, ``sampler`` itself unchanged."""
+    if call is not None:
+        pg = cast(dist.ProcessGroup, group)  # a group of world > 1 ranks (group_rank_size)
+        start, vocab = _tp.shard_layout(pg, rank, world, call, target)
+    else:
+        start, vocab = rank * v_local, world * v_local
+    check_target_range(target, vocab)
+    return start, (None if sampler is None else sampler.capped(vocab))
+
+
+# --------------------------------------------------------------------------- producers
+class Producer:
+    """How the chunks of this shard's scaled logits ``z = logits / τ`` come to be.
+
+    A producer gives :meth:`logits`; the engine asks it for the statistics of a chunk of rows
+    (:meth:`stats`) and for their gradient (:meth:`grad`), whose defaults run the torch maths on
+    :meth:`logits`. ``parallel``: the chunks may run on :func:`rlops._threads.for_each` (each
+    chunk writes its own rows).
+    """
+
+    parallel: bool = False
+
+    def logits(self, i: int, j: int) -> tuple[torch.Tensor, bool]:
+        """``(z, own)``: tokens ``i:j`` of this shard's scaled logits ``[C, V_local]`` in the
+        compute dtype; ``own``: ``z`` is a fresh buffer that may be overwritten."""
+        raise NotImplementedError
+
+    def stats(self, plan: Plan, i: int, j: int, out: torch.Tensor) -> None:
+        """Write the statistics of tokens ``i:j`` into ``out`` ``[C, k]``: the columns of
+        :func:`_shard.stats_chunk` (the target logit or 0; ``m``, ``s`` of the log-prob
+        distribution; with entropy ``h``, or ``m, s, h`` of all logits when ``plan.masked``).
+
+        With a sampler (``plan.sampler``) the support is ``z ≥ plan.threshold[i:j]``; in one
+        process (``plan.world == 1``) the chunk finds that threshold itself and writes it there
+        (:func:`_support.threshold_chunk`); under tensor parallelism it is given."""
+        z, own = self.logits(i, j)
+        idx, in_range = plan.target_index(i, j)
+        keep = plan.keep_rows(i, j)
+        if plan.sampler is not None and plan.threshold is not None:
+            t = plan.threshold[i:j]
+            if plan.world == 1:
+                t.copy_(_support.threshold_chunk(z, *plan.sampler.rows(i, j)))
+            z, own, keep = support_applied(z, own, idx, in_range, t, plan.over_support)
+        _shard.stats_chunk(z, own, idx, in_range, keep, entropy=plan.with_entropy, out=out)
+
+    def grad(self, plan: Plan, i: int, j: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The gradient with respect to the unscaled logits of tokens ``i:j`` ``[C, V_local]``
+        in the compute dtype, from the backward plan's saved statistics and upstream gradients
+        (the support rebuilt from ``plan.threshold``); written into ``out`` (those rows' own
+        buffer) when it is given and has the compute dtype."""
+        z, own = self.logits(i, j)
+        idx, in_range = plan.target_index(i, j)
+        keep = plan.keep_rows(i, j)
+        if plan.threshold is not None:
+            z, own, keep = support_applied(
+                z, own, idx, in_range, plan.threshold[i:j], plan.over_support
+            )
+        return _shard.grad_chunk(
+            z, own, idx, in_range, keep,
+            saved=[t[i:j] for t in plan.saved],
+            g_logp=None if plan.g_logp is None else plan.g_logp[i:j],
+            g_ent=None if plan.g_ent is None else plan.g_ent[i:j],
+            inv_tau=plan.inv_tau,
+            out=out,
+        )  # fmt: skip
+
+
+def support_applied(
+    z: torch.Tensor,
+    own: bool,
+    idx: torch.Tensor,
+    in_range: torch.Tensor,
+    threshold: torch.Tensor,
+    over_support: bool,
+) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
+    """The sampler's support ``z ≥ threshold`` (``[C, 1]``) on one chunk of scaled logits:
+    ``(z, own, keep)`` for :func:`_shard.stats_chunk` / :func:`_shard.grad_chunk`.
+
+    Without ``over_support`` the support is the chunk's keep mask (the log-prob distribution;
+    the entropy stays over all logits). With it, the logits outside the support (the target
+    always inside) become ``-inf`` (probability zero), so that both the log-prob and the entropy
+    are over the support, and no mask is needed.
+    """
+    keep = z >= threshold
+    if not over_support:
+        return z, own, keep
+    keep.scatter_(1, idx, keep.gather(1, idx) | in_range)
+    z = z.masked_fill_(~keep, float("-inf")) if own else z.masked_fill(~keep, float("-inf"))
+    return z, True, None
+
+
+# --------------------------------------------------------------------------- forward
+def forward(
+    ctx: Any, plan: Plan, producer: Producer, inputs: tuple[torch.Tensor | None, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's autograd forward on a plan with its target bound: ``(logp, entropy)`` shaped
+    ``plan.lead`` (without entropy an empty tensor, non-differentiable like an entropy without
+    gradient). ``inputs``: the op's tensors, its differentiable ones first, then the target and
+    the keep mask as given (saved as they are when a gradient may be asked for)."""
+    stats, thr = _statistics(plan, producer)
+    gathered = gather_stats(stats, plan.group, plan.world)
+    logp, ent, saved = _shard.merge(gathered, plan.masked, plan.with_entropy)
+    ctx.set_materialize_grads(False)
+    ctx.plan, ctx.n_inputs = plan.unbound(), len(inputs)
+    if any(ctx.needs_input_grad[: len(inputs)]):
+        packed = _shard.pack_saved(saved, plan.masked, plan.entropy_grad)
+        ctx.save_for_backward(*inputs, thr, *packed)
+    ent_out = ent.view(plan.lead) if ent is not None else logp.new_empty(0)
+    if ent is None or not plan.entropy_grad:
+        ctx.mark_non_differentiable(ent_out)
+    return logp.view(plan.lead), ent_out
+
+
+def _statistics(plan: Plan, producer: Producer) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This shard's statistics ``[N, k]`` and the sampler's threshold ``[N, 1]`` (or None)."""
+    n_cols = _shard.n_columns(plan.masked, plan.with_entropy)
+    stats = torch.empty((plan.rows, n_cols), dtype=plan.dtype, device=plan.device)
+    thr = None
+    if plan.sampler is not None:
+        thr = torch.empty((plan.rows, 1), dtype=plan.dtype, device=plan.device)
+        if plan.world > 1:  # first passes for the global threshold
+            thr = sampler_thresholds(plan, producer)
+    plan = replace(plan, threshold=thr)
+    chunk = plan.chunk
+
+    def one(i: int) -> None:
+        producer.stats(plan, i, i + chunk, stats[i : i + chunk])
+
+    _chunk_loop(one, plan.starts, plan.device, producer.parallel)
+    return stats, thr
+
+
+def gather_stats(stats: torch.Tensor, group: object, world: int) -> torch.Tensor:
+    """``[N, k]`` local statistics → ``[world, N, k]``: the forward's one data collective."""
+    if world == 1:
+        return stats.unsqueeze(0)
+    out = stats.new_empty((world * stats.shape[0], stats.shape[1]))
+    # Newer torch renames all_gather_into_tensor to all_gather_single and deprecates the old name.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, stats.contiguous(), group=group)
+    return out.view(world, stats.shape[0], stats.shape[1])
+
+
+def sampler_thresholds(plan: Plan, producer: Producer) -> torch.Tensor:
+    """``[N, 1]`` thresholds of the plan's sampler over the vocabulary sharded on its group,
+    from this shard's scaled logits ``producer.logits(i, j)``.
+
+    A scalar top-k (or min-p alone): each shard's candidates
+    (:func:`_support.candidates_chunk`), one all-gather, the same merge everywhere. A per-token
+    top-k, or top-p without top-k: the radix select (:func:`_radix.radix_threshold`), a fixed
+    number of all-reduces, one more pass over the chunks per round."""
+    sampler = plan.sampler
+    if sampler is None:
+        raise ValueError("sampler_thresholds needs a plan with a sampler")
+    top_k = sampler.top_k
+    if isinstance(top_k, torch.Tensor) or _radix.uses_radix(sampler):
+        return _radix.radix_threshold(plan, producer.logits)
+    n = plan.rows
+    cand = torch.empty((n, _support.n_candidates(top_k)), dtype=plan.dtype, device=plan.device)
+    for i in plan.starts:
+        z = producer.logits(i, i + plan.chunk)[0]
+        cand[i : i + z.shape[0]] = _support.candidates_chunk(z, top_k)
+    _, top_p, min_p = sampler.rows(0, n)
+    gathered = gather_stats(cand, plan.group, plan.world)
+    return _support.merged_threshold(gathered, top_k, top_p, min_p)
+
+
+def _chunk_loop(
+    body: Callable[[int], None], starts: Iterable[int], device: torch.device, parallel: bool
+) -> None:
+    """``body(i)`` for every chunk start: over :func:`rlops._threads.for_each` when
+    ``parallel`` (CPU), else in order."""
+    if parallel:
+        for_each(body, starts, device)  # type: ignore[arg-type]
+    else:
+        for i in starts:
+            body(i)
+
+
+# --------------------------------------------------------------------------- backward
+def restore(
+    ctx: Any, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None
+) -> tuple[tuple[torch.Tensor, ...], Plan] | None:
+    """The backward's start: ``(the op's inputs as saved by :func:`forward`, the backward
+    plan)`` with the target, keep mask, threshold, saved statistics and upstream gradients
+    ``[N, 1]`` (in the compute dtype) bound; None when no gradient flows into either output."""
+    tensors = ctx.saved_tensors
+    k = ctx.n_inputs
+    inputs, thr, packed = tensors[:k], tensors[k], tensors[k + 1 :]
+    saved, has_entropy = _shard.unpack_saved(packed)
+    g_ent = g_ent if has_entropy else None
+    if g_logp is None and g_ent is None:
+        return None
+    plan: Plan = ctx.plan
+    gl = None if g_logp is None else g_logp.reshape(-1, 1).to(plan.dtype)
+    ge = None if g_ent is None else g_ent.reshape(-1, 1).to(plan.dtype)
+    plan = replace(
+        plan.bound(inputs[-2], inputs[-1]), threshold=thr, saved=tuple(saved), g_logp=gl, g_ent=ge
+    )
+    return inputs, plan
+
+
+def logits_grad(plan: Plan, producer: Producer, out: torch.Tensor) -> None:
+    """The backward of an op on logits: the gradient of every chunk of rows written into
+    ``out`` ``[N, V_local]`` (the logits' dtype; half-precision chunks are computed in float32
+    and copied), over the thread pool when the producer allows it."""
+    chunk = plan.chunk
+
+    def one(i: int) -> None:
+        rows = out[i : i + chunk]
+        g = producer.grad(plan, i, i + chunk, rows)
+        if g.dtype != out.dtype:  # half-precision logits: the chunk was computed in float32
+            rows.copy_(g)
+
+    _chunk_loop(one, plan.starts, out.device, producer.parallel)
+
+
+def grad_with_graph(plan: Plan, logits: torch.Tensor, op: str) -> torch.Tensor:
+    """Gradient w.r.t. the unscaled logits ``[N, V]`` as a differentiable function of them and
+    of the upstream gradients: the backward when autograd records it (double backward).
+
+    One process only: with a sharded vocabulary the second derivatives couple the shards (and
+    the replicated outputs' gradients would be partial per rank), so it raises RuntimeError.
+    """
+    if plan.world > 1:
+        raise RuntimeError(
+            f"double backward (create_graph=True) through {op} is not supported with a "
+            f"tensor-parallel group of {plan.world} ranks; use the unfused reference "
+            "(rlops.logprobs.reference) on the full vocabulary for higher derivatives"
+        )
+    if plan.target is None:
+        raise RuntimeError("grad_with_graph needs a plan with its target bound")
+    z = logits.to(compute_dtype(logits.dtype)) / plan.temperature
+    idx = plan.target.reshape(-1, 1)
+    keep = plan.keep
+    if plan.threshold is not None:  # the sampler's support, piecewise constant: no graph
+        keep = z.detach() >= plan.threshold.reshape(-1, 1)
+        if plan.over_support:
+            keep = keep.scatter(1, idx, True)
+            z = z.masked_fill(~keep, float("-inf"))
+            keep = None
+    grad = _shard.grad_differentiable(z, idx, keep, plan.g_logp, plan.g_ent, plan.inv_tau)
+    return grad.to(logits.dtype)
