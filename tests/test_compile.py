@@ -109,7 +109,8 @@ CASES: dict[str, Case] = {
 }
 CASES.update({
     f"verl.{name}": (lambda d, fn=fn: fn(d["old"], d["logp"], d["adv"],
-                                         d["mask"].to(d["logp"].dtype), "token-mean", None),
+                                         d["mask"].to(d["logp"].dtype), "token-mean",
+                                         {"clip_ratio": 0.2}),
                      ("logp",))
     for name, fn in verl.POLICY_LOSS_REGISTRY.items()
 })
