@@ -20,11 +20,11 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from tests._distributed import count_collectives, run_distributed
 
 import rlops
 from rlops.distributed import collectives
 from rlops.distributed.collectives import SLOTS, Call
-from tests._distributed import count_collectives, run_distributed
 
 F64 = torch.float64
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import rlops
-from rlops.losses import AGG_MODES, aggregate_loss, entropy_loss, policy_loss, value_loss
 from rlops import _checks as checks_module
+from rlops.losses import AGG_MODES, aggregate_loss, entropy_loss, policy_loss, value_loss
 from rlops.losses import aggregation as agg_module
 
 F64 = torch.float64
