@@ -157,6 +157,11 @@ def _stats_function(rank, g):
         rlops.masked_whiten(logp, mask, group=g)
 
 
+def _device_checksum(rank, g):  # a value of the description that lives on the device
+    checksum = torch.tensor(1000 + _pick(rank, 0, 1), dtype=torch.int64)
+    collectives.gather(torch.ones(3), g, Call("probe", checksum=checksum))
+
+
 # name -> (case, what the message must contain)
 MISMATCHES = {
     "aggregate_loss mode": (_agg_mode, ["`agg`: ['token-mean', 'seq-mean-token-mean']"]),
@@ -189,6 +194,7 @@ MISMATCHES = {
     "masked_var unbiased": (_stats_unbiased, ["`unbiased`: [True, False]"]),
     "masked_mean vs masked_whiten": (_stats_function,
                                      ["`function`: ['masked_mean', 'masked_whiten']"]),
+    "a checksum computed on the device": (_device_checksum, ["`checksum`: [1000, 1001]"]),
 }
 
 
@@ -202,6 +208,12 @@ def _mismatch_work(rank, world):
             out[name] = str(e)
         else:
             out[name] = None
+    # equal device values pass (bit for bit), with the payload in the same exchange
+    with count_collectives() as calls:
+        checksum = torch.tensor(-(2**62) - 7, dtype=torch.int64)  # not exact in float64
+        out["probe"] = collectives.gather(torch.arange(3.0) + rank, g,
+                                          Call("probe", checksum=checksum, x=-0.0))
+    out["probe calls"] = dict(calls)
     # the group is still in step: a matching call afterwards gives the full batch's metrics
     _, old, rollout, _, mask = _batch(rank)
     out["after"] = rlops.rollout_mismatch_metrics(old, rollout, mask, group=g)
@@ -221,6 +233,9 @@ def test_every_mismatch_raises_the_same_error_on_every_rank():
     # the kind names the difference; the options and payload size it implies are not repeated
     assert "options" not in ranks[0]["policy_loss kind ppo vs gspo"]
     assert "payload" not in ranks[0]["policy_loss kind ppo vs gspo"]
+    for r in ranks:
+        assert r["probe calls"] == {"all_gather": 1}
+        assert torch.equal(r["probe"], torch.tensor([[0.0, 1, 2], [1, 2, 3]], dtype=F64))
     batches = [_batch(r) for r in (0, 1)]
     old, rollout, mask = (torch.cat([b[i] for b in batches]) for i in (1, 2, 4))
     want = rlops.rollout_mismatch_metrics(old, rollout, mask)
@@ -323,6 +338,8 @@ def test_digest_is_exact_in_float64_and_sees_every_bit():
                   Call("f", x=0.1, mode="token-mean", flags=(True, None))):
         assert other.digest() != a.digest()
     with pytest.raises(TypeError, match="described by"):
+        Call("f", x=object())
+    with pytest.raises(TypeError, match="0-dim real number"):
         Call("f", x=torch.ones(2))
 
 

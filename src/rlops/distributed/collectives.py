@@ -13,7 +13,8 @@ it was asked to do (:class:`Call`: the function, its mode, kind, level, threshol
 the payload's shape) and the description travels with the data:
 
 * the description is reduced to a digest of two integers below ``2**52`` (exact in float64)
-  and placed in front of the payload;
+  and placed in front of the payload, followed by any value of the description that lives on
+  the device (a checksum of per-token parameters), bit for bit;
 * the first exchange of every checked call has the same size on every rank, :data:`SLOTS`
   float64 numbers, whatever the call: a payload that fits is padded to it (no extra round
   trip), a larger one (its size depends on shapes, e.g. ``[B, k]`` row summaries) follows in a
@@ -56,7 +57,13 @@ def check_enabled() -> bool:
 
 
 def _canonical(value: object) -> str:
-    """An exact text for a described value: floats by their hex form (every bit counts)."""
+    """An exact text for a described value: floats by their hex form (every bit counts). A
+    tensor (a checksum computed on the device) is compared in its own slot, not here."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"a tensor in a call's description must be a 0-dim real number, "
+                            f"got {value.dtype} of shape {list(value.shape)}")
+        return f"tensor:{value.dtype}"
     if value is None or isinstance(value, bool | str | torch.dtype):
         return repr(value)
     if isinstance(value, int):
@@ -69,6 +76,8 @@ def _canonical(value: object) -> str:
 
 
 def _shown(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return repr(value.item())  # on the error path only
     if isinstance(value, tuple | list) and value and all(
         isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str) for v in value
     ):  # named items: show as a mapping
@@ -84,7 +93,9 @@ class Call:
         implied: ``field -> fields it determines``; when ``field`` differs, those are not
             reported again (a different ``kind`` has different options).
         **fields: the arguments that must agree, as numbers, strings, None, dtypes or tuples
-            of those (a mapping as a tuple of ``(name, value)`` pairs).
+            of those (a mapping as a tuple of ``(name, value)`` pairs), or 0-dim tensors on
+            the payload's device (e.g. a checksum of per-token parameters: each travels in a
+            slot of its own, bit for bit, and is never read on the host unless it differs).
 
     Example:
         >>> Call("aggregate_loss", mode="token-mean").describe()
@@ -111,6 +122,17 @@ class Call:
         raw = hashlib.blake2b(text.encode(), digest_size=8 * _DIGEST).digest()
         return [int.from_bytes(raw[8 * i : 8 * i + 8], "little") & _MASK for i in range(_DIGEST)]
 
+    def slots(self, device: torch.device) -> torch.Tensor:
+        """The head of the first exchange: the digest, then each tensor field's bits, float64
+        (an int64 field is reinterpreted bit for bit, a float64 one is sent as it is)."""
+        head = [torch.tensor(self.digest(), dtype=torch.float64, device=device)]
+        for v in self.fields.values():
+            if isinstance(v, torch.Tensor):
+                v = v.detach().to(device).reshape(1)
+                same_size = v.dtype in (torch.int64, torch.float64)
+                head.append(v.view(torch.float64) if same_size else v.to(torch.float64))
+        return torch.cat(head)
+
     def describe(self) -> dict[str, str]:
         """Readable ``field -> value`` (what the error message shows)."""
         return {k: _shown(v) for k, v in self.fields.items()}
@@ -135,7 +157,8 @@ def _disagreement(descriptions: list[dict[str, str]], implied: Mapping) -> str:
         differ = ["function"]
     hidden = {g for f in differ for g in implied.get(f, ())}
     shown = [f for f in differ if f not in hidden and f != "payload shape"] or differ
-    parts = [f"`{f}`: [{', '.join(values(f))}]" for f in shown]
+    parts = [f"`{f}`: [{', '.join(values(f))}]" for f in shown] or [
+        "a value computed on the device (equal as numbers, different bits)"]
     return (
         "the ranks of a process group disagree on " + "; ".join(parts) + " (one value per "
         "rank, in rank order; every rank of the group must make the same call)"
@@ -168,17 +191,21 @@ def gather(payload: torch.Tensor, group: object, call: Call, name: str = "group"
     if not check_enabled():
         return _all_gather(flat, group, world).reshape(world, *payload.shape)
     call = call.with_fields(**{"collective over": name, "payload shape": tuple(payload.shape)})
-    n, room = flat.numel(), SLOTS - _DIGEST
-    head = torch.tensor(call.digest(), dtype=torch.float64, device=flat.device)
-    fits = n <= room
+    head = call.slots(flat.device)
+    h = head.numel()
+    if h > SLOTS:
+        raise ValueError(f"a call's description holds at most {SLOTS - _DIGEST} tensors")
+    fits = flat.numel() <= SLOTS - h
     sent = flat if fits else flat[:0]
-    first = torch.cat([head, sent, flat.new_zeros(room - sent.numel())])
+    first = torch.cat([head, sent, flat.new_zeros(SLOTS - h - sent.numel())])
     rows = _all_gather(first, group, world)
-    digests = rows[:, :_DIGEST].tolist()  # the check's host read (RLOPS_GROUP_CHECK=0 skips it)
-    if any(d != digests[0] for d in digests):
+    # the check's host read (RLOPS_GROUP_CHECK=0 skips it); compared bit for bit. The digest
+    # comes first, so ranks whose heads have different lengths already differ there.
+    heads = rows[:, :h].contiguous().view(torch.int64).tolist()
+    if any(x != heads[0] for x in heads):
         descriptions: list = [None] * world
         dist.all_gather_object(descriptions, call.describe(), group=group)
         raise ValueError(_disagreement(descriptions, call.implied))
     if fits:
-        return rows[:, _DIGEST : _DIGEST + n].reshape(world, *payload.shape)
+        return rows[:, h : h + flat.numel()].reshape(world, *payload.shape)
     return _all_gather(flat, group, world).reshape(world, *payload.shape)
