@@ -6,7 +6,7 @@ real Gloo groups). Each micro-batch is given ``num_tokens``/``num_seqs`` of the 
 ``group=`` with one micro-batch per rank). Its gradient lands in its own rows of the full
 ``logp``; the sum over micro-batches and ranks must equal the gradient of the one full-batch
 call, and the summed losses its loss. With ``group=`` each call issues exactly one
-``all_reduce`` (the counts and the metric sums together) and every rank's metrics are the
+``all_gather`` (the counts and the metric sums together) and every rank's metrics are the
 full batch's.
 
 Budgets: a per-token gradient is the same product in both layouts (same row, same divisor), so
@@ -178,8 +178,8 @@ def test_micro_batches_on_two_gloo_ranks_sum_to_the_full_batch():
     n, m = int(batch["mask"].sum()), batch["mask"]
     for (split, kind, mode), (loss0, grad0, calls, metrics0) in ranks[0].items():
         loss1, grad1, _, metrics1 = ranks[1][split, kind, mode]
-        if kind == "value+aggregate":  # one all_reduce each, none for aggregate's token-sum
-            assert calls == {"all_reduce": 1 if mode == "token-sum" else 2}, (mode, calls)
+        if kind == "value+aggregate":  # one all_gather each (aggregate's token-sum: its check)
+            assert calls == {"all_gather": 2}, (mode, calls)
             v = batch["logp"].clone().requires_grad_(True)
             vl, vm = rlops.value_loss(v, batch["old"], batch["adv"], m, clip=0.2, agg=mode)
             full = vl + rlops.aggregate_loss(v, m, mode)
@@ -189,9 +189,9 @@ def test_micro_batches_on_two_gloo_ranks_sum_to_the_full_batch():
             torch.testing.assert_close(loss0 + loss1, full.detach(), rtol=4 * n * eps, atol=0)
             assert metrics0["vf_clipfrac"] == metrics1["vf_clipfrac"] == vm["vf_clipfrac"]
             continue
-        # group=: one all_reduce per call (counts, normaliser and metrics); counts given: none
+        # group=: one all_gather per call (counts, normaliser and metrics); counts given: none
         grouped = split.startswith("group")
-        assert calls == ({"all_reduce": 1} if grouped else {}), (split, kind, mode, calls)
+        assert calls == ({"all_gather": 1} if grouped else {}), (split, kind, mode, calls)
         if grouped:  # the metrics are the full batch's, on every rank
             _, full = call(kind, mode, batch, (0, B), batch["logp"], True)
             lr = (batch["logp"] - batch["old"]).abs()[batch["mask"].bool()].mean()

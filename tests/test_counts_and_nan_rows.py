@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import rlops
+from rlops import _checks as checks_module
 from rlops.losses import AGG_MODES, aggregate_loss, entropy_loss, policy_loss, value_loss
 from rlops.losses import aggregation as agg_module
 
@@ -83,6 +84,7 @@ def test_counts_that_are_not_read_give_a_non_finite_loss_not_a_rescaled_one(monk
     # RLOPS_CHECK_VALUES=1) nothing is checked on the host: a count of 0 with action tokens
     # gives x/0 and a negative count NaN; a count of 0 without action tokens still gives 0.
     monkeypatch.setattr(agg_module, "values_checked", lambda t: False)
+    monkeypatch.setattr(checks_module, "values_checked", lambda t: False)
     assert aggregate_loss(X, MASK, num_tokens=torch.tensor(0)) == math.inf
     assert aggregate_loss(X, MASK, num_tokens=0) == math.inf
     assert aggregate_loss(X, MASK, "seq-mean-token-mean", num_seqs=torch.tensor(0)) == math.inf

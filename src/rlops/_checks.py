@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import os
 from collections.abc import Sequence
 
@@ -21,21 +22,34 @@ import torch
 __all__ = [
     "as_bool_mask",
     "as_float_tensor",
+    "as_int",
     "as_real",
+    "as_real_or_tensor",
     "as_tensor",
     "check_2d",
+    "check_bool",
+    "check_bounds",
     "check_choice",
     "check_chunk_size",
+    "check_count",
     "check_cp_rank",
     "check_dim",
+    "check_finite_positive",
+    "check_fraction",
+    "check_generator",
+    "check_ids",
     "check_indicator",
+    "check_matrix",
     "check_nonneg",
+    "check_per_row",
     "check_positive",
+    "check_real",
     "check_same_device",
     "check_same_shape",
     "check_unit_interval",
     "compute_dtype",
     "per_row_discount",
+    "read_value",
     "shape_error",
     "values_checked",
 ]
@@ -49,6 +63,14 @@ def shape_error(name: str, expected: str, got: Sequence[int]) -> ValueError:
 def values_checked(t: torch.Tensor) -> bool:
     """Whether checks that read ``t``'s values run (always on CPU; opt-in elsewhere)."""
     return t.device.type == "cpu" or os.environ.get("RLOPS_CHECK_VALUES", "0") == "1"
+
+
+def read_value(t: torch.Tensor) -> float | None:
+    """A 0-dim tensor's value where checks read values (see :func:`values_checked`); None
+    elsewhere (no host synchronisation) and on the meta device (no value to read)."""
+    if t.device.type == "meta" or not values_checked(t):
+        return None
+    return float(t)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -83,6 +105,34 @@ def check_2d(name: str, x: object) -> torch.Tensor:
     as_float_tensor(name, x)
     if x.dim() != 2:
         raise shape_error(name, "[B, T]", x.shape)
+    return x
+
+
+def check_matrix(name: str, x: object) -> tuple[int, int]:
+    """A ``[B, T]`` tensor of any dtype (its values are checked elsewhere); returns ``(B, T)``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise shape_error(name, "[B, T]", x.shape)
+    return x.shape[0], x.shape[1]
+
+
+def check_per_row(name: str, x: torch.Tensor, b: int, t: int, like: str = "mask") -> int:
+    """A tensor of shape ``[B]`` (one value per row) or ``[B, T]`` (per token); returns its
+    number of dimensions."""
+    if tuple(x.shape) not in ((b,), (b, t)):
+        raise shape_error(name, f"[B] = {[b]} or [B, T] = {[b, t]} like {like}", x.shape)
+    return x.dim()
+
+
+def check_ids(name: str, x: object, shape: Sequence[int], like: str) -> torch.Tensor:
+    """An integer tensor of ids (e.g. one group id per row) of exactly ``shape``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor of ids, got {x.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        raise shape_error(name, f"{list(shape)} like {like}", x.shape)
     return x
 
 
@@ -166,6 +216,112 @@ def check_nonneg(name: str, value: object) -> float:
     if not (math.isfinite(v) and v >= 0):
         raise ValueError(f"{name} must be a finite number >= 0, got {value}")
     return v
+
+
+def check_finite_positive(name: str, value: object) -> float:
+    """A finite real number ``> 0``."""
+    v = check_positive(name, value)
+    if math.isinf(v):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return v
+
+
+def check_fraction(name: str, value: object) -> float:
+    """A fraction in ``(0, 1]`` (e.g. of the action tokens)."""
+    v = check_positive(name, value)
+    if v > 1:
+        raise ValueError(f"{name} must be in (0, 1] (a fraction of the tokens), got {value}")
+    return v
+
+
+def check_real(name: str, value: object) -> float:
+    """A real number that is not NaN (``±inf`` allowed)."""
+    v = as_real(name, value)
+    if math.isnan(v):
+        raise ValueError(f"{name} must be a number, got nan")
+    return v
+
+
+def check_bounds(
+    name: str, high: object, low_name: str, low: object
+) -> tuple[float | None, float]:
+    """Bounds ``0 < low <= high`` (``high`` may be ``inf``; ``low=None``: no lower bound),
+    returned as ``(low, high)`` floats."""
+    hi = check_positive(name, high)
+    if low is None:
+        return None, hi
+    lo = check_positive(low_name, low)
+    if lo > hi:
+        raise ValueError(f"{low_name} must be <= {name}, got {low_name}={lo:g} > {name}={hi:g}")
+    return lo, hi
+
+
+def as_int(
+    name: str, value: object, minimum: int | None = None, *, tensor: bool = True
+) -> int:
+    """An integer (Python, numpy, or, where ``tensor``, a 0-dim integer tensor, read on the
+    host) as an ``int``, ``>= minimum``."""
+    if isinstance(value, bool) or (
+        isinstance(value, torch.Tensor) and (value.is_floating_point() or not tensor)
+    ):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    try:
+        out = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if minimum is not None and out < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {out}")
+    return out
+
+
+def check_bool(name: str, value: object) -> bool:
+    """A Python ``bool`` (not 0/1, not a tensor: a flag decides what is computed)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_generator(name: str, value: object) -> torch.Generator | None:
+    """A ``torch.Generator`` or None."""
+    if value is not None and not isinstance(value, torch.Generator):
+        raise TypeError(f"{name} must be a torch.Generator or None, got {type(value).__name__}")
+    return value
+
+
+def as_real_or_tensor(name: str, value: object) -> float | torch.Tensor:
+    """A real number as a float, or a 0-dim real tensor, detached and not read (it may live on
+    an accelerator: reading it would synchronise)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            raise shape_error(name, "[] (a number)", value.shape)
+        if value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be a real tensor, got {value.dtype}")
+        return value.detach()
+    return as_real(name, value)
+
+
+def check_count(
+    name: str, value: object, ref: torch.Tensor | None = None
+) -> float | torch.Tensor | None:
+    """A count (of tokens, of rows): None, a finite number ``>= 0``, or a 0-dim real tensor
+    (kept on its device, detached; its value is checked only where :func:`read_value` reads
+    it). ``ref``: the tensor the count normalises, if known; a count on the meta device is
+    refused unless ``ref`` is there too (it holds no value)."""
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor):
+        return check_nonneg(name, value)
+    value = as_real_or_tensor(name, value)
+    if value.device.type == "meta" and ref is not None and ref.device.type != "meta":
+        raise ValueError(
+            f"{name} is a tensor on the meta device, which holds no value, but the loss "
+            f"inputs are on {ref.device}: pass the count as a number or a tensor on "
+            f"{ref.device}"
+        )
+    v = read_value(value)
+    if v is not None and not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"{name} must be a finite count >= 0, got {v}")
+    return value
 
 
 def check_unit_interval(name: str, value: object) -> float | torch.Tensor:

@@ -25,7 +25,10 @@ import torch
 from rlops._checks import (
     as_bool_mask,
     as_float_tensor,
+    check_ids,
+    check_matrix,
     check_nonneg,
+    check_per_row,
     check_positive,
     check_same_device,
     compute_dtype,
@@ -95,36 +98,16 @@ def _group_moments(
     return n, centred, std
 
 
-def _mask_shape(mask: object) -> tuple[int, int]:
-    """``(B, T)`` of a ``[B, T]`` mask (its values are checked by ``as_bool_mask``)."""
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
-    if mask.dim() != 2:
-        raise shape_error("mask", "[B, T]", mask.shape)
-    return mask.shape[0], mask.shape[1]
-
-
 def _prepare(scores: object, index: object, mask: object) -> torch.Tensor:
     """Validate the three arguments; return the ``[B]`` scores in the computation dtype."""
     as_float_tensor("scores", scores)
-    b, t = _mask_shape(mask)
-    if scores.dim() == 2:
-        if tuple(scores.shape) != (b, t):
-            raise shape_error("scores", f"[B] or [B, T] = {[b, t]} like mask", scores.shape)
-        s = scores.to(compute_dtype(scores.dtype)).sum(-1)
-    elif tuple(scores.shape) == (b,):
-        s = scores.to(compute_dtype(scores.dtype))
-    else:
-        raise shape_error("scores", f"[B] = {[b]} or [B, T] like mask", scores.shape)
+    b, t = check_matrix("mask", mask)
+    per_token = check_per_row("scores", scores, b, t) == 2
     as_bool_mask("mask", mask, (b, t), "[B, T]")
-    if not isinstance(index, torch.Tensor):
-        raise TypeError(f"index must be a torch.Tensor, got {type(index).__name__}")
-    if index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
-        raise TypeError(f"index must be an integer tensor of group ids, got {index.dtype}")
-    if tuple(index.shape) != (b,):
-        raise shape_error("index", f"[B] = {[b]} like scores", index.shape)
+    check_ids("index", index, (b,), "scores")
     check_same_device("scores", scores, index=index, mask=mask)
-    return s
+    s = scores.to(compute_dtype(scores.dtype))
+    return s.sum(-1) if per_token else s
 
 
 def _broadcast(a: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -285,19 +268,18 @@ def remax_advantages(
     """
     as_float_tensor("rewards", rewards)
     as_float_tensor("reward_baselines", reward_baselines)
-    b, t = _mask_shape(mask)
+    b, t = check_matrix("mask", mask)
     keep = as_bool_mask("mask", mask, (b, t), "[B, T]")
     if tuple(reward_baselines.shape) != (b,):
         raise shape_error("reward_baselines", f"[B] = {[b]} like mask", reward_baselines.shape)
+    per_token = check_per_row("rewards", rewards, b, t) == 2
     check_same_device("rewards", rewards, reward_baselines=reward_baselines, mask=mask)
     dtype = compute_dtype(rewards.dtype)
-    if rewards.dim() == 2 and tuple(rewards.shape) == (b, t):
+    if per_token:
         r = torch.where(keep, rewards.to(dtype), 0)
         ret = torch.where(keep, r.flip(-1).cumsum(-1).flip(-1), 0)
-    elif tuple(rewards.shape) == (b,):
-        ret = torch.where(keep, rewards.to(dtype)[:, None], 0)
     else:
-        raise shape_error("rewards", f"[B, T] = {[b, t]} or [B] like mask", rewards.shape)
+        ret = torch.where(keep, rewards.to(dtype)[:, None], 0)
     adv = torch.where(keep, ret - reward_baselines.to(dtype)[:, None], 0)
     return adv.to(rewards.dtype), ret.to(rewards.dtype)
 

@@ -34,7 +34,16 @@ from collections.abc import Mapping
 
 import torch
 
-from rlops._checks import as_real, check_choice, check_nonneg, check_positive, values_checked
+from rlops._checks import (
+    as_int,
+    as_real,
+    as_real_or_tensor,
+    check_choice,
+    check_finite_positive,
+    check_nonneg,
+    check_positive,
+    values_checked,
+)
 
 __all__ = [
     "AdaptiveKLController",
@@ -52,38 +61,15 @@ def _on_device(t: torch.Tensor) -> bool:
     return t.device.type != "cpu"
 
 
-def _check_kl(current_kl: object, read: bool = True) -> float | torch.Tensor:
+def _current_kl(current_kl: object, read: bool = True) -> float | torch.Tensor:
     """``current_kl`` checked: returned as a float, or as a detached 0-dim tensor when it lives
     on a device (or when ``read`` is False, as the fixed controller never needs its value)."""
-    if isinstance(current_kl, torch.Tensor):
-        if current_kl.dim() != 0:
-            raise ValueError(
-                f"current_kl must be a number or a 0-dim tensor, got shape {list(current_kl.shape)}"
-            )
-        if current_kl.is_complex() or current_kl.dtype == torch.bool:
-            raise TypeError(f"current_kl must be a real tensor, got {current_kl.dtype}")
-        if not read:
-            return current_kl.detach()
-        if _on_device(current_kl):
-            wide = torch.float64 if current_kl.device.type != "mps" else torch.float32
-            return current_kl.detach().to(wide)
-        current_kl = current_kl.detach()
-    return as_real("current_kl", current_kl)
-
-
-def _finite_positive(name: str, value: object) -> float:
-    v = check_positive(name, value)
-    if math.isinf(v):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return v
-
-
-def _check_n_steps(n_steps: object) -> int:
-    if isinstance(n_steps, bool) or not isinstance(n_steps, numbers.Integral):
-        raise TypeError(f"n_steps must be an int, got {type(n_steps).__name__}")
-    if n_steps < 0:
-        raise ValueError(f"n_steps must be >= 0, got {n_steps}")
-    return int(n_steps)
+    kl = as_real_or_tensor("current_kl", current_kl)
+    if not isinstance(kl, torch.Tensor) or not read:
+        return kl
+    if _on_device(kl):
+        return kl.to(torch.float64 if kl.device.type != "mps" else torch.float32)
+    return as_real("current_kl", kl)
 
 
 class FixedKLController:
@@ -104,8 +90,8 @@ class FixedKLController:
 
     def update(self, current_kl: float | torch.Tensor, n_steps: int) -> None:
         """No-op (verl's): ``current_kl`` (a number or 0-dim tensor) is not read."""
-        _check_kl(current_kl, read=False)
-        _check_n_steps(n_steps)
+        _current_kl(current_kl, read=False)
+        as_int("n_steps", n_steps, minimum=0, tensor=False)
 
     def __repr__(self) -> str:
         return f"FixedKLController(kl_coef={self.value})"
@@ -142,7 +128,7 @@ class AdaptiveKLController:
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: float) -> None:
         self.value: float | torch.Tensor = check_nonneg("init_kl_coef", init_kl_coef)
-        self.target = _finite_positive("target_kl", target_kl)
+        self.target = check_finite_positive("target_kl", target_kl)
         self.horizon = check_positive("horizon", horizon)
 
     def update(self, current_kl: float | torch.Tensor, n_steps: int) -> None:
@@ -152,8 +138,8 @@ class AdaptiveKLController:
         for a tensor on an accelerator); NaN is rejected where the value is read.
         ``n_steps``: ``>= 0``, the number of samples in the batch (verl passes the batch size).
         """
-        kl = _check_kl(current_kl)
-        n = _check_n_steps(n_steps)
+        kl = _current_kl(current_kl)
+        n = as_int("n_steps", n_steps, minimum=0, tensor=False)
         error: float | torch.Tensor
         if isinstance(kl, torch.Tensor):
             if isinstance(self.value, torch.Tensor) and self.value.device != kl.device:
@@ -227,7 +213,7 @@ def get_kl_controller(kl_ctrl: object) -> FixedKLController | AdaptiveKLControll
         return FixedKLController(check_nonneg("kl_ctrl.kl_coef", kl_coef))
     return AdaptiveKLController(
         init_kl_coef=check_nonneg("kl_ctrl.kl_coef", kl_coef),
-        target_kl=_finite_positive("kl_ctrl.target_kl", _setting(kl_ctrl, "target_kl")),
+        target_kl=check_finite_positive("kl_ctrl.target_kl", _setting(kl_ctrl, "target_kl")),
         horizon=check_positive("kl_ctrl.horizon", _setting(kl_ctrl, "horizon")),
     )
 

@@ -58,12 +58,16 @@ import torch
 
 from rlops._checks import (
     as_bool_mask,
+    as_real,
     check_2d,
+    check_bool,
+    check_bounds,
     check_choice,
     check_positive,
     check_same_shape,
     compute_dtype,
 )
+from rlops.distributed.collectives import Call, gather
 from rlops.distributed.groups import group_rank_size
 
 __all__ = [
@@ -104,23 +108,24 @@ class _Batch:
         diff = old_logp.detach().to(self.dtype) - rollout_logp.detach().to(self.dtype)
         self.d = torch.where(self.keep, diff, 0)
 
+    def describe(self, op: str, **fields: object) -> Call:
+        """What every rank of ``group`` and ``cp_group`` must agree on for this call."""
+        self.call = Call(op, **fields, **{"cp_group size": self.cp_world})
+        return self.call
+
     def gather_rows(
         self, sums: tuple[torch.Tensor, ...] = (), maxes: tuple[torch.Tensor, ...] = ()
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Set the whole rows' action counts and sums of ``d`` and return the whole rows'
         ``sums`` and ``maxes`` (each ``[B]``): local, or under context parallelism from one
-        ``all_gather`` of ``[B, k]`` float64 per rank of ``cp_group``. Row-level metrics are
+        collective of ``[B, k]`` float64 per rank of ``cp_group``. Row-level metrics are
         then counted by CP rank 0 only (``rows_here``)."""
         cols = [self.keep.sum(-1).to(self.dtype), self.d.sum(-1), *sums]
         k = len(cols)
         cols += maxes
         if self.cp_world > 1:
-            import torch.distributed as dist
-
             local = torch.stack(cols, -1).to(torch.float64)
-            parts = [torch.empty_like(local) for _ in range(self.cp_world)]
-            dist.all_gather(parts, local, group=self.cp_group)
-            whole = torch.stack(parts)
+            whole = gather(local, self.cp_group, self.call, "cp_group")
             cols = [*whole[..., :k].sum(0).unbind(-1), *whole[..., k:].amax(0).unbind(-1)]
             cols = [c.to(self.dtype) for c in cols]
         self.row_count, self.row_sum = cols[0], cols[1]
@@ -161,7 +166,7 @@ def _row_max(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 
 class _Tally:
-    """Batch-wide sums and maxima, reduced over ``group`` in one ``all_gather``.
+    """Batch-wide sums and maxima, reduced over ``group`` in one collective.
 
     ``add(name, value)`` registers a local sum, ``add_max`` a local maximum (``add_max(name,
     −x)`` for a minimum). :meth:`reduce` returns every value over all ranks, in the
@@ -179,17 +184,15 @@ class _Tally:
     def add_max(self, name: str, value: torch.Tensor) -> None:
         self.maxes[name] = value
 
-    def reduce(self, group: object) -> dict[str, torch.Tensor]:
-        _, world = group_rank_size(group)
+    def reduce(self, group: object, call: Call) -> dict[str, torch.Tensor]:
+        """Sums and maxima over every rank of ``group``, from one
+        :func:`rlops.distributed.collectives.gather` (which checks that every rank makes the
+        same ``call``)."""
         names = [*self.sums, *self.maxes]
         local = torch.stack([v.to(torch.float64) for v in (*self.sums.values(),
                                                             *self.maxes.values())])
-        if world > 1:
-            import torch.distributed as dist
-
-            parts = [torch.empty_like(local) for _ in range(world)]
-            dist.all_gather(parts, local, group=group)
-            gathered = torch.stack(parts)
+        if group is not None:
+            gathered = gather(local, group, call)
             n = len(self.sums)
             local = torch.cat([gathered[:, :n].sum(0), gathered[:, n:].amax(0)])
         return {k: v.to(self.dtype) for k, v in zip(names, local.unbind(), strict=True)}
@@ -273,22 +276,18 @@ def rollout_mismatch_metrics(
         (tensor(0.1250), tensor(0.0703), tensor(0.0083))
     """
     b = _Batch(old_logp, rollout_logp, mask, cp_group)
+    call = b.describe("rollout_mismatch_metrics")
     b.gather_rows()
     t = _Tally(b.dtype)
     _tally_mismatch(t, b)
-    return _mismatch(t.reduce(group))
+    return _mismatch(t.reduce(group, call))
 
 
 # --------------------------------------------------------------------------- importance weights
-def _check_bounds(name: str, value: object, low_name: str, low: object) -> tuple[float, float]:
+def _log_bounds(name: str, value: object, low_name: str, low: object) -> tuple[float, float]:
     """``(log low, log high)`` of ratio bounds ``0 < low <= high`` (``low=None``: no bound)."""
-    high = check_positive(name, value)
-    if low is None:
-        return -math.inf, math.log(high)
-    lo = check_positive(low_name, low)
-    if lo > high:
-        raise ValueError(f"{low_name} must be <= {name}, got {low_name}={lo:g} > {name}={high:g}")
-    return math.log(lo), math.log(high)
+    lo, hi = check_bounds(name, value, low_name, low)
+    return (-math.inf if lo is None else math.log(lo)), math.log(hi)
 
 
 def rollout_importance_weights(
@@ -378,9 +377,11 @@ def rollout_importance_weights(
     b = _Batch(old_logp, rollout_logp, mask, cp_group)
     level = check_choice("level", level, IS_LEVELS)
     mode = check_choice("mode", mode, IS_MODES)
-    lo, hi = _check_bounds("threshold", threshold, "low", low)
-    if not isinstance(batch_normalize, bool):
-        raise TypeError(f"batch_normalize must be a bool, got {type(batch_normalize).__name__}")
+    low, threshold = check_bounds("threshold", threshold, "low", low)
+    lo, hi = (-math.inf if low is None else math.log(low)), math.log(threshold)
+    check_bool("batch_normalize", batch_normalize)
+    call = b.describe("rollout_importance_weights", level=level, mode=mode, threshold=threshold,
+                      low=low, batch_normalize=batch_normalize)
 
     b.gather_rows()
     if level == "token":
@@ -406,7 +407,7 @@ def rollout_importance_weights(
     t.add_max("max", _max(w, b.keep))
     t.add_max("neg_min", _max(-w, b.keep))
     _tally_mismatch(t, b)
-    r = t.reduce(group)
+    r = t.reduce(group, call)
 
     n = r["tokens"]
     mean = _ratio(r["w"], n)
@@ -439,9 +440,9 @@ def _rs_bounds(option: str, spec: object) -> tuple[float, float]:
         if isinstance(spec, tuple | list):
             if len(spec) != 2:
                 raise ValueError(f"{name} must be (lower, upper) or one upper bound, got {spec}")
-            return _check_bounds(f"{name} upper", spec[1], f"{name} lower", spec[0])
+            return _log_bounds(f"{name} upper", spec[1], f"{name} lower", spec[0])
         upper = check_positive(name, spec)
-        return _check_bounds(name, upper, f"{name} lower (1/upper)", 1.0 / upper)
+        return _log_bounds(name, upper, f"{name} lower (1/upper)", 1.0 / upper)
     if isinstance(spec, tuple | list):
         raise TypeError(f"{name} must be one upper bound (a number) for {option}, got {spec!r}")
     return -math.inf, check_positive(name, spec)
@@ -508,10 +509,13 @@ def rollout_rejection_mask(
             "criteria must be a non-empty mapping of rejection option -> threshold, e.g. "
             f"{{'seq_mean_k3': 0.01}}; got {criteria!r}"
         )
-    bounds = {}
-    for option, spec in criteria.items():
+    for option in criteria:
         check_choice("criteria option", option, RS_OPTIONS)
-        bounds[option] = _rs_bounds(option, spec)
+    # in one order whatever the mapping's (every rank then sends its sums in the same order)
+    bounds = {o: _rs_bounds(o, criteria[o]) for o in RS_OPTIONS if o in criteria}
+    given = tuple((o, tuple(as_real(o, v) for v in criteria[o]) if isinstance(
+        criteria[o], tuple | list) else as_real(o, criteria[o])) for o in bounds)
+    call = b.describe("rollout_rejection_mask", criteria=given)
 
     token_stats = {
         "k1": -b.d,
@@ -561,7 +565,7 @@ def rollout_rejection_mask(
         keep = keep & passed
     t.add("masked", (b.keep & ~keep).sum())
     t.add("seq_masked", (row_lost & b.rows_here).sum())
-    r = t.reduce(group)
+    r = t.reduce(group, call)
 
     metrics = {
         "rollout_rs_masked_fraction": _ratio(r["masked"], r["tokens"]),

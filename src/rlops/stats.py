@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from rlops._checks import as_bool_mask, as_float_tensor, check_nonneg, compute_dtype
+from rlops.distributed.collectives import Call, gather
 from rlops.distributed.groups import group_rank_size
 
 __all__ = [
@@ -120,21 +121,17 @@ def _merge_scaled(m: Moments) -> Moments:
     return Moments(n, mean, m2, scale)
 
 
-def _merge_over(group: object, m: Moments) -> Moments:
-    """Merge this rank's :class:`Moments` with every other rank's: one ``all_gather`` of four
-    float64 numbers per rank, then Chan's formula. This rank's own entry stays the local one:
-    a backward pass sees this rank's contribution and treats the others as constants (group
-    statistics are meant for values without gradient, such as advantages)."""
+def _merge_over(group: object, m: Moments, call: Call) -> Moments:
+    """Merge this rank's :class:`Moments` with every other rank's: one collective of four
+    float64 numbers per rank (:func:`rlops.distributed.collectives.gather`, which checks that
+    every rank makes the same ``call``), then Chan's formula. This rank's own entry stays the
+    local one: a backward pass sees this rank's contribution and treats the others as
+    constants (group statistics are meant for values without gradient, such as advantages)."""
     rank, world = group_rank_size(group)
     if world == 1:
         return m
-    import torch.distributed as dist
-
     local = torch.stack(list(m))
-    payload = local.detach().to(torch.float64)
-    parts = [torch.empty_like(payload) for _ in range(world)]
-    dist.all_gather(parts, payload, group=group)
-    parts = [p.to(local.dtype) for p in parts]
+    parts = list(gather(local, group, call).to(local.dtype).unbind(0))
     parts[rank] = local
     merged = torch.stack(parts)
     return _merge_scaled(Moments(*merged.unbind(1)))
@@ -237,7 +234,7 @@ def masked_mean(
     if group_rank_size(group)[1] > 1:
         if dim is not None:
             raise ValueError("masked_mean with group= reduces everything: pass dim=None")
-        m = _merge_over(group, weighted_moments(xc, keep.to(xc.dtype)))
+        m = _merge_over(group, weighted_moments(xc, keep.to(xc.dtype)), Call("masked_mean"))
         return (m.mean * m.scale).to(x.dtype)
     # summed in units of a power of two (exact), so a sum of huge finite values cannot overflow
     scale = _pow2_above(xc.detach().abs().amax()) if xc.numel() else xc.new_ones(())
@@ -281,7 +278,8 @@ def masked_var(
         tensor(0.)
     """
     xc, keep = _selected(x, mask)
-    m = _merge_over(group, weighted_moments(xc, keep.to(xc.dtype)))
+    call = Call("masked_var", unbiased=bool(unbiased))
+    m = _merge_over(group, weighted_moments(xc, keep.to(xc.dtype)), call)
     return m.variance(unbiased).to(x.dtype)
 
 
@@ -321,5 +319,6 @@ def masked_whiten(
     """
     eps = check_nonneg("eps", eps)
     xc, keep = _selected(x, mask)
-    m = _merge_over(group, weighted_moments(xc, keep.to(xc.dtype)))
+    call = Call("masked_whiten", shift_mean=bool(shift_mean), eps=eps)
+    m = _merge_over(group, weighted_moments(xc, keep.to(xc.dtype)), call)
     return torch.where(keep, m.standardize(xc, eps, shift_mean), 0).to(x.dtype)

@@ -23,9 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rlops._checks import check_choice
+from rlops._checks import as_int, check_choice
 from rlops.compat import _ragged
-from rlops.compat._args import as_int
 from rlops.distributed import zigzag_response_mask, zigzag_shard, zigzag_shard_response
 from rlops.distributed.groups import group_rank_size
 

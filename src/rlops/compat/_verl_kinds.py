@@ -30,6 +30,7 @@ from rlops._checks import (
     as_real,
     check_2d,
     check_choice,
+    check_fraction,
     check_nonneg,
     check_positive,
     check_same_shape,
@@ -80,14 +81,6 @@ def _clip_pair(config: object, log_space: bool = False) -> dict[str, float]:
     return out
 
 
-def _fraction(name: str, value: object) -> float:
-    value = check_positive(name, value)
-    if value > 1:
-        raise ValueError(f"{name} must be in (0, 1] (a fraction of the response tokens), "
-                         f"got {value}")
-    return value
-
-
 def _policy_loss_option(config: object, name: str, default: float) -> object:
     """``config.policy_loss.name``, ``default`` when absent or ``None`` (verl: ``x if x is not
     None else default``); ``config.policy_loss`` itself defaults to verl's defaults when absent
@@ -117,11 +110,11 @@ def _options(kind: str, config: object) -> dict[str, object]:
             raise ValueError("config.policy_loss.clip_cov_lb must be < config.policy_loss."
                              f"clip_cov_ub, got {lb} and {ub}")
         return {**_clip_pair(config), "clip_cov_lb": lb, "clip_cov_ub": ub,
-                "clip_cov_ratio": _fraction("config.policy_loss.clip_cov_ratio",
+                "clip_cov_ratio": check_fraction("config.policy_loss.clip_cov_ratio",
                                             _policy_loss_option(config, "clip_cov_ratio",
                                                                 2e-4))}
     if kind == "kl_cov":
-        return {"kl_cov_ratio": _fraction("config.policy_loss.kl_cov_ratio",
+        return {"kl_cov_ratio": check_fraction("config.policy_loss.kl_cov_ratio",
                                           _policy_loss_option(config, "kl_cov_ratio", 2e-4)),
                 "ppo_kl_coef": check_nonneg("config.policy_loss.ppo_kl_coef",
                                             _policy_loss_option(config, "ppo_kl_coef", 1.0))}

@@ -29,15 +29,16 @@ import torch
 import rlops
 from rlops._checks import (
     as_bool_mask,
+    as_int,
     check_2d,
     check_choice,
+    check_count,
     check_nonneg,
     check_positive,
     check_same_shape,
     check_unit_interval,
     shape_error,
 )
-from rlops.compat._args import as_int
 from rlops.compat._verl_kinds import batch_info, config_value, kind_loss
 from rlops.compat._verl_rollout import (
     compute_offpolicy_metrics,
@@ -307,11 +308,7 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty) -> 
 def _global_count(name: str, value: object) -> torch.Tensor | None:
     """``batch_num_tokens`` / ``global_batch_size``: a number or a 0-dim tensor, kept as given
     (verl may pass a device tensor; it is not read back to the host)."""
-    if value is None or isinstance(value, torch.Tensor):
-        if isinstance(value, torch.Tensor) and value.dim() != 0:
-            raise shape_error(name, "[] (a count)", value.shape)
-        return value
-    return check_nonneg(name, value)
+    return check_count(name, value)
 
 
 def agg_loss(

@@ -1,4 +1,5 @@
-"""Distributed pieces: the zigzag context-parallel layout and carry-only CP scans.
+"""Distributed pieces: the zigzag context-parallel layout, the process-group check and the
+one collective of the small group reductions (:mod:`rlops.distributed.collectives`).
 
 The estimators take ``cp_group=`` directly (``rlops.gae(..., cp_group=g)``); this package
 holds the layout helpers.

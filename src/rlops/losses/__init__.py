@@ -3,7 +3,9 @@ aggregation of a per-token loss matrix into a scalar.
 
 Modules: ``aggregation`` (:func:`aggregate_loss`, the modes and the global normalisers),
 ``kl`` (:func:`kl_penalty`), ``entropy`` (:func:`entropy_loss`), ``kinds`` (the per-token
-loss of each policy-loss kind), ``policy`` (:func:`policy_loss`), ``value`` (:func:`value_loss`).
+loss of each policy-loss kind), ``policy`` (:func:`policy_loss`), ``value`` (:func:`value_loss`);
+``_checks`` holds the package's argument checks (each public function checks once, then calls
+unchecked internals), ``_common`` its shared constant and rule.
 
 Numerical rules:
 

@@ -6,95 +6,45 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from rlops._checks import (
     as_bool_mask,
-    as_real,
     check_2d,
-    check_choice,
-    check_nonneg,
-    check_positive,
     compute_dtype,
-    shape_error,
+    read_value,
     values_checked,
 )
-from rlops.distributed.groups import group_rank_size
+from rlops.distributed.collectives import Call, check_enabled, gather
+from rlops.losses._checks import AGG_MODES, check_agg, check_normalisers
 
-__all__ = ["AGG_MODES", "aggregate_loss"]
-
-AGG_MODES = (
-    "token-mean",
-    "token-sum",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-)
+__all__ = ["AGG_MODES", "aggregate", "aggregate_loss", "batch_sums", "describe", "loss_and_metrics"]
 
 
 # --------------------------------------------------------------------------- normalisers
-def _read(value: torch.Tensor) -> float | None:
-    """A 0-dim count's value where checks read values (CPU, or ``RLOPS_CHECK_VALUES=1``);
-    None elsewhere (no host synchronisation) and on the meta device (no value to read)."""
-    if value.device.type == "meta" or not values_checked(value):
-        return None
-    return float(value)
+def describe(op: str, agg: str | None, loss_scale_factor: float | None, t: int,
+             implied: dict | None = None, **fields: object) -> Call:
+    """What a call on a group must agree on: the function, its aggregation mode, the
+    normaliser ``L`` of ``seq-mean-token-sum-norm`` (``loss_scale_factor``, else ``T``: the same
+    on every micro-batch) and the function's own ``fields``."""
+    norm = None
+    if agg == "seq-mean-token-sum-norm":
+        norm = loss_scale_factor if loss_scale_factor is not None else float(t)
+    return Call(op, implied=implied, agg=agg, **{"loss_scale_factor (or T)": norm}, **fields)
 
 
-def _count(name: str, value: object, ref: torch.Tensor) -> float | torch.Tensor | None:
-    """A global count: None, a finite number >= 0, or a 0-dim real tensor (kept on its device,
-    detached; its value is checked only where ``_read`` reads it). ``ref`` is the loss input."""
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 0:
-            raise shape_error(name, "[] (a count)", value.shape)
-        if value.is_complex() or value.dtype == torch.bool:
-            raise TypeError(f"{name} must be a real count, got a tensor of {value.dtype}")
-        if value.device.type == "meta" and ref.device.type != "meta":
-            raise ValueError(
-                f"{name} is a tensor on the meta device, which holds no value, but the loss "
-                f"inputs are on {ref.device}: pass the count as a number or a tensor on "
-                f"{ref.device}"
-            )
-        value = value.detach()
-        v = _read(value)
-        if v is not None and not (math.isfinite(v) and v >= 0):
-            raise ValueError(f"{name} must be a finite count >= 0, got {v}")
-        return value
-    as_real(name, value)
-    return check_nonneg(name, value)
-
-
-def _check_normalisers(
-    num_tokens: object, num_seqs: object, group: object, ref: torch.Tensor
-) -> tuple[float | torch.Tensor | None, float | torch.Tensor | None, object]:
-    """Check the global-normaliser arguments; ``group`` excludes the two counts."""
-    num_tokens = _count("num_tokens", num_tokens, ref)
-    num_seqs = _count("num_seqs", num_seqs, ref)
-    if group is not None:
-        group_rank_size(group)
-        if num_tokens is not None or num_seqs is not None:
-            raise ValueError(
-                "give either group (one micro-batch per rank: the counts are summed over it) "
-                "or num_tokens/num_seqs (the global counts), not both"
-            )
-    return num_tokens, num_seqs, group
-
-
-def _batch_sums(
-    keep: torch.Tensor, sums: dict[str, torch.Tensor], group: object
+def batch_sums(
+    keep: torch.Tensor, sums: dict[str, torch.Tensor], group: object, call: Call
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """``(tokens, rows, sums)``: this call's action tokens, rows with an action token and the
-    given (detached) sums, as float64 (counts exact to 2^53) — summed over ``group`` in one
-    ``all_reduce`` when it has more than one rank."""
+    given (detached) sums, as float64 (counts exact to 2^53) — summed over ``group`` (in rank
+    order) from one collective that also checks that every rank makes the same ``call``."""
     vec = torch.stack([
         keep.sum().to(torch.float64),
         (keep.sum(-1) > 0).sum().to(torch.float64),
         *(v.detach().to(torch.float64) for v in sums.values()),
     ])
-    if group is not None and group_rank_size(group)[1] > 1:
-        dist.all_reduce(vec, group=group)
+    if group is not None:
+        vec = gather(vec, group, call).sum(0)
     return vec[0], vec[1], dict(zip(sums, vec[2:], strict=True))
 
 
@@ -115,7 +65,7 @@ def _denominator(
 
     A given count of 0 is 1 when this call has no action token (its loss is 0 and so is its
     gradient: a rank with nothing to do in data parallelism) and a ``ValueError`` when it has
-    one, where the values are read (see ``_read``); where they are not, the count is used
+    one, where the values are read (see ``read_value``); where they are not, the count is used
     as it is, so that a 0 with action tokens (or a negative count: NaN) gives a non-finite
     loss rather than a silently rescaled one."""
     if not _needs_count(mode):
@@ -127,7 +77,7 @@ def _denominator(
     if value is None:
         return None
     n = torch.as_tensor(value, dtype=dtype, device=keep.device)
-    known = value if isinstance(value, float) else _read(value)
+    known = value if isinstance(value, float) else read_value(value)
     if known is not None and known > 0:
         return n
     if known == 0 and keep.device.type != "meta" and values_checked(keep):
@@ -172,7 +122,7 @@ def _aggregate(
     return out
 
 
-def _loss_and_metrics(
+def loss_and_metrics(
     loss_mat: torch.Tensor,
     keep: torch.Tensor,
     agg: str | None,
@@ -181,13 +131,15 @@ def _loss_and_metrics(
     num_tokens: float | torch.Tensor | None,
     num_seqs: float | torch.Tensor | None,
     group: object,
+    call: Call,
     metric_sums: dict[str, tuple[torch.Tensor, str]],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``agg`` of ``loss_mat`` and the metrics: ``metric_sums`` maps a name to ``(sum, per)``
     with ``per`` "tokens" or "rows"; the metric is the sum over the action tokens (or the rows
     with one) of this call, or of the whole ``group`` — counts, normaliser and metrics in one
-    collective."""
-    tokens, rows, sums = _batch_sums(keep, {k: v for k, (v, _) in metric_sums.items()}, group)
+    collective (which checks that every rank makes the same ``call``). Arguments checked."""
+    tokens, rows, sums = batch_sums(keep, {k: v for k, (v, _) in metric_sums.items()}, group,
+                                    call)
     counts = (tokens, rows) if group is not None else None
     denom = _denominator(keep, agg, dtype, num_tokens, num_seqs, counts)
     metrics = {
@@ -197,13 +149,25 @@ def _loss_and_metrics(
     return _aggregate(loss_mat, keep, agg, loss_scale_factor, denom), metrics
 
 
-def _check_agg(name: str, mode: object, loss_scale_factor: object) -> float | None:
-    """Check an aggregation mode (or None) and its normaliser; return the normaliser."""
-    if mode is not None:
-        check_choice(name, mode, AGG_MODES)
-    if loss_scale_factor is None:
-        return None
-    return check_positive("loss_scale_factor", loss_scale_factor)
+def aggregate(
+    loss_mat: torch.Tensor,
+    keep: torch.Tensor,
+    mode: str,
+    loss_scale_factor: float | None,
+    num_tokens: float | torch.Tensor | None,
+    num_seqs: float | torch.Tensor | None,
+    group: object,
+    call: Call,
+) -> torch.Tensor:
+    """:func:`aggregate_loss` on checked arguments (``keep``: the bool mask), for the package's
+    public functions that check their own; ``call`` describes the public call."""
+    dtype = compute_dtype(loss_mat.dtype)
+    x = torch.where(keep, loss_mat.to(dtype), 0)
+    counts = None
+    if group is not None and (_needs_count(mode) or check_enabled()):
+        counts = batch_sums(keep, {}, group, call)[:2]
+    denom = _denominator(keep, mode, dtype, num_tokens, num_seqs, counts)
+    return _aggregate(x, keep, mode, loss_scale_factor, denom)
 
 
 def aggregate_loss(
@@ -230,7 +194,7 @@ def aggregate_loss(
     **Layout invariance.** By default ``N`` and ``S`` are this call's own counts. Pass the counts
     of the whole global batch — ``num_tokens=N`` (token-mean) and ``num_seqs=S`` (the seq-mean
     modes), or ``group=`` when each rank of a process group holds one micro-batch (then ``N``
-    and ``S`` are summed over the group in one ``all_reduce``) — and each call returns its
+    and ``S`` are summed over the group in one ``all_gather``) — and each call returns its
     micro-batch's *share*: the losses of all micro-batches on all ranks **sum** to the loss of
     the full batch, and so do their gradients::
 
@@ -286,14 +250,7 @@ def aggregate_loss(
     """
     check_2d("loss_mat", loss_mat)
     keep = as_bool_mask("mask", mask, loss_mat.shape, "loss_mat", loss_mat)
-    if mode is None:
-        raise ValueError(f"mode must be one of {list(AGG_MODES)}, got None")
-    loss_scale_factor = _check_agg("mode", mode, loss_scale_factor)
-    num_tokens, num_seqs, group = _check_normalisers(num_tokens, num_seqs, group, loss_mat)
-    dtype = compute_dtype(loss_mat.dtype)
-    x = torch.where(keep, loss_mat.to(dtype), 0)
-    counts = None
-    if group is not None and _needs_count(mode):
-        counts = _batch_sums(keep, {}, group)[:2]
-    denom = _denominator(keep, mode, dtype, num_tokens, num_seqs, counts)
-    return _aggregate(x, keep, mode, loss_scale_factor, denom)
+    loss_scale_factor = check_agg("mode", mode, loss_scale_factor, optional=False)
+    num_tokens, num_seqs = check_normalisers(num_tokens, num_seqs, group, loss_mat)
+    call = describe("aggregate_loss", mode, loss_scale_factor, loss_mat.shape[-1])
+    return aggregate(loss_mat, keep, mode, loss_scale_factor, num_tokens, num_seqs, group, call)

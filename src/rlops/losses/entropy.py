@@ -2,37 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from rlops._checks import (
-    as_bool_mask,
-    as_real,
-    check_2d,
-    check_choice,
-    check_same_device,
-    shape_error,
-)
-from rlops.losses.aggregation import AGG_MODES, _check_agg, _check_normalisers, aggregate_loss
+from rlops._checks import as_bool_mask, check_2d
+from rlops.losses._checks import check_agg, check_coef, check_normalisers
+from rlops.losses.aggregation import aggregate, describe
 
 __all__ = ["entropy_loss"]
-
-
-def _check_coef(coef: object, ref: torch.Tensor) -> float | torch.Tensor:
-    """A finite real number, or a 0-dim real floating tensor on ``ref``'s device (used there,
-    never read on the host: a coefficient schedule may live on the device)."""
-    if isinstance(coef, torch.Tensor):
-        if coef.dim() != 0:
-            raise shape_error("coef", "[] (a scalar)", coef.shape)
-        if not coef.is_floating_point():
-            raise TypeError(f"coef must be a real floating tensor or a number, got {coef.dtype}")
-        check_same_device("entropy", ref, coef=coef)
-        return coef
-    value = as_real("coef", coef)
-    if not math.isfinite(value):
-        raise ValueError(f"coef must be a finite number, got {coef}")
-    return value
 
 
 def entropy_loss(
@@ -87,12 +63,12 @@ def entropy_loss(
     """
     check_2d("entropy", entropy)
     keep = as_bool_mask("mask", mask, entropy.shape, "entropy", entropy)
-    check_choice("agg", agg, AGG_MODES)
-    loss_scale_factor = _check_agg("agg", agg, loss_scale_factor)
-    num_tokens, num_seqs, group = _check_normalisers(num_tokens, num_seqs, group, entropy)
-    coef = _check_coef(coef, entropy)
-    agg_entropy = aggregate_loss(entropy, keep, agg, loss_scale_factor=loss_scale_factor,
-                                 num_tokens=num_tokens, num_seqs=num_seqs, group=group)
+    loss_scale_factor = check_agg("agg", agg, loss_scale_factor, optional=False)
+    num_tokens, num_seqs = check_normalisers(num_tokens, num_seqs, group, entropy)
+    coef = check_coef(coef, entropy)
+    call = describe("entropy_loss", agg, loss_scale_factor, entropy.shape[-1])
+    agg_entropy = aggregate(entropy, keep, agg, loss_scale_factor, num_tokens, num_seqs, group,
+                            call)
     if isinstance(coef, torch.Tensor):
         coef = coef.to(agg_entropy.dtype)
     return -coef * agg_entropy, {"entropy": agg_entropy.detach()}

@@ -1,4 +1,4 @@
-"""The per-token loss matrix of each policy-loss kind, and each kind's options.
+"""The per-token loss matrix of each policy-loss kind (options checked in ``losses._checks``).
 
 Every function takes the masked inputs (0 on mask-0 tokens, already in the computation dtype):
 ``lp`` = log π, ``lr`` = log π − log π_old, ``adv`` = A, the bool ``keep``, and the kind's
@@ -14,100 +14,13 @@ from collections.abc import Callable
 
 import torch
 
-from rlops._checks import as_real, check_nonneg, check_positive
 from rlops.losses._common import MAX_EXP_ARG
 
-__all__ = ["KIND_OPTIONS", "POLICY_KINDS", "check_options", "token_losses"]
+__all__ = ["POLICY_KINDS", "token_losses"]
 
 # (per-token loss, metric name -> (sum, "tokens" | "rows")): a metric is its sum over the
 # action tokens (or the rows that have one) divided by their number.
 Out = tuple[torch.Tensor, dict[str, tuple[torch.Tensor, str]]]
-
-
-# --------------------------------------------------------------------------- options
-def _ratio_floor(name: str, v: object) -> float:
-    v = check_positive(name, v)
-    if 1 <= v < math.inf:
-        raise ValueError(
-            f"{name} must be < 1 (the ratio floor 1 - {name} must stay positive) or inf "
-            f"(no lower clip), got {v}"
-        )
-    return v
-
-
-def _finite_positive(name: str, v: object) -> float:
-    v = check_positive(name, v)
-    if not math.isfinite(v):
-        raise ValueError(f"{name} must be finite, got {v}")
-    return v
-
-
-def _fraction(name: str, v: object) -> float:
-    v = check_positive(name, v)
-    if v > 1:
-        raise ValueError(f"{name} must be in (0, 1] (a fraction of the action tokens), got {v}")
-    return v
-
-
-def _real(name: str, v: object) -> float:
-    v = as_real(name, v)
-    if math.isnan(v):
-        raise ValueError(f"{name} must be a number, got nan")
-    return v
-
-
-def _dual(name: str, v: object) -> float | None:
-    return None if v is None else check_positive(name, v, above=1.0)
-
-
-def _generator(name: str, v: object) -> torch.Generator | None:
-    if v is not None and not isinstance(v, torch.Generator):
-        raise TypeError(f"{name} must be a torch.Generator or None, got {type(v).__name__}")
-    return v
-
-
-# kind -> option -> (default, check). clip_high=None means clip_low when clip_low is given.
-KIND_OPTIONS: dict[str, dict[str, tuple[object, Callable]]] = {
-    "ppo": {"clip_low": (0.2, _ratio_floor), "clip_high": (None, check_positive),
-            "dual_clip": (None, _dual)},
-    "reinforce": {},
-    "gpg": {},
-    "gspo": {"clip_low": (3e-4, _ratio_floor), "clip_high": (4e-4, check_positive)},
-    "cispo": {"clip_low": (0.2, _ratio_floor), "clip_high": (None, check_positive)},
-    "sapo": {"tau_pos": (1.0, _finite_positive), "tau_neg": (1.05, _finite_positive)},
-    "clip_cov": {"clip_low": (0.2, _ratio_floor), "clip_high": (None, check_positive),
-                 "clip_cov_ratio": (2e-4, _fraction), "clip_cov_lb": (1.0, _real),
-                 "clip_cov_ub": (5.0, _real), "generator": (None, _generator)},
-    "kl_cov": {"kl_cov_ratio": (2e-4, _fraction), "ppo_kl_coef": (1.0, check_nonneg)},
-    "geo_mean": {"clip_low": (0.4, check_positive), "clip_high": (None, check_positive)},
-}
-POLICY_KINDS = tuple(KIND_OPTIONS)
-
-
-def check_options(kind: str, given: dict[str, object]) -> dict[str, object]:
-    """The kind's options: defaults, overridden by ``given`` (each checked by name)."""
-    spec = KIND_OPTIONS[kind]
-    unknown = sorted(set(given) - set(spec))
-    if unknown:
-        raise TypeError(
-            f"policy_loss(kind={kind!r}) got unknown option(s) {unknown}; "
-            f"its options are {sorted(spec) or 'none'}"
-        )
-    out = {}
-    for name, (default, check) in spec.items():
-        value = given.get(name, default)
-        if name == "clip_high" and "clip_high" not in given and "clip_low" in given:
-            value = None  # clip_high follows a given clip_low
-        nullable = default is None or name == "clip_high"
-        out[name] = None if value is None and nullable else check(name, value)
-    if "clip_high" in out and out["clip_high"] is None:
-        out["clip_high"] = out["clip_low"]
-    if kind == "clip_cov" and not out["clip_cov_lb"] < out["clip_cov_ub"]:
-        raise ValueError(
-            "clip_cov_lb must be < clip_cov_ub, got "
-            f"{out['clip_cov_lb']} and {out['clip_cov_ub']}"
-        )
-    return out
 
 
 # --------------------------------------------------------------------------- helpers
@@ -160,7 +73,7 @@ def _centred_cov(lp: torch.Tensor, adv: torch.Tensor, keep: torch.Tensor) -> tor
 
 
 # --------------------------------------------------------------------------- kinds
-def _ppo(lp, lr, adv, keep, dtype, clip_low, clip_high, dual_clip) -> Out:
+def _ppo(lp, lr, adv, keep, clip_low, clip_high, dual_clip) -> Out:
     loss, hit = _clip_max(_exp(lr), adv, clip_low, clip_high)
     sums = {"pg_clipfrac": _hits(hit, keep)}
     if dual_clip is not None:
@@ -170,11 +83,11 @@ def _ppo(lp, lr, adv, keep, dtype, clip_low, clip_high, dual_clip) -> Out:
     return loss, sums
 
 
-def _reinforce(lp, lr, adv, keep, dtype) -> Out:
+def _reinforce(lp, lr, adv, keep) -> Out:
     return -adv * lp, {}
 
 
-def _gspo(lp, lr, adv, keep, dtype, clip_low, clip_high) -> Out:
+def _gspo(lp, lr, adv, keep, clip_low, clip_high) -> Out:
     log_s = _row_mean(lr, keep).detach()  # log s_i: mean log-ratio over the row's actions
     ratio = _exp(log_s + (lp - lp.detach()))  # value s_i, gradient s_i·∇log π_t
     loss, hit = _clip_max(ratio, adv, clip_low, clip_high)
@@ -185,20 +98,20 @@ def _gspo(lp, lr, adv, keep, dtype, clip_low, clip_high) -> Out:
                   "seq_ratio_mean": ((seq_ratio * rows).sum(), "rows")}
 
 
-def _cispo(lp, lr, adv, keep, dtype, clip_low, clip_high) -> Out:
+def _cispo(lp, lr, adv, keep, clip_low, clip_high) -> Out:
     ratio = _exp(lr).detach()
     weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     return -weight * adv * lp, {"pg_clipfrac": _hits(weight != ratio, keep)}
 
 
-def _sapo(lp, lr, adv, keep, dtype, tau_pos, tau_neg) -> Out:
+def _sapo(lp, lr, adv, keep, tau_pos, tau_neg) -> Out:
     ratio = _exp(lr)
     tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1)) * (4.0 / tau)
     return -gate * adv, {}
 
 
-def _clip_cov(lp, lr, adv, keep, dtype, clip_low, clip_high, clip_cov_ratio, clip_cov_lb,
+def _clip_cov(lp, lr, adv, keep, clip_low, clip_high, clip_cov_ratio, clip_cov_lb,
               clip_cov_ub, generator) -> Out:
     loss, hit = _clip_max(_exp(lr), adv, clip_low, clip_high)
     cov = _centred_cov(lp, adv, keep)
@@ -211,7 +124,7 @@ def _clip_cov(lp, lr, adv, keep, dtype, clip_low, clip_high, clip_cov_ratio, cli
     return loss, {"pg_clipfrac": _hits(hit, keep), "clip_cov_frac": _hits(chosen, keep)}
 
 
-def _kl_cov(lp, lr, adv, keep, dtype, kl_cov_ratio, ppo_kl_coef) -> Out:
+def _kl_cov(lp, lr, adv, keep, kl_cov_ratio, ppo_kl_coef) -> Out:
     cov = _centred_cov(lp, adv, keep)
     # The quota of action tokens with the largest covariance (ties: the earlier token).
     keys = torch.where(keep, -cov, math.inf)
@@ -221,7 +134,7 @@ def _kl_cov(lp, lr, adv, keep, dtype, kl_cov_ratio, ppo_kl_coef) -> Out:
                   "ppo_kl_abs": (lr.detach().abs().sum(), "tokens")}
 
 
-def _geo_mean(lp, lr, adv, keep, dtype, clip_low, clip_high) -> Out:
+def _geo_mean(lp, lr, adv, keep, clip_low, clip_high) -> Out:
     sign = torch.sign(adv)
     lr_clamped = lr.clamp(-clip_low, clip_high)
     # Pessimistic clip in log space: min for A > 0, max for A < 0, 0 where A == 0 (as GMPO).
@@ -231,7 +144,7 @@ def _geo_mean(lp, lr, adv, keep, dtype, clip_low, clip_high) -> Out:
     out = lr != lr_clamped
     loss = torch.where(keep, -adv * ratio, 0)  # the row's R_i (NaN from one token) stays off mask 0
     return loss, {"pg_clipfrac": _hits(out & (adv > 0), keep),
-                          "pg_clipfrac_lower": _hits(out & (adv < 0), keep)}
+                  "pg_clipfrac_lower": _hits(out & (adv < 0), keep)}
 
 
 _KINDS: dict[str, Callable[..., Out]] = {
@@ -247,6 +160,10 @@ _KINDS: dict[str, Callable[..., Out]] = {
 }
 
 
-def token_losses(kind: str, lp, lr, adv, keep, dtype, options: dict) -> Out:
-    """The per-token loss of ``kind`` and its metrics (see the module docstring)."""
-    return _KINDS[kind](lp, lr, adv, keep, dtype, **options)
+POLICY_KINDS = tuple(_KINDS)
+
+
+def token_losses(kind: str, lp, lr, adv, keep, options: dict) -> Out:
+    """The per-token loss of ``kind`` and its metrics (see the module docstring); ``options``
+    as :func:`rlops.losses._checks.check_options` returns them."""
+    return _KINDS[kind](lp, lr, adv, keep, **options)

@@ -11,9 +11,10 @@ from rlops._checks import (
     check_same_shape,
     compute_dtype,
 )
+from rlops.losses._checks import check_agg, check_normalisers, check_options
 from rlops.losses._common import constant
-from rlops.losses.aggregation import _check_agg, _check_normalisers, _loss_and_metrics
-from rlops.losses.kinds import POLICY_KINDS, check_options, token_losses
+from rlops.losses.aggregation import describe, loss_and_metrics
+from rlops.losses.kinds import POLICY_KINDS, token_losses
 
 __all__ = ["POLICY_KINDS", "policy_loss", "row_geometric_mean"]
 
@@ -111,7 +112,7 @@ def policy_loss(
     Returns:
         ``(loss, metrics)``: a 0-dim loss (float32 for half inputs; ``[B, T]`` with
         ``agg=None``) and detached 0-dim metrics over this call's action tokens — over the
-        whole group's with ``group=``, in the same single ``all_reduce`` as the normaliser —
+        whole group's with ``group=``, in the same single ``all_gather`` as the normaliser —
         before the weights (verl's names): ``pg_clipfrac`` (fraction where the clip binds: ppo,
         gspo, clip_cov: the clipped term is the larger; cispo: the weight is clipped; geo_mean:
         the log-ratio lies outside the range where A > 0), ``pg_clipfrac_lower`` (ppo: where
@@ -138,8 +139,8 @@ def policy_loss(
     options = check_options(kind, kind_params)
     if rollout_is_weights is not None:
         check_same_shape("logp", logp, rollout_is_weights=rollout_is_weights)
-    loss_scale_factor = _check_agg("agg", agg, loss_scale_factor)
-    num_tokens, num_seqs, group = _check_normalisers(num_tokens, num_seqs, group, logp)
+    loss_scale_factor = check_agg("agg", agg, loss_scale_factor)
+    num_tokens, num_seqs = check_normalisers(num_tokens, num_seqs, group, logp)
     # The sampling policy, the advantages and the weights are constants: no gradient into them.
     old_logp, advantages = constant(old_logp), constant(advantages)
     rollout_is_weights = constant(rollout_is_weights)
@@ -149,7 +150,7 @@ def policy_loss(
     lp = torch.where(keep, logp.to(dtype), 0)
     log_ratio = torch.where(keep, logp.to(dtype) - old_logp.to(dtype), 0)
     adv = torch.where(keep, advantages.to(dtype), 0)
-    loss_mat, sums = token_losses(kind, lp, log_ratio, adv, keep, dtype, options)
+    loss_mat, sums = token_losses(kind, lp, log_ratio, adv, keep, options)
     none = (torch.zeros((), dtype=torch.int64, device=logp.device), "tokens")
     sums = {
         "pg_clipfrac": sums.pop("pg_clipfrac", none),
@@ -159,8 +160,13 @@ def policy_loss(
     }
     if rollout_is_weights is not None:
         loss_mat = loss_mat * torch.where(keep, rollout_is_weights.to(dtype), 0)
-    return _loss_and_metrics(loss_mat, keep, agg, loss_scale_factor, dtype, num_tokens,
-                             num_seqs, group, sums)
+    # a rank's generator is its own: every other option must agree across the group
+    shown = tuple((k, v) for k, v in options.items() if k != "generator")
+    call = describe("policy_loss", agg, loss_scale_factor, logp.shape[-1], kind=kind,
+                    options=shown, rollout_is_weights=rollout_is_weights is not None,
+                    implied={"kind": ("options",)})
+    return loss_and_metrics(loss_mat, keep, agg, loss_scale_factor, dtype, num_tokens,
+                            num_seqs, group, call, sums)
 
 
 def row_geometric_mean(

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from rlops._checks import as_bool_mask, check_2d, check_positive, check_same_shape, compute_dtype
+from rlops.losses._checks import check_agg, check_normalisers
 from rlops.losses._common import constant
-from rlops.losses.aggregation import _check_agg, _check_normalisers, _loss_and_metrics
+from rlops.losses.aggregation import describe, loss_and_metrics
 
 __all__ = ["value_loss"]
 
@@ -62,8 +63,8 @@ def value_loss(
     keep = as_bool_mask("mask", mask, values.shape, "values", values)
     if clip is not None:
         clip = check_positive("clip", clip)
-    loss_scale_factor = _check_agg("agg", agg, loss_scale_factor)
-    num_tokens, num_seqs, group = _check_normalisers(num_tokens, num_seqs, group, values)
+    loss_scale_factor = check_agg("agg", agg, loss_scale_factor)
+    num_tokens, num_seqs = check_normalisers(num_tokens, num_seqs, group, values)
     # The values at sampling time and the targets are constants: no gradient into them.
     old_values, returns = constant(old_values), constant(returns)
 
@@ -77,7 +78,6 @@ def value_loss(
         clipped = (torch.clamp(v, old - clip, old + clip) - ret).square()
         hits = ((clipped > loss_mat) & keep).sum()
         loss_mat = torch.maximum(loss_mat, clipped)
-    loss, metrics = _loss_and_metrics(0.5 * loss_mat, keep, agg, loss_scale_factor, dtype,
-                                      num_tokens, num_seqs, group,
-                                      {"vf_clipfrac": (hits, "tokens")})
-    return loss, metrics
+    call = describe("value_loss", agg, loss_scale_factor, values.shape[-1], clip=clip)
+    return loss_and_metrics(0.5 * loss_mat, keep, agg, loss_scale_factor, dtype, num_tokens,
+                            num_seqs, group, call, {"vf_clipfrac": (hits, "tokens")})

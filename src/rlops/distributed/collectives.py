@@ -1,0 +1,211 @@
+"""The one collective of the small group reductions, with the group's consistency check in it.
+
+The ``group=`` and ``cp_group=`` paths of the losses, the statistics and rollout correction
+reduce a few numbers per rank (counts, sums, maxima, moments, row summaries). Each does so with
+:func:`gather`: every rank's ``payload`` as float64, gathered in rank order in **one**
+``all_gather``; the caller reduces the ``[world, ...]`` result (a sum over ranks, a maximum,
+Chan's merge) in rank order, so every rank computes the same bits.
+
+**Consistency check** (on by default). A collective whose ranks were asked different things
+either returns numbers that mean different things on each rank (a silently wrong result) or,
+when the payload sizes differ, aborts inside the backend. So every call also describes what
+it was asked to do (:class:`Call`: the function, its mode, kind, level, thresholds, flags,
+the payload's shape) and the description travels with the data:
+
+* the description is reduced to a digest of two integers below ``2**52`` (exact in float64)
+  and placed in front of the payload, followed by any value of the description that lives on
+  the device (a checksum of per-token parameters), bit for bit;
+* the first exchange of every checked call has the same size on every rank, :data:`SLOTS`
+  float64 numbers, whatever the call: a payload that fits is padded to it (no extra round
+  trip), a larger one (its size depends on shapes, e.g. ``[B, k]`` row summaries) follows in a
+  second ``all_gather`` once the digests agree. A rank making another call, or none of the
+  same size, can then never desynchronise the backend before the digests are compared;
+* every rank reads the same ``[world, 2]`` digests (a host read: a synchronisation on
+  accelerators). When they differ, every rank joins one more exchange (``all_gather_object``
+  of the readable descriptions) and raises the same ``ValueError`` naming each argument that
+  differs and each rank's value.
+
+``RLOPS_GROUP_CHECK=0`` in every rank's environment turns the check off: each call then makes
+exactly its data collective (one ``all_gather`` of the payload itself) and reads nothing on
+the host. Every rank of a group must call, ranks without data included (their payload is
+zeros); a rank that makes no call at all cannot be detected (the others wait in the backend).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from rlops.distributed.groups import group_rank_size
+
+__all__ = ["ENV", "SLOTS", "Call", "check_enabled", "gather"]
+
+ENV = "RLOPS_GROUP_CHECK"
+#: float64 numbers of the first exchange of a checked call: the digest and a padded payload
+SLOTS = 64
+_DIGEST = 2
+_MASK = (1 << 52) - 1
+
+
+def check_enabled() -> bool:
+    """Whether the consistency check runs (``RLOPS_GROUP_CHECK`` is not ``0``)."""
+    return os.environ.get(ENV, "1") != "0"
+
+
+def _canonical(value: object) -> str:
+    """An exact text for a described value: floats by their hex form (every bit counts). A
+    tensor (a checksum computed on the device) is compared in its own slot, not here."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"a tensor in a call's description must be a 0-dim real number, "
+                            f"got {value.dtype} of shape {list(value.shape)}")
+        return f"tensor:{value.dtype}"
+    if value is None or isinstance(value, bool | str | torch.dtype):
+        return repr(value)
+    if isinstance(value, int):
+        return f"int:{value}"
+    if isinstance(value, float):
+        return f"float:{value.hex()}"
+    if isinstance(value, tuple | list):
+        return "(" + ",".join(_canonical(v) for v in value) + ")"
+    raise TypeError(f"a call is described by numbers, strings and tuples, got {type(value)}")
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return repr(value.item())  # on the error path only
+    if isinstance(value, tuple | list) and value and all(
+        isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str) for v in value
+    ):  # named items: show as a mapping
+        return "{" + ", ".join(f"{k}: {_shown(v)}" for k, v in value) + "}"
+    return repr(value)
+
+
+class Call:
+    """What one rank was asked to do: everything that must agree across the group.
+
+    Args:
+        op: the public function (``"policy_loss"``).
+        implied: ``field -> fields it determines``; when ``field`` differs, those are not
+            reported again (a different ``kind`` has different options).
+        **fields: the arguments that must agree, as numbers, strings, None, dtypes or tuples
+            of those (a mapping as a tuple of ``(name, value)`` pairs), or 0-dim tensors on
+            the payload's device (e.g. a checksum of per-token parameters: each travels in a
+            slot of its own, bit for bit, and is never read on the host unless it differs).
+
+    Example:
+        >>> Call("aggregate_loss", mode="token-mean").describe()
+        {'function': "'aggregate_loss'", 'mode': "'token-mean'"}
+    """
+
+    def __init__(
+        self, op: str, *, implied: Mapping[str, Iterable[str]] | None = None, **fields: object
+    ) -> None:
+        self.op = op
+        self.fields = {"function": op, **fields}
+        self.implied = {k: tuple(v) for k, v in (implied or {}).items()}
+        for v in self.fields.values():
+            _canonical(v)  # refuse an undescribable value at once, not on the error path
+
+    def with_fields(self, **fields: object) -> Call:
+        """This call with more fields (e.g. which of its collectives is running)."""
+        merged = {k: v for k, v in self.fields.items() if k != "function"}
+        return Call(self.op, implied=self.implied, **{**merged, **fields})
+
+    def digest(self) -> list[int]:
+        """:data:`_DIGEST` integers in ``[0, 2**52)`` (exact in float64) of the description."""
+        text = ";".join(f"{k}={_canonical(v)}" for k, v in self.fields.items())
+        raw = hashlib.blake2b(text.encode(), digest_size=8 * _DIGEST).digest()
+        return [int.from_bytes(raw[8 * i : 8 * i + 8], "little") & _MASK for i in range(_DIGEST)]
+
+    def slots(self, device: torch.device) -> torch.Tensor:
+        """The head of the first exchange: the digest, then each tensor field's bits, float64
+        (an int64 field is reinterpreted bit for bit, a float64 one is sent as it is)."""
+        head = [torch.tensor(self.digest(), dtype=torch.float64, device=device)]
+        for v in self.fields.values():
+            if isinstance(v, torch.Tensor):
+                v = v.detach().to(device).reshape(1)
+                same_size = v.dtype in (torch.int64, torch.float64)
+                head.append(v.view(torch.float64) if same_size else v.to(torch.float64))
+        return torch.cat(head)
+
+    def describe(self) -> dict[str, str]:
+        """Readable ``field -> value`` (what the error message shows)."""
+        return {k: _shown(v) for k, v in self.fields.items()}
+
+
+def _all_gather(flat: torch.Tensor, group: object, world: int) -> torch.Tensor:
+    parts = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(parts, flat, group=group)
+    return torch.stack(parts)
+
+
+def _disagreement(descriptions: list[dict[str, str]], implied: Mapping) -> str:
+    """The message for gathered descriptions that differ (the same on every rank)."""
+    def values(field: str) -> list[str]:
+        return [d.get(field, "<absent>") for d in descriptions]
+
+    fields: list[str] = []
+    for d in descriptions:
+        fields += [f for f in d if f not in fields]
+    differ = [f for f in fields if len(set(values(f))) > 1]
+    if "function" in differ:
+        differ = ["function"]
+    hidden = {g for f in differ for g in implied.get(f, ())}
+    shown = [f for f in differ if f not in hidden and f != "payload shape"] or differ
+    parts = [f"`{f}`: [{', '.join(values(f))}]" for f in shown] or [
+        "a value computed on the device (equal as numbers, different bits)"]
+    return (
+        "the ranks of a process group disagree on " + "; ".join(parts) + " (one value per "
+        "rank, in rank order; every rank of the group must make the same call)"
+    )
+
+
+def gather(payload: torch.Tensor, group: object, call: Call, name: str = "group") -> torch.Tensor:
+    """Every rank's ``payload`` over ``group``, ``[world, *payload.shape]`` float64 (detached,
+    rank order), checking first that every rank makes the same ``call`` (module docstring).
+
+    Args:
+        payload: this rank's numbers, any shape; its size must follow from ``call`` (sizes
+            that may differ across ranks belong in the call's fields).
+        group: a process group, or None (one process: no collective).
+        call: the description of this rank's call.
+        name: the argument that holds ``group`` (named in errors).
+
+    Returns:
+        ``[world, *payload.shape]``: row ``r`` is rank ``r``'s payload.
+
+    Raises:
+        ValueError: the same on every rank, when the ranks' calls differ (or one rank is in
+            another collective of the same group, e.g. over ``cp_group`` while the others are
+            over ``group``): the message names each differing field and every rank's value.
+    """
+    world = group_rank_size(group, name)[1]
+    flat = payload.detach().to(torch.float64).reshape(-1)
+    if world == 1:
+        return flat.reshape(1, *payload.shape)
+    if not check_enabled():
+        return _all_gather(flat, group, world).reshape(world, *payload.shape)
+    call = call.with_fields(**{"collective over": name, "payload shape": tuple(payload.shape)})
+    head = call.slots(flat.device)
+    h = head.numel()
+    if h > SLOTS:
+        raise ValueError(f"a call's description holds at most {SLOTS - _DIGEST} tensors")
+    fits = flat.numel() <= SLOTS - h
+    sent = flat if fits else flat[:0]
+    first = torch.cat([head, sent, flat.new_zeros(SLOTS - h - sent.numel())])
+    rows = _all_gather(first, group, world)
+    # the check's host read (RLOPS_GROUP_CHECK=0 skips it); compared bit for bit. The digest
+    # comes first, so ranks whose heads have different lengths already differ there.
+    heads = rows[:, :h].contiguous().view(torch.int64).tolist()
+    if any(x != heads[0] for x in heads):
+        descriptions: list = [None] * world
+        dist.all_gather_object(descriptions, call.describe(), group=group)
+        raise ValueError(_disagreement(descriptions, call.implied))
+    if fits:
+        return rows[:, h : h + flat.numel()].reshape(world, *payload.shape)
+    return _all_gather(flat, group, world).reshape(world, *payload.shape)
