@@ -14,7 +14,7 @@ import torch
 
 import rlops
 from rlops.cli import bench, demo, main, parser, profile
-from rlops.measure import sections as bench_sections
+from rlops.measure import sections
 
 
 def test_version(capsys):
@@ -144,7 +144,7 @@ def test_logprob_options_reach_the_section(monkeypatch):
         seen.append((tokens, vocab, kwargs["hidden"], kwargs["top_p"]))
         return []
 
-    monkeypatch.setattr(bench_sections, "bench_logprobs", logprobs)
+    monkeypatch.setattr(sections, "bench_logprobs", logprobs)
     argv = ["bench", "--quick", "--sections", "logprobs", "--logprob-tokens", "16"]
     assert main([*argv, "--hidden", "24", "--top-p", "0.5"]) == 0
     assert main(argv) == 0
@@ -159,7 +159,7 @@ def test_each_section_is_printed_when_it_completes(monkeypatch, capsys):
         seen.append(capsys.readouterr().out)
         return []
 
-    monkeypatch.setattr(bench_sections, "bench_logprobs", logprobs)
+    monkeypatch.setattr(sections, "bench_logprobs", logprobs)
     argv = ["bench", "--quick", "--sections", "group", "logprobs", "--seq-len", "32"]
     assert main([*argv, "--group-batch", "16", "--repeats", "1"]) == 0
     assert "grpo [16x32]" in seen[0] and "rloo [16x32]" in seen[0]
@@ -167,11 +167,11 @@ def test_each_section_is_printed_when_it_completes(monkeypatch, capsys):
 
 def test_bench_verdict_compares_measured_shapes_only():
     rows = [
-        bench_sections.Row("advantages", "gae", 64, "2x64", "per-token loop", 2e-3),
-        bench_sections.Row("advantages", "gae", 64, "2x64", "rlops auto", 1e-5, ours=True),
-        bench_sections.Row("advantages", "gae", 64, "2x64", "memory floor", 5e-6),
-        bench_sections.Row("logprobs", "log-prob + entropy", 8, "8x16", "unfused", 2e-4),
-        bench_sections.Row("logprobs", "log-prob + entropy", 8, "8x16", "rlops fused", 1e-4, True),
+        sections.Row("advantages", "gae", 64, "2x64", "per-token loop", 2e-3),
+        sections.Row("advantages", "gae", 64, "2x64", "rlops auto", 1e-5, ours=True),
+        sections.Row("advantages", "gae", 64, "2x64", "memory floor", 5e-6),
+        sections.Row("logprobs", "log-prob + entropy", 8, "8x16", "unfused", 2e-4),
+        sections.Row("logprobs", "log-prob + entropy", 8, "8x16", "rlops fused", 1e-4, True),
     ]
     lines = bench.verdicts(rows)
     assert lines[0] == (
@@ -233,3 +233,17 @@ def test_profile_verdict_does_not_credit_the_forward_for_the_moved_lm_head():
     # the materialised head runs the same forward: no span
     text = profile.verdict(result, {"naive": 2**30, "rlops": 2**29}, profile.same_code("logits"))
     assert "forward + log-prob" not in text
+
+
+def test_profile_measures_the_forward_and_log_prob_span(tmp_path):
+    """One timed step: the span's time is the forward's plus the log-prob stage's."""
+    path = tmp_path / "p.json"
+    tiny = "--batch 2 --seq-len 16 --vocab 32 --layers 1 --d-model 16 --heads 2 --repeats 1"
+    assert main(["profile", *tiny.split(), "--device", "cpu", "--json", str(path)]) == 0
+    for impl, stages in json.loads(path.read_text())["results"].items():
+        span = stages[profile.OUTPUT]
+        assert (
+            span["seconds"]
+            == stages["forward"]["seconds"] + stages["log-prob + entropy"]["seconds"]
+        ), impl
+        assert span["peak_bytes"] is not None

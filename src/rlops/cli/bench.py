@@ -269,8 +269,10 @@ def warnings(rows: list[Row]) -> list[str]:
             )
     ours = next((r for r in rows if r.ours), None)
     for r in rows:
-        both = sorted(n for n in r.times if ours is not None and n in ours.times)
-        if r is ours or len(both) < 2:
+        if ours is None or r is ours:
+            continue
+        both = sorted(n for n in r.times if n in ours.times)
+        if len(both) < 2:
             continue
         ratio = {n: r.times[n] / ours.times[n] for n in both}
         if max(ratio.values()) > MOVES * min(ratio.values()):

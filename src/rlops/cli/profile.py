@@ -9,6 +9,7 @@ compared as one span (``forward + log-prob + entropy``), so neither is credited 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -191,7 +192,9 @@ def verdict(result: dict, step_peak: dict, same: tuple[str, ...] = SAME_CODE) ->
         f"({totals['naive'] / totals['rlops']:.2f}x); peak memory "
         f"{fmt_mib(step_peak['naive'])} -> {fmt_mib(step_peak['rlops'])} MiB.",
     ]
-    best = {key: max(differ, key=lambda s, k=key: saved(s, k)) for key in ("seconds", "peak_bytes")}
+    best = {
+        key: max(differ, key=functools.partial(saved, key=key)) for key in ("seconds", "peak_bytes")
+    }
     gains = [(key, s) for key, s in best.items() if saved(s, key) > 0]
     if len(gains) == 2 and best["seconds"] == best["peak_bytes"]:
         s = best["seconds"]
@@ -220,7 +223,7 @@ def save_plot(result: dict, step_peak: dict, title: str, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 3.8), dpi=120)
-    colors = plt.get_cmap("tab10").colors
+    colors = [f"C{k}" for k in range(len(STAGES))]  # the default colour cycle
     for y, impl in enumerate(IMPLS):
         left = 0.0
         for k, s in enumerate(STAGES):

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -153,7 +154,7 @@ def rlops_advantages(rewards, values, mask):
 
 # --------------------------------------------------------------------------- one step
 def ppo_step(
-    model: torch.nn.Module,
+    model: Any,
     data: dict,
     impl: str,
     stage,
@@ -176,7 +177,7 @@ def ppo_step(
     tokens = data["tokens"]
     with stage("forward"):
         hidden = model.trunk(tokens[:, :-1])
-        logits = None if fused_head else model.logits(hidden)
+        logits: Any = None if fused_head else model.logits(hidden)
     with stage("log-prob + entropy"):
         target = tokens[:, 1:]
         if naive:
@@ -190,11 +191,11 @@ def ppo_step(
     with stage("value head"):
         values = model.values(hidden).float()
     with stage("advantages"), torch.no_grad():
-        fn = naive_advantages if naive else rlops_advantages
-        adv, ret = fn(data["rewards"], data["old_values"], data["mask"])
+        advantages = naive_advantages if naive else rlops_advantages
+        adv, ret = advantages(data["rewards"], data["old_values"], data["mask"])
     with stage("losses"):
-        fn = naive_losses if naive else rlops_losses
-        loss = fn(logp, entropy, values, adv, ret, data)
+        losses = naive_losses if naive else rlops_losses
+        loss = losses(logp, entropy, values, adv, ret, data)
     with stage("backward"):
         loss.backward()
     return loss.detach()
@@ -209,8 +210,10 @@ def profile_step(model, data, device, repeats: int = 5, progress=None, **step_kw
     machine (other processes, clock speed) as closely as possible. ``step_kw``: ``head`` and
     ``top_p`` of :func:`ppo_step`.
     """
-    times = {impl: {s: [] for s in (*STAGES, OUTPUT)} for impl in IMPLS}
-    peaks = {impl: {} for impl in IMPLS}
+    times: dict[str, dict[str, list[float]]] = {
+        impl: {s: [] for s in (*STAGES, OUTPUT)} for impl in IMPLS
+    }
+    peaks: dict[str, dict[str, int | None]] = {impl: {} for impl in IMPLS}
 
     def timed(impl):
         @contextlib.contextmanager

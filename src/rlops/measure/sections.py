@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -300,6 +301,7 @@ def bench_logprobs(
     device = torch.device(device)
     counts = thread_counts(device, threads)
     rows = []
+    cases: list[tuple[Any, ...]]
     linear_case = "output layer + log-prob + entropy"
     top_p_case = f"top-p {top_p} output layer"
     for n in token_counts:

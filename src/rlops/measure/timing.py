@@ -156,6 +156,7 @@ class PeakMemory:
     def __init__(self, device: torch.device):
         self.device = device
         self.bytes: int | None = None
+        self._base: int | None = None
 
     def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
@@ -173,10 +174,12 @@ class PeakMemory:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._base is None:
+            return
         if self.device.type == "cuda":
             sync(self.device)
             self.bytes = torch.cuda.max_memory_allocated(self.device) - self._base
-        elif self._base is not None:
+        else:
             peak = _status_kib("VmHWM")
             self.bytes = None if peak is None else max(0, peak - self._base) * 1024
 
