@@ -3,7 +3,7 @@
     python benchmarks/compat.py [--samples 16] [--max-len 8192] [--reps 5] [--threads 1]
 
 One line per call site: median time of the original's algorithm (restated from its public
-description in ``rlops.cli.baselines`` or below) and of the adapter, interleaved in one run,
+description in ``rlops.measure.baselines`` or below) and of the adapter, interleaved in one run,
 and their ratio. Indicative only: on a shared machine, rerun and compare ratios, not times.
 One torch thread by default: on a small shared machine, two OpenMP threads stall every
 elementwise op for milliseconds whenever the other core is busy, which hides the algorithms.
@@ -25,9 +25,9 @@ import time
 import numpy as np
 import torch
 
-from rlops.cli.baselines import gae_chunk_loop, group_loop, masked_whiten_moments
-from rlops.cli.baselines import returns_token_loop as per_token_returns
 from rlops.compat import slime, verl
+from rlops.measure.baselines import gae_chunk_loop, group_loop, masked_whiten_moments
+from rlops.measure.baselines import returns_token_loop as per_token_returns
 
 
 def interleaved(fns, reps: int) -> list[float]:

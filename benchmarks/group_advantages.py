@@ -18,8 +18,8 @@ import time
 import torch
 
 import rlops.group_advantages as ga
-from rlops.cli.baselines import group_loop as loop_group
-from rlops.cli.baselines import remax_flip_cumsum as verl_remax
+from rlops.measure.baselines import group_loop as loop_group
+from rlops.measure.baselines import remax_flip_cumsum as verl_remax
 
 
 def time_pair(ours, theirs, reps=21):

@@ -46,9 +46,9 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from rlops.cli.measure import METHOD, measure_in_fresh_process
-from rlops.cli.options import positive_int, top_p, writable_path
-from rlops.cli.workloads import setup_linear, setup_logits
+from rlops.measure.options import positive_int, top_p, writable_path
+from rlops.measure.timing import METHOD, measure_in_fresh_process
+from rlops.measure.workloads import setup_linear, setup_logits
 
 SECTIONS = ("linear", "top-p", "logits")
 FULL = {

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from rlops.cli import main
 
@@ -26,10 +27,17 @@ def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
     }
     assert data["config"]["hidden"] == 64 and data["config"]["top_p"] == 0.9
     assert all(r["seconds"] > 0 for r in rows)
+    counts = data["thread_counts"]
+    assert counts == sorted({1, torch.get_num_threads()})
+    for r in rows:  # every method at every count; a baseline compared at its faster
+        times = [r["times"][str(n)] for n in counts]
+        assert r["seconds"] == (times[-1] if r["ours"] else min(times))
+    assert isinstance(data["warnings"], list)
     assert all(r["peak_bytes"] > 0 for r in rows if r["section"] == "logprobs")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     out = capsys.readouterr().out
     assert "Verdict:" in out and "gae [2x2048]: per-token loop" in out
+    assert "rlops bench 0/" in out and "advantages T=256" in out  # the progress line
     assert "- output layer + log-prob + entropy [256x4096, H=64], forward + backward:" in out
     assert "- top-p 0.9 output layer [256x4096, H=64], forward + backward:" in out
 

@@ -1,6 +1,6 @@
 """What ``rlops bench`` and ``rlops profile`` measure rlops against computes what rlops computes.
 
-Each baseline in ``rlops.cli.baselines`` is compared with the rlops function it stands beside,
+Each baseline in ``rlops.measure.baselines`` is compared with the rlops function it stands beside,
 in float64 on random inputs of odd sizes. Tolerance: an ``n``-term float64 sum is within
 ``gamma_n * S`` of the exact sum, with ``gamma_n = n u / (1 - n u)``, ``u = 2**-53`` and ``S``
 the sum of the terms' magnitudes (Higham, *Accuracy and Stability of Numerical Algorithms*,
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import rlops
-from rlops.cli import baselines
+from rlops.measure import baselines
 
 F64 = torch.float64
 U = torch.finfo(F64).eps / 2

@@ -1,12 +1,12 @@
 """Peak memory seen by a fresh process does not depend on the size of the process that
-started it."""
+started it; the process times its step at each thread count asked for."""
 
 from __future__ import annotations
 
 import torch
 
-from rlops.cli.measure import measure_in_fresh_process
-from rlops.cli.workloads import setup_logits
+from rlops.measure.timing import measure_in_fresh_process
+from rlops.measure.workloads import setup_logits
 
 
 def test_fresh_process_peak_ignores_a_large_parent():
@@ -18,7 +18,10 @@ def test_fresh_process_peak_ignores_a_large_parent():
         setup_logits,
         {"t": 256, "v": 4096, "fused": False},
         prime_kwargs={"t": 8, "v": 64, "fused": False},
+        threads=(2, 1),
         repeats=1,
     )
     assert ballast[-1] == 1
     assert m["peak_extra_bytes"] >= 3 * 256 * 4096 * 4
+    assert set(m["time_s_by_threads"]) == {1, 2}  # timed at each count given
+    assert m["time_s"] == m["time_s_by_threads"][2]  # the first count's

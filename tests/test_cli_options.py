@@ -1,16 +1,20 @@
-"""The ``rlops`` command line: version, help texts, option checks made before any measurement,
-explicit options over ``--quick``, tables printed as each section completes, verdict wording."""
+"""The ``rlops`` command line: version, help texts, option checks made before any measurement
+(unknown options, output paths, matplotlib), explicit options over ``--quick``, tables printed
+as each section completes, verdict wording (``rlops profile``'s included)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import pytest
 import torch
 
 import rlops
-from rlops.cli import bench, bench_sections, main, parser, profile
+from rlops.cli import bench, demo, main, parser, profile
+from rlops.measure import sections
 
 
 def test_version(capsys):
@@ -66,6 +70,62 @@ def test_unwritable_output_fails_before_measuring(command, option, tmp_path, cap
         assert f"argument {option}: " in capsys.readouterr().err
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+@pytest.mark.parametrize("command", ["bench", "demo", "profile"])
+def test_output_in_a_folder_that_takes_no_files_fails_before_measuring(command, capsys):
+    """``/proc`` exists and os.access may call it writable, but no file can be made there."""
+    with pytest.raises(SystemExit) as err:
+        main([command, "--json", "/proc/x.json"])
+    assert err.value.code == 2
+    assert "argument --json: cannot write '/proc/x.json'" in capsys.readouterr().err
+
+
+def test_an_output_check_leaves_no_file_behind(tmp_path):
+    new, old = tmp_path / "new.json", tmp_path / "old.json"
+    old.write_text("kept")
+    args = parser().parse_args(["bench", "--json", str(new)])
+    assert args.json == str(new) and not new.exists()
+    parser().parse_args(["bench", "--json", str(old)])
+    assert old.read_text() == "kept"
+
+
+@pytest.mark.parametrize("command", ["bench", "demo", "profile"])
+def test_plot_path_gets_the_png_it_is_written_as(command, tmp_path):
+    args = parser().parse_args([command, "--plot", str(tmp_path / "xnoext")])
+    assert args.plot == str(tmp_path / "xnoext.png")
+    args = parser().parse_args([command, "--plot", str(tmp_path / "x.PNG")])
+    assert args.plot == str(tmp_path / "x.PNG")
+
+
+def test_demo_plot_without_extension_says_where_it_wrote(tmp_path, capsys):
+    argv = ["demo", "--iterations", "2", "--batch", "4", "--length", "4"]
+    assert main([*argv, "--plot", str(tmp_path / "xnoext")]) == 0
+    assert os.listdir(tmp_path) == ["xnoext.png"]
+    assert f"saved to {tmp_path / 'xnoext.png'}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["bench", "demo", "profile"])
+def test_plot_without_matplotlib_fails_before_measuring(command, monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    for module in (bench, demo, profile):
+        monkeypatch.setattr(module, "run", lambda args: pytest.fail("measured"))
+    with pytest.raises(SystemExit) as err:
+        main([command, "--plot", str(tmp_path / "p.png")])
+    assert err.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --plot: drawing needs matplotlib" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["bench", "demo", "profile"])
+def test_an_unknown_option_shows_the_subcommands_usage(command, capsys):
+    with pytest.raises(SystemExit) as err:
+        main([command, "--quik"])
+    assert err.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: rlops {command} ")
+    assert f"rlops {command}: error: unrecognized arguments: --quik" in err
+
+
 def test_explicit_options_win_over_quick(tmp_path, capsys):
     path = tmp_path / "b.json"
     argv = ["bench", "--quick", "--sections", "group", "--seq-len", "48", "--group-batch", "16"]
@@ -84,7 +144,7 @@ def test_logprob_options_reach_the_section(monkeypatch):
         seen.append((tokens, vocab, kwargs["hidden"], kwargs["top_p"]))
         return []
 
-    monkeypatch.setattr(bench_sections, "bench_logprobs", logprobs)
+    monkeypatch.setattr(sections, "bench_logprobs", logprobs)
     argv = ["bench", "--quick", "--sections", "logprobs", "--logprob-tokens", "16"]
     assert main([*argv, "--hidden", "24", "--top-p", "0.5"]) == 0
     assert main(argv) == 0
@@ -99,7 +159,7 @@ def test_each_section_is_printed_when_it_completes(monkeypatch, capsys):
         seen.append(capsys.readouterr().out)
         return []
 
-    monkeypatch.setattr(bench_sections, "bench_logprobs", logprobs)
+    monkeypatch.setattr(sections, "bench_logprobs", logprobs)
     argv = ["bench", "--quick", "--sections", "group", "logprobs", "--seq-len", "32"]
     assert main([*argv, "--group-batch", "16", "--repeats", "1"]) == 0
     assert "grpo [16x32]" in seen[0] and "rloo [16x32]" in seen[0]
@@ -107,15 +167,15 @@ def test_each_section_is_printed_when_it_completes(monkeypatch, capsys):
 
 def test_bench_verdict_compares_measured_shapes_only():
     rows = [
-        bench_sections.Row("advantages", "gae", 64, "2x64", "per-token loop", 2e-3),
-        bench_sections.Row("advantages", "gae", 64, "2x64", "rlops auto", 1e-5, ours=True),
-        bench_sections.Row("advantages", "gae", 64, "2x64", "memory floor", 5e-6),
-        bench_sections.Row("logprobs", "log-prob + entropy", 8, "8x16", "unfused", 2e-4),
-        bench_sections.Row("logprobs", "log-prob + entropy", 8, "8x16", "rlops fused", 1e-4, True),
+        sections.Row("advantages", "gae", 64, "2x64", "per-token loop", 2e-3),
+        sections.Row("advantages", "gae", 64, "2x64", "rlops auto", 1e-5, ours=True),
+        sections.Row("advantages", "gae", 64, "2x64", "memory floor", 5e-6),
+        sections.Row("logprobs", "log-prob + entropy", 8, "8x16", "unfused", 2e-4),
+        sections.Row("logprobs", "log-prob + entropy", 8, "8x16", "rlops fused", 1e-4, True),
     ]
     lines = bench.verdicts(rows)
     assert lines[0] == (
-        "- gae [2x64]: per-token loop 2.000 ms -> 0.010 ms (200x). "
+        "- gae [2x64]: per-token loop 2.000 ms -> 0.010 ms (200x faster). "
         "rlops runs at 2.0x the memory floor."
     )
     assert "For scale" not in " ".join(lines)
@@ -150,3 +210,40 @@ def test_profile_verdict_shows_time_in_ms_and_memory_in_mib():
     assert (
         "Largest time and memory gain: backward, 20.0 -> 10.0 ms, peak 900.0 -> 300.0 MiB." in text
     )
+
+
+def test_profile_verdict_does_not_credit_the_forward_for_the_moved_lm_head():
+    """With the fused-linear head the LM head runs in the log-prob stage: the forward alone
+    looks 3x faster and the log-prob stage slower. Neither is a gain: the two count as one
+    span, which here gained nothing, so advantages is the largest time gain."""
+    result = stage_results(
+        {"forward": (30.0, 100.0), "log-prob + entropy": (20.0, 300.0), "advantages": (50.0, 2)},
+        {"forward": (10.0, 20.0), "log-prob + entropy": (45.0, 60.0), "advantages": (1.0, 2)},
+    )
+    for impl, (ms, mib) in (("naive", (50.0, 350.0)), ("rlops", (55.0, 70.0))):
+        result[impl][profile.OUTPUT] = {"seconds": ms / 1e3, "peak_bytes": mib * 2**20}
+    same = profile.same_code("fused-linear")
+    text = profile.verdict(result, {"naive": 2**30, "rlops": 2**29}, same)
+    assert "Largest time gain: advantages, 50.0 -> 1.000 ms." in text
+    assert "Largest memory gain: forward + log-prob + entropy, peak 350.0 -> 70.0 MiB." in text
+    assert "gain: forward," not in text
+    rows = {r[0]: r for r in profile._rows(result, {"naive": 1, "rlops": 1}, same)}
+    assert rows["forward"][5] == rows["log-prob + entropy"][5] == "head moved"
+    assert rows[profile.OUTPUT][5] == "0.91x"
+    # the materialised head runs the same forward: no span
+    text = profile.verdict(result, {"naive": 2**30, "rlops": 2**29}, profile.same_code("logits"))
+    assert "forward + log-prob" not in text
+
+
+def test_profile_measures_the_forward_and_log_prob_span(tmp_path):
+    """One timed step: the span's time is the forward's plus the log-prob stage's."""
+    path = tmp_path / "p.json"
+    tiny = "--batch 2 --seq-len 16 --vocab 32 --layers 1 --d-model 16 --heads 2 --repeats 1"
+    assert main(["profile", *tiny.split(), "--device", "cpu", "--json", str(path)]) == 0
+    for impl, stages in json.loads(path.read_text())["results"].items():
+        span = stages[profile.OUTPUT]
+        assert (
+            span["seconds"]
+            == stages["forward"]["seconds"] + stages["log-prob + entropy"]["seconds"]
+        ), impl
+        assert span["peak_bytes"] is not None

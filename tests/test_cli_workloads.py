@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlops import linear_logprobs_and_entropy, logprobs_and_entropy
-from rlops.cli import workloads
+from rlops.measure import workloads
 
 
 @pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 1.0])

@@ -6,9 +6,11 @@ another module's private names. Layers (a module may import its own package and 
     2  stats, logprobs                        (leaves)
     3  advantages, group_advantages, losses, rollout_correction, kl_controllers
     4  rlops (the package: the public API)
-    5  compat, cli                            (only adapt or drive the public API)
+    5  compat, measure                        (adapt, or measure, the public API only)
+    6  cli                                    (the command line, on the measurement harness)
 
-Parsed statically with ``ast``, including imports inside functions (lazy imports count).
+Parsed statically with ``ast``, including imports inside functions (lazy imports count). The
+scripts in ``benchmarks/`` use the harness, never the command line's modules.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pathlib
 import pytest
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "rlops"
+BENCHMARKS = SRC.parents[1] / "benchmarks"
 
 LAYERS = {
     "rlops._checks": 0,
@@ -34,7 +37,8 @@ LAYERS = {
     "rlops.rollout_correction": 3,
     "rlops": 4,
     "rlops.compat": 5,
-    "rlops.cli": 5,
+    "rlops.measure": 5,
+    "rlops.cli": 6,
 }
 
 
@@ -198,3 +202,19 @@ def test_log_prob_functions_take_few_positional_parameters():
                     name = getattr(node, "name", "<lambda>")
                     wide.append(f"{path.name}:{node.lineno} {name} ({n})")
     assert not wide, f"functions with more than {MAX_POSITIONAL} positional parameters: {wide}"
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCHMARKS.glob("*.py")))
+def test_benchmarks_use_the_harness_not_the_command_line(script):
+    """``benchmarks/`` imports the measurement harness (``rlops.measure``) and the public API,
+    no module of ``rlops.cli`` and no private name."""
+    path = BENCHMARKS / script
+    bad = [
+        f"line {line}: {target}" + (f" ({', '.join(names)})" if names else "")
+        for target, names, line in _imports(path, "benchmarks." + path.stem)
+        if target == "rlops.cli"
+        or target.startswith("rlops.cli.")
+        or any(part.startswith("_") for part in target.split("."))
+        or any(n.startswith("_") for n in names)
+    ]
+    assert not bad, f"benchmarks/{script} imports the command line or private names: {bad}"

@@ -29,8 +29,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv`` (default: the command line) and run the chosen subcommand."""
-    args = parser().parse_args(argv)
+    """Parse ``argv`` (default: the command line) and run the chosen subcommand; an unknown
+    option is a usage error of that subcommand (its own usage line, exit code 2)."""
+    p = parser()
+    args, unknown = p.parse_known_args(argv)
+    if unknown:
+        sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     return COMMANDS[args.command].run(args)
 
 

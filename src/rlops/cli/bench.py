@@ -1,8 +1,8 @@
 """``rlops bench``: on your shapes and machine, rlops beside the implementations it replaces.
 
-The options, the run (one table per case and shape, printed as each section completes), the
-closing verdict in plain words, and the optional JSON and plot. What is measured, and how, is
-in :mod:`rlops.cli.bench_sections`.
+The options, the run (one table per case and shape, printed as each section completes, with a
+warning where a figure cannot be right), the closing verdict in plain words, and the optional
+JSON and plot. What is measured, and how, is :mod:`rlops.measure.sections`.
 """
 
 from __future__ import annotations
@@ -15,35 +15,67 @@ from collections import defaultdict
 
 import torch
 
-from rlops.cli import bench_sections, options
-from rlops.cli.display import Progress, fmt_mib, fmt_ms, print_table, say
-from rlops.cli.options import positive_int
+from rlops.cli.display import Progress, fmt_mib, fmt_ms, print_table, say, wrap
+from rlops.measure import options, sections
+from rlops.measure.options import positive_int
+from rlops.measure.sections import FLOOR, Row
+from rlops.measure.timing import keep_freed_memory, torch_threads
 
-__all__ = ["DEFAULTS", "QUICK", "SECTIONS", "add_arguments", "plot_rows", "run", "verdicts"]
+__all__ = [
+    "DEFAULTS",
+    "FULL",
+    "QUICK",
+    "SECTIONS",
+    "add_arguments",
+    "plot_rows",
+    "run",
+    "verdicts",
+    "warnings",
+]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 SECTIONS = ("advantages", "group", "logprobs")
-# Sizes without --quick and with it; an option given explicitly wins over both.
+# Sizes by default, with --quick and with --full; an option given explicitly wins over them.
+# slow_limit_s: a baseline that would take longer at full length is extrapolated from T = 1024.
 DEFAULTS = dict(
+    seq_len=[2048, 32768],
+    logprob_tokens=[512],
+    vocab=32000,
+    hidden=256,
+    group_batch=256,
+    repeats=5,
+    slow_limit_s=1.0,
+)
+QUICK = dict(
+    seq_len=[256, 2048],
+    logprob_tokens=[256],
+    vocab=4096,
+    hidden=64,
+    group_batch=64,
+    repeats=3,
+    slow_limit_s=0.5,
+)
+FULL = dict(
     seq_len=[4096, 32768, 131072],
     logprob_tokens=[1024, 4096],
     vocab=32000,
     hidden=512,
     group_batch=256,
     repeats=10,
+    slow_limit_s=10.0,
 )
-QUICK = dict(
-    seq_len=[256, 2048], logprob_tokens=[256], vocab=4096, hidden=64, group_batch=64, repeats=3
-)
+MOVES = 2.0  # a ratio to rlops that moves more than this between thread counts is flagged
 
 
 def _sizes(name: str) -> str:
-    """``(default ...; --quick: ...)`` for a size option's help."""
+    """``(default ...; --quick: ...; --full: ...)`` for a size option's help."""
 
     def text(v) -> str:
         return " ".join(map(str, v)) if isinstance(v, list) else str(v)
 
-    return f"(default {text(DEFAULTS[name])}; --quick: {text(QUICK[name])})"
+    return f"(default {text(DEFAULTS[name])}; --quick: {text(QUICK[name])}; --full: " + (
+        text(FULL[name]) + ")"
+    )
 
 
 def add_arguments(subparsers) -> argparse.ArgumentParser:
@@ -57,30 +89,21 @@ def add_arguments(subparsers) -> argparse.ArgumentParser:
         "by side in one run, and say in plain words what it buys.",
     )
     p.add_argument("--batch", metavar="B", type=positive_int, default=8, help="rows (default 8)")
-    p.add_argument(
-        "--seq-len",
-        metavar="T",
-        type=positive_int,
-        nargs="+",
-        help=f"sequence lengths T for the advantages {_sizes('seq_len')}",
-    )
-    p.add_argument(
-        "--vocab", metavar="V", type=positive_int, help=f"vocabulary size {_sizes('vocab')}"
-    )
-    p.add_argument(
-        "--logprob-tokens",
-        metavar="N",
-        type=positive_int,
-        nargs="+",
-        help=f"token counts for the log-prob section {_sizes('logprob_tokens')}",
-    )
-    p.add_argument(
-        "--hidden",
-        metavar="H",
-        type=positive_int,
-        help="hidden size of the output-layer rows of the log-prob section (materialised "
-        f"logits vs the fused linear op) {_sizes('hidden')}",
-    )
+    for flag, metavar, many, text in (
+        ("--seq-len", "T", True, "sequence lengths T for the advantages"),
+        ("--vocab", "V", False, "vocabulary size"),
+        ("--logprob-tokens", "N", True, "token counts for the log-prob section"),
+        ("--hidden", "H", False, "hidden size of the log-prob section's output-layer rows "
+         "(materialised logits vs the fused linear op)"),
+        ("--group-batch", "N", False, "samples for the group estimators, in groups of 8, at "
+         "T = the smallest --seq-len"),
+        ("--repeats", "N", False, "timed runs per method and thread count"),
+    ):  # fmt: skip
+        name = flag[2:].replace("-", "_")
+        nargs = "+" if many else None
+        p.add_argument(
+            flag, metavar=metavar, type=positive_int, nargs=nargs, help=f"{text} {_sizes(name)}"
+        )
     p.add_argument(
         "--top-p",
         metavar="P",
@@ -88,13 +111,6 @@ def add_arguments(subparsers) -> argparse.ArgumentParser:
         default=0.9,
         help="top-p of the log-prob section's sampler rows (a keep mask vs the fused linear op "
         "with top_p) (default 0.9)",
-    )
-    p.add_argument(
-        "--group-batch",
-        metavar="N",
-        type=positive_int,
-        help="samples for the group estimators, in groups of 8, at T = the smallest --seq-len "
-        + _sizes("group_batch"),
     )
     p.add_argument(
         "--sections",
@@ -110,84 +126,123 @@ def add_arguments(subparsers) -> argparse.ArgumentParser:
         help="dtype of the rewards and values in the advantages section (default float32)",
     )
     options.add_device(p)
+    options.add_threads(
+        p, "every method is also timed at 1 thread, and a baseline compared at its faster"
+    )
     p.add_argument("--gamma", type=float, default=1.0, help="discount, in [0, 1] (default 1.0)")
     p.add_argument("--lam", type=float, default=0.95, help="GAE lambda, in [0, 1] (default 0.95)")
-    p.add_argument(
-        "--repeats",
-        metavar="N",
-        type=positive_int,
-        help=f"timed runs per method {_sizes('repeats')}",
-    )
-    p.add_argument(
+    size = p.add_mutually_exclusive_group()
+    size.add_argument(
         "--quick",
         action="store_true",
-        help="smaller default sizes, seconds in all (options given explicitly still apply)",
+        help="smaller default sizes, under a minute (options given explicitly still apply)",
+    )
+    size.add_argument(
+        "--full",
+        action="store_true",
+        help="the larger grid (T up to 131072, 4096 log-prob tokens at H = 512; several minutes)",
     )
     options.add_outputs(
-        p, json="also write the measurements as JSON", plot="also draw time vs size as a PNG"
+        p, json="also write the measurements as JSON", plot="also draw time vs size"
     )
     return p
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, float]]:
+    """The steps of a run, in order, each with a rough cost (seconds on 2 idle cores, from one
+    run's proportions): what the progress line scales its estimate of the time left by."""
+    counts = len(sections.thread_counts(args.device, args.threads))
+    lim = args.slow_limit_s
+
+    def loop(per_token: float, t: int) -> float:  # the probe at T = 1024, then T unless slow
+        full = per_token * t
+        return per_token * 1024 + (0.0 if full > lim else full if full > 1 else 4 * full)
+
+    steps = []
+    if "advantages" in args.sections:
+        for t in args.seq_len:  # the two token loops dominate
+            steps.append((f"advantages T={t}", 0.3 + counts * (loop(4e-5, t) + loop(1.2e-4, t))))
+    if "group" in args.sections:
+        steps.append(("group", 0.3 + 2e-4 * args.group_batch))
+    if "logprobs" in args.sections:
+        runs = 2 + counts * 3  # memory, warm-up, then the timed runs at each count
+        for n in args.logprob_tokens:
+            elements = n * args.vocab * runs
+            linear = 4e-10 * elements * args.hidden
+            steps.append((f"logprobs N={n}: over logits", 4 + 4e-8 * elements))
+            steps.append((f"logprobs N={n}: output layer", 4 + linear))
+            steps.append((f"logprobs N={n}: top-p output layer", 4 + linear + 2e-7 * elements))
+    if steps:  # the first step also pays for first calls (numba's cache, thread pools)
+        steps[0] = (steps[0][0], steps[0][1] + 2.0)
+    return steps
 
 
 def run(args: argparse.Namespace) -> int:
     """``rlops bench``: measure the chosen sections, print a table per case and shape as each
     section completes, then the verdict; optionally write the JSON and the plot."""
-    from rlops.cli.measure import keep_freed_memory
-
     if not (0 <= args.gamma <= 1 and 0 <= args.lam <= 1):
         print("rlops bench: error: --gamma and --lam must lie in [0, 1]", file=sys.stderr)
         return 2
-    for name, value in (QUICK if args.quick else DEFAULTS).items():
-        if getattr(args, name) is None:
+    preset = QUICK if args.quick else FULL if args.full else DEFAULTS
+    for name, value in preset.items():
+        if getattr(args, name, None) is None:
             setattr(args, name, value)
+    with torch_threads(args.threads):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     tuned = keep_freed_memory()
     dev, dtype = torch.device(args.device), DTYPES[args.dtype]
+    counts = sections.thread_counts(dev, args.threads)
     say(
         f"rlops bench: B={args.batch}, T={args.seq_len}, {args.dtype}, gamma={args.gamma}, "
         f"lam={args.lam}, device={dev}, torch threads={torch.get_num_threads()}"
-        + (", malloc keeps freed memory" if tuned else "")
+        + (", malloc keeps freed memory" if tuned else ""),
+        *wrap(
+            "Each method is timed at "
+            + " and ".join(f"{n} thread{'s' * (n > 1)}" for n in counts)
+            + f"; time / rlops is a baseline's faster time over rlops' at {counts[-1]}."
+        ),
     )
-    rows: list[bench_sections.Row] = []
-    steps = (
-        len(args.seq_len) * ("advantages" in args.sections)
-        + len(args.logprob_tokens) * ("logprobs" in args.sections)
-        + ("group" in args.sections)
-    )
-    with Progress(steps) as progress:
+    rows: list[Row] = []
+    found: list[str] = []
+    common = dict(device=dev, repeats=args.repeats, threads=args.threads)
+    with Progress(plan(args), "rlops bench") as progress:
         for section in (s for s in SECTIONS if s in args.sections):
             if section == "advantages":
-                new = bench_sections.bench_advantages(
+                new = sections.bench_advantages(
                     args.batch,
                     args.seq_len,
                     dtype=dtype,
-                    device=dev,
                     gamma=args.gamma,
                     lam=args.lam,
-                    repeats=args.repeats,
+                    slow_limit_s=args.slow_limit_s,
                     progress=progress.update,
+                    **common,
                 )
             elif section == "group":
-                new = bench_sections.bench_group(
-                    args.group_batch, min(args.seq_len), device=dev, repeats=args.repeats
-                )
+                new = sections.bench_group(args.group_batch, min(args.seq_len), **common)
                 progress.update()
             else:
-                new = bench_sections.bench_logprobs(
+                new = sections.bench_logprobs(
                     args.logprob_tokens,
                     args.vocab,
                     hidden=args.hidden,
                     top_p=args.top_p,
-                    device=dev,
                     progress=progress.update,
+                    **{**common, "repeats": 3},
                 )
-            print_rows(new, args.batch, dtype)
+            found += print_rows(new, counts)
             rows += new
-    say("", "Verdict:", *verdicts(rows))
+    say("", "Verdict:", *(part for line in verdicts(rows) for part in wrap(line)))
     if args.json:
         payload = {
             "command": "bench",
             "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
+            "thread_counts": list(counts),
             "rows": [dataclasses.asdict(r) for r in rows],
+            "warnings": found,
         }
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=2)
@@ -198,32 +253,77 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_rows(rows: list, batch: int, dtype: torch.dtype) -> None:
-    """One table per (case, shape): median time, time over rlops', peak extra memory."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    keys = list(dict.fromkeys((r.section, r.case, r.shape) for r in rows))
-    for section, case, shape in keys:
-        group = [r for r in rows if (r.section, r.case, r.shape) == (section, case, shape)]
+def warnings(rows: list[Row]) -> list[str]:
+    """What cannot be right in one table (one case at one shape): a memory floor slower than a
+    method it bounds, or a method whose time over rlops' moves more than 2x between thread
+    counts (a thread stall: the comparison then rests on its faster count)."""
+    out = []
+    floor = next((r for r in rows if r.method == FLOOR), None)
+    bounded = [r for r in rows if r is not floor and not r.extrapolated]
+    if floor is not None and bounded:
+        fastest = min(bounded, key=lambda r: r.seconds)
+        if floor.seconds > fastest.seconds:
+            out.append(
+                f"the {FLOOR} ({fmt_ms(floor.seconds)} ms) is slower than {fastest.method} "
+                f"({fmt_ms(fastest.seconds)} ms), which it bounds: the cores were busy"
+            )
+    ours = next((r for r in rows if r.ours), None)
+    for r in rows:
+        if ours is None or r is ours:
+            continue
+        both = sorted(n for n in r.times if n in ours.times)
+        if len(both) < 2:
+            continue
+        ratio = {n: r.times[n] / ours.times[n] for n in both}
+        if max(ratio.values()) > MOVES * min(ratio.values()):
+            at = " and ".join(f"{ratio[n]:,.2f} at {n} thread{'s' * (n > 1)}" for n in both)
+            out.append(
+                f"{r.method} / rlops moves more than {MOVES:g}x between thread counts: {at} "
+                "(a thread stall in one of the two; see their times)"
+            )
+    return out
+
+
+def print_rows(rows: list[Row], counts: tuple[int, ...]) -> list[str]:
+    """One table per (case, shape): median time at each thread count, time over rlops', peak
+    extra memory, and its warnings under it. Returns the warnings, each after its table's
+    title."""
+    found = []
+    keys = list(dict.fromkeys((r.case, r.shape) for r in rows))
+    for case, shape in keys:
+        group = [r for r in rows if (r.case, r.shape) == (case, shape)]
         ours = next((r for r in group if r.ours), group[-1])
         lines = []
         for r in group:
             peak = "" if r.peak_bytes is None else fmt_mib(r.peak_bytes)
-            if section != "logprobs" and r.peak_bytes is not None:
-                peak += f" ({r.peak_bytes / (batch * r.size * itemsize):.2f} x [B,T])"
-            ms = ("~" if r.extrapolated else "") + fmt_ms(r.seconds)
-            lines.append([r.method, ms, f"{r.seconds / ours.seconds:,.2f}", peak])
+            if r.unit_bytes and r.peak_bytes is not None:
+                peak += f" ({r.peak_bytes / r.unit_bytes:.2f} x [B,T])"
+            ms = [("~" if r.extrapolated else "") + fmt_ms(r.times[n]) for n in counts]
+            lines.append([r.method, *ms, f"{r.seconds / ours.seconds:,.2f}", peak])
+        title = f"{case} [{shape}]"
+        notes = warnings(group)
+        found += [f"{title}: {w}" for w in notes]
+        header = ["method", *(f"ms, {n} thread{'s' * (n > 1)}" for n in counts)]
         print_table(
-            f"{case} [{shape}]", ["method", "median ms", "time / rlops", "peak extra MiB"], lines
+            title,
+            [*header, "time / rlops", "peak extra MiB"],
+            lines,
+            caption="\n".join(f"warning: {w}" for w in notes) or None,
         )
+    return found
 
 
-def _times(x: float) -> str:
-    return f"{x:,.0f}x" if x >= 10 else f"{x:.1f}x"
+def _speed(base: float, ours: float) -> str:
+    x = base / ours
+    if x < 1:
+        return f"{1 / x:.1f}x slower"
+    return f"{x:,.0f}x faster" if x >= 10 else f"{x:.1f}x faster"
 
 
-def verdicts(rows) -> list[str]:
-    """One line per case at its largest size: each baseline's ``X ms -> Y ms (Z x)``; for
-    advantages, how close rlops is to the memory floor; for log-probs, the memory too."""
+def verdicts(rows: list[Row]) -> list[str]:
+    """One line per case at its largest size: each baseline's ``X ms -> Y ms (Z x faster)``
+    (or slower); for advantages, how close rlops is to the memory floor; for log-probs, the
+    memory too."""
     out = []
     by_case = defaultdict(list)
     for r in rows:
@@ -240,28 +340,28 @@ def verdicts(rows) -> list[str]:
                     f"; peak extra memory {fmt_mib(base.peak_bytes)} MiB -> "
                     f"{fmt_mib(ours.peak_bytes)} MiB ({ours.peak_bytes / base.peak_bytes:.2f}x)"
                 )
-            speed = base.seconds / ours.seconds
-            how = f"{speed:.1f}x faster" if speed >= 1 else f"{1 / speed:.1f}x slower"
             out.append(
                 f"- {case} [{ours.shape}], forward + backward: {fmt_ms(base.seconds)} ms -> "
-                f"{fmt_ms(ours.seconds)} ms ({how}){mem}."
+                f"{fmt_ms(ours.seconds)} ms ({_speed(base.seconds, ours.seconds)}){mem}."
             )
             continue
         parts = [
             f"{r.method} {fmt_ms(r.seconds)} ms{' (extrapolated)' if r.extrapolated else ''} -> "
-            f"{fmt_ms(ours.seconds)} ms ({_times(r.seconds / ours.seconds)})"
+            f"{fmt_ms(ours.seconds)} ms ({_speed(r.seconds, ours.seconds)})"
             for r in at
-            if not (r.ours or r.method.startswith("rlops") or r.method == "memory floor")
+            if not (r.ours or r.method.startswith("rlops") or r.method == FLOOR)
         ]
         line = f"- {case} [{ours.shape}]: " + "; ".join(parts) + "."
-        floor = next((r for r in at if r.method == "memory floor"), None)
-        if floor is not None:
+        floor = next((r for r in at if r.method == FLOOR), None)
+        if floor is not None and floor.seconds <= ours.seconds:
             line += f" rlops runs at {ours.seconds / floor.seconds:.1f}x the memory floor."
+        elif floor is not None:
+            line += " The memory floor measured slower than rlops (see the table's warning)."
         out.append(line)
     return out
 
 
-def plot_rows(rows, path: str) -> None:
+def plot_rows(rows: list[Row], path: str) -> None:
     """One panel per section: time vs size, log-log, where a section has several sizes (hollow
     markers: extrapolated); bars from zero where it has one. Legends below the panels."""
     import matplotlib
@@ -269,10 +369,10 @@ def plot_rows(rows, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sections = list(dict.fromkeys(r.section for r in rows))
-    fig, axes = plt.subplots(1, len(sections), figsize=(6 * len(sections), 4.5), squeeze=False)
+    names = list(dict.fromkeys(r.section for r in rows))
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.5), squeeze=False)
     xlabel = {"advantages": "T (tokens per row)", "group": "T", "logprobs": "tokens"}
-    for ax, section in zip(axes[0], sections):
+    for ax, section in zip(axes[0], names):
         mine = [r for r in rows if r.section == section]
         if len({r.size for r in mine}) == 1:
             _bars(ax, mine)

@@ -27,9 +27,10 @@ import time
 import torch
 
 import rlops
-from rlops.cli import options
-from rlops.cli.display import Progress, say
+from rlops.cli.display import Progress, say, wrap
 from rlops.cli.model import ModelConfig, TinyTransformer, sample
+from rlops.measure import options
+from rlops.measure.timing import torch_threads
 
 __all__ = ["DemoConfig", "add_arguments", "run", "train"]
 
@@ -126,12 +127,8 @@ def train(cfg: DemoConfig, on_iteration=None) -> dict:
     ``on_iteration(i, stats)`` is called after every iteration with the logged numbers.
     """
     check_config(cfg)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)
-    try:
+    with torch_threads(cfg.threads):
         return _train(cfg, on_iteration)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _train(cfg: DemoConfig, on_iteration) -> dict:
@@ -301,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
                 f"reward {s['reward']:.3f}  KL {s['kl']:.3f}  entropy {s['entropy']:.3f}"
             ),
         )
-    say(summary(result, cfg))
+    say(*wrap(summary(result, cfg)))
     if args.plot:
         save_plot(result, cfg, args.plot)
         say(f"reward curve saved to {args.plot}")

@@ -2,15 +2,20 @@
 
 Rich draws the tables, and the bar on a terminal, when it is installed (the ``bench`` extra);
 without it the tables are aligned plain text. Off a terminal (or without rich) the bar is a
-line every tenth of the run. Everything printed is flushed at once, so a pipe or a log file
-sees each table as soon as it is complete.
+line per step (every tenth of a long run). While the bar is on screen, everything printed goes
+through its console, above it. Everything printed is flushed at once, so a pipe or a log file
+sees each table as soon as it is complete. Long lines are wrapped between words to a
+terminal's width (a terminal would cut them anywhere, inside a number).
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
+import textwrap
+import time
 
-__all__ = ["Progress", "fmt_mib", "fmt_ms", "print_table", "say"]
+__all__ = ["Progress", "fmt_mib", "fmt_ms", "fmt_s", "print_table", "say", "wrap"]
 
 WIDE = 110  # columns for tables written to a file or a pipe (no terminal to wrap at)
 
@@ -27,20 +32,49 @@ def fmt_mib(n_bytes: int | float | None) -> str:
     return "n/a" if n_bytes is None else f"{n_bytes / 2**20:,.1f}"
 
 
+def fmt_s(seconds: float) -> str:
+    """A duration as ``m:ss``."""
+    return f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
+
+
+def wrap(line: str, width: int | None = None, indent: str = "  ") -> list[str]:
+    """``line`` broken between words to ``width`` columns (default: the terminal's, and not at
+    all off a terminal), continuation lines indented."""
+    if width is None:
+        if not sys.stdout.isatty():
+            return [line]
+        width = shutil.get_terminal_size().columns
+    return textwrap.wrap(
+        line, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
+    ) or [line]
+
+
+_live = None  # the rich progress bar on screen, if any: print through its console
+
+
 def say(*lines: str) -> None:
     """Print lines and flush (stdout is block-buffered when it is not a terminal)."""
     for line in lines:
-        print(line)
+        if _live is not None:
+            _live.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        else:
+            print(line)
     sys.stdout.flush()
 
 
-def _console():
+def _new_console():
     from rich.console import Console
 
     console = Console()
     if not console.is_terminal:
         console.width = max(console.width, WIDE)
     return console
+
+
+def _console():
+    """The bar's console while it is on screen (a second console writing to the terminal
+    would print onto the bar's line), else a new one."""
+    return _new_console() if _live is None else _live.console
 
 
 def print_table(
@@ -78,22 +112,27 @@ def print_table(
 
 
 class Progress:
-    """A progress bar over ``total`` steps: ``label``, bar, ``done/total``, elapsed time and a
-    short status text. Without rich or off a terminal: a plain line every tenth of the run.
+    """A progress bar over steps: ``label``, bar, ``done/total``, elapsed time, an estimate of
+    the time left, the step running now and a short status text. Without rich or off a
+    terminal: a plain line per step (every tenth of the run past 20 steps).
 
-    ``keep``: leave the finished bar on screen (else it vanishes when done). Use as a context
-    manager; call :meth:`update` after each step.
+    ``steps``: a count, or the ``(name, weight)`` of each step in order, ``weight`` its
+    expected share of the time: the time left is estimated as the elapsed time times the weight
+    left over the weight done. ``keep``: leave the finished bar on screen (else it vanishes
+    when done). Use as a context manager; call :meth:`update` after each step.
     """
 
-    def __init__(self, total: int, label: str = "measuring", *, keep: bool = False):
-        self.total, self.label, self.done = total, label, 0
+    def __init__(self, steps, label: str = "measuring", *, keep: bool = False):
+        self.steps = [("", 1.0)] * steps if isinstance(steps, int) else list(steps)
+        self.total, self.label, self.done = len(self.steps), label, 0
+        self._start = time.perf_counter()
         self._bar = None
         try:
             from rich import progress as rp
-            from rich.console import Console
         except ImportError:
             return
-        if not Console().is_terminal:
+        console = _console()
+        if not console.is_terminal:
             return
         self._bar = rp.Progress(
             rp.TextColumn(label),
@@ -102,24 +141,50 @@ class Progress:
             rp.TimeElapsedColumn(),
             rp.TextColumn("{task.description}"),
             transient=not keep,
+            console=console,
         )
-        self._task = self._bar.add_task("", total=total)
+        self._task = self._bar.add_task(self.status(), total=self.total)
+
+    def left(self, elapsed: float | None = None) -> float | None:
+        """Estimated seconds left (``elapsed``: seconds so far, default: measured now); None
+        before the first step is done."""
+        done = sum(w for _, w in self.steps[: self.done])
+        if done <= 0:
+            return None
+        elapsed = time.perf_counter() - self._start if elapsed is None else elapsed
+        return elapsed * sum(w for _, w in self.steps[self.done :]) / done
+
+    def status(self, text: str = "", elapsed: float | None = None) -> str:
+        """What the line shows beside the bar: time left, the step running now, ``text``."""
+        left = self.left(elapsed) if self.done < self.total else None
+        now = self.steps[self.done][0] if self.done < self.total else ""
+        return "  ".join(p for p in (left and f"~{fmt_s(left)} left", now, text) if p)
 
     def __enter__(self) -> Progress:
+        global _live
+        self._start = time.perf_counter()
         if self._bar is not None:
             self._bar.start()
+            _live = self._bar
+        elif self.steps and self.steps[0][0]:
+            say(f"{self.label} 0/{self.total}: {self.status()}")
         return self
 
     def update(self, text: str = "") -> None:
         """One more step done; ``text``: a status to show beside the bar."""
         self.done += 1
         if self._bar is not None:
-            self._bar.update(self._task, completed=self.done, description=text)
+            self._bar.update(self._task, completed=self.done, description=self.status(text))
             return
-        every = max(1, self.total // 10)
+        every = max(1, self.total // 10) if self.total > 20 else 1
         if self.done % every == 0 or self.done == self.total:
-            say(f"{self.label} {self.done}/{self.total}" + (f": {text}" if text else ""))
+            elapsed = time.perf_counter() - self._start
+            status = self.status(text, elapsed)
+            line = f"{self.label} {self.done}/{self.total} ({fmt_s(elapsed)})"
+            say(line + (f": {status}" if status else ""))
 
     def __exit__(self, *exc) -> None:
+        global _live
         if self._bar is not None:
             self._bar.stop()
+            _live = None

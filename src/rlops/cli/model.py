@@ -104,7 +104,7 @@ class TinyTransformer(nn.Module):
     def _init(m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
-            if getattr(m, "bias", None) is not None:
+            if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
 
     def trunk(self, tokens: torch.Tensor) -> torch.Tensor:

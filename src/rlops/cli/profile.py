@@ -1,255 +1,54 @@
 """``rlops profile``: one PPO training step, stage by stage, naive implementations beside rlops.
 
-The step runs on a tiny causal transformer (random weights) over ``[B, T]`` tokens with a
-response mask (prompt and right padding 0) and stored rollout data (old and reference
-log-probs, old values, an outcome reward on the last response token):
-
-=====================  ======================================  ===============================
-stage                  naive (as commonly written)             rlops
-=====================  ======================================  ===============================
-forward                trunk + LM head -> logits [B, T, V]      trunk -> hidden states
-                                                                (``--rlops-head logits``: same
-                                                                as naive)
-log-prob + entropy     log_softmax + gather, softmax entropy    ``linear_logprobs_and_entropy``
-                       (``[B, T, V]`` float32 temporaries)      on the hidden states and the LM
-                                                                head's weight, no ``[B, T, V]``
-                                                                logits (``--rlops-head logits``:
-                                                                ``logprobs_and_entropy`` on
-                                                                them); both token-chunked with
-                                                                a fused backward
- (with ``--top-p P``)  a ``[B, T, V]`` keep mask (sort,         ``top_p=P`` inside the fused op
-                       cumsum, scatter), masked log_softmax     (the support per chunk)
-value head             linear on the hidden states              same
-advantages             per-token Python loop GAE, whitening     ``gae`` (mask-aware scan),
-                                                                ``masked_whiten``
-losses                 PPO clip, clipped value loss, k3 KL      ``policy_loss``, ``value_loss``,
-                                                                ``kl_penalty``, ``masked_mean``
-backward               autograd                                 autograd
-=====================  ======================================  ===============================
-
-Each stage's time is the median over ``--repeats`` steps per implementation (after one warm-up
-step; the two implementations take turns). Its peak memory is measured in one more step: the
-most memory the stage held on top of what was live when it began (what it keeps for the
-backward included).
+What runs in each stage is :mod:`rlops.measure.ppo`; this module holds the options, the table
+(time, share and peak memory per stage), the verdict in plain words and the plot. With the
+fused-linear head the LM head moves from the forward into the log-prob stage: the two are then
+compared as one span (``forward + log-prob + entropy``), so neither is credited for the move.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import json
-import statistics
 import sys
-import time
 
 import torch
 
-import rlops
-from rlops.cli import baselines, options
-from rlops.cli.display import Progress, fmt_mib, fmt_ms, print_table, say
-from rlops.cli.measure import PeakMemory, sync
+from rlops.cli.display import Progress, fmt_mib, fmt_ms, print_table, say, wrap
 from rlops.cli.model import ModelConfig, TinyTransformer
-from rlops.cli.options import positive_int
-from rlops.cli.workloads import top_p_keep_mask
+from rlops.measure import options
+from rlops.measure.options import positive_int
+from rlops.measure.ppo import (
+    HEADS,
+    IMPLS,
+    OUTPUT,
+    STAGES,
+    make_batch,
+    ppo_step,
+    profile_step,
+    profile_whole_step,
+)
+from rlops.measure.timing import torch_threads
 
-__all__ = ["HEADS", "STAGES", "add_arguments", "profile_step", "run"]
+__all__ = [
+    "HEADS",
+    "IMPLS",
+    "OUTPUT",
+    "STAGES",
+    "add_arguments",
+    "make_batch",
+    "ppo_step",
+    "profile_step",
+    "run",
+    "same_code",
+    "verdict",
+]
 
-STAGES = ("forward", "log-prob + entropy", "value head", "advantages", "losses", "backward")
 SAME_CODE = ("forward", "value head")  # both run the same code here (forward: rlops head logits)
-IMPLS = ("naive", "rlops")
-HEADS = ("fused-linear", "logits")  # how the rlops step goes from hidden states to log-probs
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-GAMMA, LAM, CLIP, VALUE_COEF, ENTROPY_COEF, KL_COEF = 1.0, 0.95, 0.2, 0.5, 0.01, 0.01
 
-
-# --------------------------------------------------------------------------- the data
-def make_batch(cfg: ModelConfig, batch: int, seq_len: int, device, gen: torch.Generator):
-    """Tokens ``[B, T + 1]`` and the stored rollout data of one PPO step, each ``[B, T]``."""
-    tokens = torch.randint(0, cfg.vocab, (batch, seq_len + 1), generator=gen)
-    pos = torch.arange(seq_len)
-    prompt = seq_len // 4
-    length = torch.randint(seq_len // 2, seq_len - prompt + 1, (batch, 1), generator=gen)
-    mask = ((pos >= prompt) & (pos < prompt + length)).float()
-    old_logp = -torch.rand(batch, seq_len, generator=gen) * 2 - 8.0
-    ref_logp = old_logp + 0.1 * torch.randn(batch, seq_len, generator=gen)
-    old_values = torch.randn(batch, seq_len, generator=gen)
-    rewards = torch.zeros(batch, seq_len)
-    last = (prompt + length - 1).squeeze(1)
-    rewards[torch.arange(batch), last] = torch.rand(batch, generator=gen)
-    out = dict(
-        tokens=tokens,
-        mask=mask,
-        old_logp=old_logp,
-        ref_logp=ref_logp,
-        old_values=old_values,
-        rewards=rewards,
-    )
-    return {k: v.to(device) for k, v in out.items()}
-
-
-# --------------------------------------------------------------------------- naive stages
-def naive_logprobs(logits, target, top_p: float | None = None):
-    """``log_softmax`` + gather and the softmax entropy; with ``top_p``, the log-prob over a
-    ``[B, T, V]`` keep mask of the top-p support (sort, cumsum, scatter), the entropy over all
-    logits (as rlops' ``top_p``)."""
-    if top_p is None:
-        return baselines.logprobs_entropy_unfused(logits, target)
-    keep = top_p_keep_mask(logits, top_p, target)
-    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    logp = torch.log_softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
-    logp = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    probs = torch.softmax(z, dim=-1)
-    entropy = torch.logsumexp(z, dim=-1) - (probs * z).sum(dim=-1)
-    return logp, entropy
-
-
-def naive_advantages(rewards, values, mask):
-    """Per-token Python loop GAE, then whitening over the response tokens."""
-    adv, ret = baselines.gae_token_loop(rewards * mask, values * mask, GAMMA, LAM)
-    return baselines.masked_whiten_moments(adv, mask) * mask, ret * mask
-
-
-def naive_losses(logp, entropy, values, adv, ret, data):
-    """PPO clipped surrogate, clipped value loss, k3 KL, entropy bonus; token means."""
-    mask, old_logp = data["mask"], data["old_logp"]
-    n = mask.sum()
-    ratio = torch.exp(logp - old_logp)
-    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - CLIP, 1 + CLIP))
-    v_clip = data["old_values"] + (values - data["old_values"]).clamp(-CLIP, CLIP)
-    vf = 0.5 * torch.maximum((values - ret) ** 2, (v_clip - ret) ** 2)
-    d = data["ref_logp"] - logp
-    kl = torch.exp(d) - d - 1
-    per_token = pg + VALUE_COEF * vf + KL_COEF * kl - ENTROPY_COEF * entropy
-    return (per_token * mask).sum() / n
-
-
-def rlops_losses(logp, entropy, values, adv, ret, data):
-    """The same losses from rlops."""
-    mask = data["mask"]
-    pg, _ = rlops.policy_loss(logp, data["old_logp"], adv, mask, clip_low=CLIP)
-    vf, _ = rlops.value_loss(values, data["old_values"], ret, mask, clip=CLIP)
-    kl = rlops.masked_mean(rlops.kl_penalty(logp, data["ref_logp"], "k3"), mask)
-    ent = rlops.masked_mean(entropy, mask)
-    return pg + VALUE_COEF * vf + KL_COEF * kl - ENTROPY_COEF * ent
-
-
-def rlops_advantages(rewards, values, mask):
-    """GAE on the mask-aware scan, then masked whitening."""
-    adv, ret = rlops.gae(rewards, values, gamma=GAMMA, lam=LAM, mask=mask)
-    return rlops.masked_whiten(adv, mask), ret
-
-
-# --------------------------------------------------------------------------- one step
-def ppo_step(
-    model: TinyTransformer,
-    data: dict,
-    impl: str,
-    stage,
-    *,
-    head: str = "fused-linear",
-    top_p: float | None = None,
-) -> torch.Tensor:
-    """One PPO training step (gradients left in ``model``); returns the loss, detached.
-
-    ``stage(name)`` is a context manager wrapping each stage. ``head``: how the rlops step goes
-    from the final hidden states to the log-probs (``fused-linear``: the LM head inside
-    ``linear_logprobs_and_entropy``; ``logits``: materialised logits, then
-    ``logprobs_and_entropy``). ``top_p``: replay a top-p sampler's support.
-    """
-    naive = impl == "naive"
-    fused_head = not naive and head == "fused-linear"
-    model.zero_grad(set_to_none=True)
-    tokens = data["tokens"]
-    with stage("forward"):
-        hidden = model.trunk(tokens[:, :-1])
-        logits = None if fused_head else model.logits(hidden)
-    with stage("log-prob + entropy"):
-        target = tokens[:, 1:]
-        if naive:
-            logp, entropy = naive_logprobs(logits, target, top_p)
-        elif fused_head:
-            logp, entropy = rlops.linear_logprobs_and_entropy(
-                hidden, model.head.weight, target, top_p=top_p
-            )
-        else:
-            logp, entropy = rlops.logprobs_and_entropy(logits, target, top_p=top_p)
-    with stage("value head"):
-        values = model.values(hidden).float()
-    with stage("advantages"), torch.no_grad():
-        fn = naive_advantages if naive else rlops_advantages
-        adv, ret = fn(data["rewards"], data["old_values"], data["mask"])
-    with stage("losses"):
-        fn = naive_losses if naive else rlops_losses
-        loss = fn(logp, entropy, values, adv, ret, data)
-    with stage("backward"):
-        loss.backward()
-    return loss.detach()
-
-
-def profile_step(model, data, device, repeats: int = 5, progress=None, **step_kw) -> dict:
-    """``{impl: {stage: {"seconds": median, "peak_bytes": int | None}}}`` for both impls.
-
-    The timed steps alternate between the implementations, so that both see the same
-    machine (other processes, clock speed) as closely as possible. ``step_kw``: ``head`` and
-    ``top_p`` of :func:`ppo_step`.
-    """
-    times = {impl: {s: [] for s in STAGES} for impl in IMPLS}
-    peaks = {impl: {} for impl in IMPLS}
-
-    def timed(impl):
-        @contextlib.contextmanager
-        def stage(name):
-            sync(device)
-            t0 = time.perf_counter()
-            yield
-            sync(device)
-            times[impl][name].append(time.perf_counter() - t0)
-
-        return stage
-
-    def measured(impl):
-        @contextlib.contextmanager
-        def stage(name):
-            with PeakMemory(device) as peak:
-                yield
-            peaks[impl][name] = peak.bytes
-
-        return stage
-
-    for impl in IMPLS:  # warm-up
-        ppo_step(model, data, impl, lambda name: contextlib.nullcontext(), **step_kw)
-    for _ in range(repeats):
-        for impl in IMPLS:
-            ppo_step(model, data, impl, timed(impl), **step_kw)
-            if progress is not None:
-                progress()
-    for impl in IMPLS:
-        ppo_step(model, data, impl, measured(impl), **step_kw)
-        if progress is not None:
-            progress()
-    model.zero_grad(set_to_none=True)
-    return {
-        impl: {
-            s: {"seconds": statistics.median(times[impl][s]), "peak_bytes": peaks[impl][s]}
-            for s in STAGES
-        }
-        for impl in IMPLS
-    }
-
-
-def profile_whole_step(model, data, device, **step_kw) -> dict:
-    """``{impl: peak_bytes}`` of one whole step (memory live at its start excluded)."""
-    out = {}
-    for impl in IMPLS:
-        with PeakMemory(device) as peak:
-            ppo_step(model, data, impl, lambda name: contextlib.nullcontext(), **step_kw)
-        out[impl] = peak.bytes
-    model.zero_grad(set_to_none=True)
-    return out
-
-
-# --------------------------------------------------------------------------- command line
 def add_arguments(subparsers) -> argparse.ArgumentParser:
     """Register ``profile`` on an ``argparse`` subparsers object; returns its parser."""
     p = subparsers.add_parser(
@@ -297,13 +96,7 @@ def add_arguments(subparsers) -> argparse.ArgumentParser:
         "softmax)",
     )
     options.add_device(p)
-    p.add_argument(
-        "--threads",
-        metavar="N",
-        type=positive_int,
-        help="torch intra-op threads (default: torch's choice); 1 gives steadier numbers on "
-        "a machine whose cores are busy with other work",
-    )
+    options.add_threads(p, "1 gives steadier numbers on a machine whose cores are busy")
     p.add_argument("--seed", type=int, default=0, help="(default 0)")
     options.add_outputs(
         p,
@@ -333,11 +126,22 @@ def same_code(head: str) -> tuple[str, ...]:
     return SAME_CODE if head == "logits" else tuple(s for s in SAME_CODE if s != "forward")
 
 
+def _merged(result: dict, same: tuple[str, ...]) -> bool:
+    """Whether the forward and the log-prob stages are compared as one span: the LM head moved
+    from one to the other (the forward is not the same code) and the span was measured."""
+    return "forward" not in same and OUTPUT in result["naive"]
+
+
 def _rows(result: dict, step_peak: dict, same: tuple[str, ...] = SAME_CODE) -> list[list[str]]:
     totals = {i: sum(result[i][s]["seconds"] for s in STAGES) for i in IMPLS}
+    merged = _merged(result, same)
+    stages = [*STAGES[:2], OUTPUT, *STAGES[2:]] if merged else STAGES
     rows = []
-    for s in STAGES:
+    for s in stages:
         n, r = result["naive"][s], result["rlops"][s]
+        speed = f"{n['seconds'] / r['seconds']:.2f}x"
+        if s in same or (merged and s in STAGES[:2]):
+            speed = "same code" if s in same else "head moved"
         rows.append(
             [
                 s,
@@ -345,7 +149,7 @@ def _rows(result: dict, step_peak: dict, same: tuple[str, ...] = SAME_CODE) -> l
                 f"{100 * n['seconds'] / totals['naive']:.1f}%",
                 fmt_ms(r["seconds"]),
                 f"{100 * r['seconds'] / totals['rlops']:.1f}%",
-                "same code" if s in same else f"{n['seconds'] / r['seconds']:.2f}x",
+                speed,
                 fmt_mib(n["peak_bytes"]),
                 fmt_mib(r["peak_bytes"]),
             ]
@@ -367,9 +171,12 @@ def _rows(result: dict, step_peak: dict, same: tuple[str, ...] = SAME_CODE) -> l
 
 def verdict(result: dict, step_peak: dict, same: tuple[str, ...] = SAME_CODE) -> str:
     """Plain words: the step before and after, the stage that gained most time (in ms) and the
-    one that gained most memory (in MiB), and what dominates the step with rlops."""
+    one that gained most memory (in MiB), and what dominates the step with rlops. Where the LM
+    head moved into the log-prob stage, the forward and that stage count as one span."""
     totals = {i: sum(result[i][s]["seconds"] for s in STAGES) for i in IMPLS}
     differ = [s for s in STAGES if s not in same]
+    if _merged(result, same):
+        differ = [OUTPUT, *(s for s in differ if s not in STAGES[:2])]
 
     def saved(s: str, key: str) -> float:
         return (result["naive"][s][key] or 0) - (result["rlops"][s][key] or 0)
@@ -385,7 +192,9 @@ def verdict(result: dict, step_peak: dict, same: tuple[str, ...] = SAME_CODE) ->
         f"({totals['naive'] / totals['rlops']:.2f}x); peak memory "
         f"{fmt_mib(step_peak['naive'])} -> {fmt_mib(step_peak['rlops'])} MiB.",
     ]
-    best = {key: max(differ, key=lambda s, k=key: saved(s, k)) for key in ("seconds", "peak_bytes")}
+    best = {
+        key: max(differ, key=functools.partial(saved, key=key)) for key in ("seconds", "peak_bytes")
+    }
     gains = [(key, s) for key, s in best.items() if saved(s, key) > 0]
     if len(gains) == 2 and best["seconds"] == best["peak_bytes"]:
         s = best["seconds"]
@@ -414,7 +223,7 @@ def save_plot(result: dict, step_peak: dict, title: str, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 3.8), dpi=120)
-    colors = plt.get_cmap("tab10").colors
+    colors = [f"C{k}" for k in range(len(STAGES))]  # the default colour cycle
     for y, impl in enumerate(IMPLS):
         left = 0.0
         for k, s in enumerate(STAGES):
@@ -444,10 +253,13 @@ def run(args: argparse.Namespace) -> int:
     if error is not None:
         print(f"rlops profile: error: {error}", file=sys.stderr)
         return 2
+    with torch_threads(args.threads):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     dtype = _DTYPES[args.dtype]
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     cfg = ModelConfig(
@@ -478,7 +290,7 @@ def run(args: argparse.Namespace) -> int:
         caption=CAPTION,
         total_row=True,
     )
-    say(verdict(result, step_peak, same))
+    say(*(part for line in verdict(result, step_peak, same).splitlines() for part in wrap(line)))
     if args.plot:
         save_plot(result, step_peak, title, args.plot)
         say(f"plot saved to {args.plot}")

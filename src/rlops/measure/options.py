@@ -1,7 +1,9 @@
-"""Argument types and checks shared by the ``rlops`` subcommands.
+"""Argument types and checks shared by the ``rlops`` subcommands and ``benchmarks/``.
 
-A bad value is an ``argparse`` usage error: the subcommand's usage line, ``rlops <command>:
-error: ...`` and exit code 2, before anything is measured.
+A bad value is an ``argparse`` usage error: the command's usage line, ``<command>: error:
+...`` and exit code 2, before anything is measured. Output files are checked by opening them
+(a file that did not exist is removed again), and ``--plot`` by importing matplotlib, so that
+neither fails after the whole measurement has run.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import torch
 __all__ = [
     "add_device",
     "add_outputs",
+    "add_threads",
     "default_device",
     "device",
+    "plot_path",
     "positive_int",
     "top_p",
     "writable_path",
@@ -67,17 +71,33 @@ def device(text: str) -> str:
 
 
 def writable_path(text: str) -> str:
-    """An output file that can be created or overwritten (its folder exists and is writable),
-    checked before any measurement so that a typo does not cost the whole run."""
-    folder = os.path.dirname(os.path.abspath(text)) or "."
+    """An output file that can be created or overwritten, checked by opening it for appending
+    (which changes nothing in a file that exists; one that did not is removed again)."""
     if os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text!r} is a folder, expected a file path")
-    if not os.path.isdir(folder):
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: no folder {folder!r}")
-    writable = os.access(text, os.W_OK) if os.path.exists(text) else os.access(folder, os.W_OK)
-    if not writable:
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: permission denied")
+    existed = os.path.lexists(text)
+    try:
+        with open(text, "a"):
+            pass
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {err.strerror}") from None
+    if not existed:
+        os.remove(text)
     return text
+
+
+def plot_path(text: str) -> str:
+    """A PNG to write: ``.png`` added to a name without it, matplotlib importable, the file
+    writable (:func:`writable_path`)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise argparse.ArgumentTypeError(
+            "drawing needs matplotlib, which is not installed (pip install matplotlib)"
+        ) from None
+    if os.path.isdir(text) or text.endswith(os.sep):
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder, expected a file path")
+    return writable_path(text if text.lower().endswith(".png") else text + ".png")
 
 
 def add_device(parser: argparse.ArgumentParser) -> None:
@@ -90,8 +110,19 @@ def add_device(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_threads(parser: argparse.ArgumentParser, text: str) -> None:
+    """``--threads N``: torch's intra-op thread count for the run; ``text`` ends the help."""
+    parser.add_argument(
+        "--threads",
+        metavar="N",
+        type=positive_int,
+        help=f"torch intra-op threads (default: torch's choice, {torch.get_num_threads()} "
+        f"here); {text}",
+    )
+
+
 def add_outputs(parser: argparse.ArgumentParser, *, json: str, plot: str) -> None:
-    """``--json PATH`` and ``--plot PATH`` (PNG), checked at parse time (:func:`writable_path`);
-    ``json`` and ``plot``: what each writes, for the help."""
-    for flag, text in (("--json", json), ("--plot", plot)):
-        parser.add_argument(flag, metavar="PATH", type=writable_path, help=text)
+    """``--json PATH`` (:func:`writable_path`) and ``--plot PATH`` (:func:`plot_path`), checked at
+    parse time; ``json`` and ``plot``: what each writes, for the help."""
+    parser.add_argument("--json", metavar="PATH", type=writable_path, help=json)
+    parser.add_argument("--plot", metavar="PATH", type=plot_path, help=plot + " (PNG)")

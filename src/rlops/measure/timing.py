@@ -1,4 +1,4 @@
-"""Timing and peak-memory measurement for the command-line tools and the benchmarks.
+"""Timing and peak-memory measurement for ``rlops bench | profile`` and ``benchmarks/``.
 
 Two ways to see peak memory on CPU, where torch has no allocator statistics:
 
@@ -10,18 +10,23 @@ Two ways to see peak memory on CPU, where torch has no allocator statistics:
   instance of the same workload runs first, so code paged in by a first call is not counted.
   This sees every allocation torch makes on CPU (plain malloc, no cache to hide a peak).
 
-Time is always the median wall time of repeated calls after warm-up.
+Time is always the median wall time of repeated calls after warm-up. A time can be taken at
+several torch thread counts (:func:`time_by_threads`): a loop of many small operations can
+wait at every intra-op join while another process holds a core, so one thread can beat many,
+and a comparison is only fair against the faster of the two. :func:`torch_threads` sets the
+count for a block and puts it back after.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import resource
 import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,7 +39,9 @@ __all__ = [
     "measure_in_fresh_process",
     "peak_rss_bytes",
     "sync",
+    "time_by_threads",
     "time_median",
+    "torch_threads",
 ]
 
 
@@ -65,6 +72,31 @@ def time_median(
         if time.perf_counter() - start > budget_s:
             break
     return statistics.median(times)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run the block with torch's intra-op thread count (of the calling thread) at ``n``
+    (``None``: unchanged); the count it had is put back when the block ends, however it ends."""
+    before = torch.get_num_threads()
+    if n is not None and n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+def time_by_threads(
+    fn: Callable[[], object], device: torch.device, counts: Sequence[int], **kwargs: Any
+) -> dict[int, float]:
+    """``{n: time_median(fn, device, **kwargs)}`` with ``n`` torch threads, for each count."""
+    out = {}
+    for n in counts:
+        with torch_threads(n):
+            out[n] = time_median(fn, device, **kwargs)
+    return out
 
 
 def _status_kib(field: str) -> int | None:
@@ -124,6 +156,7 @@ class PeakMemory:
     def __init__(self, device: torch.device):
         self.device = device
         self.bytes: int | None = None
+        self._base: int | None = None
 
     def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
@@ -141,10 +174,12 @@ class PeakMemory:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._base is None:
+            return
         if self.device.type == "cuda":
             sync(self.device)
             self.bytes = torch.cuda.max_memory_allocated(self.device) - self._base
-        elif self._base is not None:
+        else:
             peak = _status_kib("VmHWM")
             self.bytes = None if peak is None else max(0, peak - self._base) * 1024
 
@@ -170,9 +205,18 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
 
 
-def measure(step: Callable[[], Any], *, repeats: int = 3, warmup: int = 1) -> dict[str, float]:
+def measure(
+    step: Callable[[], Any],
+    *,
+    repeats: int = 3,
+    warmup: int = 1,
+    threads: Sequence[int] = (),
+) -> dict[str, Any]:
     """``{"peak_extra_bytes", "time_s", "times_s"}`` of ``step()``; call it in a fresh process
     right after building the inputs, so that the first call's peak is the step's own.
+    ``threads``: time it at each of these torch thread counts in turn (the count is put back
+    after), ``"time_s_by_threads"``: ``{n: median seconds}``; ``time_s`` is the first count's.
+    Only the first count is warmed up: give the largest first (no new threads to start after).
 
     The first call measures the memory, with the allocator as the process found it. Then
     glibc's malloc is set to keep freed memory (:func:`keep_freed_memory`, as ``rlops bench``
@@ -184,33 +228,42 @@ def measure(step: Callable[[], Any], *, repeats: int = 3, warmup: int = 1) -> di
     step()
     extra = peak_rss_bytes() - base
     keep_freed_memory()
-    for _ in range(max(warmup, 1)):
-        step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return {"peak_extra_bytes": float(extra), "time_s": statistics.median(times), "times_s": times}
+    by_threads: dict[int, list[float]] = {}
+    for k, n in enumerate(threads or [None]):
+        with torch_threads(n):
+            for _ in range(max(warmup, 1) if k == 0 else 0):
+                step()
+            times = by_threads.setdefault(n or torch.get_num_threads(), [])
+            for _ in range(repeats):
+                start = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - start)
+    first = next(iter(by_threads.values()))
+    out = {"peak_extra_bytes": float(extra), "time_s": statistics.median(first), "times_s": first}
+    if threads:
+        out["time_s_by_threads"] = {n: statistics.median(t) for n, t in by_threads.items()}
+    return out
 
 
 def _child(
     setup: Callable[..., Callable[[], Any]],
     kwargs: dict,
     prime_kwargs: dict | None,
-    threads: int,
+    threads: int | Sequence[int],
     repeats: int,
     warmup: int,
     results: Any,
 ) -> None:
     try:
-        torch.set_num_threads(threads)
+        counts = [threads] if isinstance(threads, int) else list(threads)
+        torch.set_num_threads(counts[0])  # this child's own count: nothing to put back
         if prime_kwargs is not None:
             # Run the same code on tiny inputs first: the pages of code and the threads that a
             # first call brings in are then not counted as the workload's memory.
             setup(**prime_kwargs)()
         step = setup(**kwargs)
-        results.put((True, measure(step, repeats=repeats, warmup=warmup)))
+        each = [] if isinstance(threads, int) else counts
+        results.put((True, measure(step, repeats=repeats, warmup=warmup, threads=each)))
     except BaseException:
         results.put((False, traceback.format_exc()))
 
@@ -220,12 +273,15 @@ def measure_in_fresh_process(
     kwargs: dict | None = None,
     *,
     prime_kwargs: dict | None = None,
-    threads: int = 1,
+    threads: int | Sequence[int] = 1,
     repeats: int = 3,
     warmup: int = 1,
     timeout: float = 900.0,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Spawn a process, build the workload with ``step = setup(**kwargs)`` and :func:`measure`.
+
+    ``threads``: torch's thread count there; a sequence of counts: the first for the memory and
+    ``time_s``, and the time at each in ``"time_s_by_threads"``.
 
     ``setup`` must be a module-level function (it is pickled); it allocates the inputs and
     returns the zero-argument step to measure. ``prime_kwargs``: a tiny instance of the same

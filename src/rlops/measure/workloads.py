@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from rlops import linear_logprobs_and_entropy, logprobs_and_entropy
-from rlops.cli.baselines import logprobs_entropy_unfused
+from rlops.measure.baselines import logprobs_entropy_unfused
 
 __all__ = ["DTYPES", "setup_linear", "setup_logits", "top_p_keep_mask"]
 
