@@ -61,7 +61,11 @@ def shape_error(name: str, expected: str, got: Sequence[int]) -> ValueError:
 
 
 def values_checked(t: torch.Tensor) -> bool:
-    """Whether checks that read ``t``'s values run (always on CPU; opt-in elsewhere)."""
+    """Whether checks that read ``t``'s values run: always on CPU, opt-in elsewhere, and never
+    while ``torch.compile`` traces (a value read would break the graph; shape, dtype and
+    argument checks still run)."""
+    if torch.compiler.is_compiling():
+        return False
     return t.device.type == "cpu" or os.environ.get("RLOPS_CHECK_VALUES", "0") == "1"
 
 

@@ -70,10 +70,13 @@ def pool(workers: int) -> ThreadPoolExecutor:
 
 def for_each(body: Callable[[object], None], items: Iterable, device: torch.device) -> None:
     """``body(item)`` for every item: over :func:`pool` on CPU when torch's thread count (of the
-    calling thread) is above 1 and there are several items, else in a plain loop. Exceptions
+    calling thread) is above 1 and there are several items, else (and under ``torch.compile``)
+    in a plain loop. Exceptions
     propagate (the first item's that raised, after every item has run)."""
     items = list(items)
-    workers = torch.get_num_threads() if device.type == "cpu" else 1
+    # While torch.compile traces, the loop is unrolled into the graph (threads cannot be traced).
+    serial = torch.compiler.is_compiling() or device.type != "cpu"
+    workers = 1 if serial else torch.get_num_threads()
     if getattr(_state, "worker", False):
         workers = 1
     if workers <= 1 or len(items) <= 1:

@@ -73,6 +73,15 @@ def _group_max(x: torch.Tensor, gid: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(x).scatter_reduce(0, gid, x, "amax", include_self=False)[gid]
 
 
+def _power_of_two_at_or_below(x: torch.Tensor) -> torch.Tensor:
+    """``2^k <= x < 2^(k+1)`` for finite ``x >= 0`` (the smallest normal number for 0 and
+    subnormals), read off the exponent bits: exact, and no ``frexp`` (which Inductor's CPU
+    code generation does not vectorise correctly)."""
+    itype, mantissa = (torch.int64, 52) if x.dtype == torch.float64 else (torch.int32, 23)
+    exponent = (x.view(itype) >> mantissa).clamp_min(1)
+    return (exponent << mantissa).view(x.dtype)
+
+
 def _group_moments(
     s: torch.Tensor, gid: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -92,7 +101,7 @@ def _group_moments(
     mean = _group_sum(x, gid) / n
     centred = torch.where(hi == lo, 0.0, x - mean)
     big = _group_max(centred.abs(), gid)
-    big = torch.ldexp(torch.ones_like(big), torch.frexp(big).exponent - 1)  # 2^k <= big < 2^(k+1)
+    big = _power_of_two_at_or_below(big)
     m2_unit = _group_sum((centred / big).square(), gid)
     std = big * torch.sqrt(m2_unit / (n - 1).clamp_min(1))
     return n, centred, std

@@ -425,7 +425,7 @@ def rollout_importance_weights(
         factor = torch.where(mean > 0, mean, 1)
         w = w / factor
         metrics["rollout_is_batch_norm_factor"] = factor
-    return w, keep, dict(sorted(metrics.items()))
+    return w, keep, {k: metrics[k] for k in sorted(metrics)}
 
 
 # --------------------------------------------------------------------------- rejection
@@ -578,4 +578,4 @@ def rollout_rejection_mask(
         metrics[f"{p}_mean"] = _ratio(r[f"{p}_sum"], count)
         metrics[f"{p}_max"] = _extreme(r[f"{p}_max"], count)
         metrics[f"{p}_min"] = _extreme(-r[f"{p}_neg_min"], count)
-    return keep, dict(sorted(metrics.items()))
+    return keep, {k: metrics[k] for k in sorted(metrics)}
