@@ -11,7 +11,6 @@ Scalar parameters (``gamma``, ``eps``, clip ranges, ...) accept Python numbers, 
 
 from __future__ import annotations
 
-import math
 import numbers
 import operator
 import os
@@ -48,6 +47,8 @@ __all__ = [
     "check_same_shape",
     "check_unit_interval",
     "compute_dtype",
+    "is_finite",
+    "is_nan",
     "per_row_discount",
     "read_value",
     "shape_error",
@@ -195,6 +196,17 @@ def as_bool_mask(
 
 
 # --------------------------------------------------------------------------- scalars
+def is_nan(v: float) -> bool:
+    """``math.isnan`` as a comparison: Dynamo folds it on a constant (with ``dynamic=True`` it
+    does not fold ``math.isnan``, which then breaks a ``fullgraph`` trace)."""
+    return v != v
+
+
+def is_finite(v: float) -> bool:
+    """``math.isfinite`` as arithmetic (``inf − inf`` and NaN are not 0): see :func:`is_nan`."""
+    return v - v == 0
+
+
 def as_real(name: str, value: object) -> float:
     """A real number as a float: Python and numpy numbers, or a 0-dim real tensor."""
     if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex():
@@ -209,7 +221,7 @@ def as_real(name: str, value: object) -> float:
 def check_positive(name: str, value: object, *, above: float = 0.0) -> float:
     """A real number ``> above``; ``inf`` is allowed (e.g. no clipping)."""
     v = as_real(name, value)
-    if math.isnan(v) or v <= above:
+    if is_nan(v) or v <= above:
         raise ValueError(f"{name} must be > {above:g}, got {value}")
     return v
 
@@ -217,7 +229,7 @@ def check_positive(name: str, value: object, *, above: float = 0.0) -> float:
 def check_nonneg(name: str, value: object) -> float:
     """A finite real number >= 0 (``eps``)."""
     v = as_real(name, value)
-    if not (math.isfinite(v) and v >= 0):
+    if not (is_finite(v) and v >= 0):
         raise ValueError(f"{name} must be a finite number >= 0, got {value}")
     return v
 
@@ -225,7 +237,7 @@ def check_nonneg(name: str, value: object) -> float:
 def check_finite_positive(name: str, value: object) -> float:
     """A finite real number ``> 0``."""
     v = check_positive(name, value)
-    if math.isinf(v):
+    if not is_finite(v):
         raise ValueError(f"{name} must be finite, got {value}")
     return v
 
@@ -241,7 +253,7 @@ def check_fraction(name: str, value: object) -> float:
 def check_real(name: str, value: object) -> float:
     """A real number that is not NaN (``±inf`` allowed)."""
     v = as_real(name, value)
-    if math.isnan(v):
+    if is_nan(v):
         raise ValueError(f"{name} must be a number, got nan")
     return v
 
@@ -323,7 +335,7 @@ def check_count(
             f"{ref.device}"
         )
     v = read_value(value)
-    if v is not None and not (math.isfinite(v) and v >= 0):
+    if v is not None and not (is_finite(v) and v >= 0):
         raise ValueError(f"{name} must be a finite count >= 0, got {v}")
     return value
 

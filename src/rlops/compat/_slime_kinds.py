@@ -14,7 +14,7 @@ import math
 import torch
 
 import rlops
-from rlops._checks import as_real, check_nonneg, check_positive, check_same_shape
+from rlops._checks import as_real, check_nonneg, check_positive, check_same_shape, is_nan
 from rlops.compat import _ragged
 from rlops.rollout_correction import MAX_LOG_WEIGHT
 
@@ -201,7 +201,7 @@ def compute_opsm_mask(args, full_log_probs, full_old_log_probs, advantages, loss
     _ragged.check_counts(full_log_probs=new, full_old_log_probs=old, advantages=adv,
                          loss_masks=masks)
     delta = as_real("args.opsm_delta", args.opsm_delta)
-    if math.isnan(delta):
+    if is_nan(delta):
         raise ValueError("args.opsm_delta must be a number, got nan")
     for i, (a, b, m) in enumerate(zip(new, old, masks)):
         if not a.numel() == b.numel() == m.numel():

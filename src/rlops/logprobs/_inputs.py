@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-import math
 from typing import cast
 
 import torch
 
-from rlops._checks import as_float_tensor, compute_dtype, shape_error, values_checked
+from rlops._checks import (
+    as_float_tensor,
+    compute_dtype,
+    is_finite,
+    is_nan,
+    shape_error,
+    values_checked,
+)
 from rlops.logprobs._support import Sampler, TopK, TopP
 
 __all__ = [
@@ -52,14 +58,16 @@ def check_logits(name: str, x: object, ndim: int | None = None) -> torch.Tensor:
     return x
 
 
-def check_target(target: object, shape: tuple[int, ...], expected: str) -> torch.Tensor:
-    """An integer tensor of ``shape`` (its values: :func:`check_target_range`), as int64."""
+def check_target(target: object, shape: tuple[int, ...], like: str) -> torch.Tensor:
+    """An integer tensor of ``shape``, the leading shape of ``like`` (its values:
+    :func:`check_target_range`), as int64. The message is built only on failure (under
+    ``torch.compile`` the shape may be symbolic)."""
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
     if target.dtype == torch.bool or target.is_floating_point() or target.is_complex():
         raise TypeError(f"target must be an integer tensor of vocabulary ids, got {target.dtype}")
     if tuple(target.shape) != tuple(shape):
-        raise shape_error("target", expected, target.shape)
+        raise shape_error("target", f"[...] like {like}[..., 0] {list(shape)}", target.shape)
     return target.long()
 
 
@@ -79,7 +87,7 @@ def check_temperature(temperature: object) -> float:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
     t = float(temperature)
-    if not (t > 0 and math.isfinite(t)):
+    if not (t > 0 and is_finite(t)):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
     return t
 
@@ -150,7 +158,7 @@ def check_sampler(
             kind = "an int" if integer else "a float"
             raise TypeError(f"{name} must be {kind}, a tensor or None, got {type(x).__name__}")
         value = int(x) if integer else float(x)
-        _check_sampler_range(name, value, value, math.isnan(value) if not integer else False)
+        _check_sampler_range(name, value, value, is_nan(value) if not integer else False)
         out.append(value)
     k, p, m = out  # top_k: an int or int64; top_p, min_p: floats or the compute dtype
     return Sampler(cast(TopK, k), cast(TopP, p), cast(TopP, m))

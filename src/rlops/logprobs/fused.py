@@ -298,7 +298,7 @@ def _checked(logits: object, target: object, options: _engine.Options) -> _engin
     check_flags(with_entropy=options.with_entropy, entropy_grad=options.entropy_grad)
     check_chunk_size(options.chunk_size)
     lead = logits.shape[:-1]
-    target = check_target(target, lead, "[...] like logits[..., 0] " + str(list(lead)))
+    target = check_target(target, lead, "logits")
     keep_mask = check_keep_mask(options.keep_mask, logits.shape)
     check_same_device("logits", logits, target=target, keep_mask=keep_mask)
     n = target.numel()

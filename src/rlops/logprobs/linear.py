@@ -341,7 +341,7 @@ def _checked(
     check_flags(with_entropy=options.with_entropy, entropy_grad=options.entropy_grad)
     check_chunk_size(options.chunk_size)
     lead = hidden.shape[:-1]
-    target = check_target(target, lead, "[...] like hidden[..., 0] " + str(list(lead)))
+    target = check_target(target, lead, "hidden")
     v_local = weight.shape[0]
     keep_mask = check_keep_mask(options.keep_mask, (*lead, v_local), "hidden @ weight.T")
     check_same_device("hidden", hidden, weight=weight, target=target, keep_mask=keep_mask)

@@ -23,6 +23,7 @@ from rlops._checks import (
     check_positive,
     check_real,
     check_same_device,
+    is_finite,
     shape_error,
 )
 from rlops.distributed.groups import group_rank_size
@@ -86,7 +87,7 @@ def check_coef(coef: object, ref: torch.Tensor) -> float | torch.Tensor:
         check_same_device("entropy", ref, coef=coef)
         return coef
     value = as_real("coef", coef)
-    if not math.isfinite(value):
+    if not is_finite(value):
         raise ValueError(f"coef must be a finite number, got {coef}")
     return value
 
