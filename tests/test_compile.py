@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow
 
 
 @functools.cache
-def _inputs(b: int, t: int, v: int = 11, h: int = 6, seed: int = 0) -> dict[str, torch.Tensor]:
+def compile_inputs(b: int, t: int, v: int = 11, h: int = 6,
+                   seed: int = 0) -> dict[str, torch.Tensor]:
     """float64 inputs; masks, dones, ids and targets as integers or booleans."""
     g = torch.Generator().manual_seed(seed)
 
@@ -126,7 +127,7 @@ def _tensors(out: object) -> list[torch.Tensor]:
     return []  # None, Python numbers
 
 
-def _run(fn: Callable[[dict], object], d64: dict, grads: tuple[str, ...], dtype: torch.dtype,
+def run_case(fn: Callable[[dict], object], d64: dict, grads: tuple[str, ...], dtype: torch.dtype,
          compiled: bool) -> list[torch.Tensor]:
     """Outputs, then the gradients of a fixed random weighting of the float outputs."""
     d = {k: (v.to(dtype).requires_grad_(k in grads) if v.is_floating_point() else v)
@@ -159,10 +160,10 @@ def _compare(name: str, compiled: list, eager: list, eager64: list) -> None:
 def test_fullgraph_forward_and_backward_equal_eager(name):
     torch._dynamo.reset()
     fn, grads = CASES[name]
-    d64 = _inputs(4, 37)
-    eager64 = _run(fn, d64, grads, torch.float64, compiled=False)
-    eager = _run(fn, d64, grads, torch.float32, compiled=False)
-    compiled = _run(fn, d64, grads, torch.float32, compiled=True)
+    d64 = compile_inputs(4, 37)
+    eager64 = run_case(fn, d64, grads, torch.float64, compiled=False)
+    eager = run_case(fn, d64, grads, torch.float32, compiled=False)
+    compiled = run_case(fn, d64, grads, torch.float32, compiled=True)
     _compare(name, compiled, eager, eager64)
 
 
@@ -180,7 +181,8 @@ def test_three_new_lengths_cost_at_most_one_recompile(name):
     compiled = torch.compile(fn, fullgraph=True, dynamic=True)
     results = []
     for t in (16, 37, 64, 129):
-        d = {k: (v.float() if v.is_floating_point() else v) for k, v in _inputs(3, t).items()}
+        d = {k: (v.float() if v.is_floating_point() else v)
+             for k, v in compile_inputs(3, t).items()}
         results.append((t, compiled(d), fn(d)))
         if t == 16:
             first = counters["stats"]["unique_graphs"]
