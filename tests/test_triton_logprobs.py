@@ -356,13 +356,17 @@ def test_build_failure_warns_once_then_runs_chunked(monkeypatch, kernel):
     monkeypatch.setattr(_method, "_failed", None)  # restored as the test found it
 
 
-def test_a_kernel_error_under_the_interpreter_is_raised(monkeypatch):
-    """The interpreter's error (a kernel's own bug, not a build failure) is not swallowed."""
+@pytest.mark.parametrize("kind", ["interpreter", "out of memory"])
+def test_errors_that_are_not_build_failures_are_raised(monkeypatch, kind):
+    """The interpreter's error (a kernel's own bug) and running out of memory (the call's, not
+    the machine's) are raised, and the kernels stay in use."""
     from triton.runtime.errors import InterpreterError
 
-    monkeypatch.setattr(kernels, "_stats_kernel", _Broken(InterpreterError("kernel bug")))
+    error = InterpreterError("kernel bug") if kind == "interpreter" else (
+        torch.OutOfMemoryError("no memory left"))  # fmt: skip
+    monkeypatch.setattr(kernels, "_stats_kernel", _Broken(error))
     logits, target, _, _ = _data(4, 10)
-    with pytest.raises(InterpreterError, match="kernel bug"):
+    with pytest.raises(type(error), match=str(error)):
         logprobs_and_entropy(logits, target, method="triton")
 
 

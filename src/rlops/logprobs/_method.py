@@ -10,7 +10,8 @@
 A kernel that fails to build on this machine (a Triton compilation, resource or assembler error)
 is set aside: the call that met the error warns once (``RuntimeWarning`` naming the error) and
 finishes on the chunked maths, and every later call, ``"triton"`` included, runs chunked for the
-rest of the process. Errors of the interpreter (a kernel's bug, not a build failure) propagate.
+rest of the process. Errors of the interpreter (a kernel's bug, not a build failure) and running
+out of memory propagate.
 """
 
 from __future__ import annotations
@@ -103,8 +104,11 @@ def build_errors() -> tuple[type[BaseException], ...]:
 
 
 def is_build_error(error: BaseException) -> bool:
-    """Whether ``error``, raised by a kernel launch, is a build failure (not the interpreter's
-    report of a kernel's own error, which must surface)."""
+    """Whether ``error``, raised around a kernel launch, is a build failure: not the
+    interpreter's report of a kernel's own error (a bug, which must surface), nor running out
+    of device memory (a property of the call, not of the machine)."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return False
     try:
         from triton.runtime.errors import InterpreterError
     except ImportError:  # pragma: no cover - a triton without the interpreter's class
