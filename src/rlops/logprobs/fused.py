@@ -11,17 +11,21 @@ vocabulary shards, before the loop: merged from each shard's candidates in one m
 without top-k, a per-token top-k: :mod:`rlops.logprobs._radix`).
 
 The chunk loops are the engine's (:mod:`rlops.logprobs._engine`); this op's producer slices
-the logits, and its backward writes the gradient of each chunk of rows into the logits'.
+the logits, and its backward writes the gradient of each chunk of rows into the logits'. With
+``method="triton"`` the producer is :class:`rlops.logprobs.triton.TritonLogits`, whose kernels
+compute a chunk's statistics and gradient in one pass over vocabulary tiles
+(:mod:`rlops.logprobs._method` chooses).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal, overload
 
 import torch
 
 from rlops._checks import check_chunk_size, check_same_device
-from rlops.logprobs import _engine
+from rlops.logprobs import _engine, _method
 from rlops.logprobs._inputs import (
     check_flags,
     check_keep_mask,
@@ -57,26 +61,37 @@ class _Logits(_engine.Producer):
         return _scaled(self.x[i:j], self.dtype, self.temperature)
 
 
+def _producer(x: torch.Tensor, plan: Plan, kernels: bool) -> _engine.Producer:
+    """The chunks' producer: the torch slices, or the Triton kernels (imported lazily)."""
+    sliced = _Logits(x, plan)
+    if not kernels:
+        return sliced
+    from rlops.logprobs.triton import TritonLogits
+
+    return TritonLogits(x, plan, sliced)
+
+
 class _FusedLogprobsEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, keep, plan):
+    def forward(ctx, logits, target, keep, plan, kernels):
         plan = plan.bound(target, keep)
         x = logits.reshape(-1, plan.v_local)
-        return _engine.forward(ctx, plan, _Logits(x, plan), (logits, target, keep))
+        ctx.kernels = kernels
+        return _engine.forward(ctx, plan, _producer(x, plan, kernels), (logits, target, keep))
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         restored = _engine.restore(ctx, g_logp, g_ent)
         if restored is None:
-            return None, None, None, None
+            return None, None, None, None, None
         (logits, _, _), plan = restored
         x = logits.reshape(-1, plan.v_local)
         if torch.is_grad_enabled():  # create_graph=True: a differentiable backward
             grad = _engine.grad_with_graph(plan, x, _OP)
         else:
             grad = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-            _engine.logits_grad(plan, _Logits(x, plan), grad)
-        return grad.view(logits.shape), None, None, None
+            _engine.logits_grad(plan, _producer(x, plan, ctx.kernels), grad)
+        return grad.view(logits.shape), None, None, None, None
 
 
 @overload
@@ -94,6 +109,7 @@ def logprobs_and_entropy(
     entropy_grad: bool = ...,
     group: object = ...,
     chunk_size: int | None = ...,
+    method: str = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -112,6 +128,7 @@ def logprobs_and_entropy(
     entropy_grad: bool = ...,
     group: object = ...,
     chunk_size: int | None = ...,
+    method: str = ...,
 ) -> tuple[torch.Tensor, None]: ...
 
 
@@ -130,6 +147,7 @@ def logprobs_and_entropy(
     entropy_grad: bool = ...,
     group: object = ...,
     chunk_size: int | None = ...,
+    method: str = ...,
 ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
@@ -147,6 +165,7 @@ def logprobs_and_entropy(
     entropy_grad: bool = True,
     group: object = None,
     chunk_size: int | None = None,
+    method: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     r"""Log-probabilities of the targets and the entropy of the softmax, fused and chunked.
 
@@ -251,7 +270,18 @@ def logprobs_and_entropy(
             backward (use it when the entropy is only logged).
         group: the tensor-parallel process group over which the vocabulary is sharded, or None.
         chunk_size: tokens per chunk (``>= 1``); None picks a bound of a few MiB per
-            ``[chunk, V_local]`` float32 buffer on CPU and 128 MiB on accelerators.
+            ``[chunk, V_local]`` float32 buffer on CPU and 128 MiB on accelerators (with
+            ``method="triton"`` and no sampler filter, one chunk of all tokens: the kernels
+            hold no such buffer).
+        method: ``"auto"`` (default), ``"chunked"`` or ``"triton"``. ``"chunked"``: torch
+            operations on each chunk. ``"triton"``: Triton kernels (the ``gpu`` extra) compute
+            each chunk's statistics and gradient in one pass over vocabulary tiles, on CUDA
+            tensors, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``);
+            the collectives, the merge, the sampler's threshold search and double backward
+            stay the torch ones. ``"auto"``: Triton for CUDA tensors when triton can be
+            imported (chunked while ``torch.compile`` traces), else chunked. A kernel that
+            fails to build on the device warns once (``RuntimeWarning``) and the chunked
+            method runs for the rest of the process.
 
     Returns:
         ``(logp, entropy)``, each ``[...]``, float32 (float64 for float64 logits);
@@ -283,8 +313,18 @@ def logprobs_and_entropy(
         group=group,
         chunk_size=chunk_size,
     )
-    inputs, plan = _engine.prepare(_OP, logits, options, lambda: _checked(logits, target, options))
-    logp, ent = _FusedLogprobsEntropy.apply(inputs.x, inputs.target, inputs.keep, plan)
+    chosen: list[str] = []
+
+    def check() -> _engine.Checked:
+        inputs = _checked(logits, target, options)
+        chosen.append(_method.resolve(method, inputs.x))  # a rank's bad method joins the TP check
+        return inputs
+
+    inputs, plan = _engine.prepare(_OP, logits, options, check)
+    kernels = chosen[0] == "triton"
+    if kernels and chunk_size is None and plan.sampler is None:
+        plan = replace(plan, chunk=max(plan.rows, 1))  # the kernels need no [chunk, V] buffer
+    logp, ent = _FusedLogprobsEntropy.apply(inputs.x, inputs.target, inputs.keep, plan, kernels)
     return logp, (ent if with_entropy else None)
 
 

@@ -1,5 +1,6 @@
-"""Log-prob and entropy statistics of a vocabulary shard as Triton kernels (CUDA; CPU tensors
-under ``TRITON_INTERPRET=1``).
+"""The op on logits as Triton kernels (CUDA; CPU tensors under ``TRITON_INTERPRET=1``): a
+producer of the chunk engine (:mod:`rlops.logprobs._engine`) that computes a chunk's statistics
+and its gradient in one pass over vocabulary tiles, never materialising the scaled logits.
 
 Forward (:func:`shard_stats`): one program per block of tokens streams the shard's logits in
 vocabulary tiles with an online log-sum-exp and writes, per token, the columns that
@@ -10,39 +11,53 @@ mask or a sampler threshold, ``(m, s, h)`` of the unmasked logits in three more 
 a tile raises the max from ``m`` to ``m'`` the running sums are rescaled,
 ``s ← s·e^{m−m'} + Σ e^{z−m'}`` and ``u ← e^{m−m'}·(u + (m − m')·s) + Σ e^{z−m'}(z − m')``,
 every term ``≤ 0`` in ``u``: nothing cancels. ``z = logits / temperature`` in float32 (float64
-for float64 logits), divided with IEEE rounding as the torch path does.
-
-The shards' statistics are merged in torch (:func:`rlops.logprobs._shard.merge`; under tensor
-parallelism after the one all-gather, which stays with the caller).
+for float64 logits), divided with IEEE rounding as the torch path does. The sampler's support
+is ``z ≥ t`` for a given per-token threshold ``t`` (the target always in it); with
+``over_support`` the logits outside it are ``-inf``, so the entropy too is over the support.
 
 Backward (:func:`logits_grad`): from the saved merged statistics ``(M, log S)`` of the
 log-prob distribution and ``(M, log S, H)`` of the unmasked one, every tile of the gradient
 is local: ``dz = g_lp·(onehot − p_keep) − g_H·p·(log p + H)``, divided by the temperature,
 written in the logits' dtype tile by tile (nothing ``[N, V]`` but the gradient itself).
 
-:func:`logprobs_and_entropy_triton` puts the two together for one process, as an autograd
-function (first derivatives; the fused torch path keeps double backward).
+:class:`TritonLogits` is the engine's producer (``logprobs_and_entropy(..., method="triton")``):
+its :meth:`~TritonLogits.stats` and :meth:`~TritonLogits.grad` launch the kernels; the shards'
+merge, the one collective, and under tensor parallelism the passes that find the sampler's
+global threshold stay the engine's, in torch (on :meth:`~TritonLogits.logits`, a scaled slice).
+In one process the sampler's threshold of a chunk is found by the torch sort of
+:func:`rlops.logprobs._support.threshold_chunk`, then the kernels read the support from it. A
+kernel that fails to build warns once and the call finishes on the torch maths
+(:mod:`rlops.logprobs._method`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from rlops.logprobs import _shard
+from rlops.logprobs import _engine, _method, _shard, _support
+from rlops.logprobs._plan import Plan
 from rlops.scan.triton import cast_to
 
-__all__ = ["logits_grad", "logprobs_and_entropy_triton", "shard_stats"]
-
-_FLOOR = -1e30  # as _shard: exp(-1e30) is 0, and a -inf logit contributes 0 * finite
+__all__ = ["TritonLogits", "logits_grad", "shard_stats"]
 
 
-def _config(n: int, v: int, block_n: int | None, block_v: int | None) -> tuple[int, int, int]:
-    """``(BLOCK_N, BLOCK_V, num_warps)``: on a GPU one token per program and 4096-wide tiles
-    (16 float32 values per thread at 8 warps); smaller when the shapes are."""
-    bv = block_v or min(4096, max(16, triton.next_power_of_2(v)))
-    bn = block_n or 1
+def _config(
+    x: torch.Tensor, n: int, v: int, block_n: int | None, block_v: int | None
+) -> tuple[int, int, int]:
+    """``(BLOCK_N, BLOCK_V, num_warps)``. On a GPU one token per program and 4096-wide tiles
+    (16 float32 values per thread at 8 warps). Under the interpreter (CPU tensors) a block
+    runs as numpy arrays: 16 tokens per program, 256-wide tiles (which still cross tiles at a
+    test's vocabulary). Smaller when the shapes are."""
+    if x.device.type == "cpu":
+        bn = block_n or min(16, triton.next_power_of_2(n))
+        bv = block_v or min(256, max(16, triton.next_power_of_2(v)))
+    else:
+        bn = block_n or 1
+        bv = block_v or min(4096, max(16, triton.next_power_of_2(v)))
     return bn, bv, (8 if bv * bn >= 2048 else 4)
 
 
@@ -74,14 +89,16 @@ def _online(m, s, u, z, ENTROPY: tl.constexpr):
 
 @triton.jit
 def _stats_kernel(
-    x_ptr, tgt_ptr, keep_ptr, thr_ptr, tau_ptr, out_ptr, N, V, stride_x, stride_k, offset,
-    MASK: tl.constexpr, THRESH: tl.constexpr, ENTROPY: tl.constexpr, SCALE: tl.constexpr,
-    NCOL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    x_ptr, tgt_ptr, keep_ptr, thr_ptr, tau_ptr, out_ptr, N, V, stride_x, stride_k, stride_o,
+    offset,
+    MASK: tl.constexpr, THRESH: tl.constexpr, TWO: tl.constexpr, ENTROPY: tl.constexpr,
+    SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
+    # TWO: the log-prob's distribution (the support) and the entropy's (all logits) differ
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     rows64 = rows.to(tl.int64)
-    tau = tl.load(tau_ptr).to(ACC)
+    tau = tl.load(tau_ptr).to(ACC)  # read only when SCALE (else any element: a placeholder)
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=0) - offset
     in_range = row_ok & (tgt >= 0) & (tgt < V)
     zy = _scaled(x_ptr + rows64 * stride_x + tgt, in_range, tau, SCALE, ACC)
@@ -91,31 +108,34 @@ def _stats_kernel(
     neg = tl.full([BLOCK_N], float("-inf"), ACC)
     zero = tl.zeros([BLOCK_N], ACC)
     m, s, u = neg, zero, zero  # the log-prob distribution (kept logits)
-    me, se, ue = neg, zero, zero  # the unmasked distribution (entropy), with a mask
+    me, se, ue = neg, zero, zero  # the unmasked distribution (entropy), when TWO
     cols0 = tl.arange(0, BLOCK_V)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + cols0
         ok = row_ok[:, None] & (cols < V)[None, :]
         z = _scaled(x_ptr + rows64[:, None] * stride_x + cols[None, :], ok, tau, SCALE, ACC)
         if MASK or THRESH:
-            if ENTROPY:
-                me, se, ue = _online(me, se, ue, z, True)
             if MASK:
                 keep = tl.load(keep_ptr + rows64[:, None] * stride_k + cols[None, :], mask=ok,
                                other=0) != 0  # fmt: skip
             else:
                 keep = z >= thr[:, None]
             keep = keep | (cols[None, :] == tgt[:, None])  # the target is always kept
-            z = tl.where(keep, z, float("-inf"))
-            m, s, u = _online(m, s, u, z, False)
+            z_keep = tl.where(keep, z, float("-inf"))
+            if TWO:
+                if ENTROPY:
+                    me, se, ue = _online(me, se, ue, z, True)
+                m, s, u = _online(m, s, u, z_keep, False)
+            else:  # over the support: the entropy's distribution is the log-prob's
+                m, s, u = _online(m, s, u, z_keep, ENTROPY)
         else:
             m, s, u = _online(m, s, u, z, ENTROPY)
-    base = out_ptr + rows64 * NCOL
+    base = out_ptr + rows64 * stride_o
     tl.store(base, zy, mask=row_ok)
     tl.store(base + 1, m, mask=row_ok)
     tl.store(base + 2, s, mask=row_ok)
     if ENTROPY:
-        if MASK or THRESH:
+        if TWO:
             tl.store(base + 3, me, mask=row_ok)
             tl.store(base + 4, se, mask=row_ok)
             tl.store(base + 5, tl.log(se) - ue / se, mask=row_ok)
@@ -125,29 +145,27 @@ def _stats_kernel(
 
 @triton.jit
 def _grad_kernel(
-    x_ptr, tgt_ptr, keep_ptr, thr_ptr, tau_ptr, saved_ptr, glp_ptr, gent_ptr, dx_ptr,
-    N, V, stride_x, stride_k, offset,
-    MASK: tl.constexpr, THRESH: tl.constexpr, HAS_LP: tl.constexpr, HAS_ENT: tl.constexpr,
-    SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    x_ptr, tgt_ptr, keep_ptr, thr_ptr, tau_ptr, mp_ptr, lsp_ptr, me_ptr, lse_ptr, h_ptr,
+    glp_ptr, gent_ptr, dx_ptr, N, V, stride_x, stride_k, stride_d, offset,
+    MASK: tl.constexpr, THRESH: tl.constexpr, TWO: tl.constexpr, HAS_LP: tl.constexpr,
+    HAS_ENT: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    ACC: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     rows64 = rows.to(tl.int64)
-    tau = tl.load(tau_ptr).to(ACC)
+    tau = tl.load(tau_ptr).to(ACC)  # read only when SCALE (else any element: a placeholder)
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=0) - offset
-    # saved [5, N]: (M, log S) of the log-prob distribution, (M, log S, H) of the unmasked one
-    mp = tl.load(saved_ptr + rows, mask=row_ok, other=0.0)
-    lsp = tl.load(saved_ptr + N + rows, mask=row_ok, other=0.0)
-    me = tl.load(saved_ptr + 2 * N + rows, mask=row_ok, other=0.0)
-    lse = tl.load(saved_ptr + 3 * N + rows, mask=row_ok, other=0.0)
-    h = tl.load(saved_ptr + 4 * N + rows, mask=row_ok, other=0.0)
-    inv = 1.0 / tau
-    glp = tl.zeros([BLOCK_N], ACC)
-    gent = tl.zeros([BLOCK_N], ACC)
+    # (M, log S) of the log-prob distribution; (M, log S, H) of the entropy's
+    mp = tl.load(mp_ptr + rows, mask=row_ok, other=0.0)
+    lsp = tl.load(lsp_ptr + rows, mask=row_ok, other=0.0)
+    if HAS_ENT:
+        me = tl.load(me_ptr + rows, mask=row_ok, other=0.0)
+        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        h = tl.load(h_ptr + rows, mask=row_ok, other=0.0)
+        gent = tl.load(gent_ptr + rows, mask=row_ok, other=0.0).to(ACC)
     if HAS_LP:
         glp = tl.load(glp_ptr + rows, mask=row_ok, other=0.0).to(ACC)
-    if HAS_ENT:
-        gent = tl.load(gent_ptr + rows, mask=row_ok, other=0.0).to(ACC)
     if THRESH:
         thr = tl.load(thr_ptr + rows, mask=row_ok, other=0.0).to(ACC)
     cols0 = tl.arange(0, BLOCK_V)
@@ -156,6 +174,15 @@ def _grad_kernel(
         ok = row_ok[:, None] & (cols < V)[None, :]
         z = _scaled(x_ptr + rows64[:, None] * stride_x + cols[None, :], ok, tau, SCALE, ACC)
         onehot = cols[None, :] == tgt[:, None]
+        if MASK or THRESH:
+            if MASK:
+                keep = tl.load(keep_ptr + rows64[:, None] * stride_k + cols[None, :],
+                               mask=ok, other=0) != 0  # fmt: skip
+            else:
+                keep = z >= thr[:, None]
+            keep = keep | onehot
+            if not TWO:  # over the support: probability 0 outside it
+                z = tl.where(keep, z, float("-inf"))
         grad = tl.zeros([BLOCK_N, BLOCK_V], ACC)
         if HAS_ENT:
             log_p = z - me[:, None] - lse[:, None]
@@ -163,16 +190,13 @@ def _grad_kernel(
             grad -= gent[:, None] * p * (tl.maximum(log_p, -1e30) + h[:, None])
         if HAS_LP:
             p_keep = tl.exp(z - mp[:, None] - lsp[:, None])
-            if MASK or THRESH:
-                if MASK:
-                    keep = tl.load(keep_ptr + rows64[:, None] * stride_k + cols[None, :],
-                                   mask=ok, other=0) != 0  # fmt: skip
-                else:
-                    keep = z >= thr[:, None]
-                p_keep = tl.where(keep | onehot, p_keep, 0.0)
+            if TWO:
+                p_keep = tl.where(keep, p_keep, 0.0)
             grad += glp[:, None] * (tl.where(onehot, 1.0, 0.0) - p_keep)
-        grad = cast_to(grad * inv, dx_ptr.dtype.element_ty)
-        tl.store(dx_ptr + rows64[:, None] * V + cols[None, :], grad, mask=ok)
+        if SCALE:
+            grad = grad * (1.0 / tau)
+        grad = cast_to(grad, dx_ptr.dtype.element_ty)
+        tl.store(dx_ptr + rows64[:, None] * stride_d + cols[None, :], grad, mask=ok)
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -183,9 +207,34 @@ def _tl(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-def _rows_view(logits: torch.Tensor) -> torch.Tensor:
-    x = logits.reshape(-1, logits.shape[-1])
-    return x if x.stride(-1) == 1 else x.contiguous()
+def _rows_view(t: torch.Tensor, v: int) -> torch.Tensor:
+    """``t`` as ``[N, v]`` rows with a unit stride along the vocabulary (a copy if need be)."""
+    x = t.reshape(-1, v)
+    return x if x.stride(-1) == 1 or v == 1 else x.contiguous()
+
+
+def _column(t: torch.Tensor | None, n: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """A per-token ``[N]`` or ``[N, 1]`` tensor as a contiguous ``[N]`` in ``dtype``."""
+    return None if t is None else t.reshape(n).to(dtype).contiguous()
+
+
+def _support_args(
+    x: torch.Tensor, keep_mask: torch.Tensor | None, threshold: torch.Tensor | None, acc
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    n, v = x.shape
+    if keep_mask is not None and threshold is not None:
+        raise ValueError("give the support either as keep_mask or as threshold, not both")
+    keep = None if keep_mask is None else _rows_view(keep_mask, v)
+    return keep, _column(threshold, n, acc)
+
+
+def _tau(temperature: float, acc: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """The temperature as a one-element device tensor (a fill: no host-to-device copy, and one
+    compiled kernel for every temperature), or ``like`` as a placeholder when the logits are
+    not scaled."""
+    if temperature == 1.0:
+        return like
+    return torch.full((1,), temperature, dtype=acc, device=like.device)
 
 
 def shard_stats(
@@ -196,37 +245,47 @@ def shard_stats(
     temperature: float = 1.0,
     keep_mask: torch.Tensor | None = None,
     threshold: torch.Tensor | None = None,
+    over_support: bool = False,
     with_entropy: bool = True,
+    out: torch.Tensor | None = None,
     block_n: int | None = None,
     block_v: int | None = None,
 ) -> torch.Tensor:
-    """This shard's statistics ``[N, k]`` (columns of :mod:`rlops.logprobs._shard`).
+    """This shard's statistics ``[N, k]``: the columns of :func:`_shard.stats_chunk`.
 
-    ``logits`` ``[N, V_local]`` (any float dtype; rows with a unit stride along the vocabulary),
-    ``target`` ``[N]`` global ids, ``offset`` this shard's first id. ``keep_mask``
-    ``[N, V_local]`` bool, or ``threshold`` ``[N]`` (the sampler's support ``z ≥ t`` on the
-    scaled logits, as :func:`rlops.logprobs._support.threshold_chunk` gives it): the log-prob
-    is then over the kept logits (the target always kept), the entropy over all of them.
-    Returns float32 statistics (float64 for float64 logits)."""
-    x = _rows_view(logits)
-    n, v = x.shape
+    ``logits`` ``[N, V_local]`` (any float dtype), ``target`` ``[N]`` global ids, ``offset``
+    this shard's first id. ``keep_mask`` ``[N, V_local]`` bool, or ``threshold`` ``[N]`` (the
+    sampler's support ``z ≥ t`` on the scaled logits, as
+    :func:`rlops.logprobs._support.threshold_chunk` gives it): the log-prob is then over the
+    kept logits (the target always kept), the entropy over all of them — or over the support
+    too with ``over_support`` (then only ``k = 3 + 1`` columns, as without a support).
+    Written into ``out`` when given (``[N, k]`` rows of a unit column stride, in the compute
+    dtype); float32 statistics (float64 for float64 logits)."""
+    v = logits.shape[-1]
+    x = _rows_view(logits, v)
+    n = x.shape[0]
     acc = _acc(x.dtype)
-    masked = keep_mask is not None or threshold is not None
-    ncol = _shard.n_columns(masked, with_entropy)
-    out = torch.empty((n, ncol), dtype=acc, device=x.device)
+    keep, thr = _support_args(x, keep_mask, threshold, acc)
+    supported = keep is not None or thr is not None
+    two = supported and not over_support
+    ncol = _shard.n_columns(two, with_entropy)
+    if out is None:
+        out = torch.empty((n, ncol), dtype=acc, device=x.device)
+    if tuple(out.shape) != (n, ncol) or out.dtype != acc or (ncol > 1 and out.stride(1) != 1):
+        raise ValueError(
+            f"out must be [{n}, {ncol}] {acc} with unit column stride, got "
+            f"{list(out.shape)} {out.dtype} strides {out.stride()}"
+        )
     if n == 0:
         return out
-    tgt = target.reshape(-1).to(torch.int64).contiguous()
-    keep = None if keep_mask is None else keep_mask.reshape(n, v).contiguous()
-    thr = None if threshold is None else threshold.reshape(n).to(acc).contiguous()
-    tau = torch.tensor([temperature], dtype=acc, device=x.device)
-    bn, bv, warps = _config(n, v, block_n, block_v)
+    tgt = target.reshape(n).to(torch.int64).contiguous()
+    tau = _tau(temperature, acc, x)
+    bn, bv, warps = _config(x, n, v, block_n, block_v)
     _stats_kernel[(triton.cdiv(n, bn),)](
         x, tgt, x if keep is None else keep, tau if thr is None else thr, tau, out,
-        n, v, x.stride(0), 0 if keep is None else keep.stride(0), offset,
-        MASK=keep is not None, THRESH=thr is not None, ENTROPY=with_entropy,
-        SCALE=temperature != 1.0, NCOL=ncol, BLOCK_N=bn, BLOCK_V=bv, ACC=_tl(acc),
-        num_warps=warps,
+        n, v, x.stride(0), 0 if keep is None else keep.stride(0), out.stride(0), offset,
+        MASK=keep is not None, THRESH=thr is not None, TWO=two, ENTROPY=with_entropy,
+        SCALE=temperature != 1.0, BLOCK_N=bn, BLOCK_V=bv, ACC=_tl(acc), num_warps=warps,
     )  # fmt: skip
     return out
 
@@ -234,7 +293,7 @@ def shard_stats(
 def logits_grad(
     logits: torch.Tensor,
     target: torch.Tensor,
-    saved: torch.Tensor,
+    saved: Sequence[torch.Tensor],
     g_logp: torch.Tensor | None,
     g_ent: torch.Tensor | None,
     *,
@@ -242,97 +301,110 @@ def logits_grad(
     temperature: float = 1.0,
     keep_mask: torch.Tensor | None = None,
     threshold: torch.Tensor | None = None,
+    over_support: bool = False,
+    out: torch.Tensor | None = None,
     block_n: int | None = None,
     block_v: int | None = None,
 ) -> torch.Tensor:
-    """Gradient w.r.t. this shard's logits ``[N, V_local]``, in their dtype.
+    """Gradient w.r.t. this shard's logits ``[N, V_local]``, in their dtype (or ``out``'s).
 
-    ``saved`` ``[5, N]``: ``(M, log S)`` of the log-prob distribution and ``(M, log S, H)`` of
-    the unmasked one (the merged statistics; without a mask the two pairs are equal).
-    ``g_logp``, ``g_ent``: ``[N]`` upstream gradients or None (the entropy's None when it has
-    no gradient)."""
-    x = _rows_view(logits)
-    n, v = x.shape
+    ``saved``: ``(M, log S)`` of the log-prob distribution, then (needed with ``g_ent``)
+    ``(M, log S, H)`` of the entropy's — the merged statistics
+    (:func:`rlops.logprobs._shard.merge`), each ``[N]`` or ``[N, 1]`` (a ``[5, N]`` tensor
+    works too). ``g_logp``, ``g_ent``: ``[N]`` upstream gradients or None (at least one
+    given). ``out``: ``[N, V_local]`` rows of a unit column stride, any float dtype (the
+    gradient is computed in float32, or float64, and rounded to it)."""
+    v = logits.shape[-1]
+    x = _rows_view(logits, v)
+    n = x.shape[0]
     acc = _acc(x.dtype)
-    dx = torch.empty((n, v), dtype=x.dtype, device=x.device)
+    keep, thr = _support_args(x, keep_mask, threshold, acc)
+    two = (keep is not None or thr is not None) and not over_support
+    if out is None:
+        out = torch.empty((n, v), dtype=x.dtype, device=x.device)
+    if tuple(out.shape) != (n, v) or (v > 1 and out.stride(1) != 1):
+        raise ValueError(f"out must be [{n}, {v}] with unit column stride, got {list(out.shape)}")
+    if g_logp is None and g_ent is None:
+        raise ValueError("logits_grad needs g_logp or g_ent")
+    cols = [_column(t, n, acc) for t in saved]
+    if len(cols) < (5 if g_ent is not None else 2):
+        raise ValueError(f"saved needs 5 columns with g_ent (2 without), got {len(cols)}")
     if n == 0:
-        return dx
-    tgt = target.reshape(-1).to(torch.int64).contiguous()
-    keep = None if keep_mask is None else keep_mask.reshape(n, v).contiguous()
-    thr = None if threshold is None else threshold.reshape(n).to(acc).contiguous()
-    tau = torch.tensor([temperature], dtype=acc, device=x.device)
-    saved = saved.to(acc).contiguous()
-    glp = None if g_logp is None else g_logp.reshape(n).to(acc).contiguous()
-    gent = None if g_ent is None else g_ent.reshape(n).to(acc).contiguous()
-    bn, bv, warps = _config(n, v, block_n, block_v)
+        return out
+    tgt = target.reshape(n).to(torch.int64).contiguous()
+    tau = _tau(temperature, acc, x)
+    glp, gent = _column(g_logp, n, acc), _column(g_ent, n, acc)
+    mp, lsp, *rest = cols
+    me, lse, h = rest if g_ent is not None else (mp, mp, mp)
+    bn, bv, warps = _config(x, n, v, block_n, block_v)
     _grad_kernel[(triton.cdiv(n, bn),)](
-        x, tgt, x if keep is None else keep, tau if thr is None else thr, tau, saved,
-        tau if glp is None else glp, tau if gent is None else gent, dx,
-        n, v, x.stride(0), 0 if keep is None else keep.stride(0), offset,
-        MASK=keep is not None, THRESH=thr is not None, HAS_LP=glp is not None,
+        x, tgt, x if keep is None else keep, tau if thr is None else thr, tau,
+        mp, lsp, me, lse, h, mp if glp is None else glp, mp if gent is None else gent, out,
+        n, v, x.stride(0), 0 if keep is None else keep.stride(0), out.stride(0), offset,
+        MASK=keep is not None, THRESH=thr is not None, TWO=two, HAS_LP=glp is not None,
         HAS_ENT=gent is not None, SCALE=temperature != 1.0, BLOCK_N=bn, BLOCK_V=bv,
         ACC=_tl(acc), num_warps=warps,
     )  # fmt: skip
-    return dx
+    return out
 
 
-class _TritonLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, target, keep, threshold, temperature, with_entropy, entropy_grad,
-                blocks):  # fmt: skip
-        kw = dict(temperature=temperature, keep_mask=keep, threshold=threshold)
-        stats = shard_stats(logits, target, with_entropy=with_entropy, **kw, **blocks)
-        masked = keep is not None or threshold is not None
-        logp, ent, saved = _shard.merge(stats.unsqueeze(0), masked, with_entropy)
-        if ent is None:
-            saved5 = torch.stack([*saved, *saved, torch.zeros_like(saved[0])])
-        elif masked:
-            saved5 = torch.stack(saved)
-        else:
-            saved5 = torch.stack([saved[0], saved[1], saved[0], saved[1], saved[4]])
-        ctx.kw, ctx.blocks = kw, blocks
-        ctx.has_ent = ent is not None and entropy_grad
-        ctx.save_for_backward(logits, target, saved5)
-        lead = logits.shape[:-1]
-        ent_out = logp.new_empty(0) if ent is None else ent.view(lead)
-        if not ctx.has_ent:
-            ctx.mark_non_differentiable(ent_out)
-        ctx.set_materialize_grads(False)
-        return logp.view(lead), ent_out
+class TritonLogits(_engine.Producer):
+    """The engine's producer on logits ``[N, V_local]`` with the Triton kernels.
 
-    @staticmethod
-    def backward(ctx, g_logp, g_ent):
-        logits, target, saved5 = ctx.saved_tensors
-        g_ent = g_ent if ctx.has_ent else None
-        if g_logp is None and g_ent is None:
-            return (None,) * 8
-        grad = logits_grad(logits, target, saved5, g_logp, g_ent, **ctx.kw, **ctx.blocks)
-        return (grad.view(logits.shape), *(None,) * 7)
+    :meth:`stats` and :meth:`grad` launch :func:`shard_stats` and :func:`logits_grad` on a
+    chunk of rows; :meth:`logits` serves the sampler's threshold: ``torch_producer``'s (the op's
+    scaled slices), whose torch maths also run a chunk when the kernels cannot. One chunk at a
+    time (``parallel`` off: a device runs one launch over all of a chunk's rows). A kernel that
+    fails to build sets the kernels aside (:func:`_method.set_failed`, one warning); that chunk,
+    and every later one, runs on ``torch_producer``."""
 
+    parallel = False
 
-def logprobs_and_entropy_triton(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    keep_mask: torch.Tensor | None = None,
-    threshold: torch.Tensor | None = None,
-    with_entropy: bool = True,
-    entropy_grad: bool = True,
-    block_n: int | None = None,
-    block_v: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs and entropy of ``logits`` ``[..., V]`` in one process, with the Triton kernels.
+    def __init__(self, x: torch.Tensor, plan: Plan, torch_producer: _engine.Producer) -> None:
+        self.x, self.torch = _rows_view(x, plan.v_local), torch_producer
 
-    ``logp = z_y − lse(z_keep)``, ``H = lse(z) − Σ softmax(z)·z`` with ``z = logits / τ``; a
-    ``keep_mask`` ``[..., V]`` or a ``threshold`` ``[...]`` (support ``z ≥ t``, the target
-    always kept) restricts the log-prob's distribution, not the entropy's. Returns ``(logp,
-    entropy or None)``, float32 (float64 for float64 logits), differentiable w.r.t. ``logits``
-    (the entropy only with ``entropy_grad``). The semantics of
-    :func:`rlops.logprobs.reference.logprobs_and_entropy_reference`; arguments unchecked (the
-    public function checks them)."""
-    blocks = dict(block_n=block_n, block_v=block_v)
-    logp, ent = _TritonLogprobs.apply(
-        logits, target, keep_mask, threshold, temperature, with_entropy, entropy_grad, blocks
-    )
-    return logp, (ent if with_entropy else None)
+    def logits(self, i: int, j: int) -> tuple[torch.Tensor, bool]:
+        return self.torch.logits(i, j)
+
+    def stats(self, plan: Plan, i: int, j: int, out: torch.Tensor) -> None:
+        if _method.failed() is not None:
+            return self.torch.stats(plan, i, j, out)
+        assert plan.target is not None
+        thr = None
+        if plan.sampler is not None and plan.threshold is not None:
+            thr = plan.threshold[i:j]
+            if plan.world == 1:  # this chunk's threshold, from its scaled logits
+                z = self.logits(i, j)[0]
+                thr.copy_(_support.threshold_chunk(z, *plan.sampler.rows(i, j)))
+        try:
+            shard_stats(
+                self.x[i:j], plan.target[i:j], offset=plan.start,
+                temperature=plan.temperature, keep_mask=plan.keep_rows(i, j), threshold=thr,
+                over_support=plan.over_support, with_entropy=plan.with_entropy, out=out,
+            )  # fmt: skip
+        except _method.build_errors() as e:
+            if not _method.is_build_error(e):
+                raise
+            _method.set_failed(e)
+            self.torch.stats(plan, i, j, out)
+        return None
+
+    def grad(self, plan: Plan, i: int, j: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        if _method.failed() is not None:
+            return self.torch.grad(plan, i, j, out)
+        assert plan.target is not None
+        thr = None if plan.threshold is None else plan.threshold[i:j]
+        try:
+            return logits_grad(
+                self.x[i:j], plan.target[i:j], [t[i:j] for t in plan.saved],
+                None if plan.g_logp is None else plan.g_logp[i:j],
+                None if plan.g_ent is None else plan.g_ent[i:j],
+                offset=plan.start, temperature=plan.temperature,
+                keep_mask=plan.keep_rows(i, j), threshold=thr,
+                over_support=plan.over_support, out=out,
+            )  # fmt: skip
+        except _method.build_errors() as e:
+            if not _method.is_build_error(e):
+                raise
+            _method.set_failed(e)
+            return self.torch.grad(plan, i, j, out)
