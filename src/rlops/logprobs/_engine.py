@@ -92,7 +92,7 @@ class Checked:
     keep: torch.Tensor | None
     temperature: float
     v_local: int
-    chunk: int
+    chunk: int | None
     hidden: int = 0
 
 
@@ -122,11 +122,12 @@ def prepare(
         v_local=inputs.v_local,
     )  # fmt: skip
     over_support = options.entropy_over_support
+    rows = inputs.target.numel()
     plan = Plan(
-        rows=inputs.target.numel(),
+        rows=rows,
         v_local=inputs.v_local,
         start=start,
-        chunk=inputs.chunk,
+        chunk=rows if inputs.chunk is None else inputs.chunk,  # None: one chunk (Plan.starts)
         dtype=compute_dtype(inputs.x.dtype),
         device=inputs.x.device,
         lead=tuple(inputs.x.shape[:-1]),

@@ -38,8 +38,15 @@ _LINEAR_CHUNK_BYTES_CPU = 32 << 20
 
 def default_chunk(
     n_tokens: int, v_local: int, device: torch.device, *, linear: bool = False
-) -> int:
-    """Tokens per chunk so that a ``[chunk, v_local]`` float32 buffer stays near the budget."""
+) -> int | None:
+    """Tokens per chunk so that a ``[chunk, v_local]`` float32 buffer stays near the budget.
+
+    While ``torch.compile`` traces: None, one chunk of every token, so that the graph does not
+    depend on how many chunks a length makes (no recompile per length under ``dynamic=True``);
+    an explicit ``chunk_size`` still bounds the chunks there.
+    """
+    if torch.compiler.is_compiling():
+        return None
     if device.type == "cpu":
         budget = _LINEAR_CHUNK_BYTES_CPU if linear else _CHUNK_BYTES_CPU
     else:

@@ -76,7 +76,10 @@ class Plan:
 
     @property
     def starts(self) -> range:
-        """The first token of every chunk."""
+        """The first token of every chunk (one chunk when ``chunk`` is ``rows`` itself, as under
+        ``torch.compile``: no range over a symbolic length, which would specialise it)."""
+        if self.chunk is self.rows:
+            return range(1)
         return range(0, self.rows, self.chunk)
 
     def bound(self, target: torch.Tensor, keep: torch.Tensor | None) -> Plan:
