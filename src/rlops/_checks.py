@@ -15,6 +15,7 @@ import numbers
 import operator
 import os
 from collections.abc import Sequence
+from typing import SupportsIndex, cast, overload
 
 import torch
 
@@ -107,7 +108,7 @@ def as_tensor(name: str, x: object, min_dim: int = 1) -> torch.Tensor:
 
 def check_2d(name: str, x: object) -> torch.Tensor:
     """A floating ``[B, T]`` tensor."""
-    as_float_tensor(name, x)
+    x = as_float_tensor(name, x)
     if x.dim() != 2:
         raise shape_error(name, "[B, T]", x.shape)
     return x
@@ -144,7 +145,7 @@ def check_ids(name: str, x: object, shape: Sequence[int], like: str) -> torch.Te
 def check_same_shape(ref_name: str, ref: torch.Tensor, **others: object) -> None:
     """Each of ``others`` is a floating tensor of ``ref``'s shape, on ``ref``'s device."""
     for name, t in others.items():
-        as_float_tensor(name, t)
+        t = as_float_tensor(name, t)
         if t.shape != ref.shape:
             raise shape_error(name, f"{list(ref.shape)} like {ref_name}", t.shape)
     check_same_device(ref_name, ref, **others)
@@ -282,7 +283,7 @@ def as_int(
     ):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     try:
-        out = operator.index(value)
+        out = operator.index(cast(SupportsIndex, value))  # a TypeError is the check
     except TypeError:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
     if minimum is not None and out < minimum:
@@ -304,6 +305,10 @@ def check_generator(name: str, value: object) -> torch.Generator | None:
     return value
 
 
+@overload
+def as_real_or_tensor(name: str, value: torch.Tensor) -> torch.Tensor: ...
+@overload
+def as_real_or_tensor(name: str, value: object) -> float | torch.Tensor: ...
 def as_real_or_tensor(name: str, value: object) -> float | torch.Tensor:
     """A real number as a float, or a 0-dim real tensor, detached and not read (it may live on
     an accelerator: reading it would synchronise)."""
@@ -377,7 +382,7 @@ def per_row_discount(
     return value.reshape(b, 1)
 
 
-def check_choice(name: str, value: object, choices: Sequence[object]) -> object:
+def check_choice(name: str, value: object, choices: Sequence[object]) -> str:
     """``value`` must be one of ``choices`` (a method, mode or kind name)."""
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
@@ -397,17 +402,24 @@ def check_dim(dim: object, ndim: int) -> int:
     """A valid dimension index of a tensor with ``ndim`` dims, returned non-negative."""
     if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
         raise TypeError(f"dim must be an int, got {type(dim).__name__}")
-    if not -ndim <= dim < ndim:
+    d = int(dim)
+    if not -ndim <= d < ndim:
         raise ValueError(f"dim must be in [{-ndim}, {ndim - 1}] for x of {ndim} dims, got {dim}")
-    return int(dim) % ndim
+    return d % ndim
+
+
+def _integral(name: str, v: object) -> int:
+    """An integer that is not a bool (Python or numpy), as an ``int``."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    return int(v)
 
 
 def check_cp_rank(cp_size: object, cp_rank: object) -> None:
     """A context-parallel world size >= 1 and a rank in [0, cp_size)."""
-    for name, v in (("cp_size", cp_size), ("cp_rank", cp_rank)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-    if cp_size < 1:
+    size = _integral("cp_size", cp_size)
+    rank = _integral("cp_rank", cp_rank)
+    if size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cp_size}")
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank must be in [0, {cp_size - 1}], got {cp_rank}")
+    if not 0 <= rank < size:
+        raise ValueError(f"cp_rank must be in [0, {size - 1}], got {cp_rank}")

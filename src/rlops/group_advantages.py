@@ -109,7 +109,7 @@ def _group_moments(
 
 def _prepare(scores: object, index: object, mask: object) -> torch.Tensor:
     """Validate the three arguments; return the ``[B]`` scores in the computation dtype."""
-    as_float_tensor("scores", scores)
+    scores = as_float_tensor("scores", scores)
     b, t = check_matrix("mask", mask)
     per_token = check_per_row("scores", scores, b, t) == 2
     as_bool_mask("mask", mask, (b, t), "[B, T]")

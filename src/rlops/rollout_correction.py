@@ -97,7 +97,7 @@ class _Batch:
     and the bool mask; after :meth:`gather_rows`, per-row action counts and sums of ``d`` over
     whole rows (over every rank of ``cp_group``)."""
 
-    def __init__(self, old_logp: object, rollout_logp: object, mask: object,
+    def __init__(self, old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
                  cp_group: object) -> None:
         check_2d("old_logp", old_logp)
         check_same_shape("old_logp", old_logp, rollout_logp=rollout_logp)
@@ -110,7 +110,7 @@ class _Batch:
 
     def describe(self, op: str, **fields: object) -> Call:
         """What every rank of ``group`` and ``cp_group`` must agree on for this call."""
-        self.call = Call(op, **fields, **{"cp_group size": self.cp_world})
+        self.call = Call(op, implied=None, **fields, **{"cp_group size": self.cp_world})
         return self.call
 
     def gather_rows(
@@ -448,6 +448,12 @@ def _rs_bounds(option: str, spec: object) -> tuple[float, float]:
     return -math.inf, check_positive(name, spec)
 
 
+def _as_given(option: str, spec: object) -> float | tuple[float, ...]:
+    """One option's threshold(s) as given (numbers as floats), for :class:`Call`."""
+    return tuple(as_real(option, v) for v in spec) if isinstance(spec, tuple | list) else (
+        as_real(option, spec))
+
+
 def rollout_rejection_mask(
     old_logp: torch.Tensor,
     rollout_logp: torch.Tensor,
@@ -513,8 +519,7 @@ def rollout_rejection_mask(
         check_choice("criteria option", option, RS_OPTIONS)
     # in one order whatever the mapping's (every rank then sends its sums in the same order)
     bounds = {o: _rs_bounds(o, criteria[o]) for o in RS_OPTIONS if o in criteria}
-    given = tuple((o, tuple(as_real(o, v) for v in criteria[o]) if isinstance(
-        criteria[o], tuple | list) else as_real(o, criteria[o])) for o in bounds)
+    given = tuple((o, _as_given(o, criteria[o])) for o in bounds)
     call = b.describe("rollout_rejection_mask", criteria=given)
 
     token_stats = {

@@ -50,7 +50,7 @@ class Moments(NamedTuple):
     value is below 2 in magnitude, so nothing overflows however large the (finite) data, and
     scaling by a power of two is exact (constant data still gives ``m2 = 0`` exactly)."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, on purpose
     mean: torch.Tensor
     m2: torch.Tensor
     scale: torch.Tensor

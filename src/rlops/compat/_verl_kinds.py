@@ -92,7 +92,7 @@ def _policy_loss_option(config: object, name: str, default: float) -> object:
     return default if value is None else value
 
 
-def _options(kind: str, config: object) -> dict[str, object]:
+def _options(kind: str, config: object) -> dict[str, float]:
     """The rlops options of ``kind`` from verl's actor config."""
     if kind in ("gspo", "cispo"):
         return _clip_pair(config)

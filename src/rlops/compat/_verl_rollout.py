@@ -73,7 +73,9 @@ def parse_rollout_is_threshold(spec: object) -> tuple[float, float | None]:
     return upper, lower
 
 
-def parse_rollout_rs(rollout_rs: object, rollout_rs_threshold: object) -> dict[str, object]:
+def parse_rollout_rs(
+    rollout_rs: object, rollout_rs_threshold: object
+) -> dict[str, float | tuple[float, float]]:
     """verl's ``rollout_rs`` / ``rollout_rs_threshold`` as the ``criteria`` of
     :func:`rlops.rollout_rejection_mask` (option -> ``(lower, upper)`` for k1, ``upper`` else)."""
     if not isinstance(rollout_rs, str):
@@ -98,7 +100,7 @@ def parse_rollout_rs(rollout_rs: object, rollout_rs_threshold: object) -> dict[s
         raise ValueError(f"rollout_rs_threshold must give one threshold for every option or "
                          f"{len(options)} (one per rollout_rs option), got {len(specs)}")
     specs = specs * len(options) if len(specs) == 1 else specs
-    criteria: dict[str, object] = {}
+    criteria: dict[str, float | tuple[float, float]] = {}
     for option, spec in zip(options, specs, strict=True):
         name = f"rollout_rs_threshold for {option}"
         if option.endswith("k1"):
@@ -123,7 +125,7 @@ def parse_rollout_rs(rollout_rs: object, rollout_rs_threshold: object) -> dict[s
     return criteria
 
 
-def _inputs(log_ratio: object, response_mask: object) -> torch.Tensor:
+def _inputs(log_ratio: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     check_2d("log_ratio", log_ratio)
     return as_bool_mask("response_mask", response_mask, log_ratio.shape, "log_ratio", log_ratio)
 

@@ -221,7 +221,7 @@ def get_reinforce_plus_plus_returns(
     response_lengths,
     total_lengths,
     kl_coef: float,
-    gamma: float,
+    gamma: float | torch.Tensor,
     *,
     cp_group: object | None = None,
 ) -> list[torch.Tensor]:

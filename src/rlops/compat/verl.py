@@ -96,7 +96,7 @@ def _group_ids(index: object, device: torch.device) -> torch.Tensor:
 
 def _outcome_inputs(token_level_rewards: object, response_mask: object) -> torch.Tensor:
     """``token_level_rewards`` ``[bs, T]`` and its ``response_mask``, returned as bool."""
-    check_2d("token_level_rewards", token_level_rewards)
+    token_level_rewards = check_2d("token_level_rewards", token_level_rewards)
     return _response_mask(response_mask, "token_level_rewards", token_level_rewards)
 
 
@@ -305,7 +305,7 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty) -> 
     return rlops.kl_penalty(logprob, ref_logprob, kind)
 
 
-def _global_count(name: str, value: object) -> torch.Tensor | None:
+def _global_count(name: str, value: object) -> float | torch.Tensor | None:
     """``batch_num_tokens`` / ``global_batch_size``: a number or a 0-dim tensor, kept as given
     (verl may pass a device tensor; it is not read back to the host)."""
     return check_count(name, value)

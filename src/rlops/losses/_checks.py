@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -107,7 +108,9 @@ def _dual(name: str, v: object) -> float | None:
     return None if v is None else check_positive(name, v, above=1.0)
 
 
-_CLIP = {"clip_low": (0.2, _ratio_floor), "clip_high": (None, check_positive)}
+_CLIP: dict[str, tuple[object, Callable]] = {
+    "clip_low": (0.2, _ratio_floor), "clip_high": (None, check_positive)
+}
 # kind -> option -> (default, check). clip_high=None means clip_low when clip_low is given.
 KIND_OPTIONS: dict[str, dict[str, tuple[object, Callable]]] = {
     "ppo": {**_CLIP, "dual_clip": (None, _dual)},
@@ -133,7 +136,7 @@ def check_options(kind: str, given: dict[str, object]) -> dict[str, object]:
             f"policy_loss(kind={kind!r}) got unknown option(s) {unknown}; "
             f"its options are {sorted(spec) or 'none'}"
         )
-    out = {}
+    out: dict[str, object] = {}
     for name, (default, check) in spec.items():
         value = given.get(name, default)
         if name == "clip_high" and "clip_high" not in given and "clip_low" in given:
@@ -142,9 +145,9 @@ def check_options(kind: str, given: dict[str, object]) -> dict[str, object]:
         out[name] = None if value is None and nullable else check(name, value)
     if "clip_high" in out and out["clip_high"] is None:
         out["clip_high"] = out["clip_low"]
-    if kind == "clip_cov" and not out["clip_cov_lb"] < out["clip_cov_ub"]:
-        raise ValueError(
-            "clip_cov_lb must be < clip_cov_ub, got "
-            f"{out['clip_cov_lb']} and {out['clip_cov_ub']}"
-        )
+    if kind == "clip_cov":
+        # both passed check_real above
+        lb, ub = cast(float, out["clip_cov_lb"]), cast(float, out["clip_cov_ub"])
+        if not lb < ub:
+            raise ValueError(f"clip_cov_lb must be < clip_cov_ub, got {lb} and {ub}")
     return out

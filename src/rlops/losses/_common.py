@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 
 __all__ = ["MAX_EXP_ARG", "constant"]
@@ -9,6 +11,12 @@ __all__ = ["MAX_EXP_ARG", "constant"]
 MAX_EXP_ARG = 20.0
 
 
+@overload
+def constant(x: torch.Tensor) -> torch.Tensor: ...
+@overload
+def constant(x: None) -> None: ...
+@overload
+def constant(x: torch.Tensor | None) -> torch.Tensor | None: ...
 def constant(x: torch.Tensor | None) -> torch.Tensor | None:
     """An input that stands for a fixed policy or a target (``old_logp``, ``ref_logp``,
     ``old_values``, ``returns``, advantages, IS weights): detached, as TRL and verl treat them,
