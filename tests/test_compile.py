@@ -98,7 +98,7 @@ CASES: dict[str, Case] = {
     # the adapters' hot functions
     "slime.chunked_gae": (lambda d: slime.chunked_gae(d["r"], d["v"], 0.99, 0.95), ("r", "v")),
     "slime.get_reinforce_plus_plus_returns": (lambda d: slime.get_reinforce_plus_plus_returns(
-        list(d["score"]), list(d["kl"]), list(d["mask"].to(torch.int64)),
+        d["score"], list(d["kl"]), list(d["mask"].to(torch.int64)),
         [d["kl"].shape[1]] * d["kl"].shape[0], [d["kl"].shape[1]] * d["kl"].shape[0],
         kl_coef=0.1, gamma=1.0), ("kl",)),
     "slime.calculate_log_probs_and_entropy": (lambda d: slime.calculate_log_probs_and_entropy(
