@@ -33,12 +33,17 @@ def plain_kind(d, kind):
 
 
 def plain_corrected(logp, ref, old, kind):
-    """(π/π_old)·k(d) token by token in 40-digit arithmetic, the ratio's exponent ≤ 20."""
+    """(π/π_old)·k(d) token by token in 40-digit arithmetic, the ratio's exponent ≤ 20;
+    low_var_kl clamps the product: min(r·k3, 10) (NeMo-RL's and slime's form)."""
     out = torch.zeros(logp.shape, dtype=torch.float64)
     for idx in torch.cartesian_prod(*(torch.arange(n) for n in logp.shape)).tolist():
         idx = tuple(idx)
         lp, rp, op = (mpmath.mpf(float(x[idx])) for x in (logp, ref, old))
-        out[idx] = float(mpmath.exp(min(lp - op, 20)) * plain_kind(lp - rp, kind))
+        r = mpmath.exp(min(lp - op, 20))
+        if kind == "low_var_kl":
+            out[idx] = float(min(r * plain_kind(lp - rp, "k3"), 10))
+        else:
+            out[idx] = float(r * plain_kind(lp - rp, kind))
     return out
 
 
@@ -47,8 +52,10 @@ def same_dtype_corrected(logp, ref, old, kind, acc):
     lp, rp, op = (x.to(acc) for x in (logp, ref, old))
     d = lp - rp
     k3 = torch.exp(-d.clamp_min(-20)) - 1 + d.clamp_min(-20)
-    k = {"k1": d, "abs": d.abs(), "k2": 0.5 * d * d, "k3": k3, "low_var_kl": k3.clamp_max(10)}
-    return torch.exp((lp - op).clamp_max(20)) * k[kind]
+    r = torch.exp((lp - op).clamp_max(20))
+    if kind == "low_var_kl":
+        return (r * k3).clamp_max(10)
+    return r * {"k1": d, "abs": d.abs(), "k2": 0.5 * d * d, "k3": k3}[kind]
 
 
 # --------------------------------------------------------------------------- values
@@ -153,6 +160,85 @@ def test_identity_with_old_logp_equal_to_logp():
     # k1: ∂(r·d)/∂logp = r·d + r = d + 1
     (g1,) = torch.autograd.grad(kl_penalty(lp, ref, "k1", old_logp=lp.detach()).sum(), lp)
     torch.testing.assert_close(g1, logp - ref + 1, rtol=0, atol=4e-16)
+
+
+# --------------------------------------------------------------------------- low_var_kl
+def test_low_var_kl_hand_computed_values_and_gradients_in_and_out_of_saturation():
+    # (d, r): k3(−3) = e³ − 4 = 16.0855..., k3(12) = e^−12 + 11, k3(ln2) = ln2 − 1/2,
+    # k3(−2) = e² − 3 = 4.389...
+    d = torch.tensor([-3.0, -3.0, 12.0, 12.0, LN2, -2.0], dtype=torch.float64)
+    lr = torch.tensor([-LN2, 0.0, 0.0, -LN2, LN2, 1.0], dtype=torch.float64)
+    logp = torch.full_like(d, -1.5)
+    lp = logp.clone().requires_grad_(True)
+    out = kl_penalty(lp, logp - d, "low_var_kl", old_logp=logp - lr)
+    (g,) = torch.autograd.grad(out.sum(), lp)
+    e = math.e
+    value = [
+        0.5 * (e**3 - 4),  # k3 > 10, r·k3 = 8.04 < 10: not saturated (r·min(k3, 10) gave 5)
+        10.0,  # r·k3 = 16.09: saturated
+        10.0,  # d > 11: saturated on the other side
+        0.5 * (math.exp(-12) + 11),  # 5.5: not saturated
+        2 * (LN2 - 0.5),  # k3 < 10, r·k3 < 10
+        10.0,  # k3 = 4.39 < 10 but r·k3 = e·4.39 = 11.93: saturated (r·min(k3, 10) = 11.93)
+    ]
+    grad = [-1.5, 0.0, 0.0, 6.0, 2 * LN2, 0.0]  # r·d where r·k3 < 10, else 0
+    torch.testing.assert_close(out, torch.tensor(value, dtype=torch.float64), rtol=1e-14, atol=0)
+    torch.testing.assert_close(g, torch.tensor(grad, dtype=torch.float64), rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_low_var_kl_gradient_never_points_away_from_the_reference(dtype):
+    # Every (d, log r) pair on a grid reaching deep into saturation on both sides (k3 > 10 for
+    # d < −2.611 or d > 11.000): a gradient-descent step moves logp toward ref_logp or not at
+    # all, i.e. grad·d ≥ 0, and |d| does not grow.
+    d_vals = torch.linspace(-30, 30, 121, dtype=torch.float64)
+    lr_vals = torch.linspace(-25, 25, 101, dtype=torch.float64)
+    d, lr = (x.flatten() for x in torch.meshgrid(d_vals, lr_vals, indexing="ij"))
+    logp = torch.full_like(d, -35.0)
+    ref, old = (logp - d).to(dtype), (logp - lr).to(dtype)
+    lp = logp.to(dtype).requires_grad_(True)
+    out = kl_penalty(lp, ref, "low_var_kl", old_logp=old)
+    (g,) = torch.autograd.grad(out.sum(), lp)
+    dist = (lp.detach() - ref).double().abs()
+    assert ((g.double() * (lp.detach() - ref).double()) >= 0).all()
+    eta = 1e-9  # η·r ≤ 2 for every r ≤ e^20
+    stepped = (lp.detach().double() - eta * g.double() - ref.double()).abs()
+    assert (stepped <= dist).all()
+    k3 = torch.expm1(-d.clamp_min(-20)) + d.clamp_min(-20)
+    r = torch.exp(lr.clamp_max(20))
+    sat = r * k3 > 10 * (1 + 1e-5)
+    assert sat.sum() > 1000 and g[sat].eq(0).all()  # the saturated branch is a constant
+    # The factor-clamped form r·min(k3, 10) has gradient 10·r > 0 in saturation: where d < 0
+    # (π ≪ π_ref), descent lowers logp further from the reference.
+    lp2 = logp.to(dtype).requires_grad_(True)
+    r2 = torch.exp((lp2 - old).clamp_max(20))
+    (g_factor,) = torch.autograd.grad((r2 * kl_penalty(lp2, ref, "low_var_kl")).sum(), lp2)
+    assert ((g_factor.double() * (lp2.detach() - ref).double()) < 0).sum() > 1000
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_low_var_kl_unchanged_where_the_clamp_is_inactive(dtype):
+    # Where r·k3 ≤ 10 (and k3 ≤ 10), the value is bit for bit the corrected k3's and that of the
+    # form before, r·min(k3, 10), as rlops computed it: r = exp(min(lp − op, 20)), k3 in the
+    # expm1 form, in the accumulation dtype, then cast. Gradients there are the corrected k3's.
+    logp, ref, old = make_logps(dtype, 7, spread=2.5, b=8, t=129)
+    lp = logp.clone().requires_grad_(True)
+    out = kl_penalty(lp, ref, "low_var_kl", old_logp=old)
+    k3 = kl_penalty(lp, ref, "k3", old_logp=old)
+    acc = acc_dtype(dtype)
+    lp_, rp_, op_ = (x.to(acc) for x in (logp, ref, old))
+    dc = (lp_ - rp_).clamp_min(-20)
+    plain_k3 = (torch.expm1(-dc) + dc).clamp_min(0)
+    before = (torch.exp((lp_ - op_).clamp_max(20)) * plain_k3.clamp_max(10)).to(dtype)
+    # (9.9: below 10 also before the cast to a half dtype rounds r·k3)
+    inactive = (k3.detach().double() < 9.9) & (plain_k3 <= 10)
+    assert 0 < inactive.sum() < inactive.numel()
+    assert torch.equal(out.detach()[inactive], before[inactive])
+    assert torch.equal(out.detach()[inactive], k3.detach()[inactive])
+    (g,) = torch.autograd.grad(out.float().sum(), lp, retain_graph=True)
+    (g_k3,) = torch.autograd.grad(k3.float().sum(), lp)
+    assert torch.equal(g[inactive], g_k3[inactive])
+    assert g[~inactive & (k3.detach().double() > 10)].eq(0).all()
 
 
 # --------------------------------------------------------------------------- unbiasedness

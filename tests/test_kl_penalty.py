@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import mpmath
 import pytest
 import torch
@@ -112,6 +114,23 @@ def test_gradcheck_kl_kinds_and_straight_through(kind):
 
     assert torch.autograd.gradcheck(st_as_k2, (lp,))
     assert torch.autograd.gradgradcheck(st_as_k2, (lp,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_low_var_kl_gradient_in_and_out_of_saturation(dtype):
+    # min(k3, 10): ∂/∂logp = 1 − e^(−d) where k3 < 10 (toward the reference: the sign of d),
+    # 0 where k3 > 10 (d < −2.611 or d > 11.000), as verl's clamp. By hand: d = ln 2 gives
+    # k3 = ln 2 − 1/2 and 1/2; d = −1 gives e − 2 and 1 − e; d = −3 and d = 12 saturate.
+    d = torch.tensor([math.log(2), -1.0, -3.0, 12.0, -30.0, 30.0], dtype=torch.float64)
+    ref = torch.full_like(d, -2.0)
+    lp = (ref + d).to(dtype).requires_grad_(True)
+    out = kl_penalty(lp, ref.to(dtype), "low_var_kl")
+    (g,) = torch.autograd.grad(out.sum(), lp)
+    want = [math.log(2) - 0.5, math.e - 2, 10, 10, 10, 10]
+    torch.testing.assert_close(out.double(), torch.tensor(want, dtype=torch.float64))
+    torch.testing.assert_close(g.double(), torch.tensor([0.5, 1 - math.e, 0, 0, 0, 0],
+                                                        dtype=torch.float64))
+    assert (g.double() * d >= 0).all()  # never directed away from the reference
 
 
 def test_bad_input_errors_name_the_argument():

@@ -13,6 +13,8 @@ __all__ = ["KL_KINDS", "kl_penalty"]
 _KL_ALIASES = {"kl": "k1", "mse": "k2"}
 _KL_BASE = ("k1", "abs", "k2", "k3", "low_var_kl")
 KL_KINDS = (*_KL_BASE, *_KL_ALIASES, *(k + "+" for k in (*_KL_BASE, *_KL_ALIASES)))
+# low_var_kl's bound (verl's clamp of k3; NeMo-RL's kl_output_clamp_value).
+LOW_VAR_KL_MAX = 10.0
 
 
 def _kl_value(d: torch.Tensor, kind: str) -> torch.Tensor:
@@ -27,23 +29,26 @@ def _kl_value(d: torch.Tensor, kind: str) -> torch.Tensor:
     # Only the exp side is clamped: −d ≤ MAX_EXP_ARG. For large positive d, k3 → d − 1 exactly.
     dc = d.clamp_min(-MAX_EXP_ARG)
     k3 = (torch.expm1(-dc) + dc).clamp_min(0)
-    return k3 if kind == "k3" else k3.clamp_max(10.0)
+    return k3 if kind == "k3" else k3.clamp_max(LOW_VAR_KL_MAX)
 
 
 def _is_corrected(lp: torch.Tensor, d: torch.Tensor, op: torch.Tensor, kind: str) -> torch.Tensor:
     """``r·k(d)``, ``r = exp(min(lp − op, 20))``, ``d = lp − rp`` (``rp``, ``op`` constants);
-    k3's gradient written out."""
+    k3's gradient written out; ``low_var_kl`` is ``min(r·k3, 10)``."""
+    base = "k3" if kind == "low_var_kl" else kind
     r = torch.exp((lp - op).clamp_max(MAX_EXP_ARG))
-    value = r * _kl_value(d, kind)
-    if kind != "k3" or not value.requires_grad:
-        return value
-    # The chain rule gives ∂/∂lp = r·k3 + r·(1 − e^(−d)): two terms of size r·e^(−d) that
-    # cancel to r·d, a relative error of ~eps·e^(−d)/|d| (2% at d = −15 in float32), and past
-    # the clamp on −d the first term stays r·e^20. So the value is r·k3 and the gradient is the
-    # formula's, r·d, computed directly: ½(lp − sg lp)(g + sg g) has value 0, first derivative
-    # g and second derivative that of g.
-    g = r * d
-    return value.detach() + 0.5 * (lp - lp.detach()) * (g + g.detach())
+    value = r * _kl_value(d, base)
+    if base == "k3" and value.requires_grad:
+        # The chain rule gives ∂/∂lp = r·k3 + r·(1 − e^(−d)): two terms of size r·e^(−d)
+        # that cancel to r·d, a relative error of ~eps·e^(−d)/|d| (2% at d = −15 in float32),
+        # and past the clamp on −d the first term stays r·e^20. So the value is r·k3 and the
+        # gradient is the formula's, r·d, computed directly: ½(lp − sg lp)(g + sg g) has
+        # value 0, first derivative g and second derivative that of g.
+        g = r * d
+        value = value.detach() + 0.5 * (lp - lp.detach()) * (g + g.detach())
+    # low_var_kl clamps the product: where r·k3 > 10 the value is 10 and the gradient 0 (the
+    # clamp's), elsewhere both are the corrected k3's (r·k3 and r·d, bit for bit).
+    return value.clamp_max(LOW_VAR_KL_MAX) if kind == "low_var_kl" else value
 
 
 def kl_penalty(
@@ -92,9 +97,29 @@ def kl_penalty(
     floating point), with ``r`` clamped as in the value. So where ``d < −20`` the value
     saturates but ``∂/∂logp`` stays ``r·d``, not ``r·e^20``. With ``old_logp = logp`` (or
     ``logp.detach()``) the value is the kind's own and k3's gradient is ``d``, that of
-    ``"k3+"``. Unlike slime (``--use-unbiased-kl``), ``low_var_kl`` is ``r·min(k3, 10)``,
-    an estimate of ``E_π[min(k3, 10)]``, not ``min(r·k3, 10)``. The straight-through ``+``
-    kinds are another fix of the same gradient: combined with ``old_logp`` they raise.
+    ``"k3+"``. The straight-through ``+`` kinds are another fix of the same gradient:
+    combined with ``old_logp`` they raise.
+
+    **Clamped and corrected** (``"low_var_kl"`` with ``old_logp``): the clamp bounds the
+    product, so its saturated branch is a constant::
+
+        min(r·k3, 10)        ∂/∂logp = r·d  where r·k3 < 10,   0  where r·k3 > 10
+
+    Where ``r·k3 < 10`` it is the corrected k3, value bit for bit. A gradient-descent step of
+    size η moves logp by ``−η·r·d`` (against the sign of d, toward ``ref_logp``: ``|d|``
+    becomes ``|1 − η·r|·|d| ≤ |d|`` for ``η·r ≤ 2``) or, in saturation, not at all: never away
+    from the reference. Clamping the factor instead, ``r·min(k3, 10)``, estimates
+    ``E_π[min(k3, 10)]`` without bias, but where ``k3 > 10`` (``d < −2.611`` or ``d > 11.000``)
+    its gradient is ``∂(10·r)/∂logp = 10·r > 0`` whatever the sign of d: where π ≪ π_ref
+    (``d < −2.611``) descent lowers logp further, away from the reference, the harder the
+    larger r. ``min(r·k3, 10)`` is NeMo-RL's form (``calculate_kl`` in
+    ``nemo_rl/algorithms/utils.py`` multiplies k3 by the importance weight, then clamps the
+    product at ``kl_output_clamp_value = 10``) and slime's (``compute_approx_kl``:
+    ``importance_ratio * kl``, then clamped to ``[−10, 10]``); verl's ``low_var_kl``
+    (``kl_penalty_forward`` in ``verl/trainer/ppo/core_algos.py``: ``clamp(k3, −10, 10)``, no
+    correction) likewise has gradient 0 in saturation, and with ``r = 1`` (``old_logp =
+    logp.detach()``) this is its value. The price is a downward bias where ``r·k3 > 10``: a
+    bounded estimate, as the uncorrected ``min(k3, 10)`` is.
 
     Args:
         logp: ``[B, T]`` (any shape) log-probs under the current policy (carries the
@@ -109,13 +134,17 @@ def kl_penalty(
         Tensor of ``logp``'s shape and dtype (no reduction, no mask); finite for finite inputs.
 
     Example:
-        >>> import torch
+        >>> import math, torch
         >>> logp, ref = torch.tensor([-1.0, -2.0, -0.5]), torch.tensor([-1.5, -1.0, -0.5])
         >>> kl_penalty(logp, ref, "k1"), kl_penalty(logp, ref, "k3")
         (tensor([ 0.5000, -1.0000,  0.0000]), tensor([0.1065, 0.7183, 0.0000]))
         >>> old = logp - torch.tensor([0.0, 0.5, -0.5])  # r = 1, e^0.5, e^-0.5
         >>> kl_penalty(logp, ref, "k3", old_logp=old)
         tensor([0.1065, 1.1842, 0.0000])
+        >>> logp, ref = torch.tensor([-4.0, -4.0, -1.0]), torch.tensor([-1.0, -1.0, -13.0])
+        >>> old = logp + torch.tensor([math.log(2), 0.0, 0.0])  # d = -3, -3, 12; r = 1/2, 1, 1
+        >>> kl_penalty(logp, ref, "low_var_kl", old_logp=old)  # min(r·k3, 10)
+        tensor([ 8.0428, 10.0000, 10.0000])
     """
     as_float_tensor("logp", logp)
     check_same_shape("logp", logp, ref_logp=ref_logp)
