@@ -85,7 +85,20 @@ def ref_group_scores(scores, index, how: str, eps: float = 1e-6, norm: bool = Tr
 
 
 def ref_reinforce(r, m, gamma):
-    """verl: the running return resets after every mask-0 token."""
+    """verl since PR #7300 (2026-08): on a mask-1 token ``G = r + γ·G``; a mask-0 token gets
+    return 0 and carries the running return unchanged (its own reward is not added)."""
+    ret = torch.zeros_like(r)
+    for i in range(r.shape[0]):
+        g = 0.0
+        for t in reversed(range(r.shape[1])):
+            if m[i, t]:
+                g = r[i, t] + gamma * g
+                ret[i, t] = g
+    return ref_whiten(ret, m) * m, ret
+
+
+def ref_reinforce_reset(r, m, gamma):
+    """verl before PR #7300: the running return resets after every mask-0 token."""
     ret = torch.zeros_like(r)
     for i in range(r.shape[0]):
         g = 0.0
@@ -197,25 +210,37 @@ def test_reinforce_plus_plus_matches_without_tool_spans():
     m = _prefix_mask(gen)
     r = torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.1 * m
     cfg = SimpleNamespace(gamma=0.9)
-    for got, want in zip(verl.compute_reinforce_plus_plus_outcome_advantage(r, m, cfg),
-                         ref_reinforce(r, m, 0.9)):
+    for got, want, old in zip(verl.compute_reinforce_plus_plus_outcome_advantage(r, m, cfg),
+                              ref_reinforce(r, m, 0.9), ref_reinforce_reset(r, m, 0.9)):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+        torch.testing.assert_close(got, old, rtol=0, atol=1e-10)  # no span: all versions agree
     with pytest.raises(ValueError, match="gamma"):
         verl.compute_reinforce_plus_plus_outcome_advantage(r, m, {})
 
 
+@pytest.mark.parametrize("gamma", [0.0, 0.5, 1.0])
+def test_reinforce_plus_plus_matches_across_tool_spans(gamma):
+    """verl since PR #7300 carries the return across mask-0 spans, rewards on them included."""
+    gen = _gen(30)
+    m = _with_tool_spans(_prefix_mask(gen))
+    r = torch.randn(B, T, generator=gen, dtype=torch.float64)  # rewards on mask-0 tokens too
+    for got, want in zip(verl.compute_reinforce_plus_plus_outcome_advantage(r, m, {"gamma": gamma}),
+                         ref_reinforce(r, m, gamma)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+
+
 def test_reinforce_plus_plus_keeps_the_outcome_across_tool_spans():
-    """Deliberate difference: verl's reset drops the outcome for actions before a tool span."""
+    """As verl since PR #7300; verl's earlier reset dropped the outcome before a tool span."""
     gen = _gen(4)
     m = _with_tool_spans(_prefix_mask(gen))
     last = T - 1 - m.flip(-1).argmax(-1)
     r = torch.zeros(B, T, dtype=torch.float64)
     r[torch.arange(B), last] = 1.0  # the outcome on the last action token
     _, ret = verl.compute_reinforce_plus_plus_outcome_advantage(r, m, {"gamma": 1.0})
-    _, verl_ret = ref_reinforce(r, m, 1.0)
+    _, old_ret = ref_reinforce_reset(r, m, 1.0)
     act = m.bool()
     assert ret[act].eq(1.0).all()  # every action sees the outcome (γ = 1)
-    assert verl_ret[:, :3].eq(0).all()  # verl: actions before the span see nothing
+    assert old_ret[:, :3].eq(0).all()  # verl before #7300: actions before the span see nothing
     for i in range(B):
         idx = m[i].nonzero().flatten()
         want = torch.zeros(T, dtype=torch.float64)
@@ -254,6 +279,22 @@ def test_kl_penalty(kind):
     torch.testing.assert_close(g, (lp - ref).detach())  # straight-through: k2's gradient
     with pytest.raises(NotImplementedError):
         verl.kl_penalty(lp, ref, "full")
+
+
+@pytest.mark.parametrize("kind", ["kl", "abs", "mse", "low_var_kl", "k3"])
+def test_kl_penalty_gradient_is_verls(kind):
+    """verl's own form, gradient included: no importance correction, and ``low_var_kl``'s
+    ``clamp(·, −10, 10)`` has gradient 0 where it saturates (either side of the reference)."""
+    gen = _gen(32)
+    ref = torch.randn(B, T, generator=gen, dtype=torch.float64) - 2
+    lp = ref + torch.randn(B, T, generator=gen, dtype=torch.float64) * 5
+    lp[0, :4] = ref[0, :4] + torch.tensor([-3.0, 12.0, -25.0, 25.0])  # saturated (k3 > 10)
+    lp1, lp2 = lp.clone().requires_grad_(True), lp.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(verl.kl_penalty(lp1, ref, kind).sum(), lp1)
+    (want,) = torch.autograd.grad(ref_kl(lp2, ref, kind).sum(), lp2)
+    torch.testing.assert_close(g, want, rtol=1e-12, atol=1e-12)
+    if kind in ("low_var_kl", "k3"):
+        assert g[0, :4].eq(0).all()
 
 
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -401,7 +442,7 @@ def test_value_loss(mode):
 
 
 # --------------------------------------------------------------------------- torch utilities
-def test_masked_whiten_matches_and_is_finite_where_verl_is_not():
+def test_masked_whiten_matches_and_raises_as_verl():
     gen = _gen(10)
     x = torch.randn(B, T, generator=gen, dtype=torch.float64)
     m = _prefix_mask(gen)
@@ -409,16 +450,39 @@ def test_masked_whiten_matches_and_is_finite_where_verl_is_not():
         got = verl.masked_whiten(x, m, shift_mean=shift)
         torch.testing.assert_close(got * m, ref_whiten(x, m, shift) * m)
         assert got[m == 0].eq(0).all()
+    two = torch.zeros_like(m)
+    two[0, 0] = two[3, 5] = 1
+    torch.testing.assert_close(verl.masked_whiten(x, two) * two, ref_whiten(x, two) * two)
+    # verl's masked_var (unbiased): "At least one element in the mask has to be 1." and "The
+    # sum of the mask is one, which can cause a division by zero.", both ValueError.
     one = torch.zeros_like(m)
     one[0, 0] = 1
-    with pytest.raises(ValueError):
-        ref_whiten(x, one)  # verl raises on a single selected token
-    assert torch.equal(verl.masked_whiten(x, one), torch.zeros_like(x))
-    none = torch.zeros_like(m)
-    assert torch.isnan((x * none).sum() / none.sum())  # verl's mean of nothing
-    assert torch.equal(verl.masked_whiten(x, none), torch.zeros_like(x))
+    for mask, match in ((one, "single"), (one.bool(), "single"), (one.float(), "single"),
+                        (torch.zeros_like(m), "no entry"), (torch.zeros(B, T), "no entry")):
+        with pytest.raises(ValueError, match=match):
+            verl.masked_whiten(x, mask)
     const = torch.full((B, T), 0.3, dtype=torch.float32)
     assert torch.isfinite(verl.masked_whiten(const, m)).all()
+
+
+def test_estimators_give_zero_advantages_where_verls_whitening_raises():
+    """Deliberate difference: with 0 or 1 selected token verl's estimators raise (from
+    ``masked_whiten``); here the advantages are 0 and the returns are still computed."""
+    gen = _gen(31)
+    r = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    one = torch.zeros(B, T, dtype=torch.long)
+    one[2, 4] = 1
+    for m in (one, torch.zeros_like(one)):
+        adv, ret = verl.compute_reinforce_plus_plus_outcome_advantage(r, m, {"gamma": 0.9})
+        with pytest.raises(ValueError):
+            ref_reinforce(r, m, 0.9)  # verl whitens the returns: raises
+        assert adv.eq(0).all()
+        assert torch.equal(ret, r * m)  # the one action's return is its own reward
+        assert verl.compute_gae_advantage_return(r, v, m, 0.9, 0.9)[0].eq(0).all()
+        adv, _ = verl.compute_reinforce_plus_plus_baseline_outcome_advantage(
+            r, m, list(range(B)))
+        assert adv.eq(0).all()
 
 
 def test_logprobs_and_entropy_from_logits():

@@ -15,9 +15,12 @@ GRPO and RLOO over samples and groups). Arguments are checked first and errors n
 arguments; scalars may be numbers, numpy scalars or 0-dim tensors.
 
 Deliberate differences, detailed in each docstring: tokens with ``response_mask = 0`` get 0 in
-every output (verl leaves whitened or carried values there; no loss reads them); REINFORCE++
-skips mask-0 tokens instead of resetting its return there; whitening a single or no selected
-token gives 0 instead of raising or NaN; bfloat16 log-probs and entropies come back in float32.
+every output (verl leaves whitened or carried values there; no loss reads them); the estimators
+that whiten (GAE, REINFORCE++, REINFORCE++-baseline) give 0 where a single or no token is
+selected, where verl's ``masked_whiten`` raises ``ValueError`` (:func:`masked_whiten` itself
+raises as verl); bfloat16 log-probs and entropies come back in float32. REINFORCE++ skips mask-0
+tokens (tool output), carrying the return across them, as verl does since its PR #7300
+(August 2026; versions before reset the return at every mask-0 token).
 """
 
 from __future__ import annotations
@@ -230,11 +233,15 @@ def compute_reinforce_plus_plus_outcome_advantage(
     (:func:`rlops.discounted_returns` with ``mask``); advantages are ``G`` whitened over the
     mask-1 tokens.
 
-    Difference: verl resets its running return at every mask-0 token ("reset after EOS"). With
-    interior mask-0 spans (tool output in multi-turn rollouts) that drops the outcome reward for
-    every action before the span. Here mask-0 tokens are skipped: the outcome reaches every
-    earlier action, discounted once per action step, and returns are 0 on mask-0 tokens (verl
-    keeps the token's own reward there). Without interior mask-0 spans the two agree.
+    Mask-0 tokens (tool output in multi-turn rollouts) are skipped: the return is carried across
+    them unchanged, so the outcome reaches every earlier action, discounted once per action
+    step; their own rewards are ignored and returns and advantages are 0 there. verl does the
+    same since its PR #7300 (August 2026, fixing verl issue #7278). verl versions before it
+    reset the running return at every mask-0 token ("reset after EOS"), which drops the outcome
+    for every action before a tool span; without interior mask-0 spans all agree.
+
+    Difference: a single or no mask-1 token gives advantages 0 (verl's ``masked_whiten`` raises
+    ``ValueError``).
 
     Example:
         >>> import torch
@@ -286,8 +293,10 @@ def compute_remax_outcome_advantage(
 # --------------------------------------------------------------------------- KL and losses
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty) -> torch.Tensor:
     """Per-token KL estimate: ``"kl"``/``"k1"``, ``"abs"``, ``"mse"``/``"k2"``,
-    ``"low_var_kl"``/``"k3"`` (clamped to [−10, 10], as verl), and the straight-through ``"+"``
-    variants (value of the kind, gradient of k2). ``"full"`` raises ``NotImplementedError``.
+    ``"low_var_kl"``/``"k3"`` (clamped to [−10, 10], as verl: gradient 0 where clamped), and the
+    straight-through ``"+"`` variants (value of the kind, gradient of k2). ``"full"`` raises
+    ``NotImplementedError``. :func:`rlops.kl_penalty` without ``old_logp``: no importance
+    correction, as verl.
 
     Example:
         >>> import torch
@@ -764,16 +773,28 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     """``(values − mean)·rsqrt(var + 1e-8)`` with the mean and unbiased variance of the mask-1
     entries; ``shift_mean=False`` adds the mean back. :func:`rlops.masked_whiten`.
 
-    Differences: mask-0 entries are returned as 0 (verl whitens them too); a single selected
-    entry gives 0 (verl raises ``ValueError``) and no selected entry gives zeros (verl: NaN).
-    The variance is two-pass in both, so constant inputs are finite in both.
+    As verl, fewer than two selected entries raise ``ValueError`` (verl's ``masked_var``: no
+    selected entry, or one, whose unbiased variance divides by zero); the count is read back to
+    the host once, as verl's check does. The variance is two-pass in both, so constant inputs
+    are finite in both.
+
+    Difference: mask-0 entries are returned as 0 (verl whitens them too).
 
     Example:
         >>> import torch
         >>> masked_whiten(torch.tensor([1.0, 2.0, 3.0, 50.0]), torch.tensor([1, 1, 1, 0]))
         tensor([-1.,  0.,  1.,  0.])
     """
-    return rlops.masked_whiten(values, mask, shift_mean=shift_mean, eps=1e-8)
+    out = rlops.masked_whiten(values, mask, shift_mean=shift_mean, eps=1e-8)  # checks inputs
+    selected = int(torch.count_nonzero(mask))
+    if selected == 0:
+        raise ValueError("mask selects no entry: at least one element of mask has to be 1")
+    if selected == 1:
+        raise ValueError(
+            "mask selects a single entry: its unbiased variance divides by zero; at least two "
+            "elements of mask have to be 1"
+        )
+    return out
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor, inplace_backward=True):
