@@ -2,9 +2,10 @@
 
 Each rank holds a slice of the columns of the same logits (or rows of the same output weight);
 its outputs and gradient shard must equal the single-process result on the full vocabulary.
-The forward makes one all-gather of 15 numbers per rank (the consistency check) and one of the
-statistics; with ``RLOPS_TP_CHECK=0`` only the latter; the backward none. Ranks that make
-mismatched calls all raise ``ValueError`` (the harness turns a hang into a timeout error).
+The forward makes one all-gather of 64 numbers per rank (the consistency check of
+:mod:`rlops.distributed.collectives`) and one of the statistics; with ``RLOPS_TP_CHECK=0`` only
+the latter; the backward none. Ranks that make mismatched calls all raise ``ValueError``
+(the harness turns a hang into a timeout error).
 
 Spawning processes is the slow part, so one spawn of 4 processes serves every test here: the
 vocabulary sharded over all 4, then over two groups of 2 side by side (ranks {0, 1} and {2, 3}).
@@ -313,8 +314,8 @@ def _expected_mismatch(name: str, tp: int, r: int) -> tuple[str, str]:
         if r == 1:
             return ("TypeError" if arg in ("temperature", "hidden") else "ValueError",
                     f"^{arg} must ")
-        return "ValueError", rf"rank\(s\) \[1\] of the group rejected their argument\(s\) " \
-                             rf"\['{arg}'\]"
+        return "ValueError", (r"^the ranks of a process group disagree on `argument rejected "
+                              rf"by the rank's own checks`: {per_rank(None, arg)}")
     field, values = {
         "tokens": ("tokens", per_rank(N, N - 1)),
         "with_entropy": ("with_entropy", per_rank(True, False)),
@@ -322,13 +323,13 @@ def _expected_mismatch(name: str, tp: int, r: int) -> tuple[str, str]:
         "keep_mask given": ("keep_mask given", per_rank(False, True)),
         "temperature": ("temperature", per_rank(1.0, 1.5)),
         "dtype": ("dtype", per_rank(torch.float64, torch.float32)),
-        "target ids": (r"target ids \(position-weighted checksum\)", ""),
-        "operation": ("operation", per_rank("logprobs_and_entropy",
-                                            "linear_logprobs_and_entropy")),
+        "target ids": (r"target ids \(position-weighted checksum\)", r"\["),
+        "operation": ("function", per_rank("logprobs_and_entropy",
+                                           "linear_logprobs_and_entropy")),
         "hidden size": ("hidden size", per_rank(H, H + 1)),
         "linear with_entropy": ("with_entropy", per_rank(True, False)),
     }[name]
-    return "ValueError", f"^tensor-parallel ranks disagree on .*{field}: {values}"
+    return "ValueError", f"^the ranks of a process group disagree on `{field}`: {values}"
 
 
 @pytest.mark.parametrize("tp", TPS)

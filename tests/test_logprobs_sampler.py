@@ -577,10 +577,10 @@ def test_tensor_parallel_matches_one_process():
         torch.testing.assert_close(r["per-token top_k"], torch.full((3,), -math.log(TP_V)),
                                    check_dtype=False)
         assert r["top_k differs"][0] == "ValueError"
-        assert "top_k: [4, 5]" in r["top_k differs"][1]
+        assert "`top_k`: [4, 5]" in r["top_k differs"][1]
         # top_p without top_k is supported: only rank 1 giving it is a mismatch of the check
         assert r["top_p on rank 1"][0] == "ValueError"
-        assert "top_p: [None, 0.5]" in r["top_p on rank 1"][1]
+        assert "`top_p`: [None, 0.5]" in r["top_p on rank 1"][1]
 
 
 def test_topk_and_sort_paths_agree():

@@ -29,12 +29,19 @@ the payload's shape) and the description travels with the data:
 exactly its data collective (one ``all_gather`` of the payload itself) and reads nothing on
 the host. Every rank of a group must call, ranks without data included (their payload is
 zeros); a rank that makes no call at all cannot be detected (the others wait in the backend).
+
+:func:`exchange` is the same check for a call that needs a few numbers of every rank on the
+host (the tensor-parallel log-prob ops: every shard's size): the first exchange alone, read
+once. A rank whose own argument checks failed still joins it (``failed=``), so the others
+raise a ``ValueError`` naming that rank's rejected argument instead of waiting for it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
+import struct
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -42,13 +49,15 @@ import torch.distributed as dist
 
 from rlops.distributed.groups import group_rank_size
 
-__all__ = ["ENV", "SLOTS", "Call", "check_enabled", "gather"]
+__all__ = ["ENV", "REJECTED", "SLOTS", "Call", "check_enabled", "exchange", "gather"]
 
 ENV = "RLOPS_GROUP_CHECK"
 #: float64 numbers of the first exchange of a checked call: the digest and a padded payload
 SLOTS = 64
 _DIGEST = 2
 _MASK = (1 << 52) - 1
+#: the field of :func:`exchange` that names the argument a rank's own checks rejected
+REJECTED = "argument rejected by the rank's own checks"
 
 
 def check_enabled() -> bool:
@@ -209,3 +218,70 @@ def gather(payload: torch.Tensor, group: object, call: Call, name: str = "group"
     if fits:
         return rows[:, h : h + flat.numel()].reshape(world, *payload.shape)
     return _all_gather(flat, group, world).reshape(world, *payload.shape)
+
+
+def _rejected_argument(error: Exception) -> str:
+    """The argument an error of a rank's own checks names: its message's first word."""
+    word = re.match(r"[`'\"]?([A-Za-z_][\w.]*)", str(error))
+    return word.group(1) if word else type(error).__name__
+
+
+def exchange(
+    payload: torch.Tensor,
+    group: object,
+    call: Call,
+    name: str = "group",
+    *,
+    failed: Exception | None = None,
+) -> list[list[float]]:
+    """Every rank's small ``payload`` over ``group`` on the host, after the check that every
+    rank makes the same ``call``: one ``all_gather`` of :data:`SLOTS` float64 numbers and one
+    host read, whatever :func:`check_enabled` says (the caller decides whether to call).
+
+    Args:
+        payload: this rank's numbers (at most :data:`SLOTS` minus the call's head); they may
+            differ across ranks (e.g. each shard's size).
+        group: a process group of ``world`` ranks, or None (one process: no collective).
+        call: the description of this rank's call (:class:`Call`).
+        name: the argument that holds ``group`` (named in errors).
+        failed: the error this rank's own checks raised, if any: the rank joins the exchange
+            (describing only ``call.op`` and the rejected argument, the error message's first
+            word) and then raises it; the other ranks raise a ``ValueError`` naming it.
+
+    Returns:
+        ``[world][payload.numel()]`` Python floats, rank order.
+
+    Raises:
+        ValueError: the same on every rank whose own checks passed, when the calls differ
+            (:func:`gather`'s message; :data:`REJECTED` names a rank's rejected argument).
+    """
+    world = group_rank_size(group, name)[1]
+    flat = payload.detach().to(torch.float64).reshape(-1)
+    own = {k: v for k, v in call.fields.items() if k != "function"} if failed is None else {}
+    fields = {
+        **own,
+        REJECTED: None if failed is None else _rejected_argument(failed),
+        "collective over": name,
+        "payload shape": tuple(payload.shape),
+    }
+    implied = {**call.implied, REJECTED: tuple(k for k in own)}  # a rejecting rank has no others
+    call = Call(call.op, implied=implied, **fields)
+    head = call.slots(flat.device)
+    h, n = head.numel(), flat.numel()
+    if h + n > SLOTS:
+        raise ValueError(f"exchange sends at most {SLOTS} numbers, got {h} + {n}")
+    if world == 1:
+        rows = [torch.cat([head, flat]).view(torch.int64).tolist()]
+    else:
+        first = torch.cat([head, flat, flat.new_zeros(SLOTS - h - n)])
+        # the check's one host read, bit for bit (a head of another length differs in digest)
+        rows = _all_gather(first, group, world)[:, : h + n].contiguous().view(torch.int64).tolist()
+        if any(row[:h] != rows[0][:h] for row in rows):
+            descriptions: list = [None] * world
+            dist.all_gather_object(descriptions, call.describe(), group=group)
+            if failed is not None:
+                raise failed
+            raise ValueError(_disagreement(descriptions, call.implied))
+    if failed is not None:
+        raise failed
+    return [[struct.unpack("<d", struct.pack("<q", b))[0] for b in row[h:]] for row in rows]

@@ -112,11 +112,11 @@ def prepare(
         inputs = check()
         sampler = checked_sampler(inputs.name, inputs.x, options, inputs.keep)
     except (TypeError, ValueError) as exc:
-        if tp_checked:  # the other ranks are about to exchange headers: join them, then raise
+        if tp_checked:  # the other ranks are about to exchange descriptions: join, then raise
             group = cast(dist.ProcessGroup, options.group)
-            _tp.fail_together(group, world, exc, getattr(first, "device", None))
+            _tp.fail_together(group, op, exc, getattr(first, "device", None))
         raise
-    call = _header(op, inputs, options) if tp_checked else None
+    call = _header(op, inputs, options, sampler) if tp_checked else None
     start, sampler = vocab_layout(
         call, inputs.target, sampler, group=options.group, rank=rank, world=world,
         v_local=inputs.v_local,
@@ -143,8 +143,9 @@ def prepare(
     return inputs, plan
 
 
-def _header(op: str, inputs: Checked, options: Options) -> _tp.Call:
-    """What this rank was asked to compute, for the consistency check."""
+def _header(op: str, inputs: Checked, options: Options, sampler: Sampler | None) -> _tp.Call:
+    """What this rank was asked to compute, for the consistency check (``sampler``: the checked
+    one, its per-token tensors in the dtype the op uses)."""
     return _tp.Call(
         op=op,
         v_local=inputs.v_local,
@@ -155,9 +156,8 @@ def _header(op: str, inputs: Checked, options: Options) -> _tp.Call:
         entropy_grad=options.entropy_grad,
         masked=inputs.keep is not None,
         temperature=inputs.temperature,
-        sampler=_tp.sampler_fields(
-            options.top_k, options.top_p, options.min_p, options.entropy_over_support
-        ),
+        sampler=sampler,
+        entropy_over_support=options.entropy_over_support,
     )
 
 
@@ -201,7 +201,7 @@ def vocab_layout(
     sampler, ``sampler`` itself unchanged."""
     if call is not None:
         pg = cast(dist.ProcessGroup, group)  # a group of world > 1 ranks (group_rank_size)
-        start, vocab = _tp.shard_layout(pg, rank, world, call, target)
+        start, vocab = _tp.shard_layout(pg, rank, call, target)
     else:
         start, vocab = rank * v_local, world * v_local
     check_target_range(target, vocab)

@@ -1,107 +1,76 @@
-"""Tensor-parallel consistency check: one fixed-size all-gather before the statistics.
+"""Tensor-parallel consistency check: the group check's one fixed-size exchange, before the
+statistics.
 
-Every rank of a vocabulary-parallel call sends a header of 15 int64 numbers (:data:`FIELDS`):
-the operation, its shard size ``V_local``, the number of tokens, the hidden size (linear op),
-the input dtype, the flags, the temperature (its float64 bits), the sampler's scalar top_k,
-top_p and min_p (per-token values are not compared), a position-weighted checksum of the
-target ids, and the argument that it rejected, if any. Every rank then reads the same
-``[world, 15]`` numbers and either
+Every rank of a vocabulary-parallel call describes what it was asked to compute (a
+:class:`rlops.distributed.collectives.Call`: the operation, the number of tokens, the hidden
+size (linear op), the input dtype, the flags, the temperature, the sampler's scalar ``top_k``,
+``top_p``, ``min_p`` and ``entropy_over_support``) with checksums computed on the device,
+compared bit for bit: one of the target ids and one of each sampler parameter given per token
+(:func:`checksum`). The payload is its vocabulary shard size ``V_local``. One
+:func:`~rlops.distributed.collectives.exchange` then gives every rank the same
+``[world]`` shard sizes, from which it derives its offset in the vocabulary (the sum of the
+sizes of the ranks before it) and the full vocabulary size, so shards of unequal size are
+merged correctly, or raises the same ``ValueError`` naming what disagrees with each rank's
+value, instead of returning wrong log-probs or aborting inside the statistics' collective
+(whose size depends on the tokens and the flags). A rank whose own arguments fail the local
+checks still joins the exchange (:func:`fail_together`): it raises its own error, the others a
+``ValueError`` naming its rejected argument.
 
-- derives its offset in the vocabulary (the sum of the shard sizes of the ranks before it) and
-  the full vocabulary size, so shards of unequal size are merged correctly, or
-- raises the same ``ValueError`` naming what disagrees with each rank's value,
-
-instead of returning wrong log-probs or aborting inside the statistics' collective (whose size
-depends on the tokens and the flags). A rank whose own arguments fail the local checks still
-joins the header exchange: it raises its own error, the others a ``ValueError`` naming it.
-
-Reading the gathered header is a host synchronisation (on accelerators). ``RLOPS_TP_CHECK=0``
-in every rank's environment turns the check off: exactly one collective per forward remains,
-nothing is read on the host, and the shards must then have equal sizes (rank ``r`` holds ids
-``[r·V_local, (r+1)·V_local)``).
+Reading the exchanged numbers is a host synchronisation (on accelerators). ``RLOPS_TP_CHECK=0``
+(this check only) or ``RLOPS_GROUP_CHECK=0`` (every group check) in every rank's environment
+turns it off: exactly one collective per forward remains, nothing is read on the host, and the
+shards must then have equal sizes (rank ``r`` holds ids ``[r·V_local, (r+1)·V_local)``).
 """
 
 from __future__ import annotations
 
 import os
-import struct
 from dataclasses import dataclass
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["FIELDS", "Call", "check_enabled", "fail_together", "sampler_fields", "shard_layout"]
+from rlops.distributed import collectives
+from rlops.logprobs._support import Sampler
+
+__all__ = ["ENV", "Call", "check_enabled", "checksum", "fail_together", "shard_layout"]
 
 ENV = "RLOPS_TP_CHECK"
-FIELDS = (
-    "rejected argument",
-    "operation",
-    "vocabulary shard size",
-    "tokens",
-    "hidden size",
-    "dtype",
-    "with_entropy",
-    "entropy_grad",
-    "keep_mask given",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "entropy_over_support",
-    "target ids (position-weighted checksum)",
-)
-_BAD, _OP, _V_LOCAL, _TOKENS, _HIDDEN, _TARGET = 0, 1, 2, 3, 4, len(FIELDS) - 1
-# A difference in the key implies one in the value: only the key is reported.
-_IMPLIED = {_TOKENS: _TARGET, _OP: _HIDDEN}
-_OPS = ("logprobs_and_entropy", "linear_logprobs_and_entropy")
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# Arguments a rank may reject locally; an error message starts with the argument's name.
-_ARGUMENTS = (
-    "logits",
-    "target",
-    "keep_mask",
-    "temperature",
-    "with_entropy",
-    "entropy_grad",
-    "chunk_size",
-    "hidden",
-    "weight",
-    "top_k",
-    "top_p",
-    "min_p",
-    "entropy_over_support",
-)
-# A sampler parameter given per token (a tensor): its values are not compared.
-_PER_TOKEN = -1
-
-
-def _bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", x))[0]
-
-
-def sampler_fields(top_k: object, top_p: object, min_p: object, over: object) -> tuple:
-    """The header's ``(top_k, top_p, min_p, entropy_over_support)`` numbers: 0 when not given,
-    ``-1`` when per token, else the int or the float64 bits (after the local checks)."""
-
-    def one(x, integer):
-        if x is None:
-            return 0
-        if isinstance(x, torch.Tensor):
-            return _PER_TOKEN
-        return int(x) if integer else _bits(float(x))
-
-    return one(top_k, True), one(top_p, False), one(min_p, False), int(bool(over))
+_TARGET = "target ids (position-weighted checksum)"
+# A difference in the key implies one in the values: only the key is reported.
+_IMPLIED = {
+    "tokens": (_TARGET, *(f"{p} (per-token checksum)" for p in ("top_k", "top_p", "min_p"))),
+    "function": ("hidden size",),
+    **{p: (f"{p} (per-token checksum)",) for p in ("top_k", "top_p", "min_p")},
+}
 
 
 def check_enabled() -> bool:
-    """Whether the check runs (``RLOPS_TP_CHECK`` is not ``0``)."""
-    return os.environ.get(ENV, "1") != "0"
+    """Whether the check runs: neither ``RLOPS_TP_CHECK`` nor ``RLOPS_GROUP_CHECK`` is ``0``."""
+    return os.environ.get(ENV, "1") != "0" and collectives.check_enabled()
+
+
+def checksum(values: torch.Tensor) -> torch.Tensor:
+    """A 0-dim int64 of a tensor's bits, on its device with no host read, in one pass:
+    ``Σ_t (2t + 1) · bits[t]`` modulo ``2**64`` (int64 arithmetic wraps), ``bits`` the values
+    as integers (a float's bit pattern, ``-0.0`` as ``0.0``). Integer sums do not depend on
+    the order of the additions, so ranks holding the same values get the same number; two
+    tensors that differ at a single position always differ here (odd weights are invertible
+    modulo ``2**64``); the weights also tell apart the same values in another order."""
+    flat = values.detach().reshape(-1)
+    if flat.is_floating_point():
+        flat = flat + 0  # -0.0 + 0 is +0.0: equal values, equal bits
+        ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+        flat = flat.view(ints)
+    weights = torch.arange(1, 2 * flat.numel() + 1, 2, dtype=torch.int64, device=flat.device)
+    return (flat.to(torch.int64) * weights).sum()
 
 
 @dataclass(frozen=True)
 class Call:
-    """What one rank was asked to compute: everything that must agree across the group."""
+    """What one rank was asked to compute: everything that must agree across the group, and
+    this rank's shard size ``v_local`` (which need not)."""
 
     op: str
     v_local: int
@@ -112,107 +81,58 @@ class Call:
     entropy_grad: bool
     masked: bool
     temperature: float
-    sampler: tuple = (0, 0, 0, 0)
+    sampler: Sampler | None = None
+    entropy_over_support: bool = False
 
-    def header(self) -> list[int]:
-        """The :data:`FIELDS` but the target checksum (computed on the device)."""
-        bits = _bits(self.temperature)
-        return [
-            0,
-            _OPS.index(self.op) + 1,
-            self.v_local,
-            self.tokens,
-            self.hidden,
-            _DTYPES.index(self.dtype) + 1 if self.dtype in _DTYPES else 0,
-            int(self.with_entropy),
-            int(self.entropy_grad),
-            int(self.masked),
-            bits,
-            *self.sampler,
-        ]
-
-
-def _checksum(target: torch.Tensor) -> torch.Tensor:
-    """``Σ_t (t + 1) · target[t]`` in int64 (wrapping): the same on ranks with the same ids."""
-    flat = target.reshape(-1)
-    weights = torch.arange(1, flat.numel() + 1, dtype=torch.int64, device=flat.device)
-    return (flat * weights).sum().reshape(1)
+    def described(self, target: torch.Tensor) -> collectives.Call:
+        """The group check's description, with the checksums of ``target`` and of the
+        sampler's per-token tensors (on their device)."""
+        fields: dict[str, object] = {
+            "tokens": self.tokens,
+            "hidden size": self.hidden,
+            "dtype": self.dtype,
+            "with_entropy": self.with_entropy,
+            "entropy_grad": self.entropy_grad,
+            "keep_mask given": self.masked,
+            "temperature": self.temperature,
+        }
+        params = (None, None, None) if self.sampler is None else (
+            self.sampler.top_k, self.sampler.top_p, self.sampler.min_p)
+        for name, p in zip(("top_k", "top_p", "min_p"), params, strict=True):
+            if isinstance(p, torch.Tensor):
+                fields[name] = "per token"
+                fields[f"{name} (per-token checksum)"] = checksum(p)
+            else:
+                fields[name] = p
+        fields["entropy_over_support"] = self.entropy_over_support
+        fields[_TARGET] = checksum(target)
+        return collectives.Call(self.op, implied=_IMPLIED, **fields)
 
 
 def _fallback_device(group: dist.ProcessGroup) -> torch.device:
-    """Where the header lives when a rank's own inputs gave no usable device."""
+    """Where the exchange lives when a rank's own inputs gave no usable device."""
     if "nccl" in str(dist.get_backend(group)).lower() and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _shown(field: int, values: list[int]) -> list:
-    if field == _OP:
-        return [_OPS[v - 1] if 0 < v <= len(_OPS) else v for v in values]
-    if field == FIELDS.index("dtype"):
-        return [_DTYPES[v - 1] if 0 < v <= len(_DTYPES) else "other" for v in values]
-    if FIELDS[field] in ("with_entropy", "entropy_grad", "keep_mask given"):
-        return [bool(v) for v in values]
-    if FIELDS[field] in ("temperature", "top_p", "min_p"):
-        return [
-            "per token" if v == _PER_TOKEN else
-            (None if v == 0 and field != FIELDS.index("temperature") else
-             struct.unpack("<d", struct.pack("<q", v))[0])
-            for v in values
-        ]
-    if field == FIELDS.index("top_k"):
-        return ["per token" if v == _PER_TOKEN else (None if v == 0 else v) for v in values]
-    if field == FIELDS.index("entropy_over_support"):
-        return [bool(v) for v in values]
-    return values
-
-
-def _gather(header: torch.Tensor, group: dist.ProcessGroup, world: int) -> list[list[int]]:
-    out = header.new_empty(world * header.numel())
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, header, group=group)
-    return out.view(world, -1).tolist()  # the check's host read (RLOPS_TP_CHECK=0 skips it)
-
-
 def fail_together(
-    group: dist.ProcessGroup, world: int, error: Exception, device: torch.device | None
+    group: dist.ProcessGroup, op: str, error: Exception, device: torch.device | None
 ) -> NoReturn:
-    """Join the header exchange as a rank whose local checks raised ``error``, then raise it.
-
-    ``device``: where the header goes (the inputs' device), or None if none is known.
-    """
-    name = str(error).split(" ", 1)[0]
-    header = [0] * len(FIELDS)
-    header[_BAD] = _ARGUMENTS.index(name) + 1 if name in _ARGUMENTS else len(_ARGUMENTS) + 1
+    """Join the exchange as a rank of the op named ``op`` whose local checks raised ``error``,
+    then raise it. ``device``: where the exchange goes (the inputs' device), or None."""
     dev = device if device is not None else _fallback_device(group)
-    _gather(torch.tensor(header, dtype=torch.int64, device=dev), group, world)
-    raise error
+    payload = torch.zeros(1, dtype=torch.float64, device=dev)
+    collectives.exchange(payload, group, collectives.Call(op), failed=error)
+    raise error  # exchange raised it already; for the type checker
 
 
 def shard_layout(
-    group: dist.ProcessGroup, rank: int, world: int, call: Call, target: torch.Tensor
+    group: dist.ProcessGroup, rank: int, call: Call, target: torch.Tensor
 ) -> tuple[int, int]:
-    """Exchange the headers; return ``(this shard's first id, full vocabulary size)`` or raise
-    the same ``ValueError`` on every rank. ``target``: this rank's ids (the header's device)."""
-    head = torch.tensor(call.header(), dtype=torch.int64, device=target.device)
-    rows = _gather(torch.cat([head, _checksum(target)]), group, world)
-    bad = [r for r, row in enumerate(rows) if row[_BAD]]
-    if bad:
-        names = [
-            _ARGUMENTS[rows[r][_BAD] - 1] if rows[r][_BAD] <= len(_ARGUMENTS) else "an argument"
-            for r in bad
-        ]
-        raise ValueError(
-            f"tensor-parallel rank(s) {bad} of the group rejected their argument(s) {names} "
-            "(see the error raised there); every rank of group must make the same call"
-        )
-    differ = {j for j in range(len(FIELDS)) if any(row[j] != rows[0][j] for row in rows)}
-    differ -= {_V_LOCAL} | {_IMPLIED[j] for j in differ if j in _IMPLIED}
-    wrong = [f"{FIELDS[j]}: {_shown(j, [row[j] for row in rows])}" for j in sorted(differ)]
-    if wrong:
-        raise ValueError(
-            "tensor-parallel ranks disagree on " + "; ".join(wrong) + " (one value per rank; "
-            "every rank of group must make the same call on its own vocabulary shard)"
-        )
-    sizes = [row[_V_LOCAL] for row in rows]
+    """Exchange the descriptions; return ``(this shard's first id, full vocabulary size)`` or
+    raise the same ``ValueError`` on every rank. ``target``: this rank's ids (the device)."""
+    payload = torch.tensor([float(call.v_local)], dtype=torch.float64, device=target.device)
+    rows = collectives.exchange(payload, group, call.described(target))
+    sizes = [int(row[0]) for row in rows]
     return sum(sizes[:rank]), sum(sizes)

@@ -210,7 +210,8 @@ def logprobs_and_entropy(
       top-p; with the check and the statistics, top-p alone in float32 makes 7 collectives per
       forward (11 in float64).
 
-    Per-token ``top_k`` / ``top_p`` / ``min_p`` must be equal on every rank (not checked).
+    Per-token ``top_k`` / ``top_p`` / ``min_p`` must be equal on every rank (compared by a
+    checksum of their bits in the consistency check below).
 
     The vocabulary may be sharded over ``group`` (tensor parallel): rank ``r`` holds the
     logits of the ids that follow the shards of ranks ``< r`` (``[r·V_local, (r+1)·V_local)``
@@ -223,15 +224,16 @@ def logprobs_and_entropy(
     own shard. ``group=None`` means one process holding the whole vocabulary (no collective,
     even if ``torch.distributed`` is initialised). Every rank of the group must call it.
 
-    Consistency check (tensor parallel): before the statistics, one all-gather of 15 numbers
-    per rank compares the tokens, the target ids (a checksum), the dtype, the flags, whether a
-    keep mask is given, the temperature and the scalar sampler parameters, and collects the
-    shard sizes (which may differ).
+    Consistency check (tensor parallel): before the statistics, one all-gather of 64 numbers
+    per rank (:mod:`rlops.distributed.collectives`) compares the tokens, the target ids (a
+    checksum), the dtype, the flags, whether a keep mask is given, the temperature, the scalar
+    sampler parameters and a checksum of each per-token one, and collects the shard sizes
+    (which may differ).
     Every rank then raises the same ``ValueError`` naming what disagrees, instead of returning
     wrong values or aborting in the collective; a rank whose own arguments are invalid raises
-    its error and the others a ``ValueError`` naming it. Reading the 15 numbers is a host
-    synchronisation; ``RLOPS_TP_CHECK=0`` (on every rank) skips the check, leaving the one
-    collective, and then requires shards of equal size.
+    its error and the others a ``ValueError`` naming it. Reading the exchanged numbers is a
+    host synchronisation; ``RLOPS_TP_CHECK=0`` or ``RLOPS_GROUP_CHECK=0`` (on every rank) skips
+    the check, leaving the one collective, and then requires shards of equal size.
 
     Double backward (``create_graph=True``) is supported in one process: the backward is then
     recomputed with differentiable operations on the whole ``[N, V]`` (memory as the unfused

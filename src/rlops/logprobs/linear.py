@@ -260,7 +260,7 @@ def linear_logprobs_and_entropy(
     Vocabulary-parallel over ``group``: rank ``r`` holds the rows of the output weight for the
     ids that follow the shards of ranks ``< r`` (``[r·V_local, (r+1)·V_local)`` for equal
     shards). The forward issues one collective for the statistics, after the consistency check
-    of :func:`rlops.logprobs.logprobs_and_entropy` (15 numbers per rank, the hidden size among
+    of :func:`rlops.logprobs.logprobs_and_entropy` (64 numbers per rank, the hidden size among
     them; ``RLOPS_TP_CHECK=0`` skips it and then requires equal shards); the backward issues
     none. Double backward (``create_graph=True``) is supported in one process and raises
     RuntimeError with a group of more than one rank. Every rank
