@@ -136,11 +136,11 @@ def reinforce_plus_plus_returns(
     """
     kl = check_2d("kl", kl)
     rewards = as_float_tensor("rewards", rewards)
+    mask = as_bool_mask("mask", mask, kl.shape, "kl", ref=kl)
     b = kl.shape[0]
     if tuple(rewards.shape) != (b,):
         raise shape_error("rewards", f"[B] = [{b}] (one outcome score per row)", rewards.shape)
     check_same_device("kl", kl, rewards=rewards)
-    mask = as_bool_mask("mask", mask, kl.shape, "kl", ref=kl)
     kl_coef = check_nonneg("kl_coef", kl_coef)
     gamma_ = per_row_discount("gamma", gamma, b, kl)
     dtype = torch.promote_types(rewards.dtype, kl.dtype)

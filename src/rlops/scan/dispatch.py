@@ -36,6 +36,7 @@ the graph stays on the caller's thread, and so do its results, bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 import warnings
@@ -145,11 +146,16 @@ def _numba_errors() -> tuple[type[BaseException], ...]:
     return (NumbaError,)
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def _triton_requires(case: Case) -> str | None:
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if case.device.type != "cuda" and not interpreted:
         return f'method="triton" runs on CUDA tensors, got device {case.device}'
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         return 'method="triton" needs the triton package'
     return None
 
