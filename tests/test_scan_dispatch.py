@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 import warnings
 
@@ -130,6 +131,16 @@ def _failing_table(calls: list) -> Table:
 
     flaky = Backend("triton", compile_errors=lambda: (_CannotCompile,))
     return Table("op", [Row((flaky,), broken), Row((CHUNKED,), chunked)])
+
+
+def test_auto_picks_triton_on_cuda_only(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # triton can run CPU tensors, for tests
+    table = Table("op", [Row((dispatch.TRITON,), lambda m, x: x), Row((CHUNKED,), lambda m, x: x)])
+    assert table.method("auto", _case()) == "chunked"
+    assert table.method("auto", _case(device=torch.device("cuda"))) in ("triton", "chunked")
+    if importlib.util.find_spec("triton") is not None:
+        assert table.method("triton", _case()) == "triton"
+        assert table.method("auto", _case(device=torch.device("cuda"))) == "triton"
 
 
 def test_a_backend_that_fails_to_compile_warns_once_and_falls_back(clean_failures):

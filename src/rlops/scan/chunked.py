@@ -44,12 +44,13 @@ DEFAULT_CHUNK_TOKENWISE = 16
 _FULL = ("none", "ieee")  # fp32_precision values that keep float32 products in float32
 
 
-def _reduced_fp32_matmul(device: torch.device) -> bool:
-    """Whether float32 matrix products on ``device`` may run in reduced precision (a read of
-    the process's setting; never written)."""
-    if device.type == "cuda":
+@torch.compiler.assume_constant_result
+def _reduced_fp32_matmul(device_type: str) -> bool:
+    """Whether float32 matrix products on ``device_type`` may run in reduced precision (a read
+    of the process's setting, never written; ``torch.compile`` reads it once, when it traces)."""
+    if device_type == "cuda":
         return torch.backends.cuda.matmul.fp32_precision not in _FULL
-    if device.type == "cpu":
+    if device_type == "cpu":
         return torch.backends.mkldnn.matmul.fp32_precision not in _FULL
     return False
 
@@ -57,7 +58,7 @@ def _reduced_fp32_matmul(device: torch.device) -> bool:
 def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` in full precision: float32 operands go through float64 where the process lets
     float32 products run reduced."""
-    if a.dtype == torch.float32 and _reduced_fp32_matmul(a.device):
+    if a.dtype == torch.float32 and _reduced_fp32_matmul(a.device.type):
         return torch.matmul(a.double(), b.double()).to(a.dtype)
     return torch.matmul(a, b)
 

@@ -114,6 +114,14 @@ def _no_errors() -> tuple[type[BaseException], ...]:
     return ()
 
 
+def _anywhere(case: Case) -> bool:
+    return True
+
+
+def _on_cuda(case: Case) -> bool:
+    return case.device.type == "cuda"
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """A way to run ops: what it needs, and which of its errors mean "cannot compile here"."""
@@ -122,6 +130,7 @@ class Backend:
     requires: Callable[[Case], str | None] = _no_requirement  # why it cannot run, or None
     traceable: bool = True  # torch.compile can trace it
     compile_errors: Callable[[], tuple[type[BaseException], ...]] = _no_errors
+    auto: Callable[[Case], bool] = _anywhere  # where "auto" may pick it
 
 
 def _compiled_requires(case: Case) -> str | None:
@@ -169,7 +178,8 @@ def _triton_errors() -> tuple[type[BaseException], ...]:
 REFERENCE = Backend("reference")
 CHUNKED = Backend("chunked")
 COMPILED = Backend("compiled", _compiled_requires, traceable=False, compile_errors=_numba_errors)
-TRITON = Backend("triton", _triton_requires, compile_errors=_triton_errors)
+# auto picks triton on CUDA only: under TRITON_INTERPRET=1 it runs CPU tensors, for tests
+TRITON = Backend("triton", _triton_requires, compile_errors=_triton_errors, auto=_on_cuda)
 
 
 def _always(case: Case) -> bool:
@@ -213,6 +223,7 @@ class Table:
                     backend is not None
                     and name not in _failed
                     and backend.requires(case) is None
+                    and backend.auto(case)
                     and (backend.traceable or not compiling)
                 ):
                     return name
@@ -270,14 +281,15 @@ def failed() -> dict[str, str]:
 
 
 def _execute(row: Row, method: str, case: Case, args: tuple) -> Any:
-    threads = torch.get_num_threads()
     if (
-        not row.small_ops
+        torch.compiler.is_compiling()  # traced into the graph, threads cannot be
+        or not row.small_ops
         or case.device.type != "cpu"
         or case.needs_grad  # the graph stays on the caller's thread (module docstring)
-        or threads <= 1  # a worker of the pool, or a single-threaded caller
-        or torch.compiler.is_compiling()
     ):
+        return row.run(method, *args)
+    threads = torch.get_num_threads()
+    if threads <= 1:  # a worker of the pool, or a single-threaded caller
         return row.run(method, *args)
     grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
