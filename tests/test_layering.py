@@ -236,3 +236,35 @@ def test_benchmarks_use_the_harness_not_the_command_line(script):
         or any(n.startswith("_") for n in names)
     ]
     assert not bad, f"benchmarks/{script} imports the command line or private names: {bad}"
+
+
+def _dotted(node: ast.AST) -> str:
+    """``a.b.c`` for an attribute chain (empty for anything else)."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return ""
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_process_wide_backend_flag_is_written(module):
+    """No ``torch.backends...`` assignment (or ``setattr`` on it) anywhere in ``src/``: a flag
+    flipped around a call races with every other thread of the process."""
+    bad = []
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        targets: list[ast.AST] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Call) and _dotted(node.func) == "setattr" and node.args:
+            targets = [ast.Attribute(value=node.args[0], attr="?")]
+        for t in targets:
+            for el in t.elts if isinstance(t, ast.Tuple) else [t]:
+                if _dotted(el).startswith(("torch.backends", "backends.")):
+                    bad.append(f"line {node.lineno}: {_dotted(el)}")
+    assert not bad, f"{module} writes process-wide backend flags: {bad}"

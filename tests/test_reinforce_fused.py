@@ -51,7 +51,7 @@ def spy(monkeypatch):
         calls.append(args[0].dtype)
         return real(*args)
 
-    monkeypatch.setattr("rlops.advantages.reinforce.reinforce_returns_compiled", wrapped)
+    monkeypatch.setattr("rlops.advantages.compiled.reinforce_returns_compiled", wrapped)
     return calls
 
 

@@ -3,7 +3,9 @@
 Each estimator keeps its paths side by side: ``reference.py`` (the loop, the definition),
 ``compiled.py`` with ``_numba_kernels.py`` (fused single-pass CPU kernels), the chunked form
 built from ``masking.py`` (the one statement of what ``mask`` and ``dones`` mean) in
-``gae.py`` / ``reinforce.py``, and ``context_parallel.py`` (carry-only CP forms).
+``gae.py`` / ``reinforce.py``, and ``context_parallel.py`` (carry-only CP forms). Which one
+runs is decided by one table per family (``gae.RETURNS``, ``reinforce.REINFORCE``, and the
+scan's ``rlops.scan.SCAN``; :mod:`rlops.scan.dispatch`).
 """
 
 from rlops.advantages.cumsum import discounted_cumsum

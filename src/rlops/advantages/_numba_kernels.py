@@ -11,9 +11,9 @@ The advantage carry is float64 whatever the input dtype: its chain is one fused 
 float32 input over 128K tokens keeps the accuracy of a float64 loop (its only errors are the
 rounding of each ``δ``, which does not accumulate along the chain, and of each output). The TD
 residual ``δ`` and the next-action value stay in the input dtype, and inputs are converted as
-they are read (:func:`rlops.scan.exact_arith.read_operands`): the kernels cost 1.0-1.2x what
-a float32 carry does (``docs/architecture.md``). REINFORCE++ returns have their own kernel
-(:func:`returns_kl`), which builds the token rewards from the KL as it goes.
+they are read (:func:`rlops.scan.exact_arith.read_operands`), so the wider carry costs one
+register conversion per token (the output's rounding) instead of two. REINFORCE++ returns have
+their own kernel (:func:`returns_kl`), which builds the token rewards from the KL as it goes.
 
 One top-level kernel per combination of inputs (values, mask, dones), so numba's on-disk cache
 keeps them apart and later processes load them instead of compiling.

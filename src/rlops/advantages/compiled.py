@@ -12,14 +12,7 @@ import torch
 
 from rlops.scan.compiled import as_array, run_rows
 
-__all__ = ["gae_compiled", "has_zero", "reinforce_returns_compiled"]
-
-
-def has_zero(*discounts: float | torch.Tensor) -> bool:
-    """Whether any discount (a float, or a per-row CPU tensor: no device synchronisation) is
-    exactly 0. The kernels multiply carries by the discount, so such calls go to the chunked
-    method, where a zero decay is an exact cut (NaN beyond it cannot leak back)."""
-    return any(bool((d == 0).any()) if isinstance(d, torch.Tensor) else d == 0 for d in discounts)
+__all__ = ["gae_compiled", "reinforce_returns_compiled"]
 
 
 def gae_compiled(

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from rlops.advantages.masking import pass_through_decay, td_residual, token_decay
 from rlops.distributed.groups import group_rank_size
 from rlops.scan import is_per_token, scan
+from rlops.scan.decay import through
 from rlops.scan.reference import scan_reference
 
 __all__ = ["cp_gae", "cp_reinforce_returns", "cp_scan"]
@@ -162,14 +163,8 @@ def cp_scan(
     summary = torch.stack([local[:, 0], g[:, 0]], -1)
     chunks = _gather(summary, "scan", group, t_local, params)
     y_in = _solve(chunks[..., 0], chunks[..., 1])  # [N, 2cp]
-    y = local + _through(g, _own(y_in, group))
+    y = local + through(g, _own(y_in, group).unsqueeze(-1))
     return _unpieces(y, n)
-
-
-def _through(g: torch.Tensor, y_in: torch.Tensor) -> torch.Tensor:
-    """``g * y_in`` (``y_in`` per row, ``[2N]``) with an exact cut where ``g == 0``: what enters
-    from the right is selected away there, so NaN beyond a cut cannot leak across it."""
-    return g * torch.where(g == 0, 0.0, y_in.unsqueeze(-1))
 
 
 def _own(per_chunk: torch.Tensor, group) -> torch.Tensor:
@@ -205,17 +200,13 @@ def cp_gae(r, v, mask, dones, gamma, gamma_lam, group, method, chunk_size=None):
     summary = torch.stack([z[:, 0], gz[:, 0], adv[:, 0], s[:, 0], ga[:, 0]], -1)
     c = _gather(summary, "gae", group, t_local, (gamma, gamma_lam))
     z_in = _solve(c[..., 0], c[..., 1])  # value entering each chunk
-    head_adv = c[..., 2] + _cut(c[..., 3], z_in)
+    head_adv = c[..., 2] + through(c[..., 3], z_in)
     a_in = _solve(head_adv, c[..., 4])  # advantage entering each chunk
-    adv = adv + _through(s, _own(z_in, group)) + _through(ga, _own(a_in, group))
+    adv = adv + through(s, _own(z_in, group).unsqueeze(-1))
+    adv = adv + through(ga, _own(a_in, group).unsqueeze(-1))
     adv = torch.where(m, adv, 0.0)
     ret = torch.where(m, vp + adv, 0.0)
     return _unpieces(adv, n), _unpieces(ret, n)
-
-
-def _cut(coef: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``coef * y`` elementwise, 0 where ``coef == 0`` whatever ``y`` holds."""
-    return coef * torch.where(coef == 0, 0.0, y)
 
 
 def _last(a: torch.Tensor) -> torch.Tensor:
@@ -248,5 +239,5 @@ def cp_reinforce_returns(token_rewards, outcome, mask, gamma, group, method, kl_
     k_last = torch.where(c[..., 3] > 0, k, -1).amax(-1, keepdim=True)  # [N, 1]
     hit = (k == k_last).to(xp.dtype) * outcome.reshape(n, 1).to(xp.dtype)  # [N, 2cp]
     y_in = _solve(c[..., 0] + hit * c[..., 2], c[..., 1])
-    y = y + _through(g, _own(y_in, group)) + u * _own(hit, group).unsqueeze(-1)
+    y = y + through(g, _own(y_in, group).unsqueeze(-1)) + u * _own(hit, group).unsqueeze(-1)
     return _unpieces(torch.where(m, y, 0.0), n)

@@ -18,7 +18,8 @@ from rlops._checks import (
     check_unit_interval,
     compute_dtype,
 )
-from rlops.scan import resolve_method, scan
+from rlops.scan import SCAN, scan
+from rlops.scan.dispatch import case_of
 
 __all__ = ["discounted_cumsum"]
 
@@ -82,7 +83,7 @@ def discounted_cumsum(
                 f"[B, T] per token), got {list(discount.shape)}"
             )
     discount = check_unit_interval("discount", discount)
-    method = resolve_method(method, x, discount)
+    method = SCAN.method(method, case_of(x, discount))
 
     dtype = compute_dtype(x.dtype)
     xt = x.movedim(dim, -1)

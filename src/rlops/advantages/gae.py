@@ -11,13 +11,17 @@ Both take ``[B, T]`` tensors and share the semantics of ``mask`` and ``dones``
   or earlier, for packed rows holding several sequences; not even NaN or inf. A done on a
   mask-0 token cuts too.
 
-Methods: ``"reference"`` (:mod:`rlops.advantages.reference`, the loop), ``"compiled"``
-(:mod:`rlops.advantages.compiled`, fused numba kernels), ``"chunked"`` (scans built from
+Which implementation runs is decided by one table, :data:`RETURNS` (:mod:`rlops.scan.dispatch`):
+``"reference"`` (:mod:`rlops.advantages.reference`, the loop), ``"compiled"``
+(:mod:`rlops.advantages.compiled`, fused numba kernels; a zero discount goes to chunked, since
+the kernels multiply their carries), ``"chunked"`` (scans built from
 :mod:`rlops.advantages.masking`), and with ``cp_group=`` the carry-only forms of
-:mod:`rlops.advantages.context_parallel`.
+:mod:`rlops.advantages.context_parallel`, whose local scans run the resolved method.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -25,28 +29,111 @@ from rlops._checks import (
     as_float_tensor,
     check_2d,
     check_chunk_size,
-    check_indicator,
     check_same_device,
     compute_dtype,
     per_row_discount,
     shape_error,
 )
 from rlops.advantages import compiled
-from rlops.advantages.masking import as_rows, next_action_value, td_residual, token_decay
+from rlops.advantages.masking import (
+    as_rows,
+    indicators,
+    next_action_value,
+    td_residual,
+    token_decay,
+)
 from rlops.advantages.reference import gae_reference
-from rlops.scan import resolve_method, scan
+from rlops.scan import scan
+from rlops.scan.dispatch import CHUNKED, COMPILED, REFERENCE, Row, Table, case_of
 
-__all__ = ["discounted_returns", "gae"]
+__all__ = ["RETURNS", "discounted_returns", "gae"]
 
 
-def indicators(shape, ref, mask, dones):
-    """Check the optional ``mask`` and ``dones`` of ``rewards`` ``ref``; return them as bool."""
-    check_indicator("mask", mask, shape)
-    check_indicator("dones", dones, shape)
-    check_same_device("rewards", ref, mask=mask, dones=dones)
-    mask = None if mask is None else mask.bool()
-    dones = None if dones is None else dones.bool()
-    return mask, dones
+@dataclasses.dataclass(frozen=True)
+class Returns:
+    """One checked call of the family: ``r``/``v`` ``[B, T]`` in the compute dtype (``v`` None
+    for discounted returns), ``mask``/``dones`` bool or None, ``gamma`` and ``gamma_lam`` floats
+    or ``[B, 1]`` tensors as given (``gamma_lam = gamma`` for returns)."""
+
+    r: torch.Tensor
+    v: torch.Tensor | None
+    mask: torch.Tensor | None
+    dones: torch.Tensor | None
+    gamma: float | torch.Tensor
+    gamma_lam: float | torch.Tensor
+    chunk_size: int | None = None
+    cp_group: object | None = None
+
+    def rows(self, value, dtype) -> torch.Tensor:
+        """A discount as a ``[B]`` tensor of ``dtype``."""
+        return as_rows(value, self.r.shape[0], dtype, self.r.device)
+
+    def cast(self, value):
+        """A per-row discount in the compute dtype (a float stays a float)."""
+        return value.to(self.r.dtype) if isinstance(value, torch.Tensor) else value
+
+
+def _reference(method: str, c: Returns):
+    g, gl = c.rows(c.gamma, c.r.dtype), c.rows(c.gamma_lam, c.r.dtype)
+    return gae_reference(c.r, c.v, c.mask, c.dones, g, gl)
+
+
+def _compiled(method: str, c: Returns):
+    # the carry decays by gamma * lam in float64 (see gae_compiled)
+    g, gl = c.rows(c.gamma, torch.float64), c.rows(c.gamma_lam, torch.float64)
+    return compiled.gae_compiled(c.r, c.v, c.mask, c.dones, g, gl)
+
+
+def _chunked(method: str, c: Returns):
+    r, mask, gamma = c.r, c.mask, c.cast(c.gamma)
+    if c.v is None:
+        x = r if mask is None else torch.where(mask, r, 0.0)
+        out = scan(x, token_decay(gamma, mask, c.dones, r), method, c.chunk_size)
+        out = out if mask is None else torch.where(mask, out, 0.0)
+        return out, out
+    nxt = next_action_value(c.v, mask, c.dones, method, c.chunk_size)
+    delta = td_residual(r, c.v, nxt, gamma, mask)
+    adv = scan(delta, token_decay(c.cast(c.gamma_lam), mask, c.dones, r), method, c.chunk_size)
+    ret = c.v + adv
+    if mask is not None:
+        adv = torch.where(mask, adv, 0.0)
+        ret = torch.where(mask, ret, 0.0)
+    return adv, ret
+
+
+def _context_parallel(method: str, c: Returns):
+    from rlops.advantages.context_parallel import cp_gae, cp_scan
+
+    if c.v is None:
+        gamma = c.cast(c.gamma)
+        x = c.r if c.mask is None else torch.where(c.mask, c.r, 0.0)
+        decay = token_decay(gamma, c.mask, c.dones, c.r)
+        out = cp_scan(x, decay, c.cp_group, method, c.chunk_size, params=(gamma, None))
+        out = out if c.mask is None else torch.where(c.mask, out, 0.0)
+        return out, out
+    g, gl = c.rows(c.gamma, c.r.dtype), c.rows(c.gamma_lam, c.r.dtype)
+    return cp_gae(c.r, c.v, c.mask, c.dones, g, gl, c.cp_group, method, c.chunk_size)
+
+
+def _in_context_parallel(case) -> bool:
+    return case.cp
+
+
+def _no_zero_discount(case) -> bool:
+    return not case.zero_discount()
+
+
+# GAE and discounted returns: (method, device, grad, dtype, CP) -> implementation. The
+# backends' requirements (numba, CPU, no gradient) are checked by the dispatch.
+RETURNS = Table(
+    "gae and discounted_returns",
+    [
+        Row((REFERENCE, CHUNKED, COMPILED), _context_parallel, when=_in_context_parallel),
+        Row((REFERENCE,), _reference, small_ops=True),
+        Row((COMPILED,), _compiled, when=_no_zero_discount),
+        Row((CHUNKED,), _chunked, small_ops=True),
+    ],
+)
 
 
 def gae(
@@ -108,40 +195,16 @@ def gae(
     gamma_ = per_row_discount("gamma", gamma, b, rewards)
     lam_ = per_row_discount("lam", lam, b, rewards)
     mask, dones = indicators(rewards.shape, rewards, mask, dones)
-    method = resolve_method(method, rewards, values, gamma_, lam_)
-
     out_dtype = torch.promote_types(rewards.dtype, values.dtype)
     dtype = compute_dtype(out_dtype)
-    r, v = rewards.to(dtype), values.to(dtype)
     gl = gamma_ * lam_
-    if cp_group is not None:
-        from rlops.advantages.context_parallel import cp_gae
-
-        g_rows = as_rows(gamma_, b, dtype, r.device)
-        gl_rows = as_rows(gl, b, dtype, r.device)
-        adv, ret = cp_gae(r, v, mask, dones, g_rows, gl_rows, cp_group, method, chunk_size)
-        return adv.to(out_dtype), ret.to(out_dtype)
-    if method == "compiled" and compiled.has_zero(gamma_, gl):
-        method = "chunked"  # a zero discount is an exact cut there; the kernels multiply
-    if method in ("reference", "compiled"):
-        rows_dtype = dtype if method == "reference" else torch.float64  # see gae_compiled
-        g_rows = as_rows(gamma_, b, rows_dtype, r.device)
-        gl_rows = as_rows(gl, b, rows_dtype, r.device)
-        run = gae_reference if method == "reference" else compiled.gae_compiled
-        adv, ret = run(r, v, mask, dones, g_rows, gl_rows)
-        return adv.to(out_dtype), ret.to(out_dtype)
-
-    if isinstance(gamma_, torch.Tensor):
-        gamma_ = gamma_.to(dtype)
-    if isinstance(gl, torch.Tensor):
-        gl = gl.to(dtype)
-    nxt = next_action_value(v, mask, dones, method, chunk_size)
-    delta = td_residual(r, v, nxt, gamma_, mask)
-    adv = scan(delta, token_decay(gl, mask, dones, r), method, chunk_size)
-    ret = v + adv
-    if mask is not None:
-        adv = torch.where(mask, adv, 0.0)
-        ret = torch.where(mask, ret, 0.0)
+    case = case_of(
+        rewards, values, gamma_, lam_, cp=cp_group is not None, discounts=(gamma_, gl)
+    )
+    call = Returns(
+        rewards.to(dtype), values.to(dtype), mask, dones, gamma_, gl, chunk_size, cp_group
+    )
+    adv, ret = RETURNS(method, case, call)
     return adv.to(out_dtype), ret.to(out_dtype)
 
 
@@ -183,28 +246,9 @@ def discounted_returns(
     """
     rewards = check_2d("rewards", rewards)
     check_chunk_size(chunk_size)
-    b = rewards.shape[0]
-    gamma_ = per_row_discount("gamma", gamma, b, rewards)
+    gamma_ = per_row_discount("gamma", gamma, rewards.shape[0], rewards)
     mask, dones = indicators(rewards.shape, rewards, mask, dones)
-    method = resolve_method(method, rewards, gamma_)
-    dtype = compute_dtype(rewards.dtype)
-    r = rewards.to(dtype)
-    if method == "compiled" and compiled.has_zero(gamma_):
-        method = "chunked"  # a zero discount is an exact cut there; the kernels multiply
-    if cp_group is None and method in ("reference", "compiled"):
-        g_rows = as_rows(gamma_, b, dtype if method == "reference" else torch.float64, r.device)
-        run = gae_reference if method == "reference" else compiled.gae_compiled
-        return run(r, None, mask, dones, g_rows, g_rows)[1].to(rewards.dtype)
-    if isinstance(gamma_, torch.Tensor):
-        gamma_ = gamma_.to(dtype)
-    x = r if mask is None else torch.where(mask, r, 0.0)
-    decay = token_decay(gamma_, mask, dones, r)
-    if cp_group is not None:
-        from rlops.advantages.context_parallel import cp_scan
-
-        out = cp_scan(x, decay, cp_group, method, chunk_size, params=(gamma_, None))
-    else:
-        out = scan(x, decay, method, chunk_size)
-    if mask is not None:
-        out = torch.where(mask, out, 0.0)
-    return out.to(rewards.dtype)
+    case = case_of(rewards, gamma_, cp=cp_group is not None, discounts=(gamma_,))
+    r = rewards.to(compute_dtype(rewards.dtype))
+    call = Returns(r, None, mask, dones, gamma_, gamma_, chunk_size, cp_group)
+    return RETURNS(method, case, call)[1].to(rewards.dtype)

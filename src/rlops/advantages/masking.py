@@ -19,9 +19,27 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rlops._checks import check_indicator, check_same_device
 from rlops.scan import scan
 
-__all__ = ["as_rows", "next_action_value", "pass_through_decay", "td_residual", "token_decay"]
+__all__ = [
+    "as_rows",
+    "indicators",
+    "next_action_value",
+    "pass_through_decay",
+    "td_residual",
+    "token_decay",
+]
+
+
+def indicators(shape, ref: torch.Tensor, mask, dones):
+    """Check the optional ``mask`` and ``dones`` of ``rewards`` ``ref``; return them as bool."""
+    check_indicator("mask", mask, shape)
+    check_indicator("dones", dones, shape)
+    check_same_device("rewards", ref, mask=mask, dones=dones)
+    mask = None if mask is None else mask.bool()
+    dones = None if dones is None else dones.bool()
+    return mask, dones
 
 
 def as_rows(value: float | torch.Tensor, b: int, dtype, device) -> torch.Tensor:

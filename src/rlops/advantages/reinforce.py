@@ -1,11 +1,21 @@
 """REINFORCE++ token returns: the discounted returns of the KL-penalised token reward plus
-the outcome score on each row's last action token, over action tokens only."""
+the outcome score on each row's last action token, over action tokens only.
+
+One table, :data:`REINFORCE`, decides the implementation: on the compiled backend one fused
+kernel reads the KL, the outcome and the mask (full-precision dtypes, no zero discount);
+otherwise the token rewards are built and handed to :func:`rlops.discounted_returns` with the
+resolved method (bit for bit what the fused kernel gives); with ``cp_group=`` the carry-only
+form of :mod:`rlops.advantages.context_parallel`.
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from rlops._checks import (
+    as_bool_mask,
     as_float_tensor,
     check_2d,
     check_nonneg,
@@ -14,12 +24,76 @@ from rlops._checks import (
     per_row_discount,
     shape_error,
 )
-from rlops.advantages.compiled import has_zero, reinforce_returns_compiled
-from rlops.advantages.gae import discounted_returns, indicators
+from rlops.advantages import compiled
+from rlops.advantages.gae import discounted_returns
 from rlops.advantages.masking import as_rows
-from rlops.scan import resolve_method
+from rlops.scan.dispatch import CHUNKED, COMPILED, REFERENCE, Case, Row, Table, case_of
 
-__all__ = ["reinforce_plus_plus_returns"]
+__all__ = ["REINFORCE", "reinforce_plus_plus_returns"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One checked call: ``kl`` ``[B, T]`` and ``outcome`` ``[B]`` in the promoted ``dtype``,
+    ``mask`` bool, ``gamma`` a float or ``[B, 1]`` as given."""
+
+    kl: torch.Tensor
+    outcome: torch.Tensor
+    mask: torch.Tensor
+    kl_coef: float
+    gamma: float | torch.Tensor
+    cp_group: object | None = None
+
+    def token_rewards(self) -> torch.Tensor:
+        return torch.where(self.mask, -self.kl_coef * self.kl, 0.0)
+
+
+def _fused(method: str, c: Call) -> torch.Tensor:
+    # one pass from the KL: the token rewards are never written (the same values as _two_step)
+    rows = as_rows(c.gamma, c.kl.shape[0], torch.float64, c.kl.device)
+    return compiled.reinforce_returns_compiled(c.kl, c.outcome, c.mask, c.kl_coef, rows)
+
+
+def _two_step(method: str, c: Call) -> torch.Tensor:
+    token_rewards = c.token_rewards()
+    t_len = token_rewards.shape[1]
+    if t_len > 0:
+        # the last action token of each row: T-1 - (first action index in the flipped row)
+        last = (t_len - 1) - c.mask.flip(-1).to(torch.uint8).argmax(-1, keepdim=True)
+        outcome = torch.where(c.mask.any(-1), c.outcome, 0.0).unsqueeze(-1)
+        token_rewards = token_rewards.scatter_add(1, last, outcome)
+    return discounted_returns(token_rewards, gamma=c.gamma, mask=c.mask, method=method)
+
+
+def _context_parallel(method: str, c: Call) -> torch.Tensor:
+    from rlops.advantages.context_parallel import cp_reinforce_returns
+
+    cdt = compute_dtype(c.kl.dtype)
+    rows = as_rows(c.gamma, c.kl.shape[0], cdt, c.kl.device)
+    out = cp_reinforce_returns(
+        c.token_rewards().to(cdt), c.outcome.to(cdt), c.mask, rows, c.cp_group, method, c.kl_coef
+    )
+    return out.to(c.kl.dtype)
+
+
+def _in_context_parallel(case: Case) -> bool:
+    return case.cp
+
+
+def _fusable(case: Case) -> bool:
+    # the kernel rounds the token reward in the input dtype and multiplies its carries
+    return compute_dtype(case.dtype) == case.dtype and not case.zero_discount()
+
+
+# REINFORCE++ returns: (method, device, grad, dtype, CP) -> implementation
+REINFORCE = Table(
+    "reinforce_plus_plus_returns",
+    [
+        Row((REFERENCE, CHUNKED, COMPILED), _context_parallel, when=_in_context_parallel),
+        Row((COMPILED,), _fused, when=_fusable),
+        Row((REFERENCE, CHUNKED, COMPILED), _two_step),
+    ],
+)
 
 
 def reinforce_plus_plus_returns(
@@ -62,46 +136,15 @@ def reinforce_plus_plus_returns(
     """
     kl = check_2d("kl", kl)
     rewards = as_float_tensor("rewards", rewards)
-    if mask is None:
-        raise TypeError("mask must be a [B, T] tensor (1 = action token), got None")
-    if isinstance(mask, torch.Tensor) and mask.shape != kl.shape:
-        raise ValueError(
-            f"kl and mask must have the same shape [B, T], got kl {list(kl.shape)} and "
-            f"mask {list(mask.shape)}"
-        )
-    b, t_len = kl.shape
+    mask = as_bool_mask("mask", mask, kl.shape, "kl", ref=kl)
+    b = kl.shape[0]
     if tuple(rewards.shape) != (b,):
         raise shape_error("rewards", f"[B] = [{b}] (one outcome score per row)", rewards.shape)
     check_same_device("kl", kl, rewards=rewards)
-    mask, _ = indicators(kl.shape, kl, mask, None)
     kl_coef = check_nonneg("kl_coef", kl_coef)
+    gamma_ = per_row_discount("gamma", gamma, b, kl)
     dtype = torch.promote_types(rewards.dtype, kl.dtype)
-    if cp_group is None and compute_dtype(dtype) == dtype:
-        gamma_ = per_row_discount("gamma", gamma, b, kl)
-        if resolve_method(method, kl, rewards, gamma_) == "compiled" and not has_zero(gamma_):
-            # one pass from the KL: the token rewards are never written (same values as below)
-            rows = as_rows(gamma_, b, torch.float64, kl.device)
-            return reinforce_returns_compiled(kl.to(dtype), rewards.to(dtype), mask, kl_coef, rows)
-    token_rewards = torch.where(mask, -kl_coef * kl.to(dtype), 0.0)
-    if cp_group is not None:
-        from rlops.advantages.context_parallel import cp_reinforce_returns
-
-        gamma_ = per_row_discount("gamma", gamma, b, kl)
-        cdt = compute_dtype(dtype)
-        method = resolve_method(method, kl)
-        out = cp_reinforce_returns(
-            token_rewards.to(cdt),
-            rewards.to(cdt),
-            mask,
-            as_rows(gamma_, b, cdt, kl.device),
-            cp_group,
-            method,
-            kl_coef,
-        )
-        return out.to(dtype)
-    if t_len > 0:
-        # the last action token of each row: T-1 - (first action index in the flipped row)
-        last = (t_len - 1) - mask.flip(-1).to(torch.uint8).argmax(-1, keepdim=True)
-        outcome = torch.where(mask.any(-1), rewards.to(dtype), 0.0).unsqueeze(-1)
-        token_rewards = token_rewards.scatter_add(1, last, outcome)
-    return discounted_returns(token_rewards, gamma=gamma, mask=mask, method=method)
+    cp = cp_group is not None
+    case = case_of(kl, rewards, gamma_, dtype=dtype, cp=cp, discounts=(gamma_,))
+    call = Call(kl.to(dtype), rewards.to(dtype), mask, kl_coef, gamma_, cp_group)
+    return REINFORCE(method, case, call)

@@ -21,35 +21,46 @@ Two chunk-local kernels:
   decays themselves, no logarithms, so a decay of exactly 0 stays an exact cut.
 
 A zero decay product is a cut: what lies beyond it is *selected* away before the multiply
-(``p * where(p == 0, 0, y)``), so NaN or inf in another segment never leaks across (0 * NaN is
-NaN). A row whose constant decay is 0 returns ``x`` itself.
+(:func:`rlops.scan.decay.through`), so NaN or inf in another segment never leaks across
+(0 * NaN is NaN). A row whose constant decay is 0 returns ``x`` itself.
+
+The chunk matrix products stay in full precision without touching any process-wide setting:
+where the process lets float32 matrix products run reduced (TF32 or bfloat16 inside,
+``torch.backends.*.matmul.fp32_precision``, which is only read here), a float32 chunk product
+runs in float64 and is rounded once.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
+
+from rlops.scan.decay import is_per_token, through
 
 __all__ = ["DEFAULT_CHUNK_ROWWISE", "DEFAULT_CHUNK_TOKENWISE", "scan_chunked"]
 
 DEFAULT_CHUNK_ROWWISE = 64
 DEFAULT_CHUNK_TOKENWISE = 16
+_FULL = ("none", "ieee")  # fp32_precision values that keep float32 products in float32
 
 
-@contextlib.contextmanager
-def _ieee_matmul(device: torch.device):
-    """Keep float32 matmuls in full precision on CUDA (TF32 would cost ~3 decimal digits)."""
-    if device.type != "cuda":
-        yield
-        return
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
+@torch.compiler.assume_constant_result
+def _reduced_fp32_matmul(device_type: str) -> bool:
+    """Whether float32 matrix products on ``device_type`` may run in reduced precision (a read
+    of the process's setting, never written; ``torch.compile`` reads it once, when it traces)."""
+    if device_type == "cuda":
+        return torch.backends.cuda.matmul.fp32_precision not in _FULL
+    if device_type == "cpu":
+        return torch.backends.mkldnn.matmul.fp32_precision not in _FULL
+    return False
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in full precision: float32 operands go through float64 where the process lets
+    float32 products run reduced."""
+    if a.dtype == torch.float32 and _reduced_fp32_matmul(a.device.type):
+        return torch.matmul(a.double(), b.double()).to(a.dtype)
+    return torch.matmul(a, b)
 
 
 def _chunks(x: torch.Tensor, c: int, fill: float) -> torch.Tensor:
@@ -66,12 +77,6 @@ def _shift_next(y: torch.Tensor) -> torch.Tensor:
     return F.pad(y[:, 1:], (0, 1))
 
 
-def _through(p: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``p * y`` with an exact cut where ``p == 0``: ``y`` is selected away there, so NaN or inf
-    beyond a cut cannot leak across it (and its gradient there is exactly 0)."""
-    return p * torch.where(p == 0, 0.0, y)
-
-
 def _scan_rowwise(x: torch.Tensor, w: torch.Tensor, c: int) -> torch.Tensor:
     """x ``[N, T]``, w ``[N, 1]`` or ``[1, 1]`` (float64): decay constant along time."""
     n, t_len = x.shape
@@ -82,9 +87,9 @@ def _scan_rowwise(x: torch.Tensor, w: torch.Tensor, c: int) -> torch.Tensor:
     lag = j[:c, None] - j[None, :c]  # [k, t] -> k - t
     wt = torch.where(lag >= 0, powers[:, lag.clamp(min=0).long()], 0.0).to(x.dtype)
     if wt.shape[0] == 1:
-        local = (xc.reshape(-1, c) @ wt[0]).view_as(xc)
+        local = _matmul(xc.reshape(-1, c), wt[0]).view_as(xc)
     else:
-        local = torch.matmul(xc, wt)
+        local = _matmul(xc, wt)
     if xc.shape[1] == 1:
         return local.view(n, -1)[:, :t_len]
     carries = _scan_rowwise(local[:, :, 0], powers[:, c:], c)  # y at each chunk's first step
@@ -101,13 +106,13 @@ def _scan_tokenwise(x: torch.Tensor, a: torch.Tensor, c: int) -> torch.Tensor:
     p = _chunks(a, c, 1.0)  # becomes prod a[t..end of chunk]
     d = 1
     while d < c:  # log2(C) doubling steps, each covering twice the span
-        y = torch.cat([y[..., :-d] + _through(p[..., :-d], y[..., d:]), y[..., -d:]], dim=-1)
+        y = torch.cat([y[..., :-d] + through(p[..., :-d], y[..., d:]), y[..., -d:]], dim=-1)
         p = torch.cat([p[..., :-d] * p[..., d:], p[..., -d:]], dim=-1)
         d *= 2
     if y.shape[1] == 1:
         return y.view(n, -1)[:, :t_len]
     carries = _scan_tokenwise(y[:, :, 0], p[:, :, 0], c)
-    y = y + _through(p, _shift_next(carries).unsqueeze(-1).expand_as(p))
+    y = y + through(p, _shift_next(carries).unsqueeze(-1).expand_as(p))
     return y.reshape(n, -1)[:, :t_len]
 
 
@@ -122,15 +127,14 @@ def scan_chunked(
     n, t_len = x.shape
     if n == 0 or t_len == 0:
         return x.clone()
-    with _ieee_matmul(x.device):
-        if isinstance(decay, torch.Tensor) and decay.shape[-1] == t_len and t_len > 1:
-            c = chunk_size or DEFAULT_CHUNK_TOKENWISE
-            return _scan_tokenwise(x, decay.to(x.dtype), max(c, 2))
-        c = chunk_size or DEFAULT_CHUNK_ROWWISE
-        if not isinstance(decay, torch.Tensor):
-            if float(decay) == 0.0:
-                return x.clone()
-            w = torch.tensor([[float(decay)]], dtype=torch.float64, device=x.device)
-            return _scan_rowwise(x, w, max(c, 2))
-        w = decay.reshape(-1, 1).to(torch.float64)
-        return torch.where(w == 0, x, _scan_rowwise(x, w, max(c, 2)))
+    if is_per_token(decay, t_len):
+        c = chunk_size or DEFAULT_CHUNK_TOKENWISE
+        return _scan_tokenwise(x, decay.to(x.dtype), max(c, 2))
+    c = chunk_size or DEFAULT_CHUNK_ROWWISE
+    if not isinstance(decay, torch.Tensor):
+        if float(decay) == 0.0:
+            return x.clone()
+        w = torch.tensor([[float(decay)]], dtype=torch.float64, device=x.device)
+        return _scan_rowwise(x, w, max(c, 2))
+    w = decay.reshape(-1, 1).to(torch.float64)
+    return torch.where(w == 0, x, _scan_rowwise(x, w, max(c, 2)))

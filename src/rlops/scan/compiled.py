@@ -3,14 +3,12 @@ in a clone of rlops, or ``pip install numba``).
 
 One pass over the data: the time loop runs backwards over four rows at once, so four
 independent multiply-add chains are in flight instead of one latency-bound chain. The carries
-are float64 (one fused multiply-add per step, as long a chain as a float32 one, the float32
-inputs converted as they are read): a float32 scan over 128K tokens is more accurate than
-blocked summation, at 0.86-1.2x the time of the plain float32 loop for a constant discount
-and 1.2-1.46x for a per-token one (``docs/architecture.md`` has the measurements).
-The kernels release the GIL and are single-threaded (numba's own thread pool fights torch's
-OpenMP threads for the cores); large inputs are split by rows over a few Python threads
-(:func:`run_rows`, shared with the fused estimator kernels in :mod:`rlops.advantages`; the
-pool is :mod:`rlops._threads`).
+are float64, advanced by one fused multiply-add per step (a chain no longer than a float32
+one), with the float32 inputs converted as they are read: a float32 scan over 128K tokens is
+then as accurate as a float64 loop rounded once per output. The kernels release the GIL and
+are single-threaded (numba's own thread pool fights torch's OpenMP threads for the cores);
+large inputs are split by rows over a few Python threads (:func:`run_rows`, shared with the
+fused estimator kernels in :mod:`rlops.advantages`; the pool is :mod:`rlops._threads`).
 
 numba and numpy are imported on first use only: ``import rlops`` needs neither.
 """
@@ -22,8 +20,9 @@ import functools
 import torch
 
 from rlops._threads import for_each
+from rlops.scan.decay import is_per_token
 
-__all__ = ["LANES", "as_array", "available", "require", "run_rows", "scan_compiled"]
+__all__ = ["LANES", "as_array", "available", "run_rows", "scan_compiled"]
 
 LANES = 4
 _MIN_ELEMENTS_PER_THREAD = 1 << 17
@@ -41,22 +40,6 @@ def _numba():
 def available() -> bool:
     """Whether numba can be imported (the ``fast`` extra)."""
     return _numba() is not None
-
-
-def require(x: torch.Tensor, needs_grad: bool = False) -> None:
-    """Raise ``ValueError`` unless ``method="compiled"`` can run on ``x``."""
-    if not available():
-        raise ValueError(
-            'method="compiled" needs numba: pip install numba (in a clone of rlops: '
-            'pip install -e ".[fast]"), or use method="chunked"'
-        )
-    if x.device.type != "cpu":
-        raise ValueError(f'method="compiled" runs on CPU tensors, got device {x.device}')
-    if needs_grad:
-        raise ValueError(
-            'method="compiled" has no gradient, but an input requires grad: use '
-            'method="chunked" (or "auto", which picks it under autograd), or detach the inputs'
-        )
 
 
 def run_rows(kernel, n_rows: int, n_elements: int, *args) -> None:
@@ -96,7 +79,7 @@ def scan_compiled(x: torch.Tensor, decay: float | torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(x)
     if n == 0 or t_len == 0:
         return y
-    if isinstance(decay, torch.Tensor) and decay.shape[-1] == t_len and t_len > 1:
+    if is_per_token(decay, t_len):
         a = decay.to(x.dtype).expand(n, t_len).contiguous()
         run_rows(k.scan_tokens, n, x.numel(), x.numpy(), a.numpy(), y.numpy())
     else:

@@ -7,9 +7,9 @@ by one fused multiply-add per step, so their latency chain is no longer than a f
 selection, for one effect: a float32 input is then converted to float64 straight from memory
 (``vcvtss2sd m32`` on x86: a load and one arithmetic micro-op). For speed LLVM otherwise loads
 it first and converts the register, which costs an extra shuffle-port micro-op; with two
-conversions per token on that port (the input, and the output's rounding) the float64 carry ran
-1.1-1.2x the time of a float32 one, bound by that port rather than by the carry's latency. The
-kernels are single loops, so the unrolling that size optimisation gives up is not missed.
+conversions per token on that port (the input, and the output's rounding) the float64 carry
+was then bound by that port rather than by the carry's latency. The kernels are single loops,
+so the unrolling that size optimisation gives up is not missed.
 """
 
 from numba.core import types

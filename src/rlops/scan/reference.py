@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from rlops.scan.decay import is_per_token, through
+
 __all__ = ["scan_reference"]
 
 
@@ -17,7 +19,7 @@ def scan_reference(x: torch.Tensor, decay: float | torch.Tensor) -> torch.Tensor
 
     A decay of exactly 0 cuts: ``y[t] = x[t]``, whatever (even NaN) comes after."""
     n, t_len = x.shape
-    per_token = isinstance(decay, torch.Tensor) and decay.shape[-1] == t_len and t_len > 1
+    per_token = is_per_token(decay, t_len)
     carry = x.new_zeros(n)
     out = []
     for t in reversed(range(t_len)):
@@ -25,7 +27,7 @@ def scan_reference(x: torch.Tensor, decay: float | torch.Tensor) -> torch.Tensor
             a_t = decay[:, t] if per_token else decay[:, 0]
         else:
             a_t = torch.tensor(decay, dtype=x.dtype, device=x.device)
-        carry = x[:, t] + a_t * torch.where(a_t == 0, 0.0, carry)
+        carry = x[:, t] + through(a_t, carry)
         out.append(carry)
     if not out:
         return x.clone()

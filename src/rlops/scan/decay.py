@@ -1,0 +1,23 @@
+"""What a decay is, stated once for every path: its canonical forms and the exact cut.
+
+A canonical decay is a float, ``[N, 1]`` (one per row) or ``[N, T]`` (one per token). Where a
+decay (or a product of decays) is exactly 0 nothing beyond it may reach the result, not even
+NaN or inf: the carry is *selected* away before the multiply, never multiplied by 0
+(``0 * NaN`` is NaN), and its gradient there is exactly 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["is_per_token", "through"]
+
+
+def is_per_token(decay: float | torch.Tensor, t_len: int) -> bool:
+    """Whether a canonical ``decay`` (a float, ``[N, 1]`` or ``[N, T]``) varies along time."""
+    return isinstance(decay, torch.Tensor) and decay.shape[-1] == t_len and t_len > 1
+
+
+def through(a: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``a * y`` with an exact cut where ``a == 0``: ``y`` is selected away there."""
+    return a * torch.where(a == 0, 0.0, y)

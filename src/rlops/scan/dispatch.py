@@ -1,0 +1,300 @@
+"""One dispatch per op family: which implementation runs a call, decided in one place.
+
+A family (the scan; GAE and discounted returns; REINFORCE++ returns) keeps one :class:`Table`.
+A call is described by a :class:`Case` (device, dtype, whether a gradient is needed, context
+parallelism, the discounts); the table decides, and the implementations never re-decide:
+
+1. **The method.** An explicit one is checked against its backend's requirements (a
+   ``ValueError`` saying why it cannot run); ``"auto"`` takes the first backend of
+   :data:`PREFERENCE` that the table has a row for, that can run the case, that has not failed
+   to compile in this process, and, while ``torch.compile`` traces, that it can trace (so never
+   numba: auto picks chunked there).
+2. **The implementation.** The first row of the table that serves the method's backend and
+   whose ``when`` accepts the case. A backend with no row for a case (the compiled GAE kernels
+   multiply carries, so a zero discount goes elsewhere) defers to the chunked row.
+
+Backends: ``reference`` (the loops, the definitions), ``chunked`` (torch operations, any
+device, differentiable), ``compiled`` (numba kernels, CPU) and ``triton`` (GPU kernels: a
+recognised name with no row yet, so ``method="triton"`` raises until a family registers one).
+Adding a backend to a family is a row in its table plus the file that implements it.
+
+A backend whose implementation raises one of its compile errors (the kernel cannot be built
+on this machine) warns once and is set aside for the rest of the process: that call and every
+later one run the family's chunked row instead.
+
+On CPU, rows made of many small torch operations (``small_ops``: the loops, the chunked forms)
+run on one worker of :mod:`rlops._threads`, single-threaded, when no gradient is needed:
+torch's intra-op threads would join after every small operation, and when another process
+holds a core each join waits for it. The results are then those of a single-threaded caller
+whatever the caller's thread count. Not while ``torch.compile`` traces, not from a worker
+(which runs the row itself), and not under autograd: the engine orders the backward by
+sequence numbers that each thread counts for itself, so a graph recorded on a pool thread
+would add up a leaf's gradient contributions in an order that depends on which worker ran it;
+the graph stays on the caller's thread, and so do its results, bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from rlops._checks import check_choice
+from rlops._threads import pool
+from rlops.scan import compiled
+
+__all__ = [
+    "CHUNKED",
+    "COMPILED",
+    "METHODS",
+    "PREFERENCE",
+    "REFERENCE",
+    "TRITON",
+    "Backend",
+    "Case",
+    "Row",
+    "Table",
+    "case_of",
+    "failed",
+    "needs_grad",
+]
+
+METHODS = ("auto", "reference", "chunked", "compiled", "triton")
+PREFERENCE = ("triton", "compiled", "chunked")  # what "auto" tries, in order
+
+_failed: dict[str, str] = {}  # backend name -> why it could not compile here (set once, kept)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """What decides the implementation of one call.
+
+    ``discounts`` are the per-row discounts (floats or CPU/device tensors); they are only read
+    by :meth:`zero_discount`, which a row asks for on CPU (no device synchronisation)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    needs_grad: bool = False
+    cp: bool = False
+    discounts: tuple = ()
+
+    def zero_discount(self) -> bool:
+        """Whether a discount is exactly 0 (a host read of CPU tensors)."""
+        return any(
+            bool((d == 0).any()) if isinstance(d, torch.Tensor) else d == 0
+            for d in self.discounts
+        )
+
+
+def needs_grad(*objs: object) -> bool:
+    """Whether autograd is on and a tensor among ``objs`` requires grad."""
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in objs
+    )
+
+
+def case_of(
+    x: torch.Tensor, *inputs: object, dtype=None, cp: bool = False, discounts: tuple = ()
+) -> Case:
+    """The :class:`Case` of a call on ``x`` (and the other ``inputs``, for the gradient)."""
+    return Case(x.device, dtype or x.dtype, needs_grad(x, *inputs), cp, discounts)
+
+
+def _no_requirement(case: Case) -> str | None:
+    return None
+
+
+def _no_errors() -> tuple[type[BaseException], ...]:
+    return ()
+
+
+def _anywhere(case: Case) -> bool:
+    return True
+
+
+def _on_cuda(case: Case) -> bool:
+    return case.device.type == "cuda"
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """A way to run ops: what it needs, and which of its errors mean "cannot compile here"."""
+
+    name: str
+    requires: Callable[[Case], str | None] = _no_requirement  # why it cannot run, or None
+    traceable: bool = True  # torch.compile can trace it
+    compile_errors: Callable[[], tuple[type[BaseException], ...]] = _no_errors
+    auto: Callable[[Case], bool] = _anywhere  # where "auto" may pick it
+
+
+def _compiled_requires(case: Case) -> str | None:
+    if not compiled.available():
+        return (
+            'method="compiled" needs numba: pip install numba (in a clone of rlops: '
+            'pip install -e ".[fast]"), or use method="chunked"'
+        )
+    if case.device.type != "cpu":
+        return f'method="compiled" runs on CPU tensors, got device {case.device}'
+    if case.needs_grad:
+        return (
+            'method="compiled" has no gradient, but an input requires grad: use '
+            'method="chunked" (or "auto", which picks it under autograd), or detach the inputs'
+        )
+    return None
+
+
+def _numba_errors() -> tuple[type[BaseException], ...]:
+    from numba.core.errors import NumbaError
+
+    return (NumbaError,)
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_requires(case: Case) -> str | None:
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if case.device.type != "cuda" and not interpreted:
+        return f'method="triton" runs on CUDA tensors, got device {case.device}'
+    if not _triton_installed():
+        return 'method="triton" needs the triton package'
+    return None
+
+
+def _triton_errors() -> tuple[type[BaseException], ...]:
+    from triton.compiler.errors import CompilationError
+
+    return (CompilationError,)
+
+
+REFERENCE = Backend("reference")
+CHUNKED = Backend("chunked")
+COMPILED = Backend("compiled", _compiled_requires, traceable=False, compile_errors=_numba_errors)
+# auto picks triton on CUDA only: under TRITON_INTERPRET=1 it runs CPU tensors, for tests
+TRITON = Backend("triton", _triton_requires, compile_errors=_triton_errors, auto=_on_cuda)
+
+
+def _always(case: Case) -> bool:
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One implementation of a family: ``run(method, *args)`` for the ``backends`` it serves,
+    on the calls ``when`` accepts. ``small_ops``: made of many small torch operations (on CPU
+    it runs on one single-threaded worker, see the module docstring)."""
+
+    backends: tuple[Backend, ...]
+    run: Callable[..., Any]
+    when: Callable[[Case], bool] = _always
+    small_ops: bool = False
+
+
+class Table:
+    """The dispatch of one op family (``op`` names it in messages)."""
+
+    def __init__(self, op: str, rows: Sequence[Row]):
+        self.op = op
+        self.rows = list(rows)
+
+    def _backend(self, name: str) -> Backend | None:
+        for row in self.rows:
+            for backend in row.backends:
+                if backend.name == name:
+                    return backend
+        return None
+
+    def method(self, method: str, case: Case) -> str:
+        """The concrete method of a call: ``"auto"`` resolved, an explicit one checked."""
+        check_choice("method", method, METHODS)
+        if method == "auto":
+            compiling = torch.compiler.is_compiling()
+            for name in PREFERENCE:
+                backend = self._backend(name)
+                if (
+                    backend is not None
+                    and name not in _failed
+                    and backend.requires(case) is None
+                    and backend.auto(case)
+                    and (backend.traceable or not compiling)
+                ):
+                    return name
+            return "chunked"
+        backend = self._backend(method)
+        if backend is None:
+            raise ValueError(
+                f'method="{method}": {method} backend not available for {self.op} '
+                '(use "auto", "chunked", "compiled" or "reference")'
+            )
+        reason = backend.requires(case)
+        if reason is not None:
+            raise ValueError(reason)
+        return method
+
+    def row(self, method: str, case: Case) -> tuple[Row, str]:
+        """The row that runs a concrete ``method`` on ``case``, and the method it runs with
+        (``"chunked"`` where the backend has no row for the case)."""
+        for name in (method, "chunked"):
+            for row in self.rows:
+                if any(b.name == name for b in row.backends) and row.when(case):
+                    return row, name
+        raise LookupError(f"{self.op}: no chunked row")  # every table has one
+
+    def __call__(self, method: str, case: Case, *args: Any) -> Any:
+        """Run the call: resolve ``method``, pick the row, run it (on a CPU worker when it is
+        made of small operations); a backend that fails to compile falls back to chunked."""
+        method = self.method(method, case)
+        if method in _failed:
+            method = "chunked"
+        row, method = self.row(method, case)
+        backend = self._backend(method)
+        assert backend is not None
+        try:
+            return _execute(row, method, case, args)
+        except backend.compile_errors() as e:
+            _fail(backend, e)
+            return _execute(*self.row("chunked", case), case, args)
+
+
+def _fail(backend: Backend, error: BaseException) -> None:
+    _failed[backend.name] = f"{type(error).__name__}: {error}"
+    warnings.warn(
+        f"rlops: the {backend.name} backend failed to compile on this machine "
+        f"({type(error).__name__}: {str(error)[:200]}); using the chunked method for the rest "
+        "of the process",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def failed() -> dict[str, str]:
+    """The backends set aside in this process, with the error that did it."""
+    return dict(_failed)
+
+
+def _execute(row: Row, method: str, case: Case, args: tuple) -> Any:
+    if (
+        torch.compiler.is_compiling()  # traced into the graph, threads cannot be
+        or not row.small_ops
+        or case.device.type != "cpu"
+        or case.needs_grad  # the graph stays on the caller's thread (module docstring)
+    ):
+        return row.run(method, *args)
+    threads = torch.get_num_threads()
+    if threads <= 1:  # a worker of the pool, or a single-threaded caller
+        return row.run(method, *args)
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    def run() -> Any:
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            return row.run(method, *args)
+
+    return pool(threads).submit(run).result()
