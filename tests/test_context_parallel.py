@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from tests._distributed import RankError, count_collectives, run_distributed
+from tests._distributed import count_collectives, run_distributed
 
 import rlops
 from rlops.distributed import (
@@ -17,6 +17,7 @@ from rlops.distributed import (
     zigzag_unshard,
     zigzag_unshard_response,
 )
+from rlops.distributed.collectives import SLOTS
 
 pytestmark = pytest.mark.distributed
 
@@ -123,10 +124,31 @@ def test_response_offset_form_every_length():
         assert bad == []
 
 
-def _count(rank: int, world: int, t_len: int):
-    os.environ["RLOPS_CP_CHECK"] = "0"
-    r, v, m, d, *_ = _batch(t_len, seed=0)
+def _cp_calls(rank: int, world: int, t_len: int, b: int = 3):
+    """Every CP function on matching zigzag shards: name -> thunk."""
+    g = torch.Generator().manual_seed(t_len * 7 + b)
+    r, v, kl = (torch.randn(b, t_len, generator=g, dtype=torch.float64) for _ in range(3))
+    m, d = torch.rand(b, t_len, generator=g) > 0.3, torch.rand(b, t_len, generator=g) > 0.9
+    outcome = torch.randn(b, generator=g, dtype=torch.float64)
+    g_rows = torch.rand(b, generator=g, dtype=torch.float64)
     shard = lambda x: zigzag_shard(x, cp_size=world, cp_rank=rank)  # noqa: E731
+    w = dist.group.WORLD
+    return {
+        "gae": lambda: rlops.gae(shard(r), shard(v), gamma=1.0, lam=0.95, mask=shard(m),
+                                 dones=shard(d), cp_group=w),
+        "gae float32": lambda: rlops.gae(shard(r).float(), shard(v).float(), gamma=g_rows,
+                                         lam=0.9, mask=shard(m), cp_group=w),
+        "returns": lambda: rlops.discounted_returns(shard(r), gamma=0.9, mask=shard(m),
+                                                   cp_group=w),
+        "reinforce++": lambda: rlops.reinforce_plus_plus_returns(
+            outcome, shard(kl), shard(m), kl_coef=0.1, gamma=0.95, cp_group=w),
+        "cumsum": lambda: rlops.discounted_cumsum(shard(r), 0.9, cp_group=w),
+        "cumsum per-row": lambda: rlops.discounted_cumsum(shard(r), g_rows[:, None], cp_group=w),
+    }
+
+
+def _count(rank: int, world: int, t_len: int, env: dict, b: int = 3):
+    os.environ.update(env)
     sizes = []
     orig = dist.all_gather
 
@@ -137,42 +159,189 @@ def _count(rank: int, world: int, t_len: int):
     out = {}
     dist.all_gather = spy
     try:
-        for name, call in {
-            "gae": lambda: rlops.gae(shard(r), shard(v), gamma=1.0, lam=0.95, mask=shard(m),
-                                     dones=shard(d), cp_group=dist.group.WORLD),
-            "returns": lambda: rlops.discounted_returns(shard(r), gamma=0.9, mask=shard(m),
-                                                       cp_group=dist.group.WORLD),
-            "cumsum": lambda: rlops.discounted_cumsum(shard(r), 0.9, cp_group=dist.group.WORLD),
-        }.items():
+        for name, call in _cp_calls(rank, world, t_len, b).items():
             sizes.clear()
             with count_collectives() as calls:
-                call()
-            out[name] = (dict(calls), list(sizes))
+                result = call()
+            out[name] = (dict(calls), list(sizes), result)
     finally:
         dist.all_gather = orig
     return out
 
 
+def _bits(x):
+    if isinstance(x, tuple):
+        return [b for item in x for b in _bits(item)]
+    return [(x.dtype, x.contiguous().view(-1).view(torch.uint8))]
+
+
+OFF = {"RLOPS_CP_CHECK": "0"}
+
+
 def test_one_collective_whose_size_does_not_grow_with_t():
-    short = run_distributed(_count, 4, 64)[0]
-    long = run_distributed(_count, 4, 131072)[0]
+    short = run_distributed(_count, 4, 64, OFF)[0]
+    long = run_distributed(_count, 4, 131072, OFF)[0]
     for name in short:
-        calls, sizes = long[name]
+        calls, sizes, _ = long[name]
         assert calls == {"all_gather": 1}, (name, calls)
         assert sizes == short[name][1], (name, sizes, short[name][1])
-    # bytes per rank for B=3 rows: header + (2 chunks x 3 rows x 5 numbers) float64
-    assert long["gae"][1] == [(4 + 2 * 3 * 5) * 8]
+    # bytes per rank for B=3 rows: 2 chunks x 3 rows x 5 numbers, float64, nothing else
+    assert long["gae"][1] == [2 * 3 * 5 * 8]
 
 
-def _mismatch(rank: int, world: int):
-    t_len = 16 if rank == 0 else 24  # rank 0 holds shards of another layout
-    x = torch.randn(2, t_len)
-    rlops.discounted_cumsum(x, 0.9, cp_group=dist.group.WORLD)
+SWITCHES = {"on": {}, "RLOPS_CP_CHECK=0": {"RLOPS_CP_CHECK": "0"},
+            "RLOPS_GROUP_CHECK=0": {"RLOPS_GROUP_CHECK": "0"}}
 
 
-def test_mismatched_shards_raise_instead_of_hanging():
-    with pytest.raises(RankError, match="disagree on the local length"):
-        run_distributed(_mismatch, 2, timeout=60)
+def _count_switches(rank: int, world: int):
+    out = {}
+    for b in (3, 40):
+        for switch, env in SWITCHES.items():
+            for var in ("RLOPS_CP_CHECK", "RLOPS_GROUP_CHECK"):
+                os.environ[var] = env.get(var, "1")
+            out[b, switch] = _count(rank, world, 20, {}, b)
+    return out
+
+
+def test_the_check_rides_on_the_carries_and_changes_no_bit():
+    """Check on: one collective, the fixed first exchange, where the summaries fit it (3 rows),
+    two where they do not (40 rows); off (either switch): exactly the carries. Same bits."""
+    ranks = run_distributed(_count_switches, 2, timeout=120)
+    for (b, switch), res in ranks[0].items():
+        for name, (calls, sizes, _) in res.items():
+            if switch == "on":
+                assert calls == {"all_gather": 1 if b == 3 else 2}, (b, name, calls)
+                if b == 3:
+                    assert sizes == [SLOTS * 8], (name, sizes)
+            else:
+                assert calls == {"all_gather": 1}, (b, switch, name, calls)
+            for rank in (0, 1):
+                a = _bits(ranks[rank][b, switch][name][2])
+                c = _bits(ranks[rank][b, "on"][name][2])
+                assert len(a) == len(c) and all(
+                    x[0] == y[0] and torch.equal(x[1], y[1]) for x, y in zip(a, c, strict=True)
+                ), (b, switch, name, rank)
+
+
+def _pick(rank, a, b):
+    return a if rank == 0 else b
+
+
+def _rows(b: int, t_len: int = 8, dtype=torch.float64):
+    g = torch.Generator().manual_seed(b * 100 + t_len)
+    r, v = (torch.randn(b, t_len, generator=g, dtype=dtype) for _ in range(2))
+    return r, v, torch.rand(b, t_len, generator=g) > 0.3
+
+
+def _gae(rank, w, b=3, **kw):
+    r, v, m = _rows(b, dtype=kw.pop("dtype", torch.float64))
+    return rlops.gae(r, v, **{"gamma": 0.99, "lam": 0.95, "mask": m, "cp_group": w, **kw})
+
+
+def _reinforce(rank, w, **kw):
+    r, _, m = _rows(3)
+    return rlops.reinforce_plus_plus_returns(r[:, 0], r, m, **{"kl_coef": 0.1, "gamma": 0.9,
+                                                               "cp_group": w, **kw})
+
+
+def _cumsum(rank, w, discount, t_len=8):
+    return rlops.discounted_cumsum(_rows(3, t_len)[0], discount, cp_group=w)
+
+
+def _returns(rank, w, gamma=0.9):
+    r, _, m = _rows(3)
+    return rlops.discounted_returns(r, gamma=gamma, mask=m, cp_group=w)
+
+
+def _cp_group_on_one_rank(rank, w):
+    if rank == 0:
+        _gae(rank, w)
+    else:  # no collective here: the mismatch shows at this rank's next call over the group
+        _gae(rank, w, cp_group=None)
+        _cumsum(rank, w, 0.9)
+
+
+# name -> (case, what the message must contain, what it must not)
+MISMATCHES = {
+    "gae gamma": (lambda k, w: _gae(k, w, gamma=_pick(k, 0.99, 0.98)),
+                  ["`gamma (per-row checksum)`: [", "`gamma * lam (per-row checksum)`"], []),
+    "gae lam": (lambda k, w: _gae(k, w, lam=_pick(k, 0.95, 0.9)),
+                ["`gamma * lam (per-row checksum)`: ["], ["`gamma (per-row"]),
+    "gae per-row gamma, rows permuted": (
+        lambda k, w: _gae(k, w, gamma=torch.tensor(_pick(k, [0.9, 0.8, 0.7], [0.9, 0.7, 0.8]),
+                                                   dtype=torch.float64)),
+        ["`gamma (per-row checksum)`: ["], []),
+    "gae rows": (lambda k, w: _gae(k, w, b=_pick(k, 2, 3)), ["`rows`: [2, 3]"],
+                 ["payload", "checksum"]),
+    "gae rows, one rank's summaries beyond the first exchange": (
+        lambda k, w: _gae(k, w, b=_pick(k, 2, 40)), ["`rows`: [2, 40]"], []),
+    "gae dtype": (lambda k, w: _gae(k, w, dtype=_pick(k, torch.float32, torch.float64)),
+                  ["`dtype`: [torch.float32, torch.float64]"], ["checksum"]),
+    "gae method": (lambda k, w: _gae(k, w, method=_pick(k, "chunked", "reference")),
+                   ["`method`: ['chunked', 'reference']"], []),
+    "gae vs reinforce_plus_plus_returns": (
+        lambda k, w: (_gae if k == 0 else _reinforce)(k, w),
+        ["`function`: ['gae', 'reinforce_plus_plus_returns']"], ["rows", "kl_coef"]),
+    "discounted_returns vs discounted_cumsum": (
+        lambda k, w: _returns(k, w) if k == 0 else _cumsum(k, w, 0.9),
+        ["`function`: ['discounted_returns', 'discounted_cumsum']"], []),
+    "discounted_returns gamma": (lambda k, w: _returns(k, w, gamma=_pick(k, 0.9, 0.8)),
+                                 ["`gamma`: [0.9, 0.8]"], []),
+    "reinforce_plus_plus_returns kl_coef": (
+        lambda k, w: _reinforce(k, w, kl_coef=_pick(k, 0.1, 0.2)), ["`kl_coef`: [0.1, 0.2]"], []),
+    "reinforce_plus_plus_returns gamma": (
+        lambda k, w: _reinforce(k, w, gamma=_pick(k, 0.9, 1.0)),
+        ["`gamma (per-row checksum)`: ["], []),
+    "discounted_cumsum discount": (lambda k, w: _cumsum(k, w, _pick(k, 0.9, 0.8)),
+                                   ["`discount`: [0.9, 0.8]"], []),
+    "discounted_cumsum per-row discount": (
+        lambda k, w: _cumsum(k, w, torch.full((3, 1), _pick(k, 0.9, 0.8))),
+        ["`discount (per-row checksum)`: ["], []),
+    "discounted_cumsum scalar vs per-token discount": (
+        lambda k, w: _cumsum(k, w, _pick(k, 0.9, torch.full((3, 8), 0.9))),
+        ["`discount form`: ['scalar', 'per token']"], ["`discount`"]),
+    "discounted_cumsum local length": (lambda k, w: _cumsum(k, w, 0.9, t_len=_pick(k, 16, 24)),
+                                       ["`local length`: [16, 24]"], []),
+    "cp_group on one rank only": (_cp_group_on_one_rank,
+                                  ["`function`: ['gae', 'discounted_cumsum']"], []),
+}
+
+
+def _mismatch_work(rank: int, world: int):
+    w = dist.group.WORLD
+    out = {}
+    for name, (case, _, _) in MISMATCHES.items():
+        try:
+            case(rank, w)
+        except ValueError as e:
+            out[name] = str(e)
+        else:
+            out[name] = None
+    # the group is still in step: a matching call afterwards gives the whole batch's result
+    r, v, m = _rows(3, 16)
+    shard = lambda x: zigzag_shard(x, cp_size=world, cp_rank=rank)  # noqa: E731
+    adv, _ = rlops.gae(shard(r), shard(v), gamma=0.99, lam=0.95, mask=shard(m), cp_group=w)
+    out["after"] = zigzag_unshard(adv, group=w, length=16)
+    return out
+
+
+def test_mismatched_calls_raise_the_same_error_on_every_rank():
+    """Each mismatch raises on both ranks at once (a hang would end in run_distributed's
+    timeout), with one message naming the argument and each rank's value."""
+    ranks = run_distributed(_mismatch_work, 2, timeout=90)
+    for name, (_, expected, absent) in MISMATCHES.items():
+        msgs = [res[name] for res in ranks]
+        assert msgs[0] is not None and msgs[1] is not None, (name, msgs)
+        assert msgs[0] == msgs[1], (name, msgs)
+        assert msgs[0].startswith("the ranks of a process group disagree on "), msgs[0]
+        for part in expected:
+            assert part in msgs[0], (name, part, msgs[0])
+        for part in absent:
+            assert part not in msgs[0], (name, part, msgs[0])
+    r, v, m = _rows(3, 16)
+    want, _ = rlops.gae(r, v, gamma=0.99, lam=0.95, mask=m, method="reference")
+    for res in ranks:
+        torch.testing.assert_close(res["after"], want, rtol=1e-12, atol=1e-12)
 
 
 def test_odd_local_length_is_rejected_without_a_collective():

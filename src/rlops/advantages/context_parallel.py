@@ -15,25 +15,33 @@ the next action token, then the advantage); by linearity the advantage's depende
 value entering from the right is one more local scan, so GAE also needs one collective with
 five numbers per chunk and row.
 
-Consistency checks (on by default): a fixed-size ``all_gather`` of 6 numbers (an operation
-code, the rows, the local length, the dtype, and checksums of the per-row discounts such as
-``gamma`` and ``gamma * lam``) runs first, so ranks that make mismatched calls all raise
-``ValueError`` instead of hanging on buffers of different sizes or returning a result that
-matches no rank's call; the first four travel with the carries and are checked again. The
-checks read the gathered numbers on the host (a device synchronisation on GPUs);
-``RLOPS_CP_CHECK=0`` turns them off, leaving exactly one collective per call and no
-synchronisation.
+Consistency check (on by default): the exchange is :func:`rlops.distributed.collectives.gather`
+with a :class:`~rlops.distributed.collectives.Call` describing what the rank was asked to do:
+the function (``gae``, ``discounted_returns``, ``discounted_cumsum``,
+``reinforce_plus_plus_returns``), the rows, the local length, the compute dtype, the scan
+method, the discount's form, the scalar parameters (``kl_coef``, a scalar discount) as numbers
+and the per-row discounts (``gamma``, ``gamma * lam``, a per-row ``discount``) as device
+checksums compared bit for bit. The description rides in the same fixed-size first exchange as
+the summaries when they fit (64 numbers, of which the description takes 2 to 4: up to 6 GAE
+rows, 7 REINFORCE++ rows, 15 scan rows per rank), so such a call makes one collective; larger
+batches send the summaries in a second ``all_gather`` once the descriptions agree. Ranks that
+make mismatched calls all raise the same ``ValueError`` naming each differing argument and
+every rank's value, instead of hanging on buffers of different sizes or returning a result that
+matches no rank's call. The check reads the digests on the host (a device synchronisation on
+GPUs); ``RLOPS_CP_CHECK=0`` (these calls only) or ``RLOPS_GROUP_CHECK=0`` (every group check)
+on every rank turns it off, leaving exactly one collective per call and no synchronisation.
+Mask and dones are each rank's own data (an absent one means all action tokens / no episode end
+there) and are not compared.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from rlops.advantages.masking import pass_through_decay, td_residual, token_decay
+from rlops.distributed import collectives
+from rlops.distributed.collectives import Call
 from rlops.distributed.groups import group_rank_size
 from rlops.scan import is_per_token, scan
 from rlops.scan.decay import through
@@ -41,16 +49,9 @@ from rlops.scan.reference import scan_reference
 
 __all__ = ["cp_gae", "cp_reinforce_returns", "cp_scan"]
 
-_OPS = {"scan": 1, "gae": 2, "reinforce": 3}
-_DTYPES = {torch.float32: 1, torch.float64: 2}
-_META_NAMES = (
-    "operation",
-    "rows (2 x batch)",
-    "local length",
-    "dtype",
-    "discount (gamma, or the scan's per-row decay)",
-    "gamma * lam",
-)
+#: this family's own switch of the consistency check (besides ``RLOPS_GROUP_CHECK``)
+ENV = "RLOPS_CP_CHECK"
+_CHECKSUM = " (per-row checksum)"
 
 
 def _pieces(x: torch.Tensor) -> torch.Tensor:
@@ -75,64 +76,54 @@ def _solve(head: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
     return F.pad(y[:, 1:], (0, 1))
 
 
-def _checksum(value: float | torch.Tensor | None, device) -> torch.Tensor:
-    """One float64 number that differs when a scalar or per-row parameter differs (a weighted
-    sum, so a permutation of rows shows too); 0 when there is none."""
-    if value is None:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    v = torch.as_tensor(value, dtype=torch.float64, device=device).reshape(-1)
+def _checksum(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """One float64 number that differs when a per-row parameter differs (a weighted sum, so a
+    permutation of rows shows too), 0-dim on the device: no host read."""
+    v = value.detach().to(device=device, dtype=torch.float64).reshape(-1)
     w = torch.arange(1, v.numel() + 1, dtype=torch.float64, device=device)
     return (v * w).sum() + 0.5 * v.sum()
 
 
-def _gather(
-    summary: torch.Tensor, op: str, group, t_local: int, params: tuple = (None, None)
-) -> torch.Tensor:
-    """All chunks' summaries in global chunk order, ``[N, 2cp, k]``, from this rank's
-    ``[2N, k]`` (its two chunks). One ``all_gather`` (plus an optional metadata one that also
-    compares the scalar ``params`` across ranks)."""
-    _, cp = group_rank_size(group, "cp_group")
-    rows, k = summary.shape
-    header = [_OPS[op], rows, t_local, _DTYPES[summary.dtype]]
-    checked = os.environ.get("RLOPS_CP_CHECK", "1") != "0"
-    if cp > 1 and checked:
-        dev = summary.device
-        meta = torch.cat(
-            [
-                torch.tensor(header, dtype=torch.float64, device=dev),
-                torch.stack([_checksum(p, dev) for p in params]),
-            ]
-        )
-        metas = [torch.empty_like(meta) for _ in range(cp)]
-        dist.all_gather(metas, meta, group=group)
-        _check_headers(torch.stack(metas), meta.tolist())
-    payload = torch.cat(
-        [torch.tensor(header, dtype=summary.dtype, device=summary.device), summary.reshape(-1)]
+def _parameter(name: str, value: float | torch.Tensor | None, device: torch.device) -> dict:
+    """A parameter that must agree across ranks, as a field of the call's description: a number
+    as it is (shown in errors), a tensor by its checksum (compared on the device)."""
+    if isinstance(value, torch.Tensor):
+        return {name + _CHECKSUM: _checksum(value, device)}
+    return {name: None if value is None else float(value)}
+
+
+def _describe(op: str, summary: torch.Tensor, t_local: int, method: str, **fields) -> Call:
+    """What this rank was asked to do: everything that must agree across ``cp_group``. A
+    checksum differs with the rows and the dtype: where those differ, it is not reported."""
+    checksums = tuple(k for k in fields if k.endswith(_CHECKSUM))
+    return Call(
+        op,
+        implied={
+            "rows": checksums,
+            "dtype": checksums,
+            "discount form": ("discount", "discount" + _CHECKSUM),
+        },
+        rows=summary.shape[0] // 2,
+        **{"local length": t_local},
+        dtype=summary.dtype,
+        method=method,
+        **fields,
     )
-    if cp == 1:
-        gathered = payload.unsqueeze(0)
-    else:
-        parts = [torch.empty_like(payload) for _ in range(cp)]
-        dist.all_gather(parts, payload, group=group)
-        gathered = torch.stack(parts)
-    if checked:
-        _check_headers(gathered[:, :4], header)
-    n = rows // 2
-    per_rank = gathered[:, 4:].reshape(cp, 2, n, k)  # [rank, piece, row, k]
+
+
+def _gather(summary: torch.Tensor, group, call: Call) -> torch.Tensor:
+    """All chunks' summaries in global chunk order, ``[N, 2cp, k]``, from this rank's
+    ``[2N, k]`` (its two chunks): one ``collectives.gather``, which checks ``call`` first
+    (module docstring)."""
+    check = collectives.check_enabled(ENV)
+    gathered = collectives.gather(summary, group, call, "cp_group", check=check)
+    gathered = gathered.to(summary.dtype)  # float64 on the wire: exact for float32 too
+    cp = gathered.shape[0]
+    rows, k = summary.shape
+    per_rank = gathered.reshape(cp, 2, rows // 2, k)  # [rank, piece, row, k]
     # chunk c is piece 0 of rank c (c < cp), else piece 1 of rank 2cp-1-c
     ordered = torch.cat([per_rank[:, 0], per_rank[:, 1].flip(0)], dim=0)  # [2cp, n, k]
     return ordered.transpose(0, 1)
-
-
-def _check_headers(headers: torch.Tensor, mine: list[float]) -> None:
-    for j in range(len(mine)):
-        col = headers[:, j].tolist()  # a handful of numbers, gathered already
-        if any(v != mine[j] for v in col):
-            shown = [int(v) for v in col] if j < 4 else col
-            raise ValueError(
-                f"context-parallel ranks disagree on the {_META_NAMES[j]}: {shown} "
-                "(every rank of cp_group must make the same call on shards of one layout)"
-            )
 
 
 def cp_scan(
@@ -143,25 +134,40 @@ def cp_scan(
     chunk_size=None,
     params: tuple | None = None,
 ) -> torch.Tensor:
-    """Reverse scan of zigzag shards ``x`` ``[N, 2L]``; ``decay`` float / ``[N,1]`` / ``[N,2L]``."""
+    """Reverse scan of zigzag shards ``x`` ``[N, 2L]``; ``decay`` float / ``[N,1]`` / ``[N,2L]``.
+
+    ``params`` are the per-row parameters of a caller that built a per-token ``decay`` from
+    them (``discounted_returns`` passes ``(gamma, None)``): the call is then described as
+    ``discounted_returns`` with its ``gamma``, else as ``discounted_cumsum`` with its discount.
+    """
     group_rank_size(group, "cp_group")
     n, t_local = x.shape
     xp = _pieces(x)
-    per_token = is_per_token(decay, t_local)
-    if per_token:
+    ap: float | torch.Tensor
+    if isinstance(decay, torch.Tensor) and is_per_token(decay, t_local):
+        form = "per token"
         ap = _pieces(decay.expand(n, t_local))
     elif isinstance(decay, torch.Tensor):
+        form = "per row"
         ap = decay.reshape(n, 1).repeat(2, 1)
     else:
+        form = "scalar"
         ap = decay
     a_full = torch.as_tensor(ap, dtype=xp.dtype, device=xp.device).expand_as(xp)
     rows = ap.repeat(2, 1) if isinstance(ap, torch.Tensor) else ap
     yy = scan(torch.cat([xp, _last(a_full)]), rows, method, chunk_size)
     local, g = yy[: 2 * n], yy[2 * n :]  # local scan; product of decays to the chunk end
-    if params is None:  # the scalar parameters that must agree: the decay unless per token
-        params = (None if per_token else decay, None)
     summary = torch.stack([local[:, 0], g[:, 0]], -1)
-    chunks = _gather(summary, "scan", group, t_local, params)
+    fields: dict[str, object]
+    if params is None:  # the discount must agree, unless it is per token (data)
+        op = "discounted_cumsum"
+        fields = {"discount form": form}
+        if form != "per token":
+            fields |= _parameter("discount", decay, x.device)
+    else:
+        op = "discounted_returns"
+        fields = _parameter("gamma", params[0], x.device)
+    chunks = _gather(summary, group, _describe(op, summary, t_local, method, **fields))
     y_in = _solve(chunks[..., 0], chunks[..., 1])  # [N, 2cp]
     y = local + through(g, _own(y_in, group).unsqueeze(-1))
     return _unpieces(y, n)
@@ -198,7 +204,8 @@ def cp_gae(r, v, mask, dones, gamma, gamma_lam, group, method, chunk_size=None):
     aa = scan(torch.cat([delta, nxt_coef, _last(a_adv)]), a_adv.repeat(3, 1), method, chunk_size)
     adv, s, ga = aa[: 2 * n], aa[2 * n : 4 * n], aa[4 * n :]
     summary = torch.stack([z[:, 0], gz[:, 0], adv[:, 0], s[:, 0], ga[:, 0]], -1)
-    c = _gather(summary, "gae", group, t_local, (gamma, gamma_lam))
+    fields = _parameter("gamma", gamma, r.device) | _parameter("gamma * lam", gamma_lam, r.device)
+    c = _gather(summary, group, _describe("gae", summary, t_local, method, **fields))
     z_in = _solve(c[..., 0], c[..., 1])  # value entering each chunk
     head_adv = c[..., 2] + through(c[..., 3], z_in)
     a_in = _solve(head_adv, c[..., 4])  # advantage entering each chunk
@@ -233,7 +240,9 @@ def cp_reinforce_returns(token_rewards, outcome, mask, gamma, group, method, kl_
     y, g, u = yy[: 2 * n], yy[2 * n : 4 * n], yy[4 * n :]
     has = m.any(-1).to(xp.dtype)
     summary = torch.stack([y[:, 0], g[:, 0], u[:, 0], has], -1)
-    c = _gather(summary, "reinforce", group, t_local, (gamma, kl_coef))
+    fields = _parameter("gamma", gamma, xp.device) | _parameter("kl_coef", kl_coef, xp.device)
+    call = _describe("reinforce_plus_plus_returns", summary, t_local, method, **fields)
+    c = _gather(summary, group, call)
     # the globally last chunk holding an action token gets the outcome
     k = torch.arange(c.shape[1], device=c.device)
     k_last = torch.where(c[..., 3] > 0, k, -1).amax(-1, keepdim=True)  # [N, 1]

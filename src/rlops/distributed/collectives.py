@@ -26,9 +26,12 @@ the payload's shape) and the description travels with the data:
   differs and each rank's value.
 
 ``RLOPS_GROUP_CHECK=0`` in every rank's environment turns the check off: each call then makes
-exactly its data collective (one ``all_gather`` of the payload itself) and reads nothing on
-the host. Every rank of a group must call, ranks without data included (their payload is
-zeros); a rank that makes no call at all cannot be detected (the others wait in the backend).
+exactly its data collective (one ``all_gather`` of the payload itself) and reads nothing on the
+host. A family of calls may have a switch of its own as well (``RLOPS_CP_CHECK=0`` for the
+context-parallel scans, ``RLOPS_TP_CHECK=0`` for the tensor-parallel log-prob ops), which turns
+off only its own calls' check. Every rank of a group must call, ranks without data included
+(their payload is zeros); a rank that makes no call at all cannot be detected (the others wait
+in the backend).
 
 :func:`exchange` is the same check for a call that needs a few numbers of every rank on the
 host (the tensor-parallel log-prob ops: every shard's size): the first exchange alone, read
@@ -60,9 +63,16 @@ _MASK = (1 << 52) - 1
 REJECTED = "argument rejected by the rank's own checks"
 
 
-def check_enabled() -> bool:
-    """Whether the consistency check runs (``RLOPS_GROUP_CHECK`` is not ``0``)."""
-    return os.environ.get(ENV, "1") != "0"
+def check_enabled(*aliases: str) -> bool:
+    """Whether the consistency check runs: ``RLOPS_GROUP_CHECK`` is not ``0``, nor any of
+    ``aliases`` (the switch of one family of calls, e.g. ``"RLOPS_CP_CHECK"``, which turns off
+    the check of those calls only).
+
+    Example:
+        >>> check_enabled("RLOPS_CP_CHECK") in (True, False)
+        True
+    """
+    return all(os.environ.get(v, "1") != "0" for v in (ENV, *aliases))
 
 
 def _canonical(value: object) -> str:
@@ -174,7 +184,14 @@ def _disagreement(descriptions: list[dict[str, str]], implied: Mapping) -> str:
     )
 
 
-def gather(payload: torch.Tensor, group: object, call: Call, name: str = "group") -> torch.Tensor:
+def gather(
+    payload: torch.Tensor,
+    group: object,
+    call: Call,
+    name: str = "group",
+    *,
+    check: bool | None = None,
+) -> torch.Tensor:
     """Every rank's ``payload`` over ``group``, ``[world, *payload.shape]`` float64 (detached,
     rank order), checking first that every rank makes the same ``call`` (module docstring).
 
@@ -184,6 +201,9 @@ def gather(payload: torch.Tensor, group: object, call: Call, name: str = "group"
         group: a process group, or None (one process: no collective).
         call: the description of this rank's call.
         name: the argument that holds ``group`` (named in errors).
+        check: whether the consistency check runs; None (the default) asks
+            :func:`check_enabled`. A family of calls with a switch of its own passes
+            ``check_enabled(its_variable)``. Every rank must pass the same value.
 
     Returns:
         ``[world, *payload.shape]``: row ``r`` is rank ``r``'s payload.
@@ -197,7 +217,7 @@ def gather(payload: torch.Tensor, group: object, call: Call, name: str = "group"
     flat = payload.detach().to(torch.float64).reshape(-1)
     if world == 1:
         return flat.reshape(1, *payload.shape)
-    if not check_enabled():
+    if not (check_enabled() if check is None else check):
         return _all_gather(flat, group, world).reshape(world, *payload.shape)
     call = call.with_fields(**{"collective over": name, "payload shape": tuple(payload.shape)})
     head = call.slots(flat.device)
