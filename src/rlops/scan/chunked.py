@@ -51,7 +51,8 @@ def _reduced_fp32_matmul(device_type: str) -> bool:
     if device_type == "cuda":
         return torch.backends.cuda.matmul.fp32_precision not in _FULL
     if device_type == "cpu":
-        return torch.backends.mkldnn.matmul.fp32_precision not in _FULL
+        # torch's stubs lack the mkldnn backend's ``matmul`` namespace, which exists at run time
+        return torch.backends.mkldnn.matmul.fp32_precision not in _FULL  # type: ignore[attr-defined]
     return False
 
 

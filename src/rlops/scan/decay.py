@@ -8,12 +8,14 @@ NaN or inf: the carry is *selected* away before the multiply, never multiplied b
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 import torch
 
 __all__ = ["is_per_token", "through"]
 
 
-def is_per_token(decay: float | torch.Tensor, t_len: int) -> bool:
+def is_per_token(decay: float | torch.Tensor, t_len: int) -> TypeGuard[torch.Tensor]:
     """Whether a canonical ``decay`` (a float, ``[N, 1]`` or ``[N, T]``) varies along time."""
     return isinstance(decay, torch.Tensor) and decay.shape[-1] == t_len and t_len > 1
 
