@@ -50,6 +50,7 @@ import torch  # noqa: E402
 import rlops  # noqa: E402
 from rlops.advantages.triton import gae_triton  # noqa: E402
 from rlops.logprobs.reference import logprobs_and_entropy_reference  # noqa: E402
+from rlops.measure.baselines import gae_chunk_loop  # noqa: E402
 from rlops.scan.triton import reverse_scan  # noqa: E402
 
 FLOOR_ULPS = 4
@@ -72,35 +73,6 @@ TINY = {
     "lp_time": (8, 300),
     "reps": 1,
 }
-
-
-# ------------------------------------------------------------------ baselines (copied)
-def gae_chunk_loop(rewards, values, gamma: float, lam: float, chunk_size: int = 256):
-    """The chunk-scan design trainers ship: chunk-local matmul with a C x C decay matrix,
-    then carries passed from chunk to chunk by a Python loop over T / C chunks."""
-    b, t_len = rewards.shape
-    w = gamma * lam
-    next_values = torch.cat([values[:, 1:], values.new_zeros(b, 1)], dim=1)
-    deltas = rewards + gamma * next_values - values
-    rev = deltas.flip(-1)
-    c = chunk_size
-    pad = -t_len % c
-    if pad:
-        rev = torch.cat([rev, rev.new_zeros(b, pad)], dim=1)
-    chunks = rev.view(b, -1, c)
-    i = torch.arange(c, device=rewards.device, dtype=torch.float64)
-    lag = i[:, None] - i[None, :]
-    kernel = torch.where(lag >= 0, w ** lag.clamp(min=0), 0.0).to(rewards.dtype)
-    local = chunks @ kernel.T
-    pow_vec = (w ** (i + 1)).to(rewards.dtype)
-    out = torch.empty_like(local)
-    s_prev = rewards.new_zeros(b, 1)
-    for ci in range(local.shape[1]):
-        s = local[:, ci] + s_prev * pow_vec
-        out[:, ci] = s
-        s_prev = s[:, -1:]
-    adv = out.reshape(b, -1)[:, :t_len].flip(-1)
-    return adv, values + adv
 
 
 def torchrl_gae():
