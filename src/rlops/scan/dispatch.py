@@ -7,8 +7,8 @@ parallelism, the discounts); the table decides, and the implementations never re
 1. **The method.** An explicit one is checked against its backend's requirements (a
    ``ValueError`` saying why it cannot run); ``"auto"`` takes the first backend of
    :data:`PREFERENCE` that the table has a row for, that can run the case, that has not failed
-   to compile in this process, and, while ``torch.compile`` traces, that it can trace (so never
-   numba: auto picks chunked there).
+   to compile in this process, and, while ``torch.compile`` traces, that it can trace (so
+   never numba nor triton: auto picks chunked there).
 2. **The implementation.** The first row of the table that serves the method's backend and
    whose ``when`` accepts the case. A backend with no row for a case (the compiled GAE kernels
    multiply carries, so a zero discount goes elsewhere) defers to the chunked row.
