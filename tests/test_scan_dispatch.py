@@ -2,8 +2,8 @@
 
 * ``"auto"`` picks compiled on CPU without a gradient (numba installed), chunked under
   autograd, and never numba while ``torch.compile`` traces.
-* ``"triton"`` is a recognised method that raises a clear ``ValueError`` while no family has a
-  row for it.
+* ``"triton"`` on CPU tensors without the Triton interpreter is a clear ``ValueError``
+  (``tests/test_triton_dispatch.py`` runs the Triton rows).
 * A backend that fails to compile warns once and is replaced by chunked for the rest of the
   process (a failing backend injected into a table).
 * Without a gradient, chunked and reference rows run on one single-threaded CPU worker: the
@@ -81,8 +81,9 @@ def test_auto_off_cpu_is_chunked(table):
             method="triton"),
     ],
 )
-def test_triton_is_a_method_without_a_backend_yet(call):
-    with pytest.raises(ValueError, match="triton backend not available"):
+def test_triton_on_cpu_tensors_needs_the_interpreter(call, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="triton"):  # the interpreter, or the gpu extra
         call()
 
 

@@ -47,7 +47,9 @@ def discounted_cumsum(
             one per row (e.g. ``[B, 1]``) or one per token (``[B, T]``). ``discount[t]`` links
             step t to step t+1. Exactly 0 and exactly 1 are exact.
         dim: the time dimension.
-        method: ``"auto"`` (default), ``"reference"``, ``"chunked"`` or ``"compiled"``.
+        method: ``"auto"`` (default), ``"reference"``, ``"chunked"``, ``"compiled"`` or
+            ``"triton"`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``; the
+            ``gpu`` extra).
         chunk_size: time steps per chunk for ``"chunked"`` (default 64 for a per-row discount,
             16 for a per-token one; values below 2 act as 2).
         cp_group: a context-parallel process group. ``x`` (and a per-token ``discount``) are
@@ -56,8 +58,10 @@ def discounted_cumsum(
             full scan; ranks exchange one carry per chunk (one ``all_gather``).
 
     Returns:
-        ``y``, same shape, dtype and device as ``x``. Differentiable through ``"chunked"`` and
-        ``"reference"`` (``"auto"`` picks ``"chunked"`` when a gradient is needed).
+        ``y``, same shape, dtype and device as ``x``. Differentiable through ``"chunked"``,
+        ``"reference"`` and ``"triton"`` (its backward is the adjoint scan, forward in time);
+        ``"auto"`` picks ``"triton"`` on CUDA tensors when triton imports, else ``"chunked"``
+        when a gradient is needed.
 
     Example:
         >>> import torch, rlops

@@ -14,9 +14,12 @@ Both take ``[B, T]`` tensors and share the semantics of ``mask`` and ``dones``
 Which implementation runs is decided by one table, :data:`RETURNS` (:mod:`rlops.scan.dispatch`):
 ``"reference"`` (:mod:`rlops.advantages.reference`, the loop), ``"compiled"``
 (:mod:`rlops.advantages.compiled`, fused numba kernels; a zero discount goes to chunked, since
-the kernels multiply their carries), ``"chunked"`` (scans built from
-:mod:`rlops.advantages.masking`), and with ``cp_group=`` the carry-only forms of
-:mod:`rlops.advantages.context_parallel`, whose local scans run the resolved method.
+the kernels multiply their carries), ``"triton"`` (:mod:`rlops.advantages.triton`, one Triton
+kernel per estimator on CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``; zero
+discounts and dones are exact cuts there; forward only, so refused where an input requires
+grad, as compiled is), ``"chunked"`` (scans built from :mod:`rlops.advantages.masking`), and
+with ``cp_group=`` the carry-only forms of :mod:`rlops.advantages.context_parallel`, whose
+local scans run the resolved method.
 """
 
 from __future__ import annotations
@@ -44,7 +47,15 @@ from rlops.advantages.masking import (
 )
 from rlops.advantages.reference import gae_reference
 from rlops.scan import scan
-from rlops.scan.dispatch import CHUNKED, COMPILED, REFERENCE, Row, Table, case_of
+from rlops.scan.dispatch import (
+    CHUNKED,
+    COMPILED,
+    REFERENCE,
+    TRITON_FORWARD,
+    Row,
+    Table,
+    case_of,
+)
 
 __all__ = ["RETURNS", "discounted_returns", "gae"]
 
@@ -82,6 +93,14 @@ def _compiled(method: str, c: Returns):
     # the carry decays by gamma * lam in float64 (see gae_compiled)
     g, gl = c.rows(c.gamma, torch.float64), c.rows(c.gamma_lam, torch.float64)
     return compiled.gae_compiled(c.r, c.v, c.mask, c.dones, g, gl)
+
+
+def _triton(method: str, c: Returns):
+    from rlops.advantages.triton import gae_triton  # triton is imported on first use only
+
+    # the discounts are rounded once to the kernels' carry dtype (float32, float64 for float64)
+    g, gl = c.rows(c.gamma, torch.float64), c.rows(c.gamma_lam, torch.float64)
+    return gae_triton(c.r, c.v, c.mask, c.dones, g, gl)
 
 
 def _chunked(method: str, c: Returns):
@@ -124,13 +143,19 @@ def _no_zero_discount(case) -> bool:
 
 
 # GAE and discounted returns: (method, device, grad, dtype, CP) -> implementation. The
-# backends' requirements (numba, CPU, no gradient) are checked by the dispatch.
+# backends' requirements (numba, CPU, CUDA or the interpreter, no gradient) are checked by the
+# dispatch.
 RETURNS = Table(
     "gae and discounted_returns",
     [
-        Row((REFERENCE, CHUNKED, COMPILED), _context_parallel, when=_in_context_parallel),
+        Row(
+            (REFERENCE, CHUNKED, COMPILED, TRITON_FORWARD),
+            _context_parallel,
+            when=_in_context_parallel,
+        ),
         Row((REFERENCE,), _reference, small_ops=True),
         Row((COMPILED,), _compiled, when=_no_zero_discount),
+        Row((TRITON_FORWARD,), _triton),  # the kernels cut exactly: any discount
         Row((CHUNKED,), _chunked, small_ops=True),
     ],
 )
@@ -164,7 +189,8 @@ def gae(
         mask: optional ``[B, T]`` bool or 0/1, 1 = action token; mask-0 tokens are skipped,
             not reset (see the module docstring).
         dones: optional ``[B, T]`` bool or 0/1; ``dones[t]`` ends a sequence at token t.
-        method: ``"auto"``, ``"reference"``, ``"chunked"`` or ``"compiled"``.
+        method: ``"auto"``, ``"reference"``, ``"chunked"``, ``"compiled"`` or ``"triton"``
+            (the last two without a gradient).
         chunk_size: chunk length for ``"chunked"``.
         cp_group: a context-parallel process group: all inputs are then this rank's zigzag
             shards ``[B, T_local]`` (:func:`rlops.distributed.zigzag_shard`) and so are the
@@ -230,7 +256,8 @@ def discounted_returns(
         rewards: ``[B, T]`` floating.
         gamma: a float in [0, 1] or a per-row tensor ``[B]``.
         mask, dones: optional ``[B, T]`` bool or 0/1.
-        method: ``"auto"``, ``"reference"``, ``"chunked"`` or ``"compiled"``.
+        method: ``"auto"``, ``"reference"``, ``"chunked"``, ``"compiled"`` or ``"triton"``
+            (the last two without a gradient).
         chunk_size: chunk length for ``"chunked"``.
         cp_group: a context-parallel process group; inputs and output are this rank's zigzag
             shards, as in :func:`gae`.

@@ -2,10 +2,12 @@
 the outcome score on each row's last action token, over action tokens only.
 
 One table, :data:`REINFORCE`, decides the implementation: on the compiled backend one fused
-kernel reads the KL, the outcome and the mask (full-precision dtypes, no zero discount);
-otherwise the token rewards are built and handed to :func:`rlops.discounted_returns` with the
-resolved method (bit for bit what the fused kernel gives); with ``cp_group=`` the carry-only
-form of :mod:`rlops.advantages.context_parallel`.
+kernel reads the KL, the outcome and the mask (full-precision dtypes, no zero discount); on
+the triton backend one Triton kernel does the same (:mod:`rlops.advantages.triton`;
+full-precision dtypes, any discount; forward only); otherwise the token rewards are built and
+handed to :func:`rlops.discounted_returns` with the resolved method (bit for bit what the
+fused numba kernel gives); with ``cp_group=`` the carry-only form of
+:mod:`rlops.advantages.context_parallel`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,16 @@ from rlops._checks import (
 from rlops.advantages import compiled
 from rlops.advantages.gae import discounted_returns
 from rlops.advantages.masking import as_rows
-from rlops.scan.dispatch import CHUNKED, COMPILED, REFERENCE, Case, Row, Table, case_of
+from rlops.scan.dispatch import (
+    CHUNKED,
+    COMPILED,
+    REFERENCE,
+    TRITON_FORWARD,
+    Case,
+    Row,
+    Table,
+    case_of,
+)
 
 __all__ = ["REINFORCE", "reinforce_plus_plus_returns"]
 
@@ -52,6 +63,14 @@ def _fused(method: str, c: Call) -> torch.Tensor:
     # one pass from the KL: the token rewards are never written (the same values as _two_step)
     rows = as_rows(c.gamma, c.kl.shape[0], torch.float64, c.kl.device)
     return compiled.reinforce_returns_compiled(c.kl, c.outcome, c.mask, c.kl_coef, rows)
+
+
+def _fused_triton(method: str, c: Call) -> torch.Tensor:
+    from rlops.advantages.triton import reinforce_returns_triton  # imported on first use only
+
+    # one kernel from the KL; the token reward rounded in the input dtype, as _two_step's
+    rows = as_rows(c.gamma, c.kl.shape[0], torch.float64, c.kl.device)
+    return reinforce_returns_triton(c.kl, c.outcome, c.mask, c.kl_coef, rows)
 
 
 def _two_step(method: str, c: Call) -> torch.Tensor:
@@ -80,18 +99,29 @@ def _in_context_parallel(case: Case) -> bool:
     return case.cp
 
 
+def _full_precision(case: Case) -> bool:
+    # the fused kernels round the token reward in the input dtype and carry the outcome
+    # unrounded; in half precision the two-step form rounds their sum first
+    return compute_dtype(case.dtype) == case.dtype
+
+
 def _fusable(case: Case) -> bool:
-    # the kernel rounds the token reward in the input dtype and multiplies its carries
-    return compute_dtype(case.dtype) == case.dtype and not case.zero_discount()
+    # the numba kernel also multiplies its carries (no exact cut at a zero discount)
+    return _full_precision(case) and not case.zero_discount()
 
 
 # REINFORCE++ returns: (method, device, grad, dtype, CP) -> implementation
 REINFORCE = Table(
     "reinforce_plus_plus_returns",
     [
-        Row((REFERENCE, CHUNKED, COMPILED), _context_parallel, when=_in_context_parallel),
+        Row(
+            (REFERENCE, CHUNKED, COMPILED, TRITON_FORWARD),
+            _context_parallel,
+            when=_in_context_parallel,
+        ),
         Row((COMPILED,), _fused, when=_fusable),
-        Row((REFERENCE, CHUNKED, COMPILED), _two_step),
+        Row((TRITON_FORWARD,), _fused_triton, when=_full_precision),
+        Row((REFERENCE, CHUNKED, COMPILED, TRITON_FORWARD), _two_step),
     ],
 )
 

@@ -6,8 +6,11 @@ This package is the bare recurrence: it knows nothing of RL, masks or process gr
 imports nothing from rlops but ``_checks`` and ``_threads``. Methods, each in its own module
 beside the others: ``"reference"`` (the serial loop, the definition), ``"chunked"``
 (vectorised torch, any device, differentiable), ``"compiled"`` (a numba single-pass CPU
-kernel, the ``fast`` extra) and ``"auto"``; :data:`SCAN` is the family's dispatch table
-(:mod:`rlops.scan.dispatch`): auto picks compiled on CPU when numba is installed and no
+kernel, the ``fast`` extra), ``"triton"`` (:mod:`rlops.scan.triton`, a two-level scan on
+CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``; the ``gpu`` extra; differentiable,
+its backward the adjoint scan forward in time) and ``"auto"``; :data:`SCAN` is the family's
+dispatch table (:mod:`rlops.scan.dispatch`): auto picks triton on CUDA tensors when triton
+imports (not while ``torch.compile`` traces), compiled on CPU when numba is installed and no
 gradient is needed, else chunked.
 
 A decay of exactly 0 is an exact cut for every method: nothing beyond it reaches ``y[t]``,
@@ -24,7 +27,16 @@ import torch
 from rlops.scan import compiled
 from rlops.scan.chunked import scan_chunked
 from rlops.scan.decay import is_per_token
-from rlops.scan.dispatch import CHUNKED, COMPILED, METHODS, REFERENCE, Row, Table, case_of
+from rlops.scan.dispatch import (
+    CHUNKED,
+    COMPILED,
+    METHODS,
+    REFERENCE,
+    TRITON,
+    Row,
+    Table,
+    case_of,
+)
 from rlops.scan.reference import scan_reference
 
 __all__ = ["METHODS", "SCAN", "is_per_token", "scan"]
@@ -42,11 +54,18 @@ def _compiled(method, x, decay, chunk_size):
     return compiled.scan_compiled(x, decay)
 
 
+def _triton(method, x, decay, chunk_size):
+    from rlops.scan.triton import reverse_scan  # triton is imported on first use only
+
+    return reverse_scan(x, decay)
+
+
 SCAN = Table(
     "discounted_cumsum",
     [
         Row((REFERENCE,), _reference, small_ops=True),
         Row((COMPILED,), _compiled),
+        Row((TRITON,), _triton),  # every decay (a zero one cuts exactly); autograd
         Row((CHUNKED,), _chunked, small_ops=True),
     ],
 )

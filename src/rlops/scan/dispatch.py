@@ -7,19 +7,24 @@ parallelism, the discounts); the table decides, and the implementations never re
 1. **The method.** An explicit one is checked against its backend's requirements (a
    ``ValueError`` saying why it cannot run); ``"auto"`` takes the first backend of
    :data:`PREFERENCE` that the table has a row for, that can run the case, that has not failed
-   to compile in this process, and, while ``torch.compile`` traces, that it can trace (so never
-   numba: auto picks chunked there).
+   to compile in this process, and, while ``torch.compile`` traces, that it can trace (so
+   never numba nor triton: auto picks chunked there).
 2. **The implementation.** The first row of the table that serves the method's backend and
    whose ``when`` accepts the case. A backend with no row for a case (the compiled GAE kernels
    multiply carries, so a zero discount goes elsewhere) defers to the chunked row.
 
 Backends: ``reference`` (the loops, the definitions), ``chunked`` (torch operations, any
-device, differentiable), ``compiled`` (numba kernels, CPU) and ``triton`` (GPU kernels: a
-recognised name with no row yet, so ``method="triton"`` raises until a family registers one).
-Adding a backend to a family is a row in its table plus the file that implements it.
+device, differentiable), ``compiled`` (numba kernels, CPU) and ``triton`` (Triton kernels:
+CUDA tensors, or CPU tensors under the Triton interpreter, ``TRITON_INTERPRET=1``; the ``gpu``
+extra). :data:`TRITON` has a gradient (the scan's adjoint kernels); :data:`TRITON_FORWARD`,
+the same backend for the forward-only estimator kernels, is refused where an input requires
+grad, as ``compiled`` is. Auto picks triton on CUDA tensors only, never while
+``torch.compile`` traces. Adding a backend to a family is a row in its table plus the file
+that implements it.
 
 A backend whose implementation raises one of its compile errors (the kernel cannot be built
-on this machine) warns once and is set aside for the rest of the process: that call and every
+on this machine: numba's errors; triton's compilation, resource and assembler errors, not its
+interpreter's) warns once and is set aside for the rest of the process: that call and every
 later one run the family's chunked row instead.
 
 On CPU, rows made of many small torch operations (``small_ops``: the loops, the chunked forms)
@@ -37,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -56,6 +60,7 @@ __all__ = [
     "PREFERENCE",
     "REFERENCE",
     "TRITON",
+    "TRITON_FORWARD",
     "Backend",
     "Case",
     "Row",
@@ -156,30 +161,72 @@ def _numba_errors() -> tuple[type[BaseException], ...]:
 
 
 @functools.cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _triton_requires(case: Case) -> str | None:
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if case.device.type != "cuda" and not interpreted:
+    if not _triton_importable():
+        return (
+            'method="triton" needs the triton package: pip install "rlops[gpu]" '
+            '(or use method="chunked")'
+        )
+    if case.device.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return (
+                'method="triton" runs on CUDA tensors; on CPU tensors only under the Triton '
+                "interpreter (TRITON_INTERPRET=1 set before triton is imported). Got CPU "
+                'tensors: use method="chunked" (or "auto")'
+            )
+    elif case.device.type != "cuda":
         return f'method="triton" runs on CUDA tensors, got device {case.device}'
-    if not _triton_installed():
-        return 'method="triton" needs the triton package'
     return None
 
 
+def _triton_forward_requires(case: Case) -> str | None:
+    reason = _triton_requires(case)
+    if reason is None and case.needs_grad:
+        return (
+            'method="triton" has no gradient for this function (its kernels are forward '
+            'only), but an input requires grad: use method="chunked" (or "auto", which picks '
+            "it under autograd), or detach the inputs"
+        )
+    return reason
+
+
 def _triton_errors() -> tuple[type[BaseException], ...]:
+    # what says "this kernel cannot be built here"; not the interpreter's InterpreterError (a
+    # kernel's own error), not a RuntimeError (which may be anything)
     from triton.compiler.errors import CompilationError
 
-    return (CompilationError,)
+    errors: list[type[BaseException]] = [CompilationError]
+    try:
+        from triton.runtime.errors import OutOfResources, PTXASError
+    except ImportError:  # pragma: no cover - an older triton
+        return tuple(errors)
+    return (*errors, OutOfResources, PTXASError)
 
 
 REFERENCE = Backend("reference")
 CHUNKED = Backend("chunked")
 COMPILED = Backend("compiled", _compiled_requires, traceable=False, compile_errors=_numba_errors)
-# auto picks triton on CUDA only: under TRITON_INTERPRET=1 it runs CPU tensors, for tests
-TRITON = Backend("triton", _triton_requires, compile_errors=_triton_errors, auto=_on_cuda)
+# auto picks triton on CUDA only: under TRITON_INTERPRET=1 it runs CPU tensors, for tests.
+# Not traced by torch.compile (the kernels are not registered as custom ops).
+TRITON = Backend(
+    "triton", _triton_requires, traceable=False, compile_errors=_triton_errors, auto=_on_cuda
+)
+# the same backend where the kernels are forward only: refused under autograd, as compiled
+TRITON_FORWARD = Backend(
+    "triton",
+    _triton_forward_requires,
+    traceable=False,
+    compile_errors=_triton_errors,
+    auto=_on_cuda,
+)
 
 
 def _always(case: Case) -> bool:
@@ -222,9 +269,9 @@ class Table:
                 if (
                     backend is not None
                     and name not in _failed
-                    and backend.requires(case) is None
                     and backend.auto(case)
                     and (backend.traceable or not compiling)
+                    and backend.requires(case) is None
                 ):
                     return name
             return "chunked"
