@@ -247,7 +247,7 @@ def test_exports():
 
 
 def test_default_chunk_bounds_the_temporaries():
-    from rlops.logprobs._inputs import default_chunk
+    from rlops.logprobs._checks import default_chunk
 
     cpu = torch.device("cpu")
     for n, v in [(1, 1), (10, 5), (131072, 32000), (131072, 152064), (7, 10**8)]:

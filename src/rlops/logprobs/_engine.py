@@ -36,7 +36,7 @@ from rlops._checks import check_same_device, compute_dtype
 from rlops._threads import for_each
 from rlops.distributed.groups import group_rank_size
 from rlops.logprobs import _radix, _shard, _support, _tp
-from rlops.logprobs._inputs import check_flags, check_sampler, check_target_range
+from rlops.logprobs._checks import check_flags, check_sampler, check_target_range
 from rlops.logprobs._plan import Plan
 from rlops.logprobs._support import Sampler
 

@@ -26,7 +26,7 @@ import torch
 
 from rlops._checks import check_chunk_size, check_same_device
 from rlops.logprobs import _engine, _method
-from rlops.logprobs._inputs import (
+from rlops.logprobs._checks import (
     check_flags,
     check_keep_mask,
     check_logits,

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from rlops._checks import check_chunk_size, check_same_device, shape_error
 from rlops.distributed.groups import group_rank_size
 from rlops.logprobs import _engine
-from rlops.logprobs._inputs import (
+from rlops.logprobs._checks import (
     check_flags,
     check_keep_mask,
     check_logits,
