@@ -26,8 +26,8 @@ A zero decay product is a cut: what lies beyond it is *selected* away before the
 
 The chunk matrix products stay in full precision without touching any process-wide setting:
 where the process lets float32 matrix products run reduced (TF32 or bfloat16 inside,
-``torch.backends.*.matmul.fp32_precision``, which is only read here), a float32 chunk product
-runs in float64 and is rounded once.
+``torch.backends.*.matmul.fp32_precision``, which is only read here), and while
+``torch.compile`` traces, a float32 chunk product runs in float64 and is rounded once.
 """
 
 from __future__ import annotations
@@ -44,10 +44,9 @@ DEFAULT_CHUNK_TOKENWISE = 16
 _FULL = ("none", "ieee")  # fp32_precision values that keep float32 products in float32
 
 
-@torch.compiler.assume_constant_result
 def _reduced_fp32_matmul(device_type: str) -> bool:
     """Whether float32 matrix products on ``device_type`` may run in reduced precision (a read
-    of the process's setting, never written; ``torch.compile`` reads it once, when it traces)."""
+    of the process's setting, never written)."""
     if device_type == "cuda":
         return torch.backends.cuda.matmul.fp32_precision not in _FULL
     if device_type == "cpu":
@@ -58,8 +57,10 @@ def _reduced_fp32_matmul(device_type: str) -> bool:
 
 def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` in full precision: float32 operands go through float64 where the process lets
-    float32 products run reduced."""
-    if a.dtype == torch.float32 and _reduced_fp32_matmul(a.device.type):
+    float32 products run reduced, and while ``torch.compile`` traces."""
+    if a.dtype == torch.float32 and (
+        torch.compiler.is_compiling() or _reduced_fp32_matmul(a.device.type)
+    ):  # while tracing, float64 whatever the setting: no backend flag is read into a graph
         return torch.matmul(a.double(), b.double()).to(a.dtype)
     return torch.matmul(a, b)
 
