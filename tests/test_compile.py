@@ -167,27 +167,18 @@ def test_fullgraph_forward_and_backward_equal_eager(name):
     _compare(name, compiled, eager, eager64)
 
 
-DYNAMIC = ["discounted_cumsum", "gae", "discounted_returns", "reinforce_plus_plus_returns",
-           "logprobs_and_entropy", "policy_loss", "aggregate_loss", "masked_whiten"]
-# The chunked scan's graph depends on the length through its padding, its chunk count and its
-# recursion depth: under dynamic=True each new length recompiles. Known, not yet met.
-SCANS = DYNAMIC[:4]
-_SCAN_RECOMPILES = pytest.mark.xfail(
-    strict=True, reason="the chunked scan recompiles per length under dynamic=True")
+DYNAMIC = ["logprobs_and_entropy", "policy_loss", "aggregate_loss", "masked_whiten"]
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=_SCAN_RECOMPILES) if n in SCANS else n for n in DYNAMIC])
-def test_three_new_lengths_cost_at_most_one_recompile(name, monkeypatch, tmp_path):
+def _count_graphs(name: str, backend: str = "inductor") -> tuple[int, list]:
+    """Graphs compiled for four lengths under ``dynamic=True`` (after the first: recompiles),
+    and the compiled and eager results per length."""
     from torch._dynamo.utils import counters
 
-    # a fresh Inductor cache: an entry cached by other code for the same graph may carry that
-    # code's shape specialisations, and its guards would be counted here
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch._dynamo.reset()
     counters.clear()
     fn, _ = CASES[name]
-    compiled = torch.compile(fn, fullgraph=True, dynamic=True)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend=backend)
     results = []
     for t in (16, 37, 64, 129):
         d = {k: (v.float() if v.is_floating_point() else v)
@@ -195,7 +186,25 @@ def test_three_new_lengths_cost_at_most_one_recompile(name, monkeypatch, tmp_pat
         results.append((t, compiled(d), fn(d)))
         if t == 16:
             first = counters["stats"]["unique_graphs"]
-    assert counters["stats"]["unique_graphs"] - first <= 1, dict(counters["stats"])
+    return counters["stats"]["unique_graphs"] - first, results
+
+
+@pytest.mark.xfail(strict=True, reason="the chunked scan recompiles per length under dynamic=True")
+def test_the_scan_family_under_dynamic_lengths():
+    """Known, not yet met: the chunked scan's padding, chunk count and recursion depth enter its
+    graph, so each new length recompiles (counted with Dynamo's eager backend: the guards are
+    Dynamo's, and it keeps this check cheap)."""
+    recompiles, _ = _count_graphs("discounted_cumsum", backend="eager")
+    assert recompiles <= 1, recompiles
+
+
+@pytest.mark.parametrize("name", DYNAMIC)
+def test_three_new_lengths_cost_at_most_one_recompile(name, monkeypatch, tmp_path):
+    # a fresh Inductor cache: an entry cached by other code for the same graph may carry that
+    # code's shape specialisations, and its guards would be counted here
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    recompiles, results = _count_graphs(name)
+    assert recompiles <= 1, recompiles
     for t, c, e in results:
         for a, b in zip(_tensors(c), _tensors(e), strict=True):
             assert a.shape == b.shape, (name, t)
