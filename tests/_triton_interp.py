@@ -13,15 +13,17 @@ slow original).
 from __future__ import annotations
 
 import os
+import zlib
 
 os.environ["TRITON_INTERPRET"] = "1"
 
 import numpy as np
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 
-__all__ = ["triton", "vectorised_scan"]
+__all__ = ["random_decay", "seeded", "triton", "vectorised_scan"]
 
 
 def vectorised_scan(self, inputs):
@@ -54,3 +56,21 @@ except ImportError:  # pragma: no cover - a triton without the interpreter's cla
     ScanOps = None
 if ScanOps is not None and hasattr(ScanOps, "generic_scan"):
     ScanOps.generic_scan = vectorised_scan
+
+
+def seeded(*key) -> torch.Generator:
+    """A generator seeded from ``key`` (the same inputs for the same test case in every run)."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def random_decay(kind, d, b, t, dtype, gen):
+    """A discount of ``kind``: the float ``d`` ("scalar"), ``d`` scaled per row ``[b, 1]``
+    ("row"), or per token ``[b, t]`` ("token": mostly ``d``, some random, 2% exact cuts)."""
+    if kind == "scalar":
+        return d
+    if kind == "row":
+        return (d * (1 - 0.1 * torch.rand(b, 1, generator=gen, dtype=torch.float64))).to(dtype)
+    a = torch.full((b, t), d, dtype=torch.float64)
+    u = torch.rand(b, t, generator=gen, dtype=torch.float64)
+    a = torch.where(u < 0.1, d * torch.rand(b, t, generator=gen, dtype=torch.float64), a)
+    return torch.where(u < 0.02, 0.0, a).to(dtype)  # exact cuts

@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import itertools
 import warnings
-import zlib
 
 import pytest
 import torch
-from tests._triton_interp import triton  # noqa: F401  (sets TRITON_INTERPRET=1 first)
+from tests._triton_interp import (  # (sets TRITON_INTERPRET=1 first)
+    random_decay,
+    seeded,
+    triton,  # noqa: F401
+)
 from tests.oracles import (
     EXTENDED,
     discounted_cumsum_oracle,
@@ -48,8 +51,6 @@ TABLES = {"scan": SCAN, "returns": RETURNS, "reinforce": REINFORCE}
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
-def _gen(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
 @pytest.fixture
@@ -79,15 +80,6 @@ def kernels(monkeypatch, clean_failures):
 
 
 # ------------------------------------------------------------------ discounted_cumsum
-def _decay(kind, d, b, t, dtype, gen):
-    if kind == "scalar":
-        return d
-    if kind == "row":
-        return (d * (1 - 0.1 * torch.rand(b, 1, generator=gen, dtype=torch.float64))).to(dtype)
-    a = torch.full((b, t), d, dtype=torch.float64)
-    u = torch.rand(b, t, generator=gen, dtype=torch.float64)
-    a = torch.where(u < 0.1, d * torch.rand(b, t, generator=gen, dtype=torch.float64), a)
-    return torch.where(u < 0.02, 0.0, a).to(dtype)  # exact cuts
 
 
 def _check_cumsum(name, out, x, a, dim=-1):
@@ -116,25 +108,25 @@ CUMSUM_CASES = [
 
 @pytest.mark.parametrize(("b", "t", "kind", "d", "dtype"), CUMSUM_CASES)
 def test_discounted_cumsum_triton_matches_reference(kernels, b, t, kind, d, dtype):
-    gen = _gen("cumsum", b, t, kind, d, dtype)
+    gen = seeded("cumsum", b, t, kind, d, dtype)
     dt = getattr(torch, dtype)
     x = torch.randn(b, t, generator=gen, dtype=torch.float64).to(dt)
-    a = _decay(kind, d, b, t, dt, gen)
+    a = random_decay(kind, d, b, t, dt, gen)
     out = rlops.discounted_cumsum(x, a, method="triton")
     assert kernels == {"reverse_scan": 1}
     _check_cumsum(f"{dtype} {kind} d={d} [{b}, {t}]", out, x, a)
 
 
 def test_discounted_cumsum_triton_along_another_dim(kernels):
-    gen = _gen("dim")
+    gen = seeded("dim")
     x = torch.randn(129, 3, generator=gen)  # time first
-    a = _decay("token", 0.9, 3, 129, torch.float32, gen).T
+    a = random_decay("token", 0.9, 3, 129, torch.float32, gen).T
     _check_cumsum("dim=0", rlops.discounted_cumsum(x, a, dim=0, method="triton"), x, a, dim=0)
     assert kernels == {"reverse_scan": 1}
 
 
 def test_discounted_cumsum_nan_beyond_a_zero_decay_does_not_leak(kernels):
-    x = torch.randn(2, 300, generator=_gen("nan-cumsum"))
+    x = torch.randn(2, 300, generator=seeded("nan-cumsum"))
     a = torch.full((2, 300), 0.9)
     a[:, 100] = 0.0
     x[0, 290] = float("nan")
@@ -149,11 +141,11 @@ def test_discounted_cumsum_nan_beyond_a_zero_decay_does_not_leak(kernels):
 @pytest.mark.parametrize("kind", ["row", "token"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_discounted_cumsum_triton_gradient_matches_reference_autograd(kernels, kind, dtype):
-    gen = _gen("grad", kind, dtype)
+    gen = seeded("grad", kind, dtype)
     dt = getattr(torch, dtype)
     b, t = 3, 301
     x = torch.randn(b, t, generator=gen, dtype=torch.float64).to(dt)
-    a = _decay(kind, 0.9, b, t, dt, gen)
+    a = random_decay(kind, 0.9, b, t, dt, gen)
     g = torch.randn(b, t, generator=gen, dtype=torch.float64).to(dt)
     grads = {}
     for method in ("triton", "reference"):
@@ -196,7 +188,7 @@ def _check_estimator(name, out, oracle, ref32_or_ref):
 
 @pytest.mark.parametrize(("b", "t", "mask", "dones", "gamma", "lam", "dtype"), GAE_CASES)
 def test_gae_and_returns_triton_match_reference(kernels, b, t, mask, dones, gamma, lam, dtype):
-    gen = _gen("gae", b, t, mask, dones, gamma, lam, dtype)
+    gen = seeded("gae", b, t, mask, dones, gamma, lam, dtype)
     dt = getattr(torch, dtype)
     r = torch.randn(b, t, generator=gen, dtype=torch.float64).to(dt)
     v = torch.randn(b, t, generator=gen, dtype=torch.float64).to(dt)
@@ -219,7 +211,7 @@ def test_gae_and_returns_triton_match_reference(kernels, b, t, mask, dones, gamm
 
 
 def test_gae_triton_per_row_discounts_and_empty_rows(kernels):
-    gen = _gen("rows")
+    gen = seeded("rows")
     b, t = 4, 257
     r, v = torch.randn(b, t, generator=gen), torch.randn(b, t, generator=gen)
     m, d = _indicators(b, t, gen, True, True)
@@ -240,7 +232,7 @@ def test_gae_triton_per_row_discounts_and_empty_rows(kernels):
 
 
 def test_gae_triton_nan_beyond_a_done_does_not_leak(kernels):
-    gen = _gen("gae-nan")
+    gen = seeded("gae-nan")
     r, v = torch.randn(2, 300, generator=gen), torch.randn(2, 300, generator=gen)
     d = torch.zeros(2, 300, dtype=torch.bool)
     d[:, 40] = True
@@ -275,7 +267,7 @@ def _rpp_oracle(outcome, kl, m, kl_coef, gamma, extended=False):
      ("float32", "rows"), ("bfloat16", 0.99)],
 )
 def test_reinforce_triton_matches_reference(kernels, dtype, gamma):
-    gen = _gen("rpp", dtype, gamma)
+    gen = seeded("rpp", dtype, gamma)
     dt = getattr(torch, dtype)
     b, t = 4, 333
     kl = torch.randn(b, t, generator=gen, dtype=torch.float64).to(dt)
@@ -346,8 +338,8 @@ def test_auto_on_cpu_stays_off_triton_under_the_interpreter(kernels):
     for table in TABLES.values():
         assert table.method("auto", _case()) == compiled
         assert table.method("auto", _case(needs_grad=True)) == "chunked"
-    x = torch.randn(2, 50, generator=_gen("auto"))
-    m = torch.rand(2, 50, generator=_gen("auto-m")) < 0.5
+    x = torch.randn(2, 50, generator=seeded("auto"))
+    m = torch.rand(2, 50, generator=seeded("auto-m")) < 0.5
     rlops.discounted_cumsum(x, 0.9)
     rlops.gae(x, x, gamma=0.9, lam=0.9)
     rlops.discounted_returns(x, gamma=0.9)
@@ -400,7 +392,7 @@ class _Unbuildable:
 
 
 def _calls(name):
-    gen = _gen("fail", name)
+    gen = seeded("fail", name)
     x = torch.randn(2, 301, generator=gen)
     m = torch.rand(2, 301, generator=gen) < 0.7
     if name == "scan":
@@ -463,12 +455,12 @@ def _cp_triton(rank: int, world: int):
 
     scan_triton.reverse_scan = counted  # a fresh process of this test alone
     t_len = 4 * world * 17
-    gen = _gen("cp")
+    gen = seeded("cp")
     r = torch.randn(2, t_len, generator=gen, dtype=torch.float64)
     v = torch.randn(2, t_len, generator=gen, dtype=torch.float64)
     m = torch.rand(2, t_len, generator=gen) < 0.7
     d = torch.rand(2, t_len, generator=gen) < 0.05
-    decay = _decay("token", 0.95, 2, t_len, torch.float64, gen)
+    decay = random_decay("token", 0.95, 2, t_len, torch.float64, gen)
 
     def shard(x):
         return zigzag_shard(x, cp_size=world, cp_rank=rank)

@@ -13,11 +13,14 @@ rounded (plus the float32 budget).
 from __future__ import annotations
 
 import itertools
-import zlib
 
 import pytest
 import torch
-from tests._triton_interp import triton  # noqa: F401  (sets TRITON_INTERPRET=1 first)
+from tests._triton_interp import (  # (sets TRITON_INTERPRET=1 first)
+    random_decay,
+    seeded,
+    triton,  # noqa: F401
+)
 from tests.oracles import (
     EXTENDED,
     discounted_cumsum_oracle,
@@ -35,19 +38,8 @@ from rlops.scan.triton import block_size, reverse_scan
 SHAPES = [(1, 1), (3, 127), (2, 128), (2, 129), (1, 1000)]
 
 
-def _gen(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
-def _decay(kind, d, b, t, dtype, gen):
-    if kind == "scalar":
-        return d
-    if kind == "row":
-        return (d * (1 - 0.1 * torch.rand(b, 1, generator=gen, dtype=torch.float64))).to(dtype)
-    a = torch.full((b, t), d, dtype=torch.float64)
-    u = torch.rand(b, t, generator=gen, dtype=torch.float64)
-    a = torch.where(u < 0.1, d * torch.rand(b, t, generator=gen, dtype=torch.float64), a)
-    return torch.where(u < 0.02, 0.0, a).to(dtype)
 
 
 def _check_scan(name, out, x, a):
@@ -78,17 +70,17 @@ CASES = [
 
 @pytest.mark.parametrize(("b", "t", "kind", "d", "dtype"), CASES)
 def test_reverse_scan_matches_reference(b, t, kind, d, dtype):
-    gen = _gen(b, t, kind, d, dtype)
+    gen = seeded(b, t, kind, d, dtype)
     dt = getattr(torch, dtype)
     x = torch.randn(b, t, generator=gen, dtype=torch.float64).to(dt)
-    a = _decay(kind, d, b, t, dt, gen)
+    a = random_decay(kind, d, b, t, dt, gen)
     out = reverse_scan(x, a, block_t=64 if t < 1000 else 256)
     _check_scan(f"{dtype} {kind} d={d} [{b}, {t}]", out, x, a)
 
 
 def test_reverse_scan_long_row_default_blocks():
     """T = 4096 with the default block (several blocks, one carry scan) at discount 1."""
-    gen = _gen("long")
+    gen = seeded("long")
     x = torch.randn(1, 4096, generator=gen)
     assert block_size(1, 4096) < 4096
     _check_scan("T=4096, d=1", reverse_scan(x, 1.0), x, 1.0)
@@ -98,9 +90,9 @@ def test_reverse_scan_many_blocks_tile_loop():
     """More blocks than one tile of the carry scan: the carry crosses tiles of blocks."""
     import rlops.scan.triton as st
 
-    gen = _gen("tiles")
+    gen = seeded("tiles")
     x = torch.randn(2, 300, generator=gen, dtype=torch.float64)
-    a = _decay("token", 0.9, 2, 300, torch.float64, gen)
+    a = random_decay("token", 0.9, 2, 300, torch.float64, gen)
     saved = st._CARRY_BLOCK
     st._CARRY_BLOCK = 16  # 19 blocks of 16 steps: two tiles of the carry scan
     try:
@@ -112,7 +104,7 @@ def test_reverse_scan_many_blocks_tile_loop():
 
 def test_nan_beyond_a_cut_does_not_leak():
     """A zero decay is a cut: NaN and inf after it, in another block, stay after it."""
-    x = torch.randn(2, 200, generator=_gen("nan"))
+    x = torch.randn(2, 200, generator=seeded("nan"))
     a = torch.full((2, 200), 0.9)
     a[:, 70] = 0.0
     x[0, 150] = float("nan")
@@ -124,15 +116,15 @@ def test_nan_beyond_a_cut_does_not_leak():
 
 
 def test_scalar_discount_zero_is_identity():
-    x = torch.randn(3, 100, generator=_gen("zero"))
+    x = torch.randn(3, 100, generator=seeded("zero"))
     assert torch.equal(reverse_scan(x, 0.0, block_t=16), x)
 
 
 def test_y_boot_is_the_value_past_the_end():
     """``y_boot`` acts as one more step ``x[T] = y_boot`` (definition of the bootstrap)."""
-    gen = _gen("boot")
+    gen = seeded("boot")
     x = torch.randn(3, 77, generator=gen, dtype=torch.float64)
-    a = _decay("token", 0.95, 3, 77, torch.float64, gen)
+    a = random_decay("token", 0.95, 3, 77, torch.float64, gen)
     boot = torch.randn(3, generator=gen, dtype=torch.float64)
     out = reverse_scan(x, a, y_boot=boot, block_t=16)
     longer = scan_reference(torch.cat([x, boot[:, None]], 1), torch.cat([a, a[:, :1]], 1))
@@ -150,10 +142,10 @@ def test_empty(shape):
 
 @pytest.mark.parametrize("kind", ["row", "token"])
 def test_reverse_scan_gradients_match_reference_autograd(kind):
-    gen = _gen("grad", kind)
+    gen = seeded("grad", kind)
     b, t = 3, 150
     x = torch.randn(b, t, generator=gen, dtype=torch.float64)
-    a = _decay(kind, 0.9, b, t, torch.float64, gen)
+    a = random_decay(kind, 0.9, b, t, torch.float64, gen)
     g = torch.randn(b, t, generator=gen, dtype=torch.float64)
     x1, a1 = x.clone().requires_grad_(), a.clone().requires_grad_()
     reverse_scan(x1, a1, block_t=32).backward(g)
@@ -164,7 +156,7 @@ def test_reverse_scan_gradients_match_reference_autograd(kind):
 
 
 def test_reverse_scan_gradcheck_with_boot():
-    gen = _gen("gradcheck")
+    gen = seeded("gradcheck")
     x = torch.randn(2, 37, generator=gen, dtype=torch.float64, requires_grad=True)
     a = (0.5 + 0.5 * torch.rand(2, 37, generator=gen, dtype=torch.float64)).requires_grad_()
     # fast mode: a few random directions instead of one forward per input element
@@ -199,7 +191,7 @@ GAE_CASES = [
 
 @pytest.mark.parametrize(("b", "t", "mask", "dones", "gamma", "lam", "dtype"), GAE_CASES)
 def test_gae_and_returns_match_reference(b, t, mask, dones, gamma, lam, dtype):
-    gen = _gen("gae", b, t, mask, dones, gamma, lam, dtype)
+    gen = seeded("gae", b, t, mask, dones, gamma, lam, dtype)
     dt = getattr(torch, dtype)
     r = torch.randn(b, t, generator=gen, dtype=torch.float64).to(dt)
     v = torch.randn(b, t, generator=gen, dtype=torch.float64).to(dt)
@@ -221,7 +213,7 @@ def test_gae_and_returns_match_reference(b, t, mask, dones, gamma, lam, dtype):
 
 
 def test_gae_per_row_discounts_and_empty_rows():
-    gen = _gen("rows")
+    gen = seeded("rows")
     b, t = 4, 200
     r, v = torch.randn(b, t, generator=gen), torch.randn(b, t, generator=gen)
     m, d = _indicators(b, t, gen, True, True)
@@ -238,7 +230,7 @@ def test_gae_per_row_discounts_and_empty_rows():
 
 def test_gae_nan_beyond_a_done():
     """NaN rewards and values after a done (another packed sequence) stay after it."""
-    gen = _gen("gae-nan")
+    gen = seeded("gae-nan")
     r, v = torch.randn(2, 160, generator=gen), torch.randn(2, 160, generator=gen)
     d = torch.zeros(2, 160, dtype=torch.bool)
     d[:, 40] = True
@@ -252,7 +244,7 @@ def test_gae_nan_beyond_a_done():
 
 
 def test_gae_bfloat16_inputs():
-    gen = _gen("gae-bf16")
+    gen = seeded("gae-bf16")
     b, t = 2, 300
     r = torch.randn(b, t, generator=gen).bfloat16()
     v = torch.randn(b, t, generator=gen).bfloat16()
@@ -270,7 +262,7 @@ def test_gae_bfloat16_inputs():
 @pytest.mark.parametrize(("dtype", "gamma"), [("float32", 0.99), ("float64", 0.9),
                                               ("float32", 1.0), ("float32", 0.0)])
 def test_reinforce_returns_match_reference(dtype, gamma):
-    gen = _gen("rpp", dtype, gamma)
+    gen = seeded("rpp", dtype, gamma)
     dt = getattr(torch, dtype)
     b, t = 4, 333
     kl = torch.randn(b, t, generator=gen, dtype=torch.float64).to(dt)
