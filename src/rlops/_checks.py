@@ -282,8 +282,11 @@ def as_int(
         isinstance(value, torch.Tensor) and (value.is_floating_point() or not tensor)
     ):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    try:
-        out = operator.index(cast(SupportsIndex, value))  # a TypeError is the check
+    try:  # a TypeError is the check
+        # while torch.compile traces, a length it keeps symbolic stays so (index() would fix
+        # its value: a recompile per length)
+        symbolic = torch.compiler.is_compiling() and isinstance(value, int)
+        out = cast(int, value) if symbolic else operator.index(cast(SupportsIndex, value))
     except TypeError:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
     if minimum is not None and out < minimum:

@@ -127,8 +127,9 @@ class Call:
         self.op = op
         self.fields = {"function": op, **fields}
         self.implied = {k: tuple(v) for k, v in (implied or {}).items()}
-        for v in self.fields.values():
-            _canonical(v)  # refuse an undescribable value at once, not on the error path
+        if not torch.compiler.is_compiling():  # (a traced length would be fixed by it)
+            for v in self.fields.values():
+                _canonical(v)  # refuse an undescribable value at once, not on the error path
 
     def with_fields(self, **fields: object) -> Call:
         """This call with more fields (e.g. which of its collectives is running)."""

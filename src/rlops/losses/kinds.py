@@ -118,7 +118,8 @@ def _clip_cov(lp, lr, adv, keep, clip_low, clip_high, clip_cov_ratio, clip_cov_l
     cand = keep & ~hit & (cov > clip_cov_lb) & (cov < clip_cov_ub)
     # A uniformly random subset of min(quota, #candidates) candidates: the candidates with the
     # smallest of iid uniform keys (the others are keyed 2, after every candidate).
-    keys = torch.rand(keep.shape, generator=generator, dtype=torch.float64, device=keep.device)
+    draw = {"generator": generator} if generator is not None else {}  # (traceable at any T)
+    keys = torch.rand(keep.shape, dtype=torch.float64, device=keep.device, **draw)
     chosen = cand & (_rank(torch.where(cand, keys, 2.0)) < _quota(clip_cov_ratio, keep))
     loss = torch.where(chosen, 0, loss)
     return loss, {"pg_clipfrac": _hits(hit, keep), "clip_cov_frac": _hits(chosen, keep)}

@@ -10,8 +10,9 @@ kernel, the ``fast`` extra), ``"triton"`` (:mod:`rlops.scan.triton`, a two-level
 CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``; the ``gpu`` extra; differentiable,
 its backward the adjoint scan forward in time) and ``"auto"``; :data:`SCAN` is the family's
 dispatch table (:mod:`rlops.scan.dispatch`): auto picks triton on CUDA tensors when triton
-imports (not while ``torch.compile`` traces), compiled on CPU when numba is installed and no
-gradient is needed, else chunked.
+imports, compiled on CPU when numba is installed and no gradient is needed, else chunked.
+While ``torch.compile`` traces, :func:`scan` is the operator ``rlops::reverse_scan``
+(:mod:`rlops.scan._op`): one graph node at every length, which runs this table at run time.
 
 A decay of exactly 0 is an exact cut for every method: nothing beyond it reaches ``y[t]``,
 not even NaN or inf (:func:`rlops.scan.decay.through`).
@@ -25,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from rlops.scan import compiled
+from rlops.scan._op import reverse_scan_op
 from rlops.scan.chunked import scan_chunked
 from rlops.scan.decay import is_per_token
 from rlops.scan.dispatch import (
@@ -78,5 +80,14 @@ def scan(
     chunk_size: int | None = None,
 ) -> torch.Tensor:
     """The scan on the canonical layout: ``x`` ``[N, T]`` in the compute dtype; ``decay`` a
-    float, ``[N, 1]`` or ``[N, T]`` (already checked). ``method`` as in :data:`SCAN`."""
-    return SCAN(method, case_of(x, decay), x, decay, chunk_size)
+    float, ``[N, 1]`` or ``[N, T]`` (already checked). ``method`` as in :data:`SCAN`.
+
+    While ``torch.compile`` traces, the scan is the operator ``rlops::reverse_scan``
+    (:mod:`rlops.scan._op`): one node for every length, run by this table at run time (an
+    explicit method is checked here, at trace time, as in eager code)."""
+    case = case_of(x, decay)
+    if torch.compiler.is_compiling():
+        if method != "auto":
+            SCAN.method(method, case)
+        return reverse_scan_op(x, decay, method, chunk_size)
+    return SCAN(method, case, x, decay, chunk_size)
