@@ -35,6 +35,7 @@ LAYERS = {
     "rlops.kl_controllers": 3,
     "rlops.losses": 3,
     "rlops.rollout_correction": 3,
+    "rlops.selection": 3,
     "rlops": 4,
     "rlops.compat": 5,
     "rlops.measure": 5,
