@@ -223,48 +223,81 @@ def test_bad_arguments_name_themselves():
         opsm_mask(z, z, z, torch.ones(2, 2))
 
 
-# --------------------------------------------------------------------------- 2 Gloo ranks
-SPLITS = [(0, 8), (1, 7), (4, 4), (6, 2), (8, 0)]
+# --------------------------------------------------------------------------- Gloo ranks
+# rows of the whole batch held by each rank: 4 ranks (one holds nothing), and two groups of 2
+# ranks each splitting the same batch differently
+QUARTERS = [(0, 1), (1, 3), (3, 3), (3, 8)]
+HALVES = [(0, 3), (3, 8), (0, 6), (6, 8)]
 
 
-def _split_work(rank, world, old, rollout, ent, mask):
-    out = []
-    for lo, _ in SPLITS:
-        rows = slice(0, lo) if rank == 0 else slice(lo, old.shape[0])
-        keep_m, met_m = m2po_mask(old[rows], rollout[rows], mask[rows], threshold=0.02,
-                                  group=dist.group.WORLD)
-        keep_e, met_e = top_entropy_mask(ent[rows], mask[rows], rho=0.2, group=dist.group.WORLD)
-        out.append((keep_m, keep_e, met_m["m2po_m2_kept"], met_e["entropy_threshold"]))
-    # context parallel: columns split between the ranks, row max over both
+def _split_work(rank, world, batches, ent):
+    import os
+
+    from tests._distributed import count_collectives
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = pairs[rank // 2]
+    out = {}
+    for name, (old, rollout, mask) in batches.items():
+        h = ent.to(old.dtype)
+        for split, rows, grp in (("4", QUARTERS[rank], dist.group.WORLD),
+                                 ("2", HALVES[rank], pair)):
+            r = slice(*rows)
+            with count_collectives() as calls:
+                keep_m, met_m = m2po_mask(old[r], rollout[r], mask[r], threshold=0.02,
+                                          group=grp)
+            n_m = sum(calls.values())
+            keep_e, met_e = top_entropy_mask(h[r], mask[r], rho=0.2, group=grp)
+            out[name, split] = (keep_m, keep_e, met_m, met_e, n_m)
+        os.environ["RLOPS_GROUP_CHECK"] = "0"
+        with count_collectives() as calls:
+            m2po_mask(old[slice(*QUARTERS[rank])], rollout[slice(*QUARTERS[rank])],
+                      mask[slice(*QUARTERS[rank])], threshold=0.02, group=dist.group.WORLD)
+        del os.environ["RLOPS_GROUP_CHECK"]
+        out[name, "unchecked"] = sum(calls.values())
+    # context parallel over a pair: columns split between its two ranks
+    old, rollout, mask = batches["float64"]
     half = old.shape[1] // 2
-    cols = slice(0, half) if rank == 0 else slice(half, old.shape[1])
+    cols = slice(0, half) if rank % 2 == 0 else slice(half, old.shape[1])
     w, keep, _ = behavior_importance_weights(old[:, cols], rollout[:, cols], mask[:, cols],
                                              upper=1.2, level="sequence", agg="max",
-                                             cp_group=dist.group.WORLD)
+                                             cp_group=pair)
     opsm, _ = opsm_mask(rollout[:, cols], old[:, cols], old[:, cols] - 1, mask[:, cols],
-                        delta=0.01, cp_group=dist.group.WORLD)
-    return out, (w, keep, opsm)
+                        delta=0.01, cp_group=pair)
+    out["cp"] = (w, keep, opsm)
+    return out
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("dtype", [torch.float32])
-def test_group_masks_equal_the_whole_batch_for_every_split(dtype):
-    old, rollout, mask = _batch(11, b=8, t=10, dtype=dtype)
-    ent = torch.rand(8, 10, generator=torch.Generator().manual_seed(2)).to(dtype)
-    whole_m, wm = m2po_mask(old, rollout, mask, threshold=0.02)
-    whole_e, we = top_entropy_mask(ent, mask, rho=0.2)
-    results = run_distributed(_split_work, 2, old, rollout, ent, mask)
-    for i, (lo, _) in enumerate(SPLITS):
-        keep_m = torch.cat([results[0][0][i][0], results[1][0][i][0]])
-        keep_e = torch.cat([results[0][0][i][1], results[1][0][i][1]])
-        assert torch.equal(keep_m, whole_m), lo
-        assert torch.equal(keep_e, whole_e), lo
-        for r in range(2):
-            assert torch.equal(results[r][0][i][3], we["entropy_threshold"])
-            torch.testing.assert_close(results[r][0][i][2], wm["m2po_m2_kept"])
+def test_group_masks_equal_the_whole_batch_for_splits_1_2_4():
+    """The mask of each rank, concatenated in rank order, equals the one-process mask of the
+    whole batch for the batch split over 1 (one process), 2 (two groups of 2 ranks, split
+    differently) and 4 ranks (one holding no row); float32 (4 radix rounds) and float64 (8)."""
+    batches = {str(dt).split(".")[1]: _batch(11, b=8, t=10, dtype=dt)
+               for dt in (torch.float32, torch.float64)}
+    ent = torch.rand(8, 10, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    res = run_distributed(_split_work, 4, batches, ent)
+    for name, (old, rollout, mask) in batches.items():
+        whole_m, wm = m2po_mask(old, rollout, mask, threshold=0.02)
+        whole_e, we = top_entropy_mask(ent.to(old.dtype), mask, rho=0.2)
+        assert 0 < wm["m2po_masked_fraction"] < 1
+        rounds = 4 if name == "float32" else 8
+        for split, ranks in (("4", [0, 1, 2, 3]), ("2", [0, 1]), ("2", [2, 3])):
+            parts = [res[r][name, split] for r in ranks]
+            assert torch.equal(torch.cat([p[0] for p in parts]), whole_m), (name, split)
+            assert torch.equal(torch.cat([p[1] for p in parts]), whole_e), (name, split)
+            for p in parts:
+                for k in wm:
+                    torch.testing.assert_close(p[2][k], wm[k], rtol=1e-6, atol=0)
+                assert torch.equal(p[3]["entropy_threshold"], we["entropy_threshold"])
+                # one checked gather per radix round: its fixed-size check, then the bins
+                assert p[4] == 2 * rounds
+        assert all(res[r][name, "unchecked"] == rounds for r in range(4))
+    old, rollout, mask = batches["float64"]
     w, keep, _ = behavior_importance_weights(old, rollout, mask, upper=1.2, level="sequence",
                                              agg="max")
     opsm, _ = opsm_mask(rollout, old, old - 1, mask, delta=0.01)
-    assert torch.equal(torch.cat([results[0][1][1], results[1][1][1]], 1), keep)
-    torch.testing.assert_close(torch.cat([results[0][1][0], results[1][1][0]], 1), w)
-    assert torch.equal(torch.cat([results[0][1][2], results[1][1][2]], 1), opsm)
+    for ranks in ([0, 1], [2, 3]):
+        assert torch.equal(torch.cat([res[r]["cp"][1] for r in ranks], 1), keep)
+        torch.testing.assert_close(torch.cat([res[r]["cp"][0] for r in ranks], 1), w)
+        assert torch.equal(torch.cat([res[r]["cp"][2] for r in ranks], 1), opsm)

@@ -508,6 +508,9 @@ def gdpo_advantages(
     if cols.dim() != 2 or cols.shape[0] != b:
         raise shape_error("scores", f"[B, K] with B = {b} like mask", scores.shape)
     k = cols.shape[1]
+    if k == 0:
+        raise shape_error("scores", "[B, K] with at least one reward column (K >= 1)",
+                          scores.shape)
     if weights is None:
         w = torch.ones(k, dtype=torch.float64)
     else:

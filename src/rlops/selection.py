@@ -96,19 +96,22 @@ def _value(u: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
     return bits.to(_INT[dtype]).view(dtype)
 
 
-def _rounds(x: torch.Tensor, weights: list[torch.Tensor], targets: int, group: object,
-            call: Call, choose) -> tuple[torch.Tensor, int]:
-    """Radix select over the keys of the 1-D ``x`` of every rank of ``group``.
+def _rounds(x: torch.Tensor, valid: torch.Tensor, weights: list[torch.Tensor], targets: int,
+            group: object, call: Call, choose) -> tuple[torch.Tensor, int]:
+    """Radix select over the keys of the entries of ``x`` where ``valid`` (both flattened),
+    over every rank of ``group``.
 
-    Each round (one per key byte, from the top) histograms, per target, the values whose key
-    starts with that target's bytes so far: a count and, per tensor of ``weights``, a sum
+    Each round (one per key byte, from the top) histograms, per target, the valid values whose
+    key starts with that target's bytes so far: a count and, per tensor of ``weights``, a sum
     (float64), ``[1 + len(weights), targets, 256]``, summed over the ranks by one
     :func:`gather`. ``choose(round, hist)`` returns the ``[targets]`` byte picked (the same on
     every rank, the histogram being the same). Returns the ``[targets]`` unsigned keys found
-    and the key width."""
-    u, width = _unsigned_key(x)
+    and the key width. Invalid entries weigh 0 (no boolean indexing: no device sync)."""
+    u, width = _unsigned_key(x.reshape(-1))
+    on = valid.reshape(-1)
     prefix = torch.zeros(targets, dtype=torch.int64, device=x.device)
-    cols = [torch.ones_like(u, dtype=torch.float64), *(w.to(torch.float64) for w in weights)]
+    cols = [on.to(torch.float64),
+            *(torch.where(on, w.reshape(-1).to(torch.float64), 0.0) for w in weights)]
     for r in range(width // 8):
         shift = width - 8 * (r + 1)
         digit = ((u >> shift) & (_BINS - 1)).expand(targets, -1)
@@ -123,11 +126,6 @@ def _rounds(x: torch.Tensor, weights: list[torch.Tensor], targets: int, group: o
         hist = gather(hist, group, call.with_fields(round=r)).sum(0)
         prefix = prefix | (choose(r, hist) << shift)
     return prefix, width
-
-
-def _flat(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """The selected entries of ``x`` (1-D, row-major): a boolean index, no host read of it."""
-    return x[keep]
 
 
 # --------------------------------------------------------------------------- OPSM
@@ -263,7 +261,6 @@ def m2po_mask(
     dtype = compute_dtype(torch.promote_types(old_logp.dtype, rollout_logp.dtype))
     d = old_logp.detach().to(dtype) - rollout_logp.detach().to(dtype)
     m2 = torch.where(keep, d.square(), 0)
-    x = _flat(m2, keep)
     state: dict[str, torch.Tensor] = {}
 
     def choose(r: int, hist: torch.Tensor) -> torch.Tensor:
@@ -276,14 +273,15 @@ def m2po_mask(
         g_end = state["below_g"] + g.cumsum(0)
         rising = (g_end >= 0) & (c_end > 0)
         state["found"] = state["found"] & rising.any()
-        digit = rising.to(torch.int8).argmax()  # the first bin where h rises to >= 0
-        state["below_n"] = c_end[digit] - count[digit]
-        state["below_g"] = g_end[digit] - g[digit]
-        state["at_n"] = count[digit]
-        return digit.reshape(1).to(torch.int64)
+        digit = rising.to(torch.int8).argmax().reshape(1)  # the first bin where h rises to 0
+        at_n = count.gather(0, digit)[0]
+        state["below_n"] = c_end.gather(0, digit)[0] - at_n
+        state["below_g"] = (g_end.gather(0, digit) - g.gather(0, digit))[0]
+        state["at_n"] = at_n
+        return digit.to(torch.int64)
 
     call = Call("m2po_mask", threshold=tau, dtype=dtype)
-    prefix, width = _rounds(x, [x - tau], 1, group, call, choose)
+    prefix, width = _rounds(m2, keep, [m2 - tau], 1, group, call, choose)
     key = _signed(_unsigned_key(m2)[0], width)
     cut_key = _signed(prefix, width)[0]
     found, at_min = state["found"], state["below_n"] == 0
@@ -364,7 +362,6 @@ def top_entropy_mask(
     group_rank_size(group)
     dtype = compute_dtype(entropy.dtype)
     h = entropy.detach().to(dtype)
-    x = _flat(h, keep)
     level = 1.0 - rho
     state: dict[str, torch.Tensor] = {}
 
@@ -383,7 +380,7 @@ def top_entropy_mask(
         return digit
 
     call = Call("top_entropy_mask", rho=rho, dtype=dtype)
-    prefix, width = _rounds(x, [], 2, group, call, choose)
+    prefix, width = _rounds(torch.where(keep, h, 0), keep, [], 2, group, call, choose)
     v_lo, v_hi = _value(prefix, width, dtype).unbind()
     q = torch.lerp(v_lo, v_hi, state["frac"].to(dtype))  # torch.quantile's interpolation
     n = state["n"]
