@@ -10,6 +10,8 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tests._distributed import run_distributed
 
 from rlops.selection import behavior_importance_weights, m2po_mask, opsm_mask, top_entropy_mask
@@ -136,6 +138,43 @@ def test_top_entropy_trl_documented_example():
     assert torch.equal(keep, expected)
     keep, m = top_entropy_mask(h, torch.zeros(2, 6), rho=0.2)
     assert not keep.any() and float(m["entropy_threshold"]) == 0
+
+
+def test_top_entropy_bfloat16_matches_trl_on_the_widened_values():
+    g = torch.Generator().manual_seed(4)
+    h = (torch.rand(4, 33, generator=g) * 2).bfloat16()  # many ties after rounding
+    mask = torch.rand(4, 33, generator=g) < 0.8
+    for rho in (0.1, 0.2, 0.5):
+        keep, _ = top_entropy_mask(h, mask, rho=rho)
+        assert torch.equal(keep, trl_entropy_mask(h, mask, rho))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(0, 3, width=32), min_size=1, max_size=40),
+       st.floats(1e-3, 2.0), st.floats(0.0, 1.0), st.randoms(use_true_random=False))
+def test_masks_depend_on_values_only(values, tau, rho, rnd):
+    """A permutation of the tokens permutes the masks; M2PO's kept mean is < tau unless only
+    the smallest value (and its ties) is left, and putting back the smallest dropped value
+    breaks the bound (the kept set is the largest); the entropy mask is {H ≥ q}."""
+    x = torch.tensor(values, dtype=torch.float32)[None]
+    perm = list(range(x.shape[1]))
+    rnd.shuffle(perm)
+    ones = torch.ones_like(x, dtype=torch.bool)
+    keep, _ = m2po_mask(x, torch.zeros_like(x), ones, threshold=tau)
+    keep_p, _ = m2po_mask(x[:, perm], torch.zeros_like(x), ones, threshold=tau)
+    assert torch.equal(keep[:, perm], keep_p)
+    d2 = x.square().double()[0]  # the float32 squares the mask is made of
+    kept = d2[keep[0]]
+    if kept.mean() >= tau:
+        assert bool((kept == d2.min()).all())
+    dropped = d2[~keep[0]]
+    if dropped.numel():
+        more = d2[d2 <= dropped.min()]
+        assert more.mean() >= tau
+    e_keep, m = top_entropy_mask(x, ones, rho=rho)
+    e_keep_p, _ = top_entropy_mask(x[:, perm], ones, rho=rho)
+    assert torch.equal(e_keep[:, perm], e_keep_p)
+    assert torch.equal(e_keep, x >= m["entropy_threshold"])
 
 
 # --------------------------------------------------------------------------- OPSM
