@@ -474,24 +474,20 @@ def behavior_importance_weights(
     agg = check_choice("agg", agg, BEHAVIOR_AGGS)
     action = check_choice("action", action, BEHAVIOR_ACTIONS)
     mode = "mask" if action == "mask" else "truncate"
-    common = {"group": None, "cp_group": cp_group}
+
+    def weights(lvl: str, how: str, high: float, bottom: float | None = None):
+        return rollout_importance_weights(old_logp, rollout_logp, mask, level=lvl, mode=how,
+                                          threshold=high, low=bottom, cp_group=cp_group)
+
     if level == "token" or agg == "mean":
-        w, keep, _ = rollout_importance_weights(
-            old_logp, rollout_logp, mask, level="token" if level == "token" else "geometric",
-            mode=mode, threshold=up, low=low, **common)
-        # with clamp, a token is counted as clamped when its ratio was out of bounds
-        raw, _, _ = rollout_importance_weights(
-            old_logp, rollout_logp, mask, level="token" if level == "token" else "geometric",
-            mode="truncate", threshold=math.inf, **common)
+        lvl = "token" if level == "token" else "geometric"
+        w, keep, _ = weights(lvl, mode, up, low)
+        raw, _, _ = weights(lvl, "truncate", math.inf)
         changed = base & ((w != raw) if action == "clamp" else ~keep)
     else:
-        raw, _, _ = rollout_importance_weights(
-            old_logp, rollout_logp, mask, level="geometric", mode="truncate",
-            threshold=math.inf, **common)
+        raw, _, _ = weights("geometric", "truncate", math.inf)
         if agg == "sum":
-            _, inside, _ = rollout_importance_weights(
-                old_logp, rollout_logp, mask, level="sequence", mode="mask", threshold=up,
-                low=low, **common)
+            _, inside, _ = weights("sequence", "mask", up, low)
             inside_row = inside.any(-1)
         else:
             inside_row = _row_max_in_bounds(old_logp, rollout_logp, base, low, up, cp_group)

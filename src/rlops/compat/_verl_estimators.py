@@ -8,6 +8,8 @@ tuples. Each is one rlops call: no loop over samples or groups (verl loops over 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 import rlops
@@ -168,9 +170,9 @@ def compute_gdpo_outcome_advantage(
     mask = _inputs(token_level_rewards, response_mask)
     epsilon = check_nonneg("epsilon", epsilon)
     device = token_level_rewards.device
-    weights = None
+    weights: Any = None
     if config is not None and non_tensor_batch is not None and batch is not None:
-        keys = config_value(config, "gdpo_reward_keys")
+        keys: Any = config_value(config, "gdpo_reward_keys")
         if not keys:
             raise ValueError("GDPO requires config['gdpo_reward_keys'] listing the reward "
                              "component keys returned by compute_score")
@@ -211,7 +213,7 @@ def compute_optimal_token_baseline_advantage(
     index,
     old_log_probs: torch.Tensor,
     sum_pi_squared: torch.Tensor,
-    rollout_is_weights: torch.Tensor = None,
+    rollout_is_weights: torch.Tensor | None = None,
     handle_zero_tail: bool = True,
     epsilon: float = 1e-8,
     **kwargs,
@@ -242,7 +244,7 @@ def compute_multi_turn_optimal_token_baseline_advantage(
     index,
     old_log_probs: torch.Tensor,
     sum_pi_squared: torch.Tensor,
-    rollout_is_weights: torch.Tensor = None,
+    rollout_is_weights: torch.Tensor | None = None,
     handle_zero_tail: bool = True,
     epsilon: float = 1e-8,
     **kwargs,
