@@ -304,6 +304,10 @@ def _split_work(rank, world, batches, ent):
     opsm, _ = opsm_mask(rollout[:, cols], old[:, cols], old[:, cols] - 1, mask[:, cols],
                         delta=0.01, cp_group=pair)
     out["cp"] = (w, keep, opsm)
+    q = slice(*QUARTERS[rank])
+    out["behave"] = behavior_importance_weights(old[q], rollout[q], mask[q], upper=1.1,
+                                                level="token", action="clamp",
+                                                group=dist.group.WORLD)[2]
     return out
 
 
@@ -336,6 +340,12 @@ def test_group_masks_equal_the_whole_batch_for_splits_1_2_4():
     w, keep, _ = behavior_importance_weights(old, rollout, mask, upper=1.2, level="sequence",
                                              agg="max")
     opsm, _ = opsm_mask(rollout, old, old - 1, mask, delta=0.01)
+    whole = behavior_importance_weights(old, rollout, mask, upper=1.1, level="token",
+                                        action="clamp")[2]
+    assert 0 < whole["behave_filtered_fraction"] < 1
+    for r in range(4):
+        for k in whole:
+            torch.testing.assert_close(res[r]["behave"][k], whole[k])
     for ranks in ([0, 1], [2, 3]):
         assert torch.equal(torch.cat([res[r]["cp"][1] for r in ranks], 1), keep)
         torch.testing.assert_close(torch.cat([res[r]["cp"][0] for r in ranks], 1), w)

@@ -24,6 +24,9 @@ tokens (e.g. with the entropies recorded with the old log-probs) and slice the m
 micro-batch, or apply the returned threshold (``metrics["entropy_threshold"]``,
 ``metrics["m2po_cut"]``) to each micro-batch.
 
+Under context parallelism the token-level selections (M2PO, the entropy quantile) take the
+DP×CP group as ``group``: every token of the step, wherever it is held.
+
 OPSM and the behaviour weights are per row: the split of the batch into rows does not change
 them; ``cp_group`` completes the row sums when the rows are split over context-parallel ranks
 (one ``gather`` of ``[B, k]`` row summaries).
