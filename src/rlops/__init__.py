@@ -1,8 +1,8 @@
 """rlops: the numerical core of reinforcement learning on language models.
 
 Advantages and returns (one discounted reverse scan), group estimators, KL estimators, policy
-and value losses, masked statistics, log-probs and entropy, and the distributed pieces they
-need, as pure functions on ``[B, T]`` tensors.
+and value losses, masked statistics, log-probs and entropy, rollout correction and selection
+masks, and the distributed pieces they need, as pure functions on ``[B, T]`` tensors.
 """
 
 from rlops import kl_controllers as kl_controllers  # rlops.kl_controllers.X after import rlops
