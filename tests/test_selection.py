@@ -233,7 +233,13 @@ def areal_behave(prox, behav, mask, upper, lower, level, agg, action):
             else:
                 w[b] = min(max(geo, lower or 0.0), upper)
     keep &= mask.bool()
-    return torch.where(keep, w, 0), keep
+    original = torch.exp(lr) if level == "token" else torch.stack(
+        [torch.full((lr.shape[1],), math.exp(float(lr[b][mask[b].bool()].sum())
+                                             / max(int(mask[b].sum()), 1)), dtype=lr.dtype)
+         for b in range(lr.shape[0])])
+    changed = (mask.bool() & ~keep) if action == "mask" else (mask.bool() & (w != original))
+    filtered = changed.sum().item() / max(mask.sum().item(), 1)
+    return torch.where(keep, w, 0), keep, filtered
 
 
 @pytest.mark.parametrize("level,agg", [("token", "mean"), ("sequence", "sum"),
@@ -242,12 +248,17 @@ def areal_behave(prox, behav, mask, upper, lower, level, agg, action):
 @pytest.mark.parametrize("lower", [None, 0.8])
 def test_behavior_weights_match_areal(level, agg, action, lower):
     old, rollout, mask = _batch(7, scale=0.15)
+    rollout = rollout + torch.linspace(-0.6, 0.6, old.shape[0], dtype=old.dtype)[:, None]
     w, keep, m = behavior_importance_weights(old, rollout, mask, upper=1.25, lower=lower,
                                              level=level, agg=agg, action=action)
-    rw, rkeep = areal_behave(old, rollout, mask, 1.25, lower, level, agg, action)
+    rw, rkeep, filtered = areal_behave(old, rollout, mask, 1.25, lower, level, agg, action)
     assert torch.equal(keep, rkeep)
     torch.testing.assert_close(w, rw, rtol=1e-12, atol=0)
-    assert 0 <= float(m["behave_filtered_fraction"]) <= 1
+    assert float(m["behave_filtered_fraction"]) == pytest.approx(filtered, rel=1e-12)
+    if not (action == "clamp" and level == "sequence" and agg != "mean"):
+        assert filtered > 0  # (clamping a geometric mean inside the bounds changes none)
+    assert float(m["behave_imp_weight_mean"]) == pytest.approx(
+        float(rw[rkeep].mean()), rel=1e-12)
 
 
 def test_bad_arguments_name_themselves():

@@ -484,9 +484,12 @@ def behavior_importance_weights(
 
     if level == "token" or agg == "mean":
         lvl = "token" if level == "token" else "geometric"
-        w, keep, _ = weights(lvl, mode, up, low)
-        raw, _, _ = weights(lvl, "truncate", math.inf)
-        changed = base & ((w != raw) if action == "clamp" else ~keep)
+        w, keep, m = weights(lvl, mode, up, low)
+        if action == "clamp":  # the clamped tokens: those whose statistic is out of bounds
+            out = m["rollout_is_ratio_fraction_high"] + m["rollout_is_ratio_fraction_low"]
+            n_changed = out.to(torch.float64) * base.sum()
+        else:
+            n_changed = (base & ~keep).sum()
     else:
         raw, _, _ = weights("geometric", "truncate", math.inf)
         if agg == "sum":
@@ -501,9 +504,9 @@ def behavior_importance_weights(
             keep = base
             w = torch.where(inside, raw, raw.clamp(0.0 if low is None else low, up))
             w = torch.where(base, w, 0)
-        changed = base & ((w != raw) if action == "clamp" else ~keep)
+        n_changed = (base & ((w != raw) if action == "clamp" else ~keep)).sum()
     dtype = w.dtype
-    sums = torch.stack([base.sum(), changed.sum(), keep.sum()]).to(torch.float64)
+    sums = torch.stack([base.sum(), n_changed, keep.sum()]).to(torch.float64)
     sums = torch.cat([sums, w.to(torch.float64).sum().reshape(1)])
     if group is not None:
         call = Call("behavior_importance_weights", level=level, agg=agg, action=action,
