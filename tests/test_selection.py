@@ -257,8 +257,8 @@ def test_behavior_weights_match_areal(level, agg, action, lower):
     assert float(m["behave_filtered_fraction"]) == pytest.approx(filtered, rel=1e-12)
     if not (action == "clamp" and level == "sequence" and agg != "mean"):
         assert filtered > 0  # (clamping a geometric mean inside the bounds changes none)
-    assert float(m["behave_imp_weight_mean"]) == pytest.approx(
-        float(rw[rkeep].mean()), rel=1e-12)
+    kept_mean = float(rw[rkeep].mean()) if rkeep.any() else 0.0  # 0 when nothing is kept
+    assert float(m["behave_imp_weight_mean"]) == pytest.approx(kept_mean, rel=1e-12)
 
 
 def test_bad_arguments_name_themselves():

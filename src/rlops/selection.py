@@ -458,7 +458,7 @@ def behavior_importance_weights(
         ``keep`` ``[B, T]`` bool (``mask`` less the rejected tokens; ``mask`` with clamp);
         ``metrics``: ``behave_filtered_fraction`` (AReaL's ``filtered_fraction``: of the
         action tokens, those dropped, or with clamp those whose weight was clamped),
-        ``behave_imp_weight_mean`` (over the kept tokens).
+        ``behave_imp_weight_mean`` (over the kept tokens; 0 when none is kept).
 
     Example:
         >>> import torch
