@@ -433,7 +433,9 @@ def behavior_importance_weights(
     Built on :func:`rlops.rollout_importance_weights`: token level, and sequence level with sum
     or mean, are its ``level="token"`` / ``"sequence"`` / ``"geometric"`` with
     ``mode="mask" | "truncate"``; the max aggregation (the row's largest token ratio) is added
-    here, with ``cp_group`` over the whole row (one ``gather`` of ``[B, 1]``). Bounds are
+    here, with ``cp_group`` over the whole row (one ``gather`` of ``[B, 1]``). Collectives:
+    over ``cp_group`` one ``gather`` of row summaries at token level or with ``mean``, two with
+    ``sum`` or ``max``; over ``group`` one for the metrics. Bounds are
     compared in log space (``d ≤ log upper``), equal to AReaL's comparison of ``exp(d)`` up to
     the rounding of ``exp``; weights saturate at ``e^20``. AReaL maps a non-finite log-ratio to
     0; here a NaN log-prob is out of bounds (mask) or gives a NaN weight (clamp), as in
