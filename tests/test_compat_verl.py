@@ -590,8 +590,11 @@ def test_exports_are_pinned_and_documented():
     assert verl.__all__ == sorted(verl.__all__)
     assert verl.__all__ == [
         "POLICY_LOSS_REGISTRY",
-        "agg_loss", "compute_gae_advantage_return", "compute_grpo_outcome_advantage",
-        "compute_offpolicy_metrics",
+        "agg_loss", "compute_gae_advantage_return", "compute_gdpo_outcome_advantage",
+        "compute_gpg_outcome_advantage", "compute_grpo_outcome_advantage",
+        "compute_grpo_passk_outcome_advantage", "compute_is_metrics",
+        "compute_multi_turn_optimal_token_baseline_advantage", "compute_offpolicy_metrics",
+        "compute_opo_outcome_advantage", "compute_optimal_token_baseline_advantage",
         "compute_policy_loss", "compute_policy_loss_cispo", "compute_policy_loss_clip_cov",
         "compute_policy_loss_geo_mean", "compute_policy_loss_gpg", "compute_policy_loss_gspo",
         "compute_policy_loss_kl_cov", "compute_policy_loss_sapo", "compute_policy_loss_vanilla",
@@ -599,6 +602,7 @@ def test_exports_are_pinned_and_documented():
         "compute_reinforce_plus_plus_outcome_advantage", "compute_remax_outcome_advantage",
         "compute_rloo_outcome_advantage", "compute_rollout_correction_and_rejection_mask",
         "compute_rollout_correction_weights", "compute_rollout_rejection_mask",
+        "compute_rs_metrics",
         "compute_value_loss", "entropy_from_logits", "get_policy_loss_fn",
         "kl_penalty", "logprobs_from_logits", "masked_whiten",
     ]

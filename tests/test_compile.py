@@ -95,6 +95,17 @@ CASES: dict[str, Case] = {
         d["old"], d["logp"], d["mask"], {"token_k1": 2.0, "seq_mean_k3": 0.5}), ()),
     "value_loss": (lambda d: rlops.value_loss(d["v"], d["old"], d["r"], d["mask"], clip=0.2),
                    ("v",)),
+    "behavior_importance_weights": (lambda d: rlops.behavior_importance_weights(
+        d["old"], d["logp"], d["mask"], upper=2.0, level="sequence", agg="max"), ()),
+    "gdpo_advantages": (lambda d: rlops.gdpo_advantages(
+        torch.stack([d["score"], d["score"].square()], -1), d["index"], d["mask"]),
+        ("score",)),
+    "m2po_mask": (lambda d: rlops.m2po_mask(d["old"], d["logp"], d["mask"], threshold=0.5), ()),
+    "opsm_mask": (lambda d: rlops.opsm_mask(d["logp"], d["old"], d["adv"], d["mask"],
+                                            delta=0.1), ()),
+    "optimal_token_baseline_advantages": (lambda d: rlops.optimal_token_baseline_advantages(
+        d["r"], d["index"], d["mask"], d["logp"], d["decay"], per_action_step=True), ("r",)),
+    "top_entropy_mask": (lambda d: rlops.top_entropy_mask(d["kl"], d["mask"], rho=0.2), ()),
     # the adapters' hot functions
     "slime.chunked_gae": (lambda d: slime.chunked_gae(d["r"], d["v"], 0.99, 0.95), ("r", "v")),
     "slime.get_reinforce_plus_plus_returns": (lambda d: slime.get_reinforce_plus_plus_returns(

@@ -380,6 +380,31 @@ def _meta_cases(dev: str) -> dict[str, list]:
         "rollout_mismatch_metrics": [
             lambda: rlops.rollout_mismatch_metrics(t(B, T), t(B, T), m),
         ],
+        "gdpo_advantages": [
+            lambda: rlops.gdpo_advantages(t(B, 3, grad=True), ids(B, high=2), m),
+        ],
+        "optimal_token_baseline_advantages": [
+            lambda: rlops.optimal_token_baseline_advantages(
+                t(B, T, grad=True), ids(B, high=2), m, t(B, T), unit.float()),
+            lambda: rlops.optimal_token_baseline_advantages(
+                t(B), ids(B, high=2), m_float, t(B, T), unit.float(), rollout_is_weights=unit,
+                per_action_step=True),
+        ],
+        "opsm_mask": [lambda: rlops.opsm_mask(t(B, T), t(B, T), t(B, T), m, delta=0.01)],
+        "m2po_mask": [
+            lambda: rlops.m2po_mask(t(B, T), t(B, T), m, threshold=0.5),
+            lambda: rlops.m2po_mask(t(B, T, dtype=F64), t(B, T), m_float, threshold=0.5),
+        ],
+        "top_entropy_mask": [
+            lambda: rlops.top_entropy_mask(t(B, T), m, rho=0.2),
+            lambda: rlops.top_entropy_mask(t(B, T, dtype=torch.bfloat16), m_float, rho=0.5),
+        ],
+        "behavior_importance_weights": [
+            lambda agg=agg, action=action: rlops.behavior_importance_weights(
+                t(B, T), t(B, T), m, upper=2.0, lower=0.5, level="sequence", agg=agg,
+                action=action)
+            for agg in ("sum", "mean", "max") for action in ("mask", "clamp")
+        ],
     }
 
 

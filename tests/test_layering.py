@@ -5,6 +5,7 @@ another module's private names. Layers (a module may import its own package and 
     1  scan, distributed                      (the bare recurrence; layout and group helpers)
     2  stats, logprobs                        (leaves)
     3  advantages, group_advantages, losses, rollout_correction, kl_controllers
+    3.5  selection                            (selection masks; builds on rollout_correction)
     4  rlops (the package: the public API)
     5  compat, measure                        (adapt, or measure, the public API only)
     6  cli                                    (the command line, on the measurement harness)
@@ -35,6 +36,7 @@ LAYERS = {
     "rlops.kl_controllers": 3,
     "rlops.losses": 3,
     "rlops.rollout_correction": 3,
+    "rlops.selection": 3.5,  # selection masks, on rollout_correction
     "rlops": 4,
     "rlops.compat": 5,
     "rlops.measure": 5,

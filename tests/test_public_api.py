@@ -4,20 +4,25 @@ import rlops
 
 EXPECTED = [
     "aggregate_loss",
+    "behavior_importance_weights",
     "discounted_cumsum",
     "discounted_returns",
     "entropy_loss",
     "gae",
+    "gdpo_advantages",
     "gpg_advantages",
     "grpo_advantages",
     "grpo_passk_advantages",
     "kl_penalty",
     "linear_logprobs_and_entropy",
     "logprobs_and_entropy",
+    "m2po_mask",
     "masked_mean",
     "masked_var",
     "masked_whiten",
     "opo_advantages",
+    "opsm_mask",
+    "optimal_token_baseline_advantages",
     "policy_loss",
     "reinforce_plus_plus_baseline_advantages",
     "reinforce_plus_plus_returns",
@@ -26,6 +31,7 @@ EXPECTED = [
     "rollout_importance_weights",
     "rollout_mismatch_metrics",
     "rollout_rejection_mask",
+    "top_entropy_mask",
     "value_loss",
 ]
 

@@ -1,11 +1,12 @@
 """rlops: the numerical core of reinforcement learning on language models.
 
 Advantages and returns (one discounted reverse scan), group estimators, KL estimators, policy
-and value losses, masked statistics, log-probs and entropy, and the distributed pieces they
-need, as pure functions on ``[B, T]`` tensors.
+and value losses, masked statistics, log-probs and entropy, rollout correction and selection
+masks, and the distributed pieces they need, as pure functions on ``[B, T]`` tensors.
 """
 
 from rlops import kl_controllers as kl_controllers  # rlops.kl_controllers.X after import rlops
+from rlops import selection as selection  # rlops.selection.X after import rlops
 from rlops.advantages import (
     discounted_cumsum,
     discounted_returns,
@@ -13,10 +14,12 @@ from rlops.advantages import (
     reinforce_plus_plus_returns,
 )
 from rlops.group_advantages import (
+    gdpo_advantages,
     gpg_advantages,
     grpo_advantages,
     grpo_passk_advantages,
     opo_advantages,
+    optimal_token_baseline_advantages,
     reinforce_plus_plus_baseline_advantages,
     remax_advantages,
     rloo_advantages,
@@ -28,26 +31,37 @@ from rlops.rollout_correction import (
     rollout_mismatch_metrics,
     rollout_rejection_mask,
 )
+from rlops.selection import (
+    behavior_importance_weights,
+    m2po_mask,
+    opsm_mask,
+    top_entropy_mask,
+)
 from rlops.stats import masked_mean, masked_var, masked_whiten
 
 __version__ = "0.1.0"  # the one place it is written: pyproject.toml reads it from here
 
 __all__ = [
     "aggregate_loss",
+    "behavior_importance_weights",
     "discounted_cumsum",
     "discounted_returns",
     "entropy_loss",
     "gae",
+    "gdpo_advantages",
     "gpg_advantages",
     "grpo_advantages",
     "grpo_passk_advantages",
     "kl_penalty",
     "linear_logprobs_and_entropy",
     "logprobs_and_entropy",
+    "m2po_mask",
     "masked_mean",
     "masked_var",
     "masked_whiten",
     "opo_advantages",
+    "opsm_mask",
+    "optimal_token_baseline_advantages",
     "policy_loss",
     "reinforce_plus_plus_baseline_advantages",
     "reinforce_plus_plus_returns",
@@ -56,5 +70,6 @@ __all__ = [
     "rollout_importance_weights",
     "rollout_mismatch_metrics",
     "rollout_rejection_mask",
+    "top_entropy_mask",
     "value_loss",
 ]

@@ -1,7 +1,8 @@
 """Outcome-reward estimators with a baseline from a group of samples (or a greedy rollout).
 
-GRPO, Dr.GRPO, GRPO pass@k, RLOO, OPO, GPG, REINFORCE++-baseline and ReMax turn one scalar
-score per response into a per-token advantage. Responses to the same prompt share a group id
+GRPO, Dr.GRPO, GRPO pass@k, RLOO, OPO, GPG, GDPO, REINFORCE++-baseline and ReMax turn one
+scalar score per response into a per-token advantage; the optimal token baseline (OTB) gives
+each position its own group baseline. Responses to the same prompt share a group id
 in ``index``: any integers, not necessarily contiguous or sorted. Groups are found with one
 sort (no ``torch.unique``, whose output size forces a device synchronisation) and reduced with
 ``index_add``: no Python loop over samples or groups, no host read-back (except the check
@@ -38,10 +39,12 @@ from rlops._checks import (
 from rlops.stats import weighted_moments
 
 __all__ = [
+    "gdpo_advantages",
     "gpg_advantages",
     "grpo_advantages",
     "grpo_passk_advantages",
     "opo_advantages",
+    "optimal_token_baseline_advantages",
     "reinforce_plus_plus_baseline_advantages",
     "remax_advantages",
     "rloo_advantages",
@@ -451,3 +454,198 @@ def grpo_passk_advantages(
         a = a / torch.where(den > 0, den, 1)  # den = 0 only for equal scores and eps = 0: a = 0
     adv = _broadcast(a, mask, scores.dtype)
     return adv, adv
+
+
+def gdpo_advantages(
+    scores: torch.Tensor,
+    index: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    weights: torch.Tensor | list[float] | None = None,
+    norm_std: bool = True,
+    eps: float = 1e-6,
+    whiten_eps: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO: each reward standardised within its group on its own, then summed and whitened.
+
+    GDPO (https://arxiv.org/abs/2601.05242) normalises every reward component ``k`` in its
+    group before the components are combined, so that a reward of large spread does not drown
+    the others (GRPO standardises their sum)::
+
+        A_k,i = (s_k,i − μ_k,g) / (σ_k,g + eps)        per component, as GRPO (group of one:
+                                                        μ = 0, σ = 1; norm_std=False: no σ)
+        a_i   = Σ_k w_k · A_k,i
+        A     = (a − mean) / sqrt(var + whiten_eps)     over the batch's action tokens
+
+    The last step is verl's ``masked_whiten`` (``compute_gdpo_outcome_advantage``): the mean
+    and unbiased variance over every mask-1 token, each row weighing as many times as it has
+    action tokens. A batch with at most one action token gives 0.
+
+    Args:
+        scores: ``[B, K]`` one column per reward component (a ``[B]`` tensor is one component).
+        index: ``[B]`` integer group id per sample.
+        mask: ``[B, T]`` 0/1 action mask.
+        weights: ``[K]`` weight per component (verl's ``gdpo_reward_weights``); default all 1.
+        norm_std: divide each component by its group std (verl's ``norm_adv_by_std_in_grpo``).
+        eps: ``>= 0``, added to each group std.
+        whiten_eps: ``>= 0``, added to the batch variance.
+
+    Returns:
+        ``(advantages, returns)``, both the same ``[B, T]`` tensor, 0 where ``mask`` is 0.
+
+    Example:
+        >>> import torch
+        >>> s = torch.tensor([[1.0, 10.0], [0.0, 0.0], [1.0, 5.0], [0.0, 5.0]])
+        >>> adv, _ = gdpo_advantages(s, torch.tensor([0, 0, 1, 1]), torch.ones(4, 1))
+        >>> adv[:, 0]   # a 10-point gap counts as much as a 1-point one; a tie counts 0
+        tensor([ 1.0954, -1.0954,  0.5477, -0.5477])
+    """
+    eps = check_nonneg("eps", eps)
+    whiten_eps = check_nonneg("whiten_eps", whiten_eps)
+    scores = as_float_tensor("scores", scores)
+    b, _ = check_matrix("mask", mask)
+    cols = scores[:, None] if scores.dim() == 1 else scores
+    if cols.dim() != 2 or cols.shape[0] != b:
+        raise shape_error("scores", f"[B, K] with B = {b} like mask", scores.shape)
+    k = cols.shape[1]
+    if k == 0:
+        raise shape_error("scores", "[B, K] with at least one reward column (K >= 1)",
+                          scores.shape)
+    if weights is None:
+        w = torch.ones(k, dtype=torch.float64)
+    else:
+        w = torch.as_tensor(weights, dtype=torch.float64).reshape(-1)
+        if w.numel() != k:
+            raise shape_error("weights", f"[K] = [{k}], one per column of scores", w.shape)
+    gid = None
+    total = None
+    for j in range(k):  # a few reward components, never tokens or samples
+        s = _prepare(cols[:, j], index, mask)
+        gid = _dense_group_ids(index) if gid is None else gid
+        n, centred, std = _group_moments(s, gid)
+        alone = n == 1
+        a = torch.where(alone, s.to(centred.dtype), centred)
+        if norm_std:
+            den = torch.where(alone, 1, std) + eps
+            a = a / torch.where(den > 0, den, 1)
+        part = w[j].to(a.device, a.dtype) * a
+        total = part if total is None else total + part
+    assert total is not None
+    total = weighted_moments(total, mask.sum(-1).to(total.dtype)).standardize(total, whiten_eps)
+    adv = _broadcast(total, mask, scores.dtype)
+    return adv, adv
+
+
+def optimal_token_baseline_advantages(
+    rewards: torch.Tensor,
+    index: torch.Tensor,
+    mask: torch.Tensor,
+    logp: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    *,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    eps: float = 1e-8,
+    per_action_step: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The optimal token baseline (OTB): a baseline per position, weighted by the path's
+    accumulated score variance; ``per_action_step=True`` is its TIR (multi-turn) form.
+
+    OTB (https://arxiv.org/abs/2602.07078; verl's ``compute_optimal_token_baseline_advantage``
+    and ``compute_multi_turn_optimal_token_baseline_advantage``). With ``π_t = exp(logp_t)``
+    and ``Σπ²_t`` the sum over the vocabulary of the squared probabilities (the log-prob ops'
+    Σπ² output), the squared norm of the score function of the sampled token is
+    ``‖s_t‖² = 1 − 2π_t + Σπ²_t``; with ``G_t`` the undiscounted reward-to-go over the action
+    tokens and ``ρ_t`` optional rollout IS weights::
+
+        w_t = (1 − 2π_t + Σπ²_t) · ρ_t²          W_t = Σ_{j ≤ t} m_j·w_j
+        B_t = Σ_{i∈g} G_t^i·W_t^i·m_t^i / (Σ_{i∈g} W_t^i·m_t^i + eps)     A_t = G_t − B_t
+
+    the sums over the group's samples alive at position ``t``. A group of one has ``B = 0``.
+    ``handle_zero_tail``: the group's unique longest sample gets ``B = 0`` beyond the second
+    longest length (there it would be its own baseline). Positions are the columns of the row
+    (OTB), or with ``per_action_step`` the action-token index (the k-th action token of every
+    sample is compared with the k-th of the others: tool and observation spans skipped, TIR's
+    form; samples without action tokens are then not counted in the group).
+
+    Args:
+        rewards: ``[B, T]`` token rewards (or ``[B]``: the outcome on the last action token).
+        index: ``[B]`` integer group id per sample.
+        mask: ``[B, T]`` 0/1 action mask.
+        logp: ``[B, T]`` log-probs of the sampled tokens (verl's ``old_log_probs``).
+        sum_pi_squared: ``[B, T]`` Σ_v π_v² per token.
+        rollout_is_weights: ``[B, T]`` IS weights ρ, or None.
+        handle_zero_tail: zero the baseline of a group's unique longest sample past the
+            second longest.
+        eps: ``>= 0``, added to each denominator.
+        per_action_step: positions by action-token index (TIR) instead of by column.
+
+    Returns:
+        ``(advantages, returns)``, ``[B, T]`` each (``returns`` = ``G``), 0 where ``mask`` is 0.
+
+    Example:
+        >>> import torch
+        >>> r = torch.tensor([[0.0, 1.0], [0.0, 0.0]])
+        >>> adv, ret = optimal_token_baseline_advantages(
+        ...     r, torch.tensor([0, 0]), torch.ones(2, 2), torch.zeros(2, 2) - 0.7,
+        ...     torch.full((2, 2), 0.3))
+        >>> adv   # equal weights: B_t is the group mean of G_t
+        tensor([[ 0.5000,  0.5000],
+                [-0.5000, -0.5000]])
+    """
+    eps = check_nonneg("eps", eps)
+    as_float_tensor("rewards", rewards)
+    b, t = check_matrix("mask", mask)
+    keep = as_bool_mask("mask", mask, (b, t), "[B, T]")
+    check_ids("index", index, (b,), "rewards")
+    per_token = check_per_row("rewards", rewards, b, t) == 2
+    for name, x in (("logp", logp), ("sum_pi_squared", sum_pi_squared),
+                    ("rollout_is_weights", rollout_is_weights)):
+        if x is not None and tuple(x.shape) != (b, t):
+            raise shape_error(name, f"[B, T] = {[b, t]} like mask", x.shape)
+    dtype = compute_dtype(rewards.dtype)
+    wide = _wide_dtype(keep.device)
+    if per_token:
+        r = torch.where(keep, rewards.to(wide), 0)
+    else:  # the outcome on the row's last action token
+        last = torch.where(keep, torch.arange(t, device=keep.device), -1).amax(-1, keepdim=True)
+        at_last = (torch.arange(t, device=keep.device) == last) & keep
+        r = torch.where(at_last, rewards.to(wide)[:, None], 0)
+    g_ret = r.flip(-1).cumsum(-1).flip(-1)
+    w = 1 - 2 * torch.exp(logp.detach().to(wide)) + sum_pi_squared.detach().to(wide)
+    if rollout_is_weights is not None:
+        w = w * rollout_is_weights.detach().to(wide).square()
+    big_w = torch.where(keep, w, 0).cumsum(-1)
+    length = keep.sum(-1)
+    if per_action_step:  # move the k-th action token of each row to column k
+        step = torch.where(keep, keep.cumsum(-1) - 1, t)  # mask-0 tokens to a spare column
+        comp = torch.zeros(b, t + 1, dtype=wide, device=keep.device)
+        g_c = comp.scatter(1, step, g_ret)[:, :t]
+        w_c = comp.scatter(1, step, big_w)[:, :t]
+        live = torch.arange(t, device=keep.device) < length[:, None]
+        counted = length > 0
+    else:
+        g_c, w_c, live, counted = g_ret, big_w, keep, torch.ones_like(length, dtype=torch.bool)
+    gid = _dense_group_ids(index)
+    wm = torch.where(live, w_c, 0)
+    num = torch.zeros_like(wm).index_add_(0, gid, g_c * wm)[gid]
+    den = torch.zeros_like(wm).index_add_(0, gid, wm)[gid] + eps
+    base = num / torch.where(den != 0, den, 1)
+    n = _group_sum(counted.to(wide), gid)
+    base = torch.where((n > 1)[:, None], base, 0)
+    if handle_zero_tail:
+        lf = torch.where(counted, length.to(wide), -1.0)
+        longest = _group_max(lf, gid)
+        top = lf == longest
+        unique = top & (_group_sum(top.to(wide), gid) == 1) & (n > 1)
+        second = _group_max(torch.where(top, -1.0, lf), gid)
+        tail = torch.arange(t, device=keep.device)[None, :] >= second[:, None]
+        base = torch.where(unique[:, None] & tail, 0, base)
+    adv_c = g_c - base
+    if per_action_step:
+        adv = adv_c.gather(1, step.clamp_max(t - 1))
+    else:
+        adv = adv_c
+    adv = torch.where(keep, adv, 0).to(dtype)
+    ret = torch.where(keep, g_ret, 0).to(dtype)
+    return adv.to(rewards.dtype), ret.to(rewards.dtype)

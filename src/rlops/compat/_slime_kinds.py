@@ -172,7 +172,8 @@ def compute_opsm_mask(args, full_log_probs, full_old_log_probs, advantages, loss
     ``kl_i = Σ_t w_t·(old_t − new_t) / max(Σ_t w_t, 1)`` (``full_old_log_probs[i]``,
     ``full_log_probs[i]``: whole responses). A token of ``advantages[i]`` (this rank's piece) is
     masked (0) where ``A < 0`` and ``kl_i > args.opsm_delta``: negative-advantage tokens of
-    samples that drifted too far off policy stop pushing down. ``opsm_mask`` is the
+    samples that drifted too far off policy stop pushing down (:func:`rlops.selection.opsm_mask`,
+    which this calls on the padded batch). ``opsm_mask`` is the
     concatenated float32 1/0 mask; ``opsm_clipfrac`` the sum over samples of masked tokens /
     ``max(Σ_t w_t, 1)``. One vectorised pass over the padded ``[B, T]`` batch.
 
@@ -216,8 +217,16 @@ def compute_opsm_mask(args, full_log_probs, full_old_log_probs, advantages, loss
     w = _ragged.pad([x.detach().to(n.device) for x in masks], n.shape[1])  # zero-padded
     w = w.to(torch.promote_types(torch.promote_types(n.dtype, o.dtype), w.dtype))
     weight = w.sum(-1).clamp_min(1)
-    kl = ((o - n) * w).sum(-1) / weight
-    rejected = (kl > delta).to(device)
+    # rlops.opsm_mask takes a 0/1 mask and the plain mean; slime's weighted mean is given to
+    # it as each row's log-ratio rescaled (by 1 for a 0/1 mask): the mean over the nonzero
+    # weights of (w·(old − new)·count / weight) is Σ w·(old − new) / max(Σ w, 1)
+    on = w != 0
+    count = on.sum(-1, keepdim=True).clamp_min(1).to(w.dtype)
+    scaled = torch.where(on, (o - n) * w * (count / weight[:, None]), 0)
+    keep, _ = rlops.selection.opsm_mask(torch.zeros_like(scaled), scaled, -torch.ones_like(scaled),
+                                        on, delta=delta)
+    # a row with no weight has kl 0: masked only when delta < 0 (slime)
+    rejected = torch.where(on.any(-1), ~keep.any(-1), torch.tensor(0.0 > delta)).to(device)
     a = _ragged.pad(adv)
     lengths = [x.numel() for x in adv]
     ends = torch.as_tensor(lengths, device=device)[:, None]

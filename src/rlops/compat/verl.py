@@ -8,7 +8,10 @@ registered ``"vanilla"`` loss returns ``(loss, metrics)``, the deprecated
 ``compute_policy_loss`` ``(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)``); the registered
 losses ``gspo``, ``sapo``, ``gpg``, ``cispo``, ``clip_cov``, ``kl_cov`` and ``geo_mean`` in
 :data:`POLICY_LOSS_REGISTRY` / :func:`get_policy_loss_fn`; and the rollout correction of
-``verl/trainer/ppo/rollout_corr_helper.py`` with its string options). Tensors are ``[bs,
+``verl/trainer/ppo/rollout_corr_helper.py`` with its string options and its diagnostics
+``compute_is_metrics`` / ``compute_rs_metrics``; the OPO, GPG, GRPO pass@k, GDPO and
+optimal-token-baseline estimators (OTB and its multi-turn TIR form, which take the per-token
+Σπ² of the log-prob ops). Tensors are ``[bs,
 response_length]`` with a 0/1 ``response_mask``; every adapter is one or two rlops calls, with
 no Python loop over tokens, samples or groups (verl's GAE and REINFORCE++ loop over tokens, its
 GRPO and RLOO over samples and groups). Arguments are checked first and errors name verl's
@@ -42,7 +45,16 @@ from rlops._checks import (
     check_unit_interval,
     shape_error,
 )
+from rlops.compat._verl_estimators import (
+    compute_gdpo_outcome_advantage,
+    compute_gpg_outcome_advantage,
+    compute_grpo_passk_outcome_advantage,
+    compute_multi_turn_optimal_token_baseline_advantage,
+    compute_opo_outcome_advantage,
+    compute_optimal_token_baseline_advantage,
+)
 from rlops.compat._verl_kinds import batch_info, config_value, kind_loss
+from rlops.compat._verl_metrics import compute_is_metrics, compute_rs_metrics
 from rlops.compat._verl_rollout import (
     compute_offpolicy_metrics,
     compute_rollout_correction_and_rejection_mask,
@@ -55,8 +67,15 @@ __all__ = [
     "POLICY_LOSS_REGISTRY",
     "agg_loss",
     "compute_gae_advantage_return",
+    "compute_gdpo_outcome_advantage",
+    "compute_gpg_outcome_advantage",
     "compute_grpo_outcome_advantage",
+    "compute_grpo_passk_outcome_advantage",
+    "compute_is_metrics",
+    "compute_multi_turn_optimal_token_baseline_advantage",
     "compute_offpolicy_metrics",
+    "compute_opo_outcome_advantage",
+    "compute_optimal_token_baseline_advantage",
     "compute_policy_loss",
     "compute_policy_loss_cispo",
     "compute_policy_loss_clip_cov",
@@ -73,6 +92,7 @@ __all__ = [
     "compute_rollout_correction_and_rejection_mask",
     "compute_rollout_correction_weights",
     "compute_rollout_rejection_mask",
+    "compute_rs_metrics",
     "compute_value_loss",
     "entropy_from_logits",
     "get_policy_loss_fn",
