@@ -119,15 +119,15 @@ class Rows:
                     "in [0, seqs_per_row)), the same on every rank"
                 )
             self.k = as_int("seqs_per_row", seqs_per_row, 1, tensor=False)
-            ids = torch.where(keep, ids.to(torch.int64), 0)
-            if ids.numel() and ids.device.type != "meta" and values_checked(ids):
-                lo, hi = int(ids.min()), int(ids.max())
-                if lo < 0 or hi >= self.k:
+            ids = ids.to(torch.int64)
+            if ids.device.type != "meta" and values_checked(ids):
+                used = ids[keep]
+                if used.numel() and (int(used.min()) < 0 or int(used.max()) >= self.k):
                     raise ValueError(
                         f"seq_ids of action tokens must lie in [0, seqs_per_row) = [0, {self.k})"
-                        f", got values in [{lo}, {hi}]"
+                        f", got values in [{int(used.min())}, {int(used.max())}]"
                     )
-            self.ids = ids
+            self.ids = torch.where(keep, ids, 0)
         self.call: Call | None = None
         self._count: torch.Tensor | None = None
 
