@@ -1,13 +1,14 @@
-"""Losses with ``cp_group=`` (rows split over context-parallel ranks) and packed rows
-(``seq_ids=``).
+"""Losses and rollout correction with ``cp_group=`` (rows split over context-parallel ranks)
+and packed rows (``seq_ids=``).
 
 Definition of "exact under context parallelism": the one-process call on the unsharded rows.
 The ranks' losses must sum to it, each rank's gradient must equal its gradient on the rank's
 tokens, and the metrics must be the whole rows'. Real Gloo groups of 2 and 4 ranks, both
 layouts (zigzag, contiguous), every kind × every aggregation mode, with and without a
 data-parallel ``group=`` (DP×CP), packed rows, and a rank whose shard holds no action token;
-the collectives of every call are counted. Packed rows are checked against the same sequences
-as separate rows.
+the collectives of every call are counted. The rollout-correction functions (sequence and
+geometric weights, row rejection, row metrics) are checked the same way. Packed rows are
+checked against the same sequences as separate rows.
 """
 
 from __future__ import annotations
@@ -108,6 +109,36 @@ def _cases():
                         yield fn, kind, agg, layout, packed
 
 
+RS_CRITERIA = ({"token_k1": (0.9, 1.1), "seq_mean_k3": 0.003, "seq_max_k2": 0.01,
+                "seq_sum_k1": (0.5, 2.0)}, {"seq_mean_k3": 0.003}, {"seq_sum_k1": (0.7, 1.5)})
+IS_ARGS = (dict(level="sequence", mode="mask", threshold=1.5, low=0.5, batch_normalize=True),
+           dict(level="geometric", threshold=1.02, low=0.98), dict(level="token", threshold=1.1))
+
+
+def _rollout_cases():
+    for fn, args in (("rollout_importance_weights", IS_ARGS),
+                     ("rollout_rejection_mask", RS_CRITERIA), ("rollout_mismatch_metrics", ({},))):
+        for i in range(len(args)):
+            for layout in ("zigzag", "contiguous"):
+                for packed in (False, True):
+                    yield fn, i, layout, packed
+
+
+def _rollout_call(fn: str, i: int, d: dict, packed: bool, **kw):
+    """(token tensors, metrics) of one rollout-correction call (d = old − rollout)."""
+    if packed:
+        kw.update(seq_ids=d["ids"], seqs_per_row=K)
+    if fn == "rollout_importance_weights":
+        w, keep, m = rlops.rollout_importance_weights(d["old"], d["logp"], d["mask"],
+                                                      **IS_ARGS[i], **kw)
+        return [w, keep], m
+    if fn == "rollout_rejection_mask":
+        keep, m = rlops.rollout_rejection_mask(d["old"], d["logp"], d["mask"], RS_CRITERIA[i],
+                                               **kw)
+        return [keep], m
+    return [], rlops.rollout_mismatch_metrics(d["old"], d["logp"], d["mask"], **kw)
+
+
 def _live(fn: str) -> str:
     return {"policy_loss": "logp", "value_loss": "values", "entropy_loss": "entropy",
             "aggregate_loss": "logp"}[fn]
@@ -171,6 +202,19 @@ def _cases_on_ranks(rank: int, configs: list[tuple]) -> list[dict]:
                                  if agg is None else None),
                     expected_calls=_expected_calls(fn, kind, agg, with_group, check),
                 ))
+        os.environ["RLOPS_GROUP_CHECK"] = "1"
+        rows = slice(replica * B, (replica + 1) * B)
+        for fn, i, layout, packed in _rollout_cases():
+            local = {k: _shard(v, layout, cp, cp_rank) for k, v in mine.items()}
+            with count_collectives() as calls:
+                got, metrics = _rollout_call(fn, i, local, packed, cp_group=cp_group,
+                                             cp_layout=layout, group=group)
+            want, wm = _rollout_call(fn, i, whole, packed)
+            out.append(dict(
+                case=(cp, dp, seed, fn, i, layout, packed), tensors=got, metrics=metrics,
+                want_tensors=[_shard(w[rows], layout, cp, cp_rank) for w in want],
+                want_metrics=wm, calls=dict(calls), expected_calls=2,  # rows, then metrics
+            ))
     os.environ["RLOPS_GROUP_CHECK"] = "1"
     return out
 
@@ -199,6 +243,15 @@ def _verify(results: list[list[dict]]) -> int:
     for i in range(len(results[0])):
         per_rank = [r[i] for r in results]
         case = per_rank[0]["case"]
+        if "tensors" in per_rank[0]:  # rollout correction: tensors and metrics as they are
+            for r in per_rank:
+                assert r["calls"] == {"all_gather": r["expected_calls"]}, (case, r["calls"])
+                for a, b in zip(r["tensors"], r["want_tensors"], strict=True):
+                    _close(a, b, case)
+                for k, v in r["want_metrics"].items():
+                    _close(r["metrics"][k], v, (case, k))
+            n += 1
+            continue
         fn, agg = case[4], case[6]
         for r in per_rank:
             assert r["case"] == case
@@ -225,13 +278,13 @@ def test_losses_on_two_cp_ranks_sum_to_the_whole_rows(two_ranks):
     """Every kind × aggregation mode × layout (packed or not; group= or not; an empty rank):
     loss sum over the ranks, gradient on each rank's tokens and metrics equal the one-process
     call on the whole rows; the collectives per call match the documented table."""
-    assert _verify([r["cases"] for r in two_ranks]) == 580
+    assert _verify([r["cases"] for r in two_ranks]) == 580 + 2 * 28
 
 
 @pytest.mark.distributed
 def test_losses_on_four_ranks_cp4_and_dp2_cp2():
     results = run_distributed(_four_ranks, 4, timeout=240)
-    assert _verify([r["cases"] for r in results]) == 580
+    assert _verify([r["cases"] for r in results]) == 580 + 2 * 28
 
 
 # --------------------------------------------------------------------------- bad input, mismatch
@@ -397,3 +450,20 @@ def test_packed_aggregation_by_hand_and_bad_ids():
     odd[0, 3] = 99
     assert rlops.aggregate_loss(loss, mask, "seq-mean-token-mean", seq_ids=odd,
                                 seqs_per_row=2).item() == 2.25
+
+
+@pytest.mark.parametrize("fn", ["rollout_importance_weights", "rollout_rejection_mask",
+                                "rollout_mismatch_metrics"])
+def test_packed_rollout_correction_equals_the_sequences_as_rows(fn):
+    d = _data(12)
+    unpacked, _ = _unpack(d)
+    n = len(IS_ARGS) if fn == "rollout_importance_weights" else (
+        len(RS_CRITERIA) if fn == "rollout_rejection_mask" else 1)
+    for i in range(n):
+        got, m = _rollout_call(fn, i, d, True)
+        want, wm = _rollout_call(fn, i, unpacked, False)
+        for a, w in zip(got, want, strict=True):  # each token is kept in one copy of its row
+            w = w.reshape(B, K, T)
+            _close(a, w.any(1) if w.dtype == torch.bool else w.sum(1), (fn, i))
+        for k in wm:
+            _close(m[k], wm[k], (fn, i, k))

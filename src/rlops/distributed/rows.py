@@ -195,18 +195,20 @@ class Rows:
         if self.cp:
             if self.call is None:
                 raise RuntimeError("Rows.call must be set before a collective")
-            parts = [torch.stack([*cols, *mx], -1).to(torch.float64).reshape(-1)]
-            if scalars is not None:
-                parts.append(scalars.detach().to(torch.float64).reshape(-1))
-            flat = torch.cat(parts)
+            table = torch.stack([*cols, *mx], -1).to(torch.float64)  # [B, K, k]
+            n = table.shape[-1]
+            if scalars is None:  # [B, k] (or [B, K, k] packed): the rows' own shape
+                payload = table if self.packed else table.squeeze(1)
+            else:
+                payload = torch.cat([table.reshape(-1), scalars.detach().to(torch.float64)])
             call = self.call.with_fields(collective=step, columns=(len(cols), len(mx)))
-            whole = gather(flat, self.cp_group, call, "cp_group")
-            n = len(cols) + len(mx)
-            table = whole[:, : parts[0].numel()].reshape(self.cp_world, -1, self.k, n)
+            whole = gather(payload, self.cp_group, call, "cp_group").reshape(self.cp_world, -1)
+            size = table.numel()
+            table = whole[:, :size].reshape(self.cp_world, -1, self.k, n)
             cols = [c.to(self.dtype) for c in table[..., : len(cols)].sum(0).unbind(-1)]
             mx = [c.to(self.dtype) for c in table[..., len(cols):].amax(0).unbind(-1)]
             if scalars is not None:
-                scalars = whole[:, parts[0].numel():].sum(0)
+                scalars = whole[:, size:].sum(0)
         self._count = cols[0]
         return [c.detach() for c in cols[1:]], [m.detach() for m in mx], scalars
 
