@@ -147,18 +147,18 @@ def _live(fn: str) -> str:
             "aggregate_loss": "logp"}[fn]
 
 
-def _expected_calls(fn: str, kind, agg, dp: bool, check: bool) -> int:
+def _expected_calls(fn: str, kind, agg, dp: bool, check: bool, counts: bool = False) -> int:
     """all_gather calls per call, from the documented table (every payload here fits the
-    first exchange, so a checked collective is one all_gather)."""
+    first exchange, so a checked collective is one all_gather). ``counts``: num_tokens and
+    num_seqs given."""
     metrics = fn in ("policy_loss", "value_loss")
     row_kind = kind in ROW_KINDS
     seq = agg is not None and agg.startswith("seq")
     if not dp:  # cp_group only
         if row_kind:
             return 2  # the row summaries, then the metrics
-        if metrics or agg == "token-mean" or seq or check:
-            return 1
-        return 0
+        needs = agg == "seq-mean-token-mean" or (not counts and agg not in (None, "token-sum"))
+        return 1 if metrics or needs or check else 0
     if check:
         return 2  # the row counts over cp_group (the check's first exchange), then group
     rows = 1 if row_kind or seq else 0
@@ -171,7 +171,7 @@ def _cases_on_ranks(rank: int, configs: list[tuple], full: bool = True) -> list[
     gradient, metrics and collective counts, and the one-process values on the whole rows
     (every rank holds the whole data and computes them too: no collective)."""
     out = []
-    for cp, dp, seed, with_group, empty in configs:
+    for cp, dp, seed, with_group, empty, *given in configs:
         # groups: CP ranks are consecutive; the DP×CP group is the whole world
         cp_groups = [dist.new_group(list(range(i * cp, (i + 1) * cp))) for i in range(dp)]
         replica, cp_rank = divmod(rank, cp)
@@ -188,9 +188,16 @@ def _cases_on_ranks(rank: int, configs: list[tuple], full: bool = True) -> list[
                 name = _live(fn)
                 local = {k: _shard(v, layout, cp, cp_rank) for k, v in mine.items()}
                 x = local[name].clone().requires_grad_(True)
+                counts = {}
+                if given:  # the whole batch's counts instead of a group (rows or sequences)
+                    seqs = (torch.stack([whole["ids"] == k for k in range(K)], 1)
+                            & whole["mask"][:, None]).any(-1) if packed else whole["mask"].any(-1)
+                    counts = {"num_tokens": float(whole["mask"].sum()),
+                              "num_seqs": float(seqs.sum())}
                 with count_collectives() as calls:
                     loss, metrics = _call(fn, local, kind, agg, x, packed=packed,
-                                          cp_group=cp_group, cp_layout=layout, group=group)
+                                          cp_group=cp_group, cp_layout=layout, group=group,
+                                          **counts)
                 (loss if agg is not None else (loss * local["adv"]).sum()).backward()
                 xw = whole[name].clone().requires_grad_(True)
                 wl, wm = _call(fn, whole, kind, agg, xw, packed=packed)
@@ -203,7 +210,8 @@ def _cases_on_ranks(rank: int, configs: list[tuple], full: bool = True) -> list[
                     want_grad=_shard(xw.grad[rows], layout, cp, cp_rank),
                     want_matrix=(_shard(wl.detach()[rows], layout, cp, cp_rank)
                                  if agg is None else None),
-                    expected_calls=_expected_calls(fn, kind, agg, with_group, check),
+                    expected_calls=_expected_calls(fn, kind, agg, with_group, check,
+                                                   bool(given)),
                 ))
         os.environ["RLOPS_GROUP_CHECK"] = "1"
         rows = slice(replica * B, (replica + 1) * B)
@@ -224,8 +232,10 @@ def _cases_on_ranks(rank: int, configs: list[tuple], full: bool = True) -> list[
 
 def _two_ranks(rank: int, world: int) -> dict:
     """Everything that runs on 2 ranks, in one spawn."""
-    return {"cases": _cases_on_ranks(rank, [(2, 1, 0, True, False), (2, 1, 1, False, True)]),
-            "bad": _bad_work(rank, world), "hand": _hand_work(rank, world)}
+    cases = _cases_on_ranks(rank, [(2, 1, 0, True, False), (2, 1, 1, False, True)])
+    given = _cases_on_ranks(rank, [(2, 1, 4, False, True, "counts")], full=False)
+    return {"cases": cases + given, "bad": _bad_work(rank, world),
+            "hand": _hand_work(rank, world)}
 
 
 def _four_ranks(rank: int, world: int) -> dict:
@@ -282,7 +292,7 @@ def test_losses_on_two_cp_ranks_sum_to_the_whole_rows(two_ranks):
     """Every kind × aggregation mode × layout (packed or not; group= or not; an empty rank):
     loss sum over the ranks, gradient on each rank's tokens and metrics equal the one-process
     call on the whole rows; the collectives per call match the documented table."""
-    assert _verify([r["cases"] for r in two_ranks]) == 580 + 2 * 28
+    assert _verify([r["cases"] for r in two_ranks]) == 580 + 2 * 28 + 100 + 14
 
 
 @pytest.mark.distributed

@@ -131,11 +131,10 @@ def _aggregate(
     if mode == "token-mean":
         n = rows.keep.sum().to(x.dtype).clamp_min(1) if denom is None else denom
         return x.sum() / n
-    tokens = rows.count.to(x.dtype)
     seq = rows.local(x)
     if mode == "seq-mean-token-mean":
-        seq = seq / tokens.clamp_min(1)
-    n = (tokens > 0).sum().to(x.dtype).clamp_min(1) if denom is None else denom
+        seq = seq / rows.count.to(x.dtype).clamp_min(1)
+    n = rows.nonempty.sum().to(x.dtype).clamp_min(1) if denom is None else denom
     out = seq.sum() / n
     if mode == "seq-mean-token-sum-norm":
         out = out / (x.shape[-1] if loss_scale_factor is None else loss_scale_factor)
@@ -181,7 +180,7 @@ def loss_and_metrics(
     if rows.cp and group is None:
         if not reduce_now:
             tot_tokens, totals = tokens_l, local
-        elif not rows.known:  # one collective: the whole rows' counts and every total
+        elif need_rows and not rows.known:  # one collective: the rows' counts and the totals
             vec = torch.stack([tokens_l, *local])
             vec = rows.reduce(scalars=vec, step="row counts and totals")[2]
             assert vec is not None
@@ -189,6 +188,7 @@ def loss_and_metrics(
         else:
             vec = gather(torch.stack([tokens_l, *local]), rows.cp_group,
                          call.with_fields(collective="totals"), "cp_group").sum(0)
+            # (after the kind's row summaries, or alone where no row count is needed)
             tot_tokens, totals = vec[0], list(vec[1:])
         tot_rows = rows.nonempty.sum().to(torch.float64) if rows.known else tokens_l * 0
     elif rows.cp:
@@ -200,7 +200,8 @@ def loss_and_metrics(
             vec = gather(vec, group, call).sum(0)
         tot_tokens, tot_rows, totals = vec[0], vec[1], list(vec[2:])
     else:
-        vec = torch.stack([tokens_l, rows_l(), *local])
+        per_row = group is not None or any(per == "rows" for _, per in metric_sums.values())
+        vec = torch.stack([tokens_l, rows_l() if per_row else tokens_l * 0, *local])
         if group is not None and reduce_now:
             vec = gather(vec, group, call).sum(0)
         tot_tokens, tot_rows, totals = vec[0], vec[1], list(vec[2:])
