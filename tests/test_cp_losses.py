@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from tests._distributed import count_collectives, run_distributed
+from tests.tolerances import assert_within_reference
 
 import rlops
 from rlops.distributed import zigzag_indices
@@ -230,12 +231,40 @@ def _cases_on_ranks(rank: int, configs: list[tuple], full: bool = True) -> list[
     return out
 
 
+DTYPE_KINDS = ("ppo", "gspo", "geo_mean", "sapo")
+DTYPE_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+def _dtype_work(rank: int, world: int) -> list[dict]:
+    """float32 and bfloat16 inputs on 2 CP ranks: each rank's loss share and gradient, with the
+    one-process results in that dtype and in float64 (the oracle) on the whole rows."""
+    g = dist.group.WORLD
+    d64 = _data(21, empty_rank0=world)
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        d = {k: v.to(dtype) if v.is_floating_point() else v for k, v in d64.items()}
+        for kind in DTYPE_KINDS:
+            for agg in DTYPE_AGGS:
+                for layout in ("zigzag", "contiguous"):
+                    local = {k: _shard(v, layout, world, rank) for k, v in d.items()}
+                    res = {}
+                    for name, data, kw in (("cp", local, {"cp_group": g, "cp_layout": layout}),
+                                           ("same", d, {}), ("f64", d64, {})):
+                        x = data["logp"].clone().requires_grad_(True)
+                        loss, _ = _call("policy_loss", data, kind, agg, x, packed=False, **kw)
+                        loss.backward()
+                        grad = x.grad if name == "cp" else _shard(x.grad, layout, world, rank)
+                        res[name] = (loss.detach(), grad.to(loss.dtype))
+                    out.append({"case": (dtype, kind, agg, layout), **res})
+    return out
+
+
 def _two_ranks(rank: int, world: int) -> dict:
     """Everything that runs on 2 ranks, in one spawn."""
     cases = _cases_on_ranks(rank, [(2, 1, 0, True, False), (2, 1, 1, False, True)])
     given = _cases_on_ranks(rank, [(2, 1, 4, False, True, "counts")], full=False)
     return {"cases": cases + given, "bad": _bad_work(rank, world),
-            "hand": _hand_work(rank, world)}
+            "hand": _hand_work(rank, world), "dtypes": _dtype_work(rank, world)}
 
 
 def _four_ranks(rank: int, world: int) -> dict:
@@ -301,6 +330,21 @@ def test_losses_on_four_ranks_cp4_and_dp2_cp2():
     aggregation mode × layout of policy_loss and the other functions on one layout."""
     results = run_distributed(_four_ranks, 4, timeout=240)
     assert _verify([r["cases"] for r in results]) == 2 * (84 + 16 + 14)
+
+
+@pytest.mark.distributed
+def test_float32_and_bfloat16_shares_as_accurate_as_one_process(two_ranks):
+    """Against float64 on the whole rows, the summed CP shares and each rank's gradient are
+    within twice the error of the one-process call in the same dtype (half inputs compute in
+    float32: both outputs are float32), plus a few ulps."""
+    r0, r1 = (r["dtypes"] for r in two_ranks)
+    assert len(r0) == 2 * len(DTYPE_KINDS) * len(DTYPE_AGGS) * 2
+    for a, b in zip(r0, r1, strict=True):
+        (l0, g0), (l1, g1) = a["cp"], b["cp"]
+        total = (l0.double() + l1.double()).to(l0.dtype)
+        assert_within_reference(str(a["case"]), total, a["f64"][0], a["same"][0])
+        for r, grad in ((a, g0), (b, g1)):
+            assert_within_reference(str(r["case"]), grad, r["f64"][1], r["same"][1])
 
 
 # --------------------------------------------------------------------------- bad input, mismatch
