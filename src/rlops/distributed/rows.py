@@ -102,6 +102,7 @@ class Rows:
         self.cp_rank, self.cp_world = group_rank_size(cp_group, "cp_group")
         self.layout = check_choice("cp_layout", cp_layout, CP_LAYOUTS)
         if self.cp_world > 1 and group is not None:
+            group_rank_size(group)
             _check_inside(group, cp_group)
         self.keep, self.dtype, self.cp_group = keep, dtype, cp_group
         self.k = 1
