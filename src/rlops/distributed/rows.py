@@ -23,6 +23,7 @@ row ``b`` each token belongs to) every per-row quantity is per ``(row, sequence)
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -40,8 +41,8 @@ CP_LAYOUTS = ("zigzag", "contiguous")
 def _check_inside(group: object, cp_group: object) -> None:
     """``group`` (DP×CP) must hold every rank of ``cp_group``: a DP-only group would count the
     tokens of one CP rank only (a silently wrong normaliser)."""
-    inner = set(dist.get_process_group_ranks(cp_group))
-    outer = set(dist.get_process_group_ranks(group))
+    inner = set(dist.get_process_group_ranks(cast(dist.ProcessGroup, cp_group)))
+    outer = set(dist.get_process_group_ranks(cast(dist.ProcessGroup, group)))
     if not inner <= outer:
         raise ValueError(
             "with cp_group, group must be the data-parallel × context-parallel group (every "

@@ -181,10 +181,10 @@ def loss_and_metrics(
         if not reduce_now:
             tot_tokens, totals = tokens_l, local
         elif need_rows and not rows.known:  # one collective: the rows' counts and the totals
-            vec = torch.stack([tokens_l, *local])
-            vec = rows.reduce(scalars=vec, step="row counts and totals")[2]
-            assert vec is not None
-            tot_tokens, totals = vec[0], list(vec[1:])
+            got = rows.reduce(scalars=torch.stack([tokens_l, *local]),
+                              step="row counts and totals")[2]
+            assert got is not None
+            tot_tokens, totals = got[0], list(got[1:])
         else:
             vec = gather(torch.stack([tokens_l, *local]), rows.cp_group,
                          call.with_fields(collective="totals"), "cp_group").sum(0)

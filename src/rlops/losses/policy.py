@@ -33,9 +33,9 @@ def policy_loss(
     num_seqs: float | torch.Tensor | None = None,
     group: object = None,
     cp_group: object = None,
-    cp_layout: str = "zigzag",
-    seq_ids: torch.Tensor | None = None,
-    seqs_per_row: int | None = None,
+    cp_layout: object = "zigzag",  # (as object: callers pass **options of floats beside them)
+    seq_ids: object = None,
+    seqs_per_row: object = None,
     **kind_params: object,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy-gradient loss of one of :data:`POLICY_KINDS`: a per-token loss ``ℓ [B, T]``, times
