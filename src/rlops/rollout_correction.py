@@ -41,12 +41,16 @@ Numerical rules:
   normaliser and every metric — comes from one ``all_gather`` of a few float64 numbers per
   rank; every rank must call, ranks with no action token included. A batch (or group) with no
   action token gives metrics 0 (``rollout_is_batch_norm_factor`` 1).
-* Context parallelism: where each row is split over the ranks of ``cp_group`` (any split, e.g.
-  Megatron's zigzag), sequence quantities (sequence and geometric weights, ``seq_*``
-  rejection, ``chi2_seq``, ``log_ppl_diff``) are over the whole row: each rank sends ``[B, k]``
-  row summaries (action count, sum of ``d``, the sums and maxima that rejection needs) in one
-  ``all_gather`` over ``cp_group``; then ``group=`` should be the DP×CP group, and row-level
-  metrics are counted by CP rank 0. Without ``cp_group`` each rank must hold whole rows.
+* Context parallelism: where each row is split over the ranks of ``cp_group`` (any split:
+  ``cp_layout="zigzag"``, Megatron's, or ``"contiguous"``), sequence quantities (sequence and
+  geometric weights, ``seq_*`` rejection, ``chi2_seq``, ``log_ppl_diff``) are over the whole
+  row: each rank sends ``[B, k]`` row summaries (action count, sum of ``d``, the sums and
+  maxima that rejection needs) in one ``all_gather`` over ``cp_group``
+  (:class:`rlops.distributed.rows.Rows`, which the losses use too); then ``group=`` must be
+  the DP×CP group (checked to contain ``cp_group``), and row-level metrics are counted by CP
+  rank 0. Without ``group`` the metrics are the whole rows', reduced over ``cp_group`` in a
+  second collective. Without ``cp_group`` each rank must hold whole rows.
+* Packed rows (``seq_ids``, ``seqs_per_row``): every sequence quantity is per sequence.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ from rlops._checks import (
     compute_dtype,
 )
 from rlops.distributed.collectives import Call, gather
-from rlops.distributed.groups import group_rank_size
+from rlops.distributed.rows import Rows
 
 __all__ = [
     "IS_LEVELS",
@@ -93,51 +97,57 @@ RS_OPTIONS = (
 
 # --------------------------------------------------------------------------- helpers
 class _Batch:
-    """Validated inputs: the masked log-ratio ``d`` (0 off the mask) in the computation dtype
-    and the bool mask; after :meth:`gather_rows`, per-row action counts and sums of ``d`` over
-    whole rows (over every rank of ``cp_group``)."""
+    """Validated inputs: the masked log-ratio ``d`` (0 off the mask) in the computation dtype,
+    the bool mask and its :class:`Rows` (``rowset``); after :meth:`gather_rows`, per-row
+    (per-sequence) action counts and sums of ``d`` over whole rows (over every rank of
+    ``cp_group``), each ``[B, K]`` (``K = 1`` unless the rows are packed)."""
 
     def __init__(self, old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
-                 cp_group: object) -> None:
+                 cp_group: object, cp_layout: object, seq_ids: object, seqs_per_row: object,
+                 group: object) -> None:
         check_2d("old_logp", old_logp)
         check_same_shape("old_logp", old_logp, rollout_logp=rollout_logp)
         self.keep = as_bool_mask("mask", mask, old_logp.shape, "old_logp", old_logp)
-        self.cp_group = cp_group
-        self.cp_rank, self.cp_world = group_rank_size(cp_group, "cp_group")
         self.dtype = compute_dtype(torch.promote_types(old_logp.dtype, rollout_logp.dtype))
+        self.rowset = Rows(self.keep, self.dtype, cp_group=cp_group, cp_layout=cp_layout,
+                         seq_ids=seq_ids, seqs_per_row=seqs_per_row, group=group)
+        self.cp_group, self.group = cp_group, group
         diff = old_logp.detach().to(self.dtype) - rollout_logp.detach().to(self.dtype)
         self.d = torch.where(self.keep, diff, 0)
 
     def describe(self, op: str, **fields: object) -> Call:
         """What every rank of ``group`` and ``cp_group`` must agree on for this call."""
-        self.call = Call(op, implied=None, **fields, **{"cp_group size": self.cp_world})
+        self.call = Call(op, implied=None, **fields,
+                         **{"cp_group size": self.rowset.cp_world, **self.rowset.fields()})
+        self.rowset.call = self.call
         return self.call
 
     def gather_rows(
         self, sums: tuple[torch.Tensor, ...] = (), maxes: tuple[torch.Tensor, ...] = ()
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Set the whole rows' action counts and sums of ``d`` and return the whole rows'
-        ``sums`` and ``maxes`` (each ``[B]``): local, or under context parallelism from one
-        collective of ``[B, k]`` float64 per rank of ``cp_group``. Row-level metrics are
-        then counted by CP rank 0 only (``rows_here``)."""
-        cols = [self.keep.sum(-1).to(self.dtype), self.d.sum(-1), *sums]
-        k = len(cols)
-        cols += maxes
-        if self.cp_world > 1:
-            local = torch.stack(cols, -1).to(torch.float64)
-            whole = gather(local, self.cp_group, self.call, "cp_group")
-            cols = [*whole[..., :k].sum(0).unbind(-1), *whole[..., k:].amax(0).unbind(-1)]
-            cols = [c.to(self.dtype) for c in cols]
-        self.row_count, self.row_sum = cols[0], cols[1]
-        self.rows = self.row_count > 0
-        self.rows_here = self.rows if self.cp_rank == 0 else torch.zeros_like(self.rows)
-        return cols[2:k], cols[k:]
+        sums of ``sums`` and maxima of ``maxes`` (per-token ``[B, T]``, 0 off the mask; each
+        returned ``[B, K]``): local, or under context parallelism from one collective of
+        ``[B, k]`` float64 per rank of ``cp_group`` (:meth:`Rows.reduce`). Row-level metrics
+        are then counted by CP rank 0 only (``rows_here``)."""
+        got, row_maxes, _ = self.rowset.reduce((self.d, *sums), maxes)
+        self.row_count, self.row_sum = self.rowset.count, got[0]
+        self.rows = self.rowset.nonempty
+        self.rows_here = self.rowset.counted
+        return got[1:], row_maxes
 
     def row_mean(self, x_rows: torch.Tensor) -> torch.Tensor:
         return x_rows / self.row_count.clamp_min(1)
 
     def per_token(self, x_rows: torch.Tensor) -> torch.Tensor:
-        return x_rows.unsqueeze(-1).expand_as(self.d)
+        return self.rowset.per_token(x_rows)
+
+    def reduce(self, t: _Tally) -> dict[str, torch.Tensor]:
+        """The batch-wide totals of ``t`` over ``group``, else (the whole rows' metrics) over
+        ``cp_group``, in one collective; local without either."""
+        if self.group is None and self.rowset.cp:
+            return t.reduce(self.cp_group, self.call, "cp_group")
+        return t.reduce(self.group, self.call)
 
 
 def _k3(d: torch.Tensor) -> torch.Tensor:
@@ -156,13 +166,6 @@ def _max(x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     if x.numel() == 0:
         return x.new_full((), -math.inf)
     return torch.where(where, x, -math.inf).amax()
-
-
-def _row_max(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``[B]``: the largest ``x`` over each row's action tokens; ``-inf`` for none."""
-    if x.shape[-1] == 0:
-        return x.new_full(x.shape[:-1], -math.inf)
-    return torch.where(keep, x, -math.inf).amax(-1)
 
 
 class _Tally:
@@ -184,7 +187,7 @@ class _Tally:
     def add_max(self, name: str, value: torch.Tensor) -> None:
         self.maxes[name] = value
 
-    def reduce(self, group: object, call: Call) -> dict[str, torch.Tensor]:
+    def reduce(self, group: object, call: Call, name: str = "group") -> dict[str, torch.Tensor]:
         """Sums and maxima over every rank of ``group``, from one
         :func:`rlops.distributed.collectives.gather` (which checks that every rank makes the
         same ``call``)."""
@@ -192,7 +195,7 @@ class _Tally:
         local = torch.stack([v.to(torch.float64) for v in (*self.sums.values(),
                                                             *self.maxes.values())])
         if group is not None:
-            gathered = gather(local, group, call)
+            gathered = gather(local, group, call, name)
             n = len(self.sums)
             local = torch.cat([gathered[:, :n].sum(0), gathered[:, n:].amax(0)])
         return {k: v.to(self.dtype) for k, v in zip(names, local.unbind(), strict=True)}
@@ -238,6 +241,9 @@ def rollout_mismatch_metrics(
     *,
     group: object | None = None,
     cp_group: object | None = None,
+    cp_layout: str = "zigzag",
+    seq_ids: torch.Tensor | None = None,
+    seqs_per_row: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """How far the rollout policy is from the trainer's, over the action tokens of a batch.
 
@@ -261,7 +267,13 @@ def rollout_mismatch_metrics(
         mask: ``[B, T]`` 0/1 action mask.
         group: a process group: metrics over every rank's action tokens (one ``all_gather``).
         cp_group: the context-parallel group whose ranks hold pieces of the same rows:
-            sequence quantities over the whole row (one more ``all_gather``, of ``[B, k]``).
+            sequence quantities over the whole row (one more ``all_gather``, of ``[B, k]``);
+            without ``group``, the metrics are the whole rows' (over ``cp_group``).
+        cp_layout: ``"zigzag"`` or ``"contiguous"``: how rows are split over ``cp_group``
+            (row sums and maxima need no order; checked and compared across ranks).
+        seq_ids, seqs_per_row: packed rows: ``[B, T]`` integer sequence ids in
+            ``[0, seqs_per_row)``; every sequence quantity is then per sequence (see
+            :func:`rlops.aggregate_loss`).
 
     Returns:
         dict of detached 0-dim tensors (computation dtype): ``chi2_seq``, ``chi2_token``,
@@ -275,12 +287,12 @@ def rollout_mismatch_metrics(
         >>> m["kl"], m["k3_kl"], m["chi2_token"]
         (tensor(0.1250), tensor(0.0703), tensor(0.0083))
     """
-    b = _Batch(old_logp, rollout_logp, mask, cp_group)
-    call = b.describe("rollout_mismatch_metrics")
+    b = _Batch(old_logp, rollout_logp, mask, cp_group, cp_layout, seq_ids, seqs_per_row, group)
+    b.describe("rollout_mismatch_metrics")
     b.gather_rows()
     t = _Tally(b.dtype)
     _tally_mismatch(t, b)
-    return _mismatch(t.reduce(group, call))
+    return _mismatch(b.reduce(t))
 
 
 # --------------------------------------------------------------------------- importance weights
@@ -302,6 +314,9 @@ def rollout_importance_weights(
     batch_normalize: bool = False,
     group: object | None = None,
     cp_group: object | None = None,
+    cp_layout: str = "zigzag",
+    seq_ids: torch.Tensor | None = None,
+    seqs_per_row: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Importance weights ``π_train / π_rollout`` that correct a loss for the rollout mismatch.
 
@@ -342,7 +357,13 @@ def rollout_importance_weights(
         group: a process group (DP, or DP×CP with ``cp_group``): normaliser and metrics over
             every rank's action tokens, from one ``all_gather``.
         cp_group: the context-parallel group whose ranks hold pieces of the same rows:
-            sequence quantities over the whole row (one more ``all_gather``, of ``[B, k]``).
+            sequence quantities over the whole row (one more ``all_gather``, of ``[B, k]``);
+            without ``group``, the metrics are the whole rows' (over ``cp_group``).
+        cp_layout: ``"zigzag"`` or ``"contiguous"``: how rows are split over ``cp_group``
+            (row sums and maxima need no order; checked and compared across ranks).
+        seq_ids, seqs_per_row: packed rows: ``[B, T]`` integer sequence ids in
+            ``[0, seqs_per_row)``; every sequence quantity is then per sequence (see
+            :func:`rlops.aggregate_loss`).
 
     Returns:
         ``(weights, keep_mask, metrics)``: ``weights`` ``[B, T]`` detached, 0 off ``keep_mask``
@@ -374,13 +395,13 @@ def rollout_importance_weights(
         >>> w[:, 0]
         tensor([1.3499, 0.0000])
     """
-    b = _Batch(old_logp, rollout_logp, mask, cp_group)
+    b = _Batch(old_logp, rollout_logp, mask, cp_group, cp_layout, seq_ids, seqs_per_row, group)
     level = check_choice("level", level, IS_LEVELS)
     mode = check_choice("mode", mode, IS_MODES)
     low, threshold = check_bounds("threshold", threshold, "low", low)
     lo, hi = (-math.inf if low is None else math.log(low)), math.log(threshold)
     check_bool("batch_normalize", batch_normalize)
-    call = b.describe("rollout_importance_weights", level=level, mode=mode, threshold=threshold,
+    b.describe("rollout_importance_weights", level=level, mode=mode, threshold=threshold,
                       low=low, batch_normalize=batch_normalize)
 
     b.gather_rows()
@@ -407,7 +428,7 @@ def rollout_importance_weights(
     t.add_max("max", _max(w, b.keep))
     t.add_max("neg_min", _max(-w, b.keep))
     _tally_mismatch(t, b)
-    r = t.reduce(group, call)
+    r = b.reduce(t)
 
     n = r["tokens"]
     mean = _ratio(r["w"], n)
@@ -462,6 +483,9 @@ def rollout_rejection_mask(
     *,
     group: object | None = None,
     cp_group: object | None = None,
+    cp_layout: str = "zigzag",
+    seq_ids: torch.Tensor | None = None,
+    seqs_per_row: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Reject tokens or whole rows whose rollout log-probs disagree too much with the trainer's.
 
@@ -487,7 +511,13 @@ def rollout_rejection_mask(
         group: a process group: metrics over every rank's action tokens (one ``all_gather``);
             the mask itself needs no communication.
         cp_group: the context-parallel group whose ranks hold pieces of the same rows:
-            sequence quantities over the whole row (one more ``all_gather``, of ``[B, k]``).
+            sequence quantities over the whole row (one more ``all_gather``, of ``[B, k]``);
+            without ``group``, the metrics are the whole rows' (over ``cp_group``).
+        cp_layout: ``"zigzag"`` or ``"contiguous"``: how rows are split over ``cp_group``
+            (row sums and maxima need no order; checked and compared across ranks).
+        seq_ids, seqs_per_row: packed rows: ``[B, T]`` integer sequence ids in
+            ``[0, seqs_per_row)``; every sequence quantity is then per sequence (see
+            :func:`rlops.aggregate_loss`).
 
     Returns:
         ``(keep_mask, metrics)``: ``keep_mask`` ``[B, T]`` bool, ``mask`` less the rejected
@@ -509,7 +539,7 @@ def rollout_rejection_mask(
         >>> m["rollout_rs_masked_fraction"]
         tensor(0.4000)
     """
-    b = _Batch(old_logp, rollout_logp, mask, cp_group)
+    b = _Batch(old_logp, rollout_logp, mask, cp_group, cp_layout, seq_ids, seqs_per_row, group)
     if not isinstance(criteria, Mapping) or not criteria:
         raise ValueError(
             "criteria must be a non-empty mapping of rejection option -> threshold, e.g. "
@@ -520,7 +550,7 @@ def rollout_rejection_mask(
     # in one order whatever the mapping's (every rank then sends its sums in the same order)
     bounds = {o: _rs_bounds(o, criteria[o]) for o in RS_OPTIONS if o in criteria}
     given = tuple((o, _as_given(o, criteria[o])) for o in bounds)
-    call = b.describe("rollout_rejection_mask", criteria=given)
+    b.describe("rollout_rejection_mask", criteria=given)
 
     token_stats = {
         "k1": -b.d,
@@ -535,9 +565,9 @@ def rollout_rejection_mask(
             token_passed = token_passed & (x >= lo) & (x <= hi)
     row_options = [o for o in bounds if not o.startswith("token")]
     row_sums, row_maxes = b.gather_rows(
-        tuple(token_stats[o[-2:]].sum(-1) for o in row_options if not o.startswith("seq_max")),
-        (*(_row_max(token_stats[o[-2:]], b.keep) for o in row_options
-           if o.startswith("seq_max")), (b.keep & ~token_passed).any(-1).to(b.dtype)),
+        tuple(token_stats[o[-2:]] for o in row_options if not o.startswith("seq_max")),
+        (*(token_stats[o[-2:]] for o in row_options if o.startswith("seq_max")),
+         (b.keep & ~token_passed).to(b.dtype)),
     )
     row_stats = dict(zip([o for o in row_options if not o.startswith("seq_max")], row_sums,
                          strict=True))
@@ -570,7 +600,7 @@ def rollout_rejection_mask(
         keep = keep & passed
     t.add("masked", (b.keep & ~keep).sum())
     t.add("seq_masked", (row_lost & b.rows_here).sum())
-    r = t.reduce(group, call)
+    r = b.reduce(t)
 
     metrics = {
         "rollout_rs_masked_fraction": _ratio(r["masked"], r["tokens"]),

@@ -1,5 +1,6 @@
 """Aggregation of a per-token loss matrix into a scalar, layout-invariant with a global
-normaliser."""
+normaliser, exact under context parallelism (rows split over ``cp_group``) and per sequence
+for packed rows (``seq_ids``)."""
 
 from __future__ import annotations
 
@@ -15,53 +16,74 @@ from rlops._checks import (
     values_checked,
 )
 from rlops.distributed.collectives import Call, check_enabled, gather
+from rlops.distributed.rows import Rows
 from rlops.losses._checks import AGG_MODES, check_agg, check_normalisers
 
-__all__ = ["AGG_MODES", "aggregate", "aggregate_loss", "batch_sums", "describe", "loss_and_metrics"]
+__all__ = [
+    "AGG_MODES",
+    "aggregate",
+    "aggregate_loss",
+    "describe",
+    "loss_and_metrics",
+    "make_rows",
+]
 
 
 # --------------------------------------------------------------------------- normalisers
 def describe(op: str, agg: str | None, loss_scale_factor: float | None, t: int,
-             implied: dict | None = None, **fields: object) -> Call:
+             implied: dict | None = None, rows: Rows | None = None, **fields: object) -> Call:
     """What a call on a group must agree on: the function, its aggregation mode, the
     normaliser ``L`` of ``seq-mean-token-sum-norm`` (``loss_scale_factor``, else ``T``: the same
-    on every micro-batch) and the function's own ``fields``."""
+    on every micro-batch), the rows' context-parallel and packing arguments and the function's
+    own ``fields``. Sets ``rows.call``."""
     norm = None
     if agg == "seq-mean-token-sum-norm":
         norm = loss_scale_factor if loss_scale_factor is not None else float(t)
-    return Call(op, implied=implied, agg=agg, **{"loss_scale_factor (or T)": norm}, **fields)
+    extra = rows.fields() if rows is not None else {}
+    call = Call(op, implied=implied, agg=agg, **{"loss_scale_factor (or T)": norm}, **extra,
+                **fields)
+    if rows is not None:
+        rows.call = call
+    return call
 
 
-def batch_sums(
-    keep: torch.Tensor, sums: dict[str, torch.Tensor], group: object, call: Call
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """``(tokens, rows, sums)``: this call's action tokens, rows with an action token and the
-    given (detached) sums, as float64 (counts exact to 2^53) — summed over ``group`` (in rank
-    order) from one collective that also checks that every rank makes the same ``call``."""
-    vec = torch.stack([
-        keep.sum().to(torch.float64),
-        (keep.sum(-1) > 0).sum().to(torch.float64),
-        *(v.detach().to(torch.float64) for v in sums.values()),
-    ])
-    if group is not None:
-        vec = gather(vec, group, call).sum(0)
-    return vec[0], vec[1], dict(zip(sums, vec[2:], strict=True))
+def make_rows(keep: torch.Tensor, dtype: torch.dtype, agg: str | None,
+              loss_scale_factor: float | None, group: object, cp_group: object,
+              cp_layout: object, seq_ids: object, seqs_per_row: object) -> Rows:
+    """The checked :class:`Rows` of a loss call; under context parallelism
+    ``seq-mean-token-sum-norm`` needs ``loss_scale_factor`` (a shard does not know the whole
+    row's ``T``)."""
+    rows = Rows(keep, dtype, cp_group=cp_group, cp_layout=cp_layout, seq_ids=seq_ids,
+                seqs_per_row=seqs_per_row, group=group)
+    if rows.cp and agg == "seq-mean-token-sum-norm" and loss_scale_factor is None:
+        raise ValueError(
+            "agg='seq-mean-token-sum-norm' with cp_group needs loss_scale_factor (the constant "
+            "L, e.g. the whole row's length): a shard's own T is not the row's"
+        )
+    return rows
+
+
+_SEQ_MODES = ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def _needs_count(mode: str | None) -> bool:
     return mode is not None and mode != "token-sum"
 
 
-def _denominator(
+def _needs_rows(mode: str | None, num_seqs: object) -> bool:
+    """Whether ``mode`` needs whole-row counts: the row length of seq-mean-token-mean, the
+    number of rows ``S`` of the other seq-mean modes unless ``num_seqs`` gives it."""
+    return mode == "seq-mean-token-mean" or (mode in _SEQ_MODES and num_seqs is None)
+
+
+def _given(
     keep: torch.Tensor,
     mode: str | None,
     dtype: torch.dtype,
     num_tokens: float | torch.Tensor | None,
     num_seqs: float | torch.Tensor | None,
-    counts: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
-    """The denominator of ``mode``: from ``counts`` (the group's ``(tokens, rows)``), else
-    ``num_tokens`` / ``num_seqs``, else None (this call's own count).
+    """The given count of ``mode`` (``num_tokens`` / ``num_seqs``), else None.
 
     A given count of 0 is 1 when this call has no action token (its loss is 0 and so is its
     gradient: a rank with nothing to do in data parallelism) and a ``ValueError`` when it has
@@ -70,10 +92,7 @@ def _denominator(
     loss rather than a silently rescaled one."""
     if not _needs_count(mode):
         return None
-    token_mode = mode == "token-mean"
-    if counts is not None:  # a group sum: 0 only when no rank has an action token
-        return counts[0 if token_mode else 1].to(dtype).clamp_min(1)
-    name, value = ("num_tokens", num_tokens) if token_mode else ("num_seqs", num_seqs)
+    name, value = ("num_tokens", num_tokens) if mode == "token-mean" else ("num_seqs", num_seqs)
     if value is None:
         return None
     n = torch.as_tensor(value, dtype=dtype, device=keep.device)
@@ -95,27 +114,27 @@ def _denominator(
 # --------------------------------------------------------------------------- aggregation
 def _aggregate(
     x: torch.Tensor,
-    keep: torch.Tensor,
+    rows: Rows,
     mode: str | None,
     loss_scale_factor: float | None,
     denom: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``mode`` reduction of ``x``, which must already be 0 where ``keep`` is False;
+    """``mode`` reduction of ``x``, which must already be 0 where ``rows.keep`` is False;
     ``mode=None`` returns ``x`` itself (the per-token matrix). ``denom`` is the global
-    normaliser (tokens for token-mean, sequences for the seq-mean modes; see
-    ``_denominator``), None for this call's own count."""
+    normaliser (tokens for token-mean, sequences for the seq-mean modes), None for this call's
+    own count. A seq-mean mode divides this rank's partial row sums by the whole rows' counts
+    (:class:`Rows`), so the shares of a row's context-parallel ranks sum to its term."""
     if mode is None:
         return x
     if mode == "token-sum":
         return x.sum()
     if mode == "token-mean":
-        n = keep.sum().to(x.dtype).clamp_min(1) if denom is None else denom
+        n = rows.keep.sum().to(x.dtype).clamp_min(1) if denom is None else denom
         return x.sum() / n
-    tokens = keep.sum(-1).to(x.dtype)
-    seq = x.sum(-1)
+    seq = rows.local(x)
     if mode == "seq-mean-token-mean":
-        seq = seq / tokens.clamp_min(1)
-    n = (tokens > 0).sum().to(x.dtype).clamp_min(1) if denom is None else denom
+        seq = seq / rows.count.to(x.dtype).clamp_min(1)
+    n = rows.nonempty.sum().to(x.dtype).clamp_min(1) if denom is None else denom
     out = seq.sum() / n
     if mode == "seq-mean-token-sum-norm":
         out = out / (x.shape[-1] if loss_scale_factor is None else loss_scale_factor)
@@ -124,7 +143,7 @@ def _aggregate(
 
 def loss_and_metrics(
     loss_mat: torch.Tensor,
-    keep: torch.Tensor,
+    rows: Rows,
     agg: str | None,
     loss_scale_factor: float | None,
     dtype: torch.dtype,
@@ -135,23 +154,71 @@ def loss_and_metrics(
     metric_sums: dict[str, tuple[torch.Tensor, str]],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``agg`` of ``loss_mat`` and the metrics: ``metric_sums`` maps a name to ``(sum, per)``
-    with ``per`` "tokens" or "rows"; the metric is the sum over the action tokens (or the rows
-    with one) of this call, or of the whole ``group`` — counts, normaliser and metrics in one
-    collective (which checks that every rank makes the same ``call``). Arguments checked."""
-    tokens, rows, sums = batch_sums(keep, {k: v for k, (v, _) in metric_sums.items()}, group,
-                                    call)
-    counts = (tokens, rows) if group is not None else None
-    denom = _denominator(keep, agg, dtype, num_tokens, num_seqs, counts)
+    with ``per`` "tokens" or "rows" (a row sum counted on :attr:`Rows.counted` rows); the
+    metric is the sum over the action tokens (or the rows with one) of this call — of the whole
+    rows of ``cp_group``, of the whole ``group`` — divided by their number. Arguments checked.
+
+    Collectives: without ``cp_group`` one over ``group`` (counts, normaliser and metrics), none
+    without it. With ``cp_group`` and no ``group``: one over ``cp_group`` (the whole-row counts
+    where a seq-mean mode needs them, the token count and the metric sums), or, after the
+    kind's own row summaries, one more for the metrics. With both: the row summaries over
+    ``cp_group`` (always where the consistency check is on: the first collective of every CP
+    rank is then over ``cp_group``, so mismatched calls raise instead of waiting on two
+    groups), then one over ``group``."""
+    keep = rows.keep
+    names = list(metric_sums)
+    local = [v.detach().to(torch.float64) for v, _ in metric_sums.values()]
+    need_rows = _needs_rows(agg, num_seqs)
+    check = check_enabled()
+    given = _given(keep, agg, dtype, num_tokens, num_seqs)
+    tokens_l = keep.sum().to(torch.float64)
+
+    def rows_l() -> torch.Tensor:
+        return rows.counted.sum().to(torch.float64)
+
+    reduce_now = bool(names) or (agg == "token-mean" and given is None) or need_rows or check
+    if rows.cp and group is None:
+        if not reduce_now:
+            tot_tokens, totals = tokens_l, local
+        elif need_rows and not rows.known:  # one collective: the rows' counts and the totals
+            got = rows.reduce(scalars=torch.stack([tokens_l, *local]),
+                              step="row counts and totals")[2]
+            assert got is not None
+            tot_tokens, totals = got[0], list(got[1:])
+        else:
+            vec = gather(torch.stack([tokens_l, *local]), rows.cp_group,
+                         call.with_fields(collective="totals"), "cp_group").sum(0)
+            # (after the kind's row summaries, or alone where no row count is needed)
+            tot_tokens, totals = vec[0], list(vec[1:])
+        tot_rows = rows.nonempty.sum().to(torch.float64) if rows.known else tokens_l * 0
+    elif rows.cp:
+        if not rows.known and (need_rows or check):
+            rows.reduce(step="row counts")
+        counted = rows_l() if rows.known else tokens_l * 0
+        vec = torch.stack([tokens_l, counted, *local])
+        if reduce_now:
+            vec = gather(vec, group, call).sum(0)
+        tot_tokens, tot_rows, totals = vec[0], vec[1], list(vec[2:])
+    else:
+        per_row = group is not None or any(per == "rows" for _, per in metric_sums.values())
+        vec = torch.stack([tokens_l, rows_l() if per_row else tokens_l * 0, *local])
+        if group is not None and reduce_now:
+            vec = gather(vec, group, call).sum(0)
+        tot_tokens, tot_rows, totals = vec[0], vec[1], list(vec[2:])
+    denom = given
+    if denom is None and _needs_count(agg) and (group is not None or rows.cp):
+        count = tot_tokens if agg == "token-mean" else tot_rows
+        denom = count.to(dtype).clamp_min(1)
     metrics = {
-        k: (sums[k] / (tokens if per == "tokens" else rows).clamp_min(1)).to(dtype)
-        for k, (_, per) in metric_sums.items()
+        k: (s / (tot_tokens if per == "tokens" else tot_rows).clamp_min(1)).to(dtype)
+        for k, s, (_, per) in zip(names, totals, metric_sums.values(), strict=True)
     }
-    return _aggregate(loss_mat, keep, agg, loss_scale_factor, denom), metrics
+    return _aggregate(loss_mat, rows, agg, loss_scale_factor, denom), metrics
 
 
 def aggregate(
     loss_mat: torch.Tensor,
-    keep: torch.Tensor,
+    rows: Rows,
     mode: str,
     loss_scale_factor: float | None,
     num_tokens: float | torch.Tensor | None,
@@ -159,15 +226,12 @@ def aggregate(
     group: object,
     call: Call,
 ) -> torch.Tensor:
-    """:func:`aggregate_loss` on checked arguments (``keep``: the bool mask), for the package's
-    public functions that check their own; ``call`` describes the public call."""
+    """:func:`aggregate_loss` on checked arguments (``rows``: the bool mask and the rows), for
+    the package's public functions that check their own; ``call`` describes the public call."""
     dtype = compute_dtype(loss_mat.dtype)
-    x = torch.where(keep, loss_mat.to(dtype), 0)
-    counts = None
-    if group is not None and (_needs_count(mode) or check_enabled()):
-        counts = batch_sums(keep, {}, group, call)[:2]
-    denom = _denominator(keep, mode, dtype, num_tokens, num_seqs, counts)
-    return _aggregate(x, keep, mode, loss_scale_factor, denom)
+    x = torch.where(rows.keep, loss_mat.to(dtype), 0)
+    return loss_and_metrics(x, rows, mode, loss_scale_factor, dtype, num_tokens, num_seqs,
+                            group, call, {})[0]
 
 
 def aggregate_loss(
@@ -179,6 +243,10 @@ def aggregate_loss(
     num_tokens: float | torch.Tensor | None = None,
     num_seqs: float | torch.Tensor | None = None,
     group: object = None,
+    cp_group: object = None,
+    cp_layout: str = "zigzag",
+    seq_ids: torch.Tensor | None = None,
+    seqs_per_row: int | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss ``[B, T]`` to a scalar, with verl's ``loss_agg_mode`` names.
 
@@ -210,6 +278,24 @@ def aggregate_loss(
     are not read on the host). A count of 0 gives 0 on a call without action tokens and is an
     error on one with action tokens (never silently taken as 1).
 
+    **Context parallelism** (``cp_group=``: each row is split over the ranks of ``cp_group``,
+    in any order — ``cp_layout`` ``"zigzag"`` (Megatron's) or ``"contiguous"``; sums need no
+    order, the argument is checked and compared across ranks). The ranks' losses **sum** to the
+    loss of the whole rows, and each rank's gradient is the whole rows' gradient on its tokens:
+    under ``token-mean`` each rank divides its token sum by the whole ``N``; under the seq-mean
+    modes each rank divides its *partial* row sum by the whole row's ``n_b`` and by the whole
+    ``S``. The whole rows' counts come from one collective of ``[B]`` (``[B, K]`` packed)
+    counts over ``cp_group``; nothing of size ``T`` crosses ranks. With data parallelism as
+    well, ``group`` must be the DP×CP group (every rank holding a token of the batch; checked
+    to contain ``cp_group``): ``N`` is summed over it and each row is counted once (by CP
+    rank 0), in one more collective. ``seq-mean-token-sum-norm`` then needs
+    ``loss_scale_factor`` (a shard does not know the row's ``T``).
+
+    **Packed rows** (``seq_ids=``, ``[B, T]`` integers in ``[0, seqs_per_row)``: the sequence
+    of the row each token belongs to): every "row" above is a sequence — ``n_b`` its action
+    tokens, ``S`` the sequences with one. From ``dones`` (1 on each sequence's last token),
+    before sharding the row: ``seq_ids = dones.cumsum(-1) - dones``.
+
     ``seq-mean-token-sum-norm`` is Dr.GRPO's objective (https://arxiv.org/abs/2503.20783):
     the mean over sequences of each sequence's token *sum*, divided by a constant ``L`` instead
     of each sequence's own length (verl's definition since February 2026; earlier releases
@@ -231,9 +317,14 @@ def aggregate_loss(
             raises ``ValueError`` unless the loss is on the meta device too.
         num_seqs: rows with an action token in the global batch, for the seq-mean modes; the
             same rules as ``num_tokens``.
-        group: a data-parallel process group with one micro-batch of whole rows per rank,
-            instead of the two counts (under context parallelism, where a row is split over
-            ranks, pass the counts).
+        group: a data-parallel process group with one micro-batch per rank, instead of the two
+            counts (DP×CP with ``cp_group``).
+        cp_group: the context-parallel group whose ranks hold pieces of the same rows, or None.
+        cp_layout: ``"zigzag"`` or ``"contiguous"``: how rows are split over ``cp_group``.
+        seq_ids: None, or ``[B, T]`` integer ids of the packed sequences (ids of mask-0 tokens
+            are ignored; those of action tokens must lie in ``[0, seqs_per_row)``).
+        seqs_per_row: with ``seq_ids``, the number ``K`` of sequence slots per row (an int,
+            the same on every rank).
 
     Returns:
         0-dim tensor, float32 for half inputs, else ``loss_mat``'s dtype. Differentiable.
@@ -247,10 +338,16 @@ def aggregate_loss(
         >>> halves = [aggregate_loss(loss[i:i + 1], m[i:i + 1], num_tokens=4) for i in (0, 1)]
         >>> sum(halves).item()
         2.5
+        >>> packed = aggregate_loss(loss[:1], m[:1], "seq-mean-token-mean",
+        ...                         seq_ids=torch.tensor([[0, 0, 1]]), seqs_per_row=2)
+        >>> packed.item()  # sequences [1, 2] and [3]: (1.5 + 3) / 2
+        2.25
     """
     check_2d("loss_mat", loss_mat)
     keep = as_bool_mask("mask", mask, loss_mat.shape, "loss_mat", loss_mat)
     loss_scale_factor = check_agg("mode", mode, loss_scale_factor, optional=False)
     num_tokens, num_seqs = check_normalisers(num_tokens, num_seqs, group, loss_mat)
-    call = describe("aggregate_loss", mode, loss_scale_factor, loss_mat.shape[-1])
-    return aggregate(loss_mat, keep, mode, loss_scale_factor, num_tokens, num_seqs, group, call)
+    rows = make_rows(keep, compute_dtype(loss_mat.dtype), mode, loss_scale_factor, group,
+                     cp_group, cp_layout, seq_ids, seqs_per_row)
+    call = describe("aggregate_loss", mode, loss_scale_factor, loss_mat.shape[-1], rows=rows)
+    return aggregate(loss_mat, rows, mode, loss_scale_factor, num_tokens, num_seqs, group, call)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from rlops._checks import as_bool_mask, check_2d
+from rlops._checks import as_bool_mask, check_2d, compute_dtype
 from rlops.losses._checks import check_agg, check_coef, check_normalisers
-from rlops.losses.aggregation import aggregate, describe
+from rlops.losses.aggregation import aggregate, describe, make_rows
 
 __all__ = ["entropy_loss"]
 
@@ -21,6 +21,10 @@ def entropy_loss(
     num_tokens: float | torch.Tensor | None = None,
     num_seqs: float | torch.Tensor | None = None,
     group: object = None,
+    cp_group: object = None,
+    cp_layout: str = "zigzag",
+    seq_ids: torch.Tensor | None = None,
+    seqs_per_row: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Entropy bonus ``−coef·aggregate_loss(H, mask, agg)``, a term to *add* to the loss.
 
@@ -42,13 +46,16 @@ def entropy_loss(
             device (not read on the host; it may require grad).
         loss_scale_factor, num_tokens, num_seqs, group: see :func:`aggregate_loss` (global
             normalisers: the micro-batch losses then *sum* to the full-batch loss).
+        cp_group, cp_layout, seq_ids, seqs_per_row: see :func:`aggregate_loss` (rows split
+            over context-parallel ranks: the ranks' losses sum to the whole rows' loss, each
+            rank's gradient is the whole rows' gradient on its tokens; packed sequences).
 
     Returns:
         ``(loss, metrics)``: the 0-dim loss (float32 for half inputs) and ``entropy``, the
         aggregated entropy ``aggregate_loss(H, mask, agg, ...)``, detached (so
-        ``loss = −coef·entropy``). With global normalisers both are this call's *share*: summed
-        over micro-batches and ranks they give the full batch's (as verl's ``actor/entropy_loss``
-        metric, which it sums).
+        ``loss = −coef·entropy``). With global normalisers (or ``cp_group``) both are this
+        call's *share*: summed over micro-batches and ranks they give the full batch's (as
+        verl's ``actor/entropy_loss`` metric, which it sums).
 
     Example:
         >>> import torch
@@ -66,8 +73,10 @@ def entropy_loss(
     loss_scale_factor = check_agg("agg", agg, loss_scale_factor, optional=False)
     num_tokens, num_seqs = check_normalisers(num_tokens, num_seqs, group, entropy)
     coef = check_coef(coef, entropy)
-    call = describe("entropy_loss", agg, loss_scale_factor, entropy.shape[-1])
-    agg_entropy = aggregate(entropy, keep, agg, loss_scale_factor, num_tokens, num_seqs, group,
+    rows = make_rows(keep, compute_dtype(entropy.dtype), agg, loss_scale_factor, group,
+                     cp_group, cp_layout, seq_ids, seqs_per_row)
+    call = describe("entropy_loss", agg, loss_scale_factor, entropy.shape[-1], rows=rows)
+    agg_entropy = aggregate(entropy, rows, agg, loss_scale_factor, num_tokens, num_seqs, group,
                             call)
     if isinstance(coef, torch.Tensor):
         coef = coef.to(agg_entropy.dtype)

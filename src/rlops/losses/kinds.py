@@ -1,10 +1,20 @@
 """The per-token loss matrix of each policy-loss kind (options checked in ``losses._checks``).
 
 Every function takes the masked inputs (0 on mask-0 tokens, already in the computation dtype):
-``lp`` = log π, ``lr`` = log π − log π_old, ``adv`` = A, the bool ``keep``, and the kind's
+``lp`` = log π, ``lr`` = log π − log π_old, ``adv`` = A, ``rows`` (a
+:class:`rlops.distributed.rows.Rows`: the bool mask ``rows.keep`` and the rows) and the kind's
 checked options; it returns ``ℓ`` (0 on mask-0 tokens) and the sums of its metrics. Ratios
 stay in log space until one ``exp`` of an argument clamped to ``≤ MAX_EXP_ARG``.
 :func:`rlops.losses.policy_loss` states the formulas.
+
+Per-row (sequence-level) quantities go through ``rows`` and nothing else: ``rows.means(x, ...)``
+gives each whole row's mean over its action tokens (``[B, K]``, detached; one collective over
+``cp_group`` for all of them, exact when the row is split over context-parallel ranks, per
+sequence for packed rows), ``rows.per_token`` puts a row value on each of its tokens, and
+``rows.counted`` marks the rows a row-level metric sums over (each row once over DP×CP). A
+kind whose tokens depend on their row's value only through such detached row quantities is
+exact under context parallelism; one that selects among the tokens of the batch (clip_cov,
+kl_cov) is not, and is refused with ``cp_group`` (``CP_INEXACT``).
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ import torch
 
 from rlops.losses._common import MAX_EXP_ARG
 
-__all__ = ["POLICY_KINDS", "token_losses"]
+__all__ = ["CP_INEXACT", "POLICY_KINDS", "token_losses"]
 
 # (per-token loss, metric name -> (sum, "tokens" | "rows")): a metric is its sum over the
 # action tokens (or the rows that have one) divided by their number.
@@ -31,11 +41,6 @@ def _hits(flag: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, str]:
 
 def _exp(log: torch.Tensor) -> torch.Tensor:
     return torch.exp(log.clamp_max(MAX_EXP_ARG))
-
-
-def _row_mean(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``[B, 1]`` mean over each row's action tokens (``x`` is 0 elsewhere; 0 for an empty row)."""
-    return x.sum(-1, keepdim=True) / keep.sum(-1, keepdim=True).to(x.dtype).clamp_min(1)
 
 
 def _batch_mean(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -73,7 +78,8 @@ def _centred_cov(lp: torch.Tensor, adv: torch.Tensor, keep: torch.Tensor) -> tor
 
 
 # --------------------------------------------------------------------------- kinds
-def _ppo(lp, lr, adv, keep, clip_low, clip_high, dual_clip) -> Out:
+def _ppo(lp, lr, adv, rows, clip_low, clip_high, dual_clip) -> Out:
+    keep = rows.keep
     loss, hit = _clip_max(_exp(lr), adv, clip_low, clip_high)
     sums = {"pg_clipfrac": _hits(hit, keep)}
     if dual_clip is not None:
@@ -83,36 +89,38 @@ def _ppo(lp, lr, adv, keep, clip_low, clip_high, dual_clip) -> Out:
     return loss, sums
 
 
-def _reinforce(lp, lr, adv, keep) -> Out:
+def _reinforce(lp, lr, adv, rows) -> Out:
     return -adv * lp, {}
 
 
-def _gspo(lp, lr, adv, keep, clip_low, clip_high) -> Out:
-    log_s = _row_mean(lr, keep).detach()  # log s_i: mean log-ratio over the row's actions
-    ratio = _exp(log_s + (lp - lp.detach()))  # value s_i, gradient s_i·∇log π_t
+def _gspo(lp, lr, adv, rows, clip_low, clip_high) -> Out:
+    keep = rows.keep
+    (log_s,) = rows.means(lr)  # log s_i: mean log-ratio over the whole row's actions, [B, K]
+    ratio = _exp(rows.per_token(log_s) + (lp - lp.detach()))  # value s_i, gradient s_i·∇log π_t
     loss, hit = _clip_max(ratio, adv, clip_low, clip_high)
     loss = torch.where(keep, loss, 0)  # the row's s_i (NaN from one token) stays off mask 0
-    seq_ratio = torch.exp(log_s.squeeze(-1).clamp_max(MAX_EXP_ARG))
-    rows = keep.any(-1)
+    seq_ratio = torch.exp(log_s.clamp_max(MAX_EXP_ARG))
     return loss, {"pg_clipfrac": _hits(hit, keep),
-                  "seq_ratio_mean": ((seq_ratio * rows).sum(), "rows")}
+                  "seq_ratio_mean": ((seq_ratio * rows.counted).sum(), "rows")}
 
 
-def _cispo(lp, lr, adv, keep, clip_low, clip_high) -> Out:
+def _cispo(lp, lr, adv, rows, clip_low, clip_high) -> Out:
+    keep = rows.keep
     ratio = _exp(lr).detach()
     weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     return -weight * adv * lp, {"pg_clipfrac": _hits(weight != ratio, keep)}
 
 
-def _sapo(lp, lr, adv, keep, tau_pos, tau_neg) -> Out:
+def _sapo(lp, lr, adv, rows, tau_pos, tau_neg) -> Out:
     ratio = _exp(lr)
     tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1)) * (4.0 / tau)
     return -gate * adv, {}
 
 
-def _clip_cov(lp, lr, adv, keep, clip_low, clip_high, clip_cov_ratio, clip_cov_lb,
+def _clip_cov(lp, lr, adv, rows, clip_low, clip_high, clip_cov_ratio, clip_cov_lb,
               clip_cov_ub, generator) -> Out:
+    keep = rows.keep
     loss, hit = _clip_max(_exp(lr), adv, clip_low, clip_high)
     cov = _centred_cov(lp, adv, keep)
     cand = keep & ~hit & (cov > clip_cov_lb) & (cov < clip_cov_ub)
@@ -125,7 +133,8 @@ def _clip_cov(lp, lr, adv, keep, clip_low, clip_high, clip_cov_ratio, clip_cov_l
     return loss, {"pg_clipfrac": _hits(hit, keep), "clip_cov_frac": _hits(chosen, keep)}
 
 
-def _kl_cov(lp, lr, adv, keep, kl_cov_ratio, ppo_kl_coef) -> Out:
+def _kl_cov(lp, lr, adv, rows, kl_cov_ratio, ppo_kl_coef) -> Out:
+    keep = rows.keep
     cov = _centred_cov(lp, adv, keep)
     # The quota of action tokens with the largest covariance (ties: the earlier token).
     keys = torch.where(keep, -cov, math.inf)
@@ -135,13 +144,14 @@ def _kl_cov(lp, lr, adv, keep, kl_cov_ratio, ppo_kl_coef) -> Out:
                   "ppo_kl_abs": (lr.detach().abs().sum(), "tokens")}
 
 
-def _geo_mean(lp, lr, adv, keep, clip_low, clip_high) -> Out:
+def _geo_mean(lp, lr, adv, rows, clip_low, clip_high) -> Out:
+    keep = rows.keep
     sign = torch.sign(adv)
     lr_clamped = lr.clamp(-clip_low, clip_high)
     # Pessimistic clip in log space: min for A > 0, max for A < 0, 0 where A == 0 (as GMPO).
     lr_clip = sign * torch.minimum(sign * lr, sign * lr_clamped)
-    log_r = _row_mean(lr_clip, keep).detach()  # log of the row's geometric-mean ratio
-    ratio = _exp(log_r + (lr_clip - lr_clip.detach()))
+    (log_r,) = rows.means(lr_clip)  # log of the whole row's geometric-mean ratio, [B, K]
+    ratio = _exp(rows.per_token(log_r) + (lr_clip - lr_clip.detach()))
     out = lr != lr_clamped
     loss = torch.where(keep, -adv * ratio, 0)  # the row's R_i (NaN from one token) stays off mask 0
     return loss, {"pg_clipfrac": _hits(out & (adv > 0), keep),
@@ -162,9 +172,12 @@ _KINDS: dict[str, Callable[..., Out]] = {
 
 
 POLICY_KINDS = tuple(_KINDS)
+#: kinds whose per-token loss depends on a selection among all tokens of the call (clip_cov's
+#: random subset, kl_cov's top covariances): not exact when rows are split over ranks
+CP_INEXACT = ("clip_cov", "kl_cov")
 
 
-def token_losses(kind: str, lp, lr, adv, keep, options: dict) -> Out:
+def token_losses(kind: str, lp, lr, adv, rows, options: dict) -> Out:
     """The per-token loss of ``kind`` and its metrics (see the module docstring); ``options``
     as :func:`rlops.losses._checks.check_options` returns them."""
-    return _KINDS[kind](lp, lr, adv, keep, **options)
+    return _KINDS[kind](lp, lr, adv, rows, **options)

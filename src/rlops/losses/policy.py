@@ -13,8 +13,8 @@ from rlops._checks import (
 )
 from rlops.losses._checks import check_agg, check_normalisers, check_options
 from rlops.losses._common import constant
-from rlops.losses.aggregation import describe, loss_and_metrics
-from rlops.losses.kinds import POLICY_KINDS, token_losses
+from rlops.losses.aggregation import describe, loss_and_metrics, make_rows
+from rlops.losses.kinds import CP_INEXACT, POLICY_KINDS, token_losses
 
 __all__ = ["POLICY_KINDS", "policy_loss", "row_geometric_mean"]
 
@@ -32,6 +32,10 @@ def policy_loss(
     num_tokens: float | torch.Tensor | None = None,
     num_seqs: float | torch.Tensor | None = None,
     group: object = None,
+    cp_group: object = None,
+    cp_layout: object = "zigzag",  # (as object: callers pass **options of floats beside them)
+    seq_ids: object = None,
+    seqs_per_row: object = None,
     **kind_params: object,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy-gradient loss of one of :data:`POLICY_KINDS`: a per-token loss ``ℓ [B, T]``, times
@@ -77,6 +81,20 @@ def policy_loss(
 
     ``old_logp``, ``advantages`` and ``rollout_is_weights`` stand for a fixed policy and fixed
     targets: they are detached inside, so the gradient flows into ``logp`` only.
+
+    **Context parallelism** (``cp_group=``: each row split over the ranks of ``cp_group``,
+    ``cp_layout`` zigzag or contiguous — sums need no order). The ranks' losses **sum** to the
+    loss of the whole rows and each rank's gradient is the whole rows' gradient on its tokens:
+    s_i and R_i are formed from each rank's partial row sums of log-ratios by one collective of
+    ``[B, 2]`` row summaries (count, sum) over ``cp_group`` (nothing of size ``T`` crosses
+    ranks), the aggregation divides by the whole rows' counts (see :func:`aggregate_loss`) and
+    the metrics are the whole rows'. Collectives per call: one over ``cp_group`` for ppo,
+    reinforce, gpg, cispo and sapo; two for gspo and geo_mean (the row summaries, then the
+    metrics); with ``group=`` (then the DP×CP group) the row summaries over ``cp_group`` and
+    one over ``group``. clip_cov and kl_cov select among all the tokens of the call, which a
+    shard does not hold: with ``cp_group`` (of more than one rank) they raise ``ValueError``.
+    **Packed rows** (``seq_ids``, ``seqs_per_row``): s_i, R_i and the seq-mean modes are per
+    sequence.
     ``rollout_is_weights`` (``[B, T]``) multiplies ``ℓ`` before aggregation: pass
     truncated token-level IS weights, or a sequence-level weight repeated along its row.
 
@@ -101,6 +119,7 @@ def policy_loss(
             matrix ``[B, T]`` (0 on mask-0 tokens).
         loss_scale_factor, num_tokens, num_seqs, group: see :func:`aggregate_loss` (global
             normalisers: the micro-batch losses then *sum* to the full-batch loss).
+        cp_group, cp_layout, seq_ids, seqs_per_row: see :func:`aggregate_loss` and above.
         **kind_params: the kind's options (numbers, numpy scalars or 0-dim tensors):
             ppo: ``clip_low`` (in (0, 1) or inf; 0.2), ``clip_high`` (> 0), ``dual_clip``
             (None or > 1); gspo, cispo: ``clip_low``, ``clip_high``; sapo: ``tau_pos``,
@@ -112,7 +131,8 @@ def policy_loss(
     Returns:
         ``(loss, metrics)``: a 0-dim loss (float32 for half inputs; ``[B, T]`` with
         ``agg=None``) and detached 0-dim metrics over this call's action tokens — over the
-        whole group's with ``group=``, in the same single ``all_gather`` as the normaliser —
+        whole rows' with ``cp_group``, over the whole group's with ``group=``, in the same
+        ``all_gather`` as the normaliser —
         before the weights (verl's names): ``pg_clipfrac`` (fraction where the clip binds: ppo,
         gspo, clip_cov: the clipped term is the larger; cispo: the weight is clipped; geo_mean:
         the log-ratio lies outside the range where A > 0), ``pg_clipfrac_lower`` (ppo: where
@@ -141,16 +161,29 @@ def policy_loss(
         check_same_shape("logp", logp, rollout_is_weights=rollout_is_weights)
     loss_scale_factor = check_agg("agg", agg, loss_scale_factor)
     num_tokens, num_seqs = check_normalisers(num_tokens, num_seqs, group, logp)
+    dtype = compute_dtype(logp.dtype)
+    rows = make_rows(keep, dtype, agg, loss_scale_factor, group, cp_group, cp_layout, seq_ids,
+                     seqs_per_row)
+    if rows.cp and kind in CP_INEXACT:
+        raise ValueError(
+            f"policy_loss(kind={kind!r}) cannot be exact with cp_group: it selects among all "
+            "the action tokens of the call (verl: per micro-batch), which no shard holds; use "
+            "another kind, or compute it on whole rows"
+        )
     # The sampling policy, the advantages and the weights are constants: no gradient into them.
     old_logp, advantages = constant(old_logp), constant(advantages)
     rollout_is_weights = constant(rollout_is_weights)
+    # a rank's generator is its own: every other option must agree across the group
+    shown = tuple((k, v) for k, v in options.items() if k != "generator")
+    call = describe("policy_loss", agg, loss_scale_factor, logp.shape[-1], rows=rows,
+                    kind=kind, options=shown, rollout_is_weights=rollout_is_weights is not None,
+                    implied={"kind": ("options",)})
 
-    dtype = compute_dtype(logp.dtype)
     # Mask-0 entries are replaced before any arithmetic, so their gradient is exactly 0.
     lp = torch.where(keep, logp.to(dtype), 0)
     log_ratio = torch.where(keep, logp.to(dtype) - old_logp.to(dtype), 0)
     adv = torch.where(keep, advantages.to(dtype), 0)
-    loss_mat, sums = token_losses(kind, lp, log_ratio, adv, keep, options)
+    loss_mat, sums = token_losses(kind, lp, log_ratio, adv, rows, options)
     none = (torch.zeros((), dtype=torch.int64, device=logp.device), "tokens")
     sums = {
         "pg_clipfrac": sums.pop("pg_clipfrac", none),
@@ -160,12 +193,7 @@ def policy_loss(
     }
     if rollout_is_weights is not None:
         loss_mat = loss_mat * torch.where(keep, rollout_is_weights.to(dtype), 0)
-    # a rank's generator is its own: every other option must agree across the group
-    shown = tuple((k, v) for k, v in options.items() if k != "generator")
-    call = describe("policy_loss", agg, loss_scale_factor, logp.shape[-1], kind=kind,
-                    options=shown, rollout_is_weights=rollout_is_weights is not None,
-                    implied={"kind": ("options",)})
-    return loss_and_metrics(loss_mat, keep, agg, loss_scale_factor, dtype, num_tokens,
+    return loss_and_metrics(loss_mat, rows, agg, loss_scale_factor, dtype, num_tokens,
                             num_seqs, group, call, sums)
 
 

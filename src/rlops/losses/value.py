@@ -7,7 +7,7 @@ import torch
 from rlops._checks import as_bool_mask, check_2d, check_positive, check_same_shape, compute_dtype
 from rlops.losses._checks import check_agg, check_normalisers
 from rlops.losses._common import constant
-from rlops.losses.aggregation import describe, loss_and_metrics
+from rlops.losses.aggregation import describe, loss_and_metrics, make_rows
 
 __all__ = ["value_loss"]
 
@@ -24,6 +24,10 @@ def value_loss(
     num_tokens: float | torch.Tensor | None = None,
     num_seqs: float | torch.Tensor | None = None,
     group: object = None,
+    cp_group: object = None,
+    cp_layout: str = "zigzag",
+    seq_ids: torch.Tensor | None = None,
+    seqs_per_row: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss: ``0.5·agg(max((V − R)², (V_clip − R)²))``.
 
@@ -43,13 +47,16 @@ def value_loss(
             aggregate themselves.
         loss_scale_factor, num_tokens, num_seqs, group: see :func:`aggregate_loss` (global
             normalisers: the micro-batch losses then sum to the full-batch loss).
+        cp_group, cp_layout, seq_ids, seqs_per_row: see :func:`aggregate_loss` (rows split
+            over context-parallel ranks: the ranks' losses sum to the whole rows' loss, each
+            rank's gradient is the whole rows' gradient on its tokens; packed sequences).
 
     Returns:
         ``(loss, metrics)``: a 0-dim loss (float32 for half inputs; the ``[B, T]`` matrix
         ``0.5·max(...)`` with ``agg=None``) and ``vf_clipfrac``, the
         detached fraction of action tokens where the clipped error is the larger (0 when off)
-        — of this call's tokens, or of the whole group's with ``group=`` (the same
-        collective as the normaliser).
+        — of this call's tokens (the whole rows' with ``cp_group``), or of the whole group's
+        with ``group=`` (the same collective as the normaliser).
 
     Example:
         >>> import torch
@@ -69,6 +76,8 @@ def value_loss(
     old_values, returns = constant(old_values), constant(returns)
 
     dtype = compute_dtype(values.dtype)
+    rows = make_rows(keep, dtype, agg, loss_scale_factor, group, cp_group, cp_layout, seq_ids,
+                     seqs_per_row)
     v, ret = (torch.where(keep, x.to(dtype), 0) for x in (values, returns))
     loss_mat = (v - ret).square()
     if clip is None:
@@ -78,6 +87,7 @@ def value_loss(
         clipped = (torch.clamp(v, old - clip, old + clip) - ret).square()
         hits = ((clipped > loss_mat) & keep).sum()
         loss_mat = torch.maximum(loss_mat, clipped)
-    call = describe("value_loss", agg, loss_scale_factor, values.shape[-1], clip=clip)
-    return loss_and_metrics(0.5 * loss_mat, keep, agg, loss_scale_factor, dtype, num_tokens,
+    call = describe("value_loss", agg, loss_scale_factor, values.shape[-1], rows=rows,
+                    clip=clip)
+    return loss_and_metrics(0.5 * loss_mat, rows, agg, loss_scale_factor, dtype, num_tokens,
                             num_seqs, group, call, {"vf_clipfrac": (hits, "tokens")})
