@@ -560,3 +560,43 @@ def test_bad_options_name_the_option():
         call("luspo", clip_low=1.0)
     with pytest.raises(TypeError, match="tau_pos"):
         call("luspo", tau_pos=1.0)
+
+
+# --------------------------------------------------------------------------- verl's registry
+def test_verl_registry_dppo_and_bypass_mode():
+    """verl's ``dppo_tv`` / ``dppo_kl`` adapters against verl's code (above), and
+    ``bypass_mode`` against verl's composition: REINFORCE ``−A·log π·w`` with the truncated
+    token IS weight ``w = min(π/π_rollout, 2)`` (token-mean), or the vanilla loss."""
+    from rlops.compat import verl
+
+    g = torch.Generator().manual_seed(19)
+    old = -torch.rand(5, 9, generator=g, dtype=F64) * 2.5 - 0.01
+    logp = (old + 0.4 * torch.randn(5, 9, generator=g, dtype=F64)).clamp_max(-0.01)
+    adv = torch.randn(5, 9, generator=g, dtype=F64)
+    mask = (torch.rand(5, 9, generator=g) > 0.2).to(F64)
+    for kind, low, high in (("dppo_tv", 0.05, 0.04), ("dppo_kl", 0.01, 0.008)):
+        cfg = {"clip_ratio": 0.3, "clip_ratio_low": low, "clip_ratio_high": high,
+               "clip_ratio_c": 1.3}
+        fn = verl.get_policy_loss_fn(kind)
+        _both(lambda x, k=kind, lo=low, hi=high: _verl_dppo(x, old, adv, mask, k, lo, hi, 1.3)[0],
+              lambda x, f=fn, c=cfg: f(old, x, adv, mask, "token-mean", c)[0], logp)
+        _, frac, lower = _verl_dppo(logp, old, adv, mask, kind, low, high, 1.3)
+        _, m = fn(old, logp, adv, mask, "token-mean", cfg)
+        assert m["actor/pg_clipfrac"] == pytest.approx(float(frac), rel=1e-15)
+        assert m["actor/pg_clipfrac_lower"] == pytest.approx(float(lower), rel=1e-15)
+    fn = verl.get_policy_loss_fn("bypass_mode")
+    cfg = {"clip_ratio": 0.2, "policy_loss": {"rollout_correction": {
+        "loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": 2.0}}}
+
+    def verl_reinforce(x):
+        w = torch.clamp(torch.exp(x.detach() - old), max=2.0)
+        return (-adv * x * w * mask).sum() / mask.sum()
+
+    _both(verl_reinforce, lambda x: fn(old, x, adv, mask, "token-mean", cfg)[0], logp)
+    _, m = fn(old, logp, adv, mask, "token-mean", cfg)
+    assert "rollout_corr/rollout_is_mean" in m and "actor/ppo_kl" in m
+    cfg["policy_loss"]["rollout_correction"]["loss_type"] = "ppo_clip"
+    want, _ = verl.compute_policy_loss_vanilla(old, logp, adv, mask, "token-mean", cfg)
+    assert fn(old, logp, adv, mask, "token-mean", cfg)[0] == want
+    with pytest.raises(ValueError, match="rollout_correction"):
+        fn(old, logp, adv, mask, "token-mean", {"clip_ratio": 0.2})
