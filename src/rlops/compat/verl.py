@@ -26,6 +26,7 @@ tokens (tool output), carrying the return across them, as verl does since its PR
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -936,13 +937,15 @@ def compute_policy_loss_bypass_mode(
     check_2d("log_prob", log_prob)
     loss_type = check_choice("config.policy_loss.rollout_correction.loss_type",
                              config_value(rc, "loss_type", "ppo_clip"), ("ppo_clip", "reinforce"))
+    options: dict[str, Any] = {  # checked by the rollout correction, under these names
+        "rollout_is": config_value(rc, "rollout_is"),
+        "rollout_is_threshold": config_value(rc, "rollout_is_threshold", 2.0),
+        "rollout_is_batch_normalize": config_value(rc, "rollout_is_batch_normalize", False),
+        "rollout_rs": config_value(rc, "rollout_rs"),
+        "rollout_rs_threshold": config_value(rc, "rollout_rs_threshold"),
+    }
     proto, mask, corr = compute_rollout_correction_and_rejection_mask(
-        log_prob.detach(), old_log_prob, response_mask,
-        rollout_is=config_value(rc, "rollout_is"),
-        rollout_is_threshold=config_value(rc, "rollout_is_threshold", 2.0),
-        rollout_is_batch_normalize=config_value(rc, "rollout_is_batch_normalize", False),
-        rollout_rs=config_value(rc, "rollout_rs"),
-        rollout_rs_threshold=config_value(rc, "rollout_rs_threshold"))
+        log_prob.detach(), old_log_prob, response_mask, **options)
     if loss_type == "ppo_clip":
         loss, metrics = compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, mask,
                                                     loss_agg_mode, config, None)
