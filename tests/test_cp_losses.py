@@ -26,7 +26,10 @@ import rlops
 from rlops.distributed import zigzag_indices
 from rlops.losses import AGG_MODES, POLICY_KINDS
 
-EXACT_KINDS = tuple(k for k in POLICY_KINDS if k not in ("clip_cov", "kl_cov"))
+# the kinds of this table (luspo, vespo, dppo_*, dro, the sequence levels and gspo's dual clip:
+# tests/test_cp_kinds_new.py)
+EXACT_KINDS = ("ppo", "reinforce", "gpg", "gspo", "cispo", "sapo", "geo_mean")
+assert set(EXACT_KINDS) <= set(POLICY_KINDS)
 ROW_KINDS = ("gspo", "geo_mean")  # the kinds with a per-row ratio
 OPTIONS = {"ppo": {"dual_clip": 3.0}, "gspo": {"clip_low": 0.05, "clip_high": 0.08},
            "cispo": {"clip_low": 0.1, "clip_high": 0.15}, "geo_mean": {"clip_low": 0.2}}

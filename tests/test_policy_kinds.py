@@ -31,6 +31,10 @@ OPTIONS = {
     "kl_cov": {"kl_cov_ratio": 0.1, "ppo_kl_coef": 0.7},
     "geo_mean": {"clip_low": 0.3, "clip_high": 0.4},
 }
+# the kinds checked here (luspo, vespo, dppo_*, dro and the sequence levels: in
+# tests/test_policy_kinds_new.py)
+KINDS = tuple(OPTIONS)
+assert set(KINDS) <= set(POLICY_KINDS)
 
 
 # --------------------------------------------------------------------------- the references
@@ -186,7 +190,7 @@ def test_hand_computed_values():
     logp = torch.tensor([[-0.9, -1.5, -1.0], [-2.0, -1.7, -9.0]], dtype=torch.float64)
     adv = torch.tensor([[1.0, -1.0, 2.0], [-2.0, 0.5, 1.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    for kind in POLICY_KINDS:
+    for kind in KINDS:
         mat, metrics = rlops.policy_loss(logp, old, adv, mask, kind=kind, agg=None,
                                          **HAND_OPTIONS[kind])
         # pinned to 13 significant digits: 1e-12 relative covers their rounding
@@ -204,7 +208,7 @@ def test_hand_computed_values():
 
 # --------------------------------------------------------------------------- the loop references
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", POLICY_KINDS)
+@pytest.mark.parametrize("kind", KINDS)
 def test_kind_matches_its_formula(kind, dtype):
     logp, old, adv, mask = make_inputs(dtype, 4, spread=0.5)
     nan = torch.tensor(torch.nan, dtype=dtype)
@@ -396,7 +400,7 @@ def test_degenerate_options_reduce_to_simpler_kinds():
     gpg, _ = rlops.policy_loss(logp, old, adv, mask, kind="gpg", agg=None)
     rf, _ = rlops.policy_loss(logp, old, adv, mask, kind="reinforce", agg=None)
     assert torch.equal(gpg, rf)
-    for kind in POLICY_KINDS:  # weights of 1 change nothing; agg=None then aggregate == agg
+    for kind in KINDS:  # weights of 1 change nothing; agg=None then aggregate == agg
         a, _ = run(kind, logp, old, adv, mask, agg=None)
         b, _ = run(kind, logp, old, adv, mask, agg=None, rollout_is_weights=torch.ones(6, 29))
         assert torch.equal(a, b), kind
@@ -456,7 +460,7 @@ def test_clip_cov_draws_with_the_generator_uniformly():
 
 # --------------------------------------------------------------------------- extreme inputs
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
-@pytest.mark.parametrize("kind", POLICY_KINDS)
+@pytest.mark.parametrize("kind", KINDS)
 def test_extreme_inputs_are_finite(kind, dtype):
     """log-ratios ±50, an all-masked row, one-action rows, a 32K-token row of log-ratio 0.01."""
     old = torch.tensor([[0.0, -50.0, -5.0, 0.0], [-50.0, 0.0, -3.0, -3.0], [-1, -1, -1, -1],
@@ -492,7 +496,7 @@ def test_extreme_inputs_are_finite(kind, dtype):
 def test_all_masked_batch_gives_zero_loss_and_gradient():
     logp, old, adv, _ = make_inputs(torch.float64, 17, b=3, t=5)
     mask = torch.zeros(3, 5)
-    for kind in POLICY_KINDS:
+    for kind in KINDS:
         for mode in AGG_MODES:
             lp = logp.clone().requires_grad_(True)
             loss, metrics = run(kind, lp, old, adv, mask, agg=mode)
@@ -501,7 +505,7 @@ def test_all_masked_batch_gives_zero_loss_and_gradient():
             assert all(v == 0 or k == "seq_ratio_mean" for k, v in metrics.items())
 
 
-@pytest.mark.parametrize("kind", POLICY_KINDS)
+@pytest.mark.parametrize("kind", KINDS)
 def test_meta_tensors_need_no_host_read(kind):
     """On meta tensors any host read raises: every kind, with weights, forward and backward."""
     def t(*shape, grad=False, dtype=torch.float32):
@@ -532,7 +536,7 @@ def test_bad_input_errors_name_the_argument():
     with pytest.raises(ValueError, match="kind"):
         rlops.policy_loss(lp, old, adv, m, kind="grpo")
     with pytest.raises(TypeError, match="dual_clip"):
-        rlops.policy_loss(lp, old, adv, m, kind="gspo", dual_clip=3.0)
+        rlops.policy_loss(lp, old, adv, m, kind="cispo", dual_clip=3.0)
     with pytest.raises(TypeError, match="clip_low"):
         rlops.policy_loss(lp, old, adv, m, kind="sapo", clip_low=0.2)
     with pytest.raises(TypeError, match="tau"):

@@ -3,7 +3,7 @@
 Each adapter has verl's registered signature ``(old_log_prob, log_prob, advantages,
 response_mask, loss_agg_mode, config, rollout_is_weights) -> (pg_loss, metrics)``, reads the
 options from verl's actor config under verl's names (``clip_ratio``, ``clip_ratio_low``,
-``clip_ratio_high``, ``tau_pos``, ``tau_neg``, ``policy_loss.clip_cov_ratio`` /
+``clip_ratio_high``, ``clip_ratio_c``, ``tau_pos``, ``tau_neg``, ``policy_loss.clip_cov_ratio`` /
 ``clip_cov_lb`` / ``clip_cov_ub``, ``policy_loss.kl_cov_ratio`` / ``ppo_kl_coef``,
 ``global_batch_info``), computes the per-token loss with one :func:`rlops.policy_loss` call
 (``agg=None``) and aggregates it as verl does. Metrics are Python floats under verl's keys.
@@ -98,6 +98,10 @@ def _options(kind: str, config: object) -> dict[str, float]:
         return _clip_pair(config)
     if kind == "geo_mean":
         return _clip_pair(config, log_space=True)
+    if kind in ("dppo_tv", "dppo_kl"):  # divergence bounds, any > 0; verl's TIS cap at 20
+        return {**_clip_pair(config, log_space=True),
+                "clip_ratio_c": check_positive("config.clip_ratio_c",
+                                               config_value(config, "clip_ratio_c", 20.0))}
     if kind == "sapo":
         return {"tau_pos": check_positive("config.tau_pos", config_value(config, "tau_pos", 1.0)),
                 "tau_neg": check_positive("config.tau_neg", config_value(config, "tau_neg", 1.05))}
@@ -131,6 +135,10 @@ _METRICS: dict[str, tuple[tuple[str, str | None], ...]] = {
     "kl_cov": (("ppo_kl", "ppo_kl_abs"),),
     "geo_mean": (("pg_clipfrac", "pg_clipfrac"), ("ppo_kl", "ppo_kl"),
                  ("pg_clipfrac_lower", "pg_clipfrac_lower")),
+    "dppo_tv": (("pg_clipfrac", "pg_clipfrac"), ("ppo_kl", "ppo_kl"),
+                ("pg_clipfrac_lower", "pg_clipfrac_lower")),
+    "dppo_kl": (("pg_clipfrac", "pg_clipfrac"), ("ppo_kl", "ppo_kl"),
+                ("pg_clipfrac_lower", "pg_clipfrac_lower")),
 }
 # verl aggregates these with a fixed mode whatever loss_agg_mode says
 _FORCED_AGG = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean"}

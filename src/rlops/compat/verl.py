@@ -29,6 +29,7 @@ tokens (tool output), carrying the return across them, as verl does since its PR
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -77,8 +78,11 @@ __all__ = [
     "compute_opo_outcome_advantage",
     "compute_optimal_token_baseline_advantage",
     "compute_policy_loss",
+    "compute_policy_loss_bypass_mode",
     "compute_policy_loss_cispo",
     "compute_policy_loss_clip_cov",
+    "compute_policy_loss_dppo_kl",
+    "compute_policy_loss_dppo_tv",
     "compute_policy_loss_geo_mean",
     "compute_policy_loss_gpg",
     "compute_policy_loss_gspo",
@@ -723,8 +727,8 @@ def compute_policy_loss_cispo(
                      loss_agg_mode, config, rollout_is_weights)
 
 
-#: verl's registered policy-loss names -> adapters (verl's ``dppo_tv``, ``dppo_kl``, ``dro``
-#: and ``bypass_mode`` have no rlops kind and are not listed).
+#: verl's registered policy-loss names -> adapters (``dppo_tv``, ``dppo_kl`` and
+#: ``bypass_mode`` are added at the end of this module).
 POLICY_LOSS_REGISTRY = {
     "vanilla": compute_policy_loss_vanilla,
     "gspo": compute_policy_loss_gspo,
@@ -747,7 +751,7 @@ def get_policy_loss_fn(name: str):
     if name not in POLICY_LOSS_REGISTRY:
         raise ValueError(
             f"Unsupported loss mode: {name}. Supported modes are: {list(POLICY_LOSS_REGISTRY)}"
-            " (verl's dppo_tv, dppo_kl, dro and bypass_mode are not adapted: keep verl's)"
+            " (verl's dro is not adapted: rlops.policy_loss(kind='dro') is Tinker's form)"
         )
     return POLICY_LOSS_REGISTRY[name]
 
@@ -846,3 +850,137 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """
     target = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
     return rlops.logprobs_and_entropy(logits, target, with_entropy=True)[1]
+
+
+# --------------------------------------------------------------------------- DPPO, bypass mode
+def compute_policy_loss_dppo_tv(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights: torch.Tensor | None = None,
+):
+    """verl's registered ``"dppo_tv"`` loss (DPPO-Binary-TV): ``(pg_loss, metrics)``.
+
+    ``−A·sg(min(r, clip_ratio_c))·log π`` on the tokens with ``π − π_old ≤ clip_ratio_high``
+    (A > 0) or ``≥ −clip_ratio_low`` (A ≤ 0), 0 elsewhere; ``clip_ratio_low`` /
+    ``clip_ratio_high`` default to ``clip_ratio`` (here divergence bounds), ``clip_ratio_c`` to
+    20 where absent (an ``ActorConfig`` sets it: 3.0). Aggregated with ``loss_agg_mode``.
+    Metrics ``actor/pg_clipfrac`` (tokens dropped), ``actor/ppo_kl``,
+    ``actor/pg_clipfrac_lower`` (kept tokens with ``r > clip_ratio_c``).
+    ``rlops.policy_loss(kind="dppo_tv")``.
+
+    Difference: ``actor/ppo_kl`` is not clamped (verl: the log-ratio clamped to ±20).
+
+    Example:
+        >>> import torch
+        >>> loss, m = compute_policy_loss_dppo_tv(torch.tensor([[-1.0, -1.0]]),
+        ...     torch.tensor([[-0.5, -1.0]]), torch.ones(1, 2), torch.ones(1, 2),
+        ...     config={"clip_ratio": 0.2})
+        >>> round(loss.item(), 4), m["actor/pg_clipfrac"]
+        (0.5, 0.5)
+    """
+    return kind_loss("dppo_tv", agg_loss, old_log_prob, log_prob, advantages, response_mask,
+                     loss_agg_mode, config, rollout_is_weights)
+
+
+def compute_policy_loss_dppo_kl(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights: torch.Tensor | None = None,
+):
+    """verl's registered ``"dppo_kl"`` loss (DPPO-Binary-KL): ``(pg_loss, metrics)``.
+
+    As :func:`compute_policy_loss_dppo_tv` with the Bernoulli KL ``π_old·log(π_old/π) +
+    (1 − π_old)·log((1 − π_old)/(1 − π))``: a token stays where it is ``≤ clip_ratio_high`` or
+    ``π ≤ π_old`` (A > 0), ``≤ clip_ratio_low`` or ``π ≥ π_old`` (A ≤ 0).
+    ``rlops.policy_loss(kind="dppo_kl")``.
+
+    Differences: the KL is computed without verl's ``+ 1e-8`` in ``1 − π`` (a token with
+    ``π = 1`` has an infinite KL, as the definition); ``actor/ppo_kl`` is not clamped.
+
+    Example:
+        >>> import torch
+        >>> loss, m = compute_policy_loss_dppo_kl(torch.tensor([[-1.0, -1.0]]),
+        ...     torch.tensor([[-0.5, -1.0]]), torch.ones(1, 2), torch.ones(1, 2),
+        ...     config={"clip_ratio": 0.2})
+        >>> m["actor/pg_clipfrac"]
+        0.0
+    """
+    return kind_loss("dppo_kl", agg_loss, old_log_prob, log_prob, advantages, response_mask,
+                     loss_agg_mode, config, rollout_is_weights)
+
+
+def compute_policy_loss_bypass_mode(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights: torch.Tensor | None = None,
+):
+    """verl's registered ``"bypass_mode"`` loss: ``(pg_loss, metrics)``; ``old_log_prob`` are
+    the sampler's log-probs (π_old = π_rollout).
+
+    A composition: :func:`compute_rollout_correction_and_rejection_mask` of ``(log_prob``
+    detached, ``old_log_prob)`` with ``config.policy_loss.rollout_correction``'s
+    ``rollout_is`` / ``rollout_is_threshold`` (2.0) / ``rollout_is_batch_normalize`` /
+    ``rollout_rs`` / ``rollout_rs_threshold``, then, by its ``loss_type``: ``"ppo_clip"``
+    (default) :func:`compute_policy_loss_vanilla` on the rejection mask without IS weights, or
+    ``"reinforce"`` ``−w·A·log π`` (``rlops.policy_loss(kind="reinforce")`` with the IS
+    weights ``w``) aggregated with ``loss_agg_mode``. ``rollout_is_weights`` is ignored (as
+    verl). Metrics: the loss's, and the rollout correction's under ``rollout_corr/``.
+
+    Example:
+        >>> import torch
+        >>> cfg = {"clip_ratio": 0.2, "policy_loss": {"rollout_correction": {
+        ...     "loss_type": "reinforce", "rollout_is": "token"}}}
+        >>> loss, m = compute_policy_loss_bypass_mode(torch.tensor([[-1.0, -1.0]]),
+        ...     torch.tensor([[-0.5, -1.0]]), torch.ones(1, 2), torch.ones(1, 2), config=cfg)
+        >>> round(loss.item(), 4)
+        0.9122
+    """
+    if config is None:
+        raise ValueError("config (verl's actor config) must be given for the bypass_mode loss")
+    rc = config_value(config_value(config, "policy_loss"), "rollout_correction")
+    if rc is None:
+        raise ValueError(
+            "config.policy_loss.rollout_correction must be given for loss_mode='bypass_mode' "
+            "(as verl)")
+    check_2d("log_prob", log_prob)
+    loss_type = check_choice("config.policy_loss.rollout_correction.loss_type",
+                             config_value(rc, "loss_type", "ppo_clip"), ("ppo_clip", "reinforce"))
+    options: dict[str, Any] = {  # checked by the rollout correction, under these names
+        "rollout_is": config_value(rc, "rollout_is"),
+        "rollout_is_threshold": config_value(rc, "rollout_is_threshold", 2.0),
+        "rollout_is_batch_normalize": config_value(rc, "rollout_is_batch_normalize", False),
+        "rollout_rs": config_value(rc, "rollout_rs"),
+        "rollout_rs_threshold": config_value(rc, "rollout_rs_threshold"),
+    }
+    proto, mask, corr = compute_rollout_correction_and_rejection_mask(
+        log_prob.detach(), old_log_prob, response_mask, **options)
+    if loss_type == "ppo_clip":
+        loss, metrics = compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, mask,
+                                                    loss_agg_mode, config, None)
+    else:
+        weights = None if proto is None else proto.batch["rollout_is_weights"]
+        loss_mat, m = rlops.policy_loss(log_prob, old_log_prob, advantages, mask,
+                                        kind="reinforce", rollout_is_weights=weights, agg=None)
+        loss = agg_loss(loss_mat, mask, loss_agg_mode, **batch_info(config))
+        metrics = {"actor/ppo_kl": m["ppo_kl"].item()}
+    metrics.update(corr)
+    return loss, metrics
+
+
+POLICY_LOSS_REGISTRY.update({
+    "dppo_tv": compute_policy_loss_dppo_tv,
+    "dppo_kl": compute_policy_loss_dppo_kl,
+    "bypass_mode": compute_policy_loss_bypass_mode,
+})

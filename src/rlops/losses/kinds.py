@@ -93,29 +93,116 @@ def _reinforce(lp, lr, adv, rows) -> Out:
     return -adv * lp, {}
 
 
-def _gspo(lp, lr, adv, rows, clip_low, clip_high) -> Out:
-    keep = rows.keep
+def _seq_ratio(lp, lr, rows):
+    """GSPO-token's ratio ``sg(s_i)·π_t/sg(π_t)`` (value the row's ``s_i = exp(mean_i lr)``,
+    gradient ``s_i·∇log π_t``) and ``log s_i`` (``[B, K]``, detached, whole rows)."""
     (log_s,) = rows.means(lr)  # log s_i: mean log-ratio over the whole row's actions, [B, K]
-    ratio = _exp(rows.per_token(log_s) + (lp - lp.detach()))  # value s_i, gradient s_i·∇log π_t
-    loss, hit = _clip_max(ratio, adv, clip_low, clip_high)
-    loss = torch.where(keep, loss, 0)  # the row's s_i (NaN from one token) stays off mask 0
-    seq_ratio = torch.exp(log_s.clamp_max(MAX_EXP_ARG))
-    return loss, {"pg_clipfrac": _hits(hit, keep),
-                  "seq_ratio_mean": ((seq_ratio * rows.counted).sum(), "rows")}
+    return _exp(rows.per_token(log_s) + (lp - lp.detach())), log_s
 
 
-def _cispo(lp, lr, adv, rows, clip_low, clip_high) -> Out:
+def _seq_ratio_mean(log_s, rows) -> tuple[torch.Tensor, str]:
+    """The mean sequence ratio over the rows with an action token, as a metric sum."""
+    return (torch.exp(log_s.clamp_max(MAX_EXP_ARG)) * rows.counted).sum(), "rows"
+
+
+def _dual_clip(loss, adv, keep, dual_clip, sums):
+    """Dual clip (https://arxiv.org/abs/1912.09729): ``min(loss, −A·c)`` where ``A < 0``."""
+    if dual_clip is None:
+        return loss
+    bound = -adv * dual_clip
+    sums["pg_clipfrac_lower"] = _hits((adv < 0) & (loss > bound), keep)
+    return torch.where(adv < 0, torch.minimum(loss, bound), loss)
+
+
+def _gspo(lp, lr, adv, rows, clip_low, clip_high, dual_clip=None) -> Out:
     keep = rows.keep
-    ratio = _exp(lr).detach()
+    ratio, log_s = _seq_ratio(lp, lr, rows)
+    loss, hit = _clip_max(ratio, adv, clip_low, clip_high)
+    sums = {"pg_clipfrac": _hits(hit, keep), "seq_ratio_mean": _seq_ratio_mean(log_s, rows)}
+    loss = _dual_clip(loss, adv, keep, dual_clip, sums)
+    # the row's s_i (NaN from one token) stays off mask 0
+    return torch.where(keep, loss, 0), sums
+
+
+def _luspo(lp, lr, adv, rows, clip_low, clip_high) -> Out:
+    loss, sums = _gspo(lp, lr, adv, rows, clip_low, clip_high)
+    return loss * rows.per_token(rows.count), sums  # |y_i| × GSPO's term (whole rows' counts)
+
+
+def _cispo(lp, lr, adv, rows, clip_low, clip_high, level) -> Out:
+    keep = rows.keep
+    sums: dict[str, tuple[torch.Tensor, str]] = {}
+    if level == "sequence":
+        (log_s,) = rows.means(lr)
+        ratio = _exp(rows.per_token(log_s))
+        sums["seq_ratio_mean"] = _seq_ratio_mean(log_s, rows)
+    else:
+        ratio = _exp(lr).detach()
     weight = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    return -weight * adv * lp, {"pg_clipfrac": _hits(weight != ratio, keep)}
+    loss = torch.where(keep, -weight * adv * lp, 0)
+    return loss, {"pg_clipfrac": _hits(weight != ratio, keep), **sums}
 
 
-def _sapo(lp, lr, adv, rows, tau_pos, tau_neg) -> Out:
-    ratio = _exp(lr)
+def _sapo(lp, lr, adv, rows, tau_pos, tau_neg, level) -> Out:
+    sums: dict[str, tuple[torch.Tensor, str]] = {}
+    if level == "sequence":
+        ratio, log_s = _seq_ratio(lp, lr, rows)
+        sums["seq_ratio_mean"] = _seq_ratio_mean(log_s, rows)
+    else:
+        ratio = _exp(lr)
     tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1)) * (4.0 / tau)
-    return -gate * adv, {}
+    return torch.where(rows.keep, -gate * adv, 0), sums
+
+
+#: VESPO's floor of the sequence log-ratio, ``log(1e-8)`` (TRL, Liger)
+VESPO_LOG_FLOOR = math.log(1e-8)
+
+
+def _vespo(lp, lr, adv, rows, k_pos, lambda_pos, k_neg, lambda_neg) -> Out:
+    keep = rows.keep
+    (log_w,) = rows.sums(lr.clamp(-MAX_EXP_ARG, MAX_EXP_ARG))  # log W: the whole row's sum
+    log_w = rows.per_token(log_w.clamp(VESPO_LOG_FLOOR, MAX_EXP_ARG))
+    nonneg = adv >= 0
+    k = torch.where(nonneg, torch.full_like(adv, k_pos), torch.full_like(adv, k_neg))
+    lam = torch.where(nonneg, torch.full_like(adv, lambda_pos), torch.full_like(adv, lambda_neg))
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))  # φ(W) = W^k·e^(λ(1 − W))
+    phi = torch.where(keep, torch.nan_to_num(phi, nan=0.0, posinf=0.0), 0)
+    return torch.where(keep, -phi * adv * lp, 0), {"vespo_phi_mean": (phi.sum(), "tokens")}
+
+
+def _dppo(lp, lr, adv, rows, clip_low, clip_high, clip_ratio_c, divergence) -> Out:
+    keep = rows.keep
+    lp_d, lr_d = lp.detach(), lr.detach()
+    ratio = _exp(lr_d)
+    if divergence == "tv":  # π − π_old = −π·expm1(−lr): no cancellation
+        diff = -torch.exp(lp_d) * torch.expm1(-lr_d)
+        valid = torch.where(adv > 0, diff <= clip_high, diff >= -clip_low)
+    else:  # Bernoulli KL(π_old || π) of the sampled token's probability
+        lq = lp_d - lr_d  # log π_old
+        q = torch.exp(lq)
+        log_1mq = torch.log(-torch.expm1(lq))
+        log_1mp = torch.log(-torch.expm1(lp_d))
+        rest = torch.where(q < 1, -torch.expm1(lq) * (log_1mq - log_1mp), 0)
+        kl = -q * lr_d + rest
+        valid = torch.where(adv > 0, (kl <= clip_high) | (lr_d <= 0),
+                            (kl <= clip_low) | (lr_d >= 0))
+    weight = ratio.clamp_max(clip_ratio_c)
+    loss = torch.where(keep & valid, -adv * weight * lp, 0)
+    return loss, {"pg_clipfrac": _hits(~valid, keep),
+                  "pg_clipfrac_lower": _hits(valid & (ratio > clip_ratio_c), keep)}
+
+
+def _dppo_tv(lp, lr, adv, rows, clip_low, clip_high, clip_ratio_c) -> Out:
+    return _dppo(lp, lr, adv, rows, clip_low, clip_high, clip_ratio_c, "tv")
+
+
+def _dppo_kl(lp, lr, adv, rows, clip_low, clip_high, clip_ratio_c) -> Out:
+    return _dppo(lp, lr, adv, rows, clip_low, clip_high, clip_ratio_c, "kl")
+
+
+def _dro(lp, lr, adv, rows, dro_beta) -> Out:
+    return -adv * lp + (0.5 * dro_beta) * lr * lr, {}
 
 
 def _clip_cov(lp, lr, adv, rows, clip_low, clip_high, clip_cov_ratio, clip_cov_lb,
@@ -168,6 +255,11 @@ _KINDS: dict[str, Callable[..., Out]] = {
     "clip_cov": _clip_cov,
     "kl_cov": _kl_cov,
     "geo_mean": _geo_mean,
+    "luspo": _luspo,
+    "vespo": _vespo,
+    "dppo_tv": _dppo_tv,
+    "dppo_kl": _dppo_kl,
+    "dro": _dro,
 }
 
 

@@ -53,13 +53,40 @@ def policy_loss(
         gspo      PPO's max with the ratio s_t = sg(s_i)·π_t/sg(π_t), s_i = exp(mean_i lr):
                   value the sequence ratio s_i, gradient s_i·∇log π_t ("GSPO-token"; with one
                   advantage per row and seq-mean-token-mean it is GSPO's sequence objective)
-                  https://arxiv.org/abs/2507.18071 (defaults clip_low 3e-4, clip_high 4e-4)
+                  https://arxiv.org/abs/2507.18071 (defaults clip_low 3e-4, clip_high 4e-4);
+                  with dual_clip = c > 1, min(that, −A·c) where A < 0 (verl's clip_ratio_c,
+                  AReaL's c_clip with importance_sampling_level="sequence")
         cispo     −sg(clip(r, 1 − clip_low, 1 + clip_high))·A·log π
                   MiniMax-M1, https://arxiv.org/abs/2506.13585 (the paper sets no lower clip:
-                  clip_low=inf)
+                  clip_low=inf); level="sequence": r is the row's s_i (TRL's
+                  importance_sampling_level="sequence": −sg(clip(s_i))·A·log π_t)
         sapo      −A·σ(τ·(r − 1))·4/τ, τ = tau_pos where A > 0 else tau_neg (defaults 1.0, 1.05):
                   a soft gate whose gradient at r = 1 equals PPO's
-                  https://arxiv.org/abs/2511.20347
+                  https://arxiv.org/abs/2511.20347; level="sequence": r is gspo's s_t (value
+                  s_i, gradient s_i·∇log π_t), as TRL's and AReaL's
+                  importance_sampling_level="sequence" with one advantage per row
+        luspo     |y_i|·(gspo's per-token loss), |y_i| the row's action count: with
+                  agg="seq-mean-token-mean" it is LUSPO's −mean_i |y_i|·min(s_i·A_i,
+                  clip(s_i)·A_i) (the same as kind="gspo" with agg="seq-mean-token-sum")
+                  https://arxiv.org/abs/2602.05261; TRL's and Liger's loss_type="luspo"
+                  (defaults clip_low 2e-3, clip_high 2.5e-3, the paper's section 5.1)
+        vespo     −sg(φ(W_i))·A·log π, φ(W) = W^k·exp(λ·(1 − W)) with W_i = exp(Σ_i lr) the
+                  row's sequence ratio (each lr clamped to ±20, log W_i to [log 1e-8, 20]);
+                  k, λ = k_pos, lambda_pos where A ≥ 0 else k_neg, lambda_neg (defaults 2, 3,
+                  3, 2) https://arxiv.org/abs/2602.10693; TRL's and Liger's loss_type="vespo"
+                  (they fold the sampler's token IS ratios into W: pass the sampler's
+                  log-probs as old_logp for that)
+        dppo_tv   −A·sg(min(r, clip_ratio_c))·log π on the tokens whose probability moved
+                  inside the trust region: π − π_old ≤ clip_high where A > 0, ≥ −clip_low
+                  where A ≤ 0; 0 elsewhere
+        dppo_kl   the same with the Bernoulli KL D = π_old·log(π_old/π) + (1 − π_old)·
+                  log((1 − π_old)/(1 − π)): a token stays where D ≤ clip_high or π ≤ π_old
+                  (A > 0), D ≤ clip_low or π ≥ π_old (A ≤ 0). DPPO
+                  https://arxiv.org/abs/2602.04879, as verl's dppo_tv / dppo_kl (defaults
+                  clip_low = clip_high = 0.2, clip_ratio_c = 20)
+        dro       −A·log π + ½·dro_beta·lr²: the quadratic log-ratio penalty of Direct Reward
+                  Optimization https://arxiv.org/abs/2405.19107, as Tinker's "dro" loss
+                  (default dro_beta 1)
         clip_cov  ppo (no dual clip), but 0 on a random set of tokens not clipped by PPO whose
                   cov = (A − mean A)·(log π − mean log π) (means over the micro-batch's action
                   tokens) lies in (clip_cov_lb, clip_cov_ub): max(⌊clip_cov_ratio·N⌋, 1) of them
@@ -73,11 +100,18 @@ def policy_loss(
                   is GMPO's −A_i·R_i exactly https://arxiv.org/abs/2507.20673 (defaults
                   clip_low = clip_high = 0.4, in log space: ratios in (e^−0.4, e^0.4))
 
-    Sequence-level quantities (s_i, R_i) are over the row's action tokens only, from summed
-    log-ratios (a 32K-token row is fine); every ``exp`` argument is clamped to ``≤ 20``. The
-    selections of clip_cov and kl_cov use this call's tokens (as verl: per micro-batch); they
-    read no value on the host. ``clip_high`` defaults to ``clip_low`` when only ``clip_low`` is
-    given; an infinite clip turns that side off.
+    Sequence-level quantities (s_i, R_i, W_i, |y_i|) are over the row's action tokens only,
+    from summed log-ratios (a 32K-token row is fine); every ``exp`` argument is clamped to
+    ``≤ 20``. The selections of clip_cov and kl_cov use this call's tokens (as verl: per
+    micro-batch); they read no value on the host. ``clip_high`` defaults to ``clip_low`` when
+    only ``clip_low`` is given; an infinite clip turns that side off.
+
+    Recipes (compositions of the kinds above, not kinds): verl's **bypass mode** (the sampler's
+    log-probs stand for π_old) is ``old_logp = rollout_logp`` with kind="ppo" and no weights
+    (``loss_type="ppo_clip"``), or kind="reinforce" with ``rollout_is_weights`` from
+    :func:`rlops.rollout_importance_weights` of ``(logp.detach(), rollout_logp)`` and its
+    rejection mask folded into ``mask`` (``loss_type="reinforce"``); the adapter is
+    ``rlops.compat.verl.get_policy_loss_fn("bypass_mode")``.
 
     ``old_logp``, ``advantages`` and ``rollout_is_weights`` stand for a fixed policy and fixed
     targets: they are detached inside, so the gradient flows into ``logp`` only.
@@ -91,10 +125,12 @@ def policy_loss(
     the metrics are the whole rows'. Collectives per call: one over ``cp_group`` for ppo,
     reinforce, gpg, cispo and sapo; two for gspo and geo_mean (the row summaries, then the
     metrics); with ``group=`` (then the DP×CP group) the row summaries over ``cp_group`` and
-    one over ``group``. clip_cov and kl_cov select among all the tokens of the call, which a
-    shard does not hold: with ``cp_group`` (of more than one rank) they raise ``ValueError``.
-    **Packed rows** (``seq_ids``, ``seqs_per_row``): s_i, R_i and the seq-mean modes are per
-    sequence.
+    one over ``group``. luspo, vespo and cispo / sapo with level="sequence" count as gspo
+    (a per-row ratio); dppo_tv, dppo_kl and dro as ppo. clip_cov and kl_cov select among all
+    the tokens of the call, which a shard does not hold: with ``cp_group`` (of more than one
+    rank) they raise ``ValueError``.
+    **Packed rows** (``seq_ids``, ``seqs_per_row``): s_i, R_i, W_i, |y_i| and the seq-mean
+    modes are per sequence.
     ``rollout_is_weights`` (``[B, T]``) multiplies ``ℓ`` before aggregation: pass
     truncated token-level IS weights, or a sequence-level weight repeated along its row.
 
@@ -126,7 +162,11 @@ def policy_loss(
             ``tau_neg`` (> 0); clip_cov: ``clip_low``, ``clip_high``, ``clip_cov_ratio``
             (in (0, 1]; 2e-4), ``clip_cov_lb`` < ``clip_cov_ub`` (1, 5), ``generator``;
             kl_cov: ``kl_cov_ratio`` (2e-4), ``ppo_kl_coef`` (≥ 0; 1); geo_mean: ``clip_low``,
-            ``clip_high`` (> 0, log space). Another option is a ``TypeError``.
+            ``clip_high`` (> 0, log space); gspo also ``dual_clip``; cispo and sapo also
+            ``level`` ("token" or "sequence"); luspo: ``clip_low``, ``clip_high``; vespo:
+            ``k_pos``, ``k_neg`` (finite), ``lambda_pos``, ``lambda_neg`` (> 0); dppo_tv,
+            dppo_kl: ``clip_low``, ``clip_high`` (divergence bounds > 0), ``clip_ratio_c``
+            (> 0); dro: ``dro_beta`` (≥ 0). Another option is a ``TypeError``.
 
     Returns:
         ``(loss, metrics)``: a 0-dim loss (float32 for half inputs; ``[B, T]`` with
@@ -134,11 +174,14 @@ def policy_loss(
         whole rows' with ``cp_group``, over the whole group's with ``group=``, in the same
         ``all_gather`` as the normaliser —
         before the weights (verl's names): ``pg_clipfrac`` (fraction where the clip binds: ppo,
-        gspo, clip_cov: the clipped term is the larger; cispo: the weight is clipped; geo_mean:
-        the log-ratio lies outside the range where A > 0), ``pg_clipfrac_lower`` (ppo: where
-        dual-clip binds; geo_mean: outside the range where A < 0), ``ppo_kl`` (mean of
+        gspo, luspo, clip_cov: the clipped term is the larger; cispo: the weight is clipped;
+        dppo_*: the token is outside the trust region (dropped); geo_mean:
+        the log-ratio lies outside the range where A > 0), ``pg_clipfrac_lower`` (ppo, gspo: where
+        dual-clip binds; geo_mean: outside the range where A < 0; dppo_*: where
+        ``r > clip_ratio_c`` on a kept token), ``ppo_kl`` (mean of
         ``old_logp − logp``, unclamped) — 0 where a kind has no such thing — and per kind:
-        gspo ``seq_ratio_mean`` (mean s_i over rows with an action), clip_cov
+        gspo, luspo and level="sequence" ``seq_ratio_mean`` (mean s_i over rows with an
+        action), vespo ``vespo_phi_mean`` (mean φ over the action tokens), clip_cov
         ``clip_cov_frac``, kl_cov ``kl_cov_frac`` and ``ppo_kl_abs`` (mean |lr|).
 
     Example:
