@@ -204,7 +204,9 @@ def cp_scan(
     n, t_local = x.shape
     xp = layout.pieces(x)
     ap: float | torch.Tensor
-    if isinstance(decay, torch.Tensor) and is_per_token(decay, t_local):
+    # a local length of 1 (the contiguous layout allows it) cannot tell one decay per token
+    # from one per row: it is taken as data, not compared across ranks
+    if isinstance(decay, torch.Tensor) and (is_per_token(decay, t_local) or t_local == 1):
         form = "per token"
         ap = layout.pieces(decay.expand(n, t_local))
     elif isinstance(decay, torch.Tensor):
