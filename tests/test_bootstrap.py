@@ -389,3 +389,35 @@ def test_property_every_method_equals_the_oracle(data, B, T, gamma, lam, form):
                                truncated=trunc, method=method)  # fmt: skip
         for got, want in ((adv, adv_o), (ret, ret_o), (g, g_o)):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=method)
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+
+@pytest.mark.slow
+def test_bootstrap_under_torch_compile_fullgraph():
+    """Both forms traced with ``fullgraph=True``, forward and backward, equal to eager."""
+    g = torch.Generator().manual_seed(5)
+    B, T = 3, 24
+    f64 = dict(generator=g, dtype=torch.float64)
+    r, v = torch.randn(B, T, **f64), torch.randn(B, T, **f64)
+    mask = torch.rand(B, T, generator=g) > 0.3
+    dones = torch.rand(B, T, generator=g) > 0.9
+    trunc = torch.rand(B, T, generator=g) > 0.9
+    boot_r, boot_t = torch.randn(B, **f64), torch.randn(B, T, **f64)
+
+    def f(r, v, boot_r, boot_t):
+        a, ret = gae(r, v, gamma=0.99, lam=0.95, mask=mask, dones=dones, bootstrap=boot_r)
+        g = discounted_returns(r, gamma=0.9, mask=mask, dones=dones, bootstrap=boot_t,
+                               truncated=trunc)  # fmt: skip
+        return a.sum() + ret.square().sum() + g.square().sum()
+
+    compiled = torch.compile(f, fullgraph=True)
+    outs = []
+    for fn in (f, compiled):
+        leaves = [x.clone().requires_grad_() for x in (r, v, boot_r, boot_t)]
+        y = fn(*leaves)
+        y.backward()
+        outs.append([y.detach()] + [x.grad for x in leaves])
+    for a, b in zip(*outs, strict=True):  # the same sums in float64, possibly reordered
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -132,7 +132,24 @@ def _work(rank, world, lengths, methods):
     g = contiguous_unshard(g, group=w, length=37)
     want = discounted_returns_bootstrap_oracle(r, 0.9, m, None, boot_r, None)
     errors["oracle returns row bootstrap"] = (g - want).abs().max().item()
-    return errors, counts, _mismatch(rank)
+    return errors, counts, _mismatch(rank), _fits(rank, world)
+
+
+def _fits(rank, world):
+    """Collectives of a GAE call by rows: the summaries ride in the checked first exchange
+    while they fit (docs: 6 rows in zigzag, 5 with a per-row bootstrap, 12 in contiguous)."""
+    w = dist.group.WORLD
+    out = {}
+    for layout, rows, boot in (("zigzag", 6, False), ("zigzag", 7, False), ("zigzag", 5, True),
+                               ("zigzag", 6, True), ("contiguous", 12, False),
+                               ("contiguous", 13, False)):  # fmt: skip
+        x = torch.zeros(rows, 4 * world, dtype=torch.float64)
+        local = cp_shard(x, cp_size=world, cp_rank=rank, layout=layout)
+        kw = dict(bootstrap=torch.ones(rows, dtype=torch.float64)) if boot else {}
+        with count_collectives() as calls:
+            rlops.gae(local, local, gamma=0.9, lam=0.9, cp_group=w, cp_layout=layout, **kw)
+        out[(layout, rows, boot)] = sum(calls.values())
+    return out
 
 
 @pytest.mark.distributed
@@ -141,12 +158,15 @@ def test_both_layouts_and_the_bootstrap_equal_one_process(world):
     lengths = (1, 5, 8, 130) if world == 2 else (37,)
     methods = ("reference", "chunked", "compiled") if world == 2 else ("auto",)
     results = run_distributed(_work, world, lengths, methods, timeout=240)
-    for errors, counts, _ in results:
+    fits = {("zigzag", 6, False): 1, ("zigzag", 7, False): 2, ("zigzag", 5, True): 1,
+            ("zigzag", 6, True): 2, ("contiguous", 12, False): 1, ("contiguous", 13, False): 2}
+    for errors, counts, _, collectives in results:
+        assert collectives == fits, collectives
         bad = {k: e for k, e in errors.items() if not e <= 1e-12}
         assert not bad, bad
         assert counts == {1.0}, counts  # one collective per call (3 rows fit the first one)
     # ranks called with different layouts all raise the same error naming cp_layout
-    msgs = [msg for *_, msg in results]
+    msgs = [res[2] for res in results]
     assert len(set(msgs)) == 1 and "`cp_layout`" in msgs[0], msgs
 
 

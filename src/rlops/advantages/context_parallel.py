@@ -30,8 +30,9 @@ the scan method, the discount's form, the bootstrap's form, the scalar parameter
 (``kl_coef``, a scalar discount) as numbers and the per-row parameters (``gamma``,
 ``gamma * lam``, a per-row ``discount``, a per-row ``bootstrap``) as device checksums compared
 bit for bit. The description rides in the same fixed-size first exchange as the summaries when
-they fit (64 numbers, of which the description takes 2 to 4: up to 6 GAE rows, 7 REINFORCE++
-rows, 15 scan rows per rank in zigzag, twice as many in contiguous), so such a call makes one
+they fit (64 numbers, of which the description takes 2 to 5: up to 6 GAE rows, 5 with a per-row
+bootstrap, 7 REINFORCE++ rows, 15 scan rows per rank in zigzag, about twice as many in
+contiguous), so such a call makes one
 collective; larger batches send the summaries in a second ``all_gather`` once the descriptions
 agree. Ranks that make mismatched calls all raise the same ``ValueError`` naming each differing
 argument and every rank's value, instead of hanging on buffers of different sizes or returning

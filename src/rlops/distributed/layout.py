@@ -114,10 +114,10 @@ def cp_shard(
     the sequence to whole chunks.
 
     Example:
-        >>> cp_shard(torch.arange(6), cp_size=2, cp_rank=0, layout="contiguous")
-        tensor([0, 1, 2])
-        >>> cp_shard(torch.arange(6), cp_size=2, cp_rank=0)  # zigzag
-        tensor([0, 1])
+        >>> cp_shard(torch.arange(8), cp_size=2, cp_rank=0, layout="contiguous")
+        tensor([0, 1, 2, 3])
+        >>> cp_shard(torch.arange(8), cp_size=2, cp_rank=0)  # zigzag: chunks 0 and 3
+        tensor([0, 1, 6, 7])
     """
     check_cp_layout(layout)
     check_cp_rank(cp_size, cp_rank)
