@@ -213,10 +213,19 @@ def test_hand_computed_values():
 def test_zero_discount_cuts_the_bootstrap_exactly():
     """gamma = 0: the bootstrap is selected away, even when it is inf or NaN."""
     r = torch.tensor([[1.0, 2.0]])
-    for boot in (torch.tensor([float("inf")]), torch.tensor([float("nan")])):
+    v = torch.tensor([[0.5, 0.25]])
+    tr = torch.tensor([[1, 0]])
+    for boot, trunc in (
+        (torch.tensor([float("inf")]), None),
+        (torch.tensor([float("nan")]), None),
+        (torch.tensor([[float("inf"), 0.0]]), tr),
+    ):
         for method in ALL_METHODS:
-            out = discounted_returns(r, gamma=0.0, bootstrap=boot, method=method)
+            out = discounted_returns(r, gamma=0.0, bootstrap=boot, truncated=trunc, method=method)
             assert torch.equal(out, r), (method, out)
+            adv, _ = gae(r, v, gamma=0.0, lam=0.5, bootstrap=boot, truncated=trunc,
+                         method=method)  # fmt: skip
+            assert torch.equal(adv, r - v), (method, adv)
 
 
 def test_row_bootstrap_equals_token_bootstrap_marked_at_the_end():

@@ -110,6 +110,8 @@ def enter(x: torch.Tensor, a, carry: torch.Tensor) -> torch.Tensor:
 
 def shift_in(z: torch.Tensor, tail) -> torch.Tensor:
     """``z[t+1]`` at every t, with ``tail`` (a number, ``[N]`` or None for 0) past the end."""
+    if z.shape[-1] == 0:
+        return z
     if tail is None or not isinstance(tail, torch.Tensor):
         return F.pad(z[:, 1:], (0, 1), value=0.0 if tail is None else tail)
     return torch.cat([z[:, 1:], tail.to(z.dtype).reshape(-1, 1)], -1)
@@ -176,6 +178,8 @@ def next_action_value(
 
 
 def td_residual(r, v, next_value, gamma, mask) -> torch.Tensor:
-    """``δ = r + γ·V_next − V`` on action tokens, 0 on the others (their rewards are ignored)."""
-    delta = r + gamma * next_value - v
+    """``δ = r + γ·V_next − V`` on action tokens, 0 on the others (their rewards are ignored);
+    a zero ``γ`` cuts ``V_next`` exactly (selected away, so an inf bootstrap gives no NaN)."""
+    g = torch.as_tensor(gamma, dtype=r.dtype, device=r.device)
+    delta = r + through(g, next_value) - v
     return delta if mask is None else torch.where(mask, delta, 0.0)
