@@ -104,7 +104,7 @@ def test_bootstrap_enters_the_last_of_many_blocks(form):
     from rlops.advantages.triton import gae_triton
 
     gen = seeded("blocks", form)
-    r, v, m, d, boot, tr = _inputs(3, 200, form, torch.float64, gen)
+    r, v, m, d, boot, tr = _inputs(3, 100, form, torch.float64, gen)
     ends, cut, end = bootstrap_inputs(boot, tr, r, d, torch.float64)
     g = torch.tensor([0.99, 1.0, 0.5], dtype=torch.float64)
     gl = g * 0.9
