@@ -8,6 +8,9 @@ Written from the definitions, for clarity rather than speed, and sharing no code
   from a scan with pass-through tokens: each row is split into sequences at its dones, each
   sequence is compacted to its action tokens (mask 1), the plain estimator runs on that short
   list with Python floats, and the results are scattered back (zero on every other token).
+* ``gae_bootstrap_oracle`` and ``discounted_returns_bootstrap_oracle``: the same with truncated
+  sequences (``bootstrap``, ``truncated``): each piece between ends keeps the value of the state
+  after it (0 where it terminated) as the value after its last action token.
 * ``reversed_cumsum_oracle``: the discount-1 case in closed form (a reversed cumulative sum),
   vectorised, for very long rows where a Python loop would be slow.
 
@@ -27,9 +30,12 @@ import torch
 
 __all__ = [
     "EXTENDED",
+    "bootstrap_pieces",
     "compact_sequences",
     "discounted_cumsum_oracle",
+    "discounted_returns_bootstrap_oracle",
     "discounted_returns_oracle",
+    "gae_bootstrap_oracle",
     "gae_oracle",
     "reversed_cumsum_oracle",
     "sequence_spans",
@@ -183,4 +189,100 @@ def discounted_returns_oracle(
             g = _plain_returns([r[b, t] for t in steps], gammas[b])
             for t, gt in zip(steps, g, strict=True):
                 out[b, t] = gt
+    return _result(out, extended)
+
+
+# --------------------------------------------------------------------------- bootstrap
+# Truncated sequences, written as their definition: each row is split at its ends (a done or a
+# truncation); a piece that ends in a truncation at token d continues into a state of value
+# bootstrap[b, d], the row's last piece into one of value bootstrap[b] when bootstrap is one
+# value per row; every other piece terminated (value 0 after it). Each piece is compacted to its
+# action tokens and the plain estimator runs on it with that value after its last action.
+
+
+def bootstrap_pieces(
+    mask: torch.Tensor | None,
+    dones: torch.Tensor | None,
+    truncated: torch.Tensor | None,
+    bootstrap: torch.Tensor | None,
+    shape: tuple[int, int],
+    dt: type = np.float64,
+) -> list[list[tuple[list[int], object]]]:
+    """For each row, its sequences as ``(action-token indices, value after the sequence)``."""
+    rows, length = shape
+    m = np.ones(shape, dtype=bool) if mask is None else _arr(mask, np.float64) != 0
+    d = np.zeros(shape, dtype=bool) if dones is None else _arr(dones, np.float64) != 0
+    tr = np.zeros(shape, dtype=bool) if truncated is None else _arr(truncated, np.float64) != 0
+    boot = None if bootstrap is None else _arr(bootstrap, dt)
+    out = []
+    for b in range(rows):
+        pieces, start = [], 0
+        for t in range(length):
+            if d[b, t] or tr[b, t]:
+                after = boot[b, t] if tr[b, t] else dt(0.0)
+                pieces.append(([s for s in range(start, t + 1) if m[b, s]], after))
+                start = t + 1
+        if start < length:  # the row's last piece, cut by the row's end
+            after = boot[b] if boot is not None and boot.ndim == 1 else dt(0.0)
+            pieces.append(([s for s in range(start, length) if m[b, s]], after))
+        out.append([(steps, after) for steps, after in pieces if steps])
+    return out
+
+
+def gae_bootstrap_oracle(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    gamma: float | torch.Tensor,
+    lam: float | torch.Tensor,
+    mask: torch.Tensor | None = None,
+    dones: torch.Tensor | None = None,
+    bootstrap: torch.Tensor | None = None,
+    truncated: torch.Tensor | None = None,
+    *,
+    extended: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[np.ndarray, np.ndarray]:
+    """``(advantages, returns)`` ``[B, T]`` with truncated sequences bootstrapping: on each
+    compacted sequence ``delta[i] = r[i] + gamma * V[i + 1] - V[i]`` with ``V`` after the last
+    action the value after the sequence, ``A[i] = delta[i] + gamma * lam * A[i + 1]``,
+    ``A = 0`` after the last action."""
+    dt = _dtype(extended)
+    r, v = _arr(rewards, dt), _arr(values, dt)
+    rows = r.shape[0]
+    gammas, lams = _per_row(gamma, rows, dt), _per_row(lam, rows, dt)
+    adv, ret = np.zeros_like(r), np.zeros_like(r)
+    for b, pieces in enumerate(bootstrap_pieces(mask, dones, truncated, bootstrap, r.shape, dt)):
+        for steps, after in pieces:
+            next_value, next_adv = after, dt(0.0)
+            for t in reversed(steps):
+                delta = r[b, t] + gammas[b] * next_value - v[b, t]
+                next_adv = delta + gammas[b] * lams[b] * next_adv
+                next_value = v[b, t]
+                adv[b, t] = next_adv
+                ret[b, t] = next_adv + v[b, t]
+    return _result(adv, extended), _result(ret, extended)
+
+
+def discounted_returns_bootstrap_oracle(
+    rewards: torch.Tensor,
+    gamma: float | torch.Tensor,
+    mask: torch.Tensor | None = None,
+    dones: torch.Tensor | None = None,
+    bootstrap: torch.Tensor | None = None,
+    truncated: torch.Tensor | None = None,
+    *,
+    extended: bool = False,
+) -> torch.Tensor | np.ndarray:
+    """Reward-to-go ``[B, T]`` with truncated sequences bootstrapping: on each compacted
+    sequence ``G[i] = r[i] + gamma * G[i + 1]``, ``G`` after the last action the value after
+    the sequence."""
+    dt = _dtype(extended)
+    r = _arr(rewards, dt)
+    gammas = _per_row(gamma, r.shape[0], dt)
+    out = np.zeros_like(r)
+    for b, pieces in enumerate(bootstrap_pieces(mask, dones, truncated, bootstrap, r.shape, dt)):
+        for steps, after in pieces:
+            acc = after
+            for t in reversed(steps):
+                acc = r[b, t] + gammas[b] * acc
+                out[b, t] = acc
     return _result(out, extended)

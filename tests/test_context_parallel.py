@@ -346,9 +346,9 @@ def test_mismatched_calls_raise_the_same_error_on_every_rank():
 
 def test_odd_local_length_is_rejected_without_a_collective():
     with pytest.raises(ValueError, match="two zigzag chunks"):
-        from rlops.advantages.context_parallel import cp_scan
+        from rlops.advantages.context_parallel import Layout, cp_scan
 
-        cp_scan(torch.zeros(1, 3), 0.5, None, "chunked")
+        cp_scan(torch.zeros(1, 3), 0.5, Layout(None), "chunked")
 
 
 def test_zigzag_round_trip_and_bad_arguments():

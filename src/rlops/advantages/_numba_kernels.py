@@ -15,8 +15,13 @@ they are read (:func:`rlops.scan.exact_arith.read_operands`), so the wider carry
 register conversion per token (the output's rounding) instead of two. REINFORCE++ returns have
 their own kernel (:func:`returns_kl`), which builds the token rewards from the KL as it goes.
 
-One top-level kernel per combination of inputs (values, mask, dones), so numba's on-disk cache
-keeps them apart and later processes load them instead of compiling.
+A bootstrap enters as inputs of the same pass: each row's carry starts from ``init`` (the value
+after the row's end, 0 without one) instead of 0, and with ``cut`` a done *replaces* the carry
+by the value of the state after it (0 where the sequence terminated) instead of by 0. For GAE
+that carry is the next-action value ``nxt``; for discounted returns the return carry itself.
+
+One top-level kernel per combination of inputs (values, mask, dones, cut), so numba's on-disk
+cache keeps them apart and later processes load them instead of compiling.
 """
 
 import numba
@@ -28,17 +33,21 @@ _jit = numba.njit(cache=True, nogil=True)
 
 
 @numba.njit(inline="always")
-def step(t, r, v, m, d, e, o, g, gl, nxt, acc, has_values, has_mask, has_dones):
+def step(t, r, v, m, d, c, e, o, g, gl, nxt, acc, has_values, has_mask, has_dones, has_cut):
     # One token of one row; ``acc`` is the float64 advantage (or return) carry, ``nxt`` the
     # value of the next action token and ``g`` gamma (both in the input dtype, as the TD
     # residual of every other method), ``gl`` gamma * lam in float64 (0.999 is not a float32:
     # the carry decays by the exact value). Without values the residual is the reward itself
-    # (``r + g * 0 - 0`` up to the sign of 0) and the return is the carry.
+    # (``r + g * 0 - 0`` up to the sign of 0) and the return is the carry. ``c`` the value
+    # after each end (``has_cut``).
     zero = o.dtype.type(0)
     if has_dones:
         if d[t]:  # replaced, never multiplied by 0
-            nxt = zero
-            acc = 0.0
+            if has_values:
+                nxt = c[t] if has_cut else zero
+                acc = 0.0
+            else:
+                acc = np.float64(c[t]) if has_cut else 0.0
     if (not has_mask) or m[t]:
         if has_values:
             vt = v[t]
@@ -58,82 +67,116 @@ def step(t, r, v, m, d, e, o, g, gl, nxt, acc, has_values, has_mask, has_dones):
 
 
 @numba.njit(inline="always")
-def body(r, v, mask, dones, g, gl, adv, ret, rows, hv, hm, hd):
+def body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, hv, hm, hd, hc):
     i0, i1, i2, i3 = rows
     r0, r1, r2, r3 = r[i0], r[i1], r[i2], r[i3]
     v0, v1, v2, v3 = v[i0], v[i1], v[i2], v[i3]
     m0, m1, m2, m3 = mask[i0], mask[i1], mask[i2], mask[i3]
     d0, d1, d2, d3 = dones[i0], dones[i1], dones[i2], dones[i3]
+    c0, c1, c2, c3 = cut[i0], cut[i1], cut[i2], cut[i3]
     e0, e1, e2, e3 = adv[i0], adv[i1], adv[i2], adv[i3]
     o0, o1, o2, o3 = ret[i0], ret[i1], ret[i2], ret[i3]
     g0, g1, g2, g3 = g[i0], g[i1], g[i2], g[i3]
     l0, l1, l2, l3 = gl[i0], gl[i1], gl[i2], gl[i3]
-    n0 = n1 = n2 = n3 = ret.dtype.type(0)
-    a0 = a1 = a2 = a3 = np.float64(0)
+    if hv:  # the row's end value starts the next-value carry (GAE) or the return (returns)
+        n0, n1, n2, n3 = init[i0], init[i1], init[i2], init[i3]
+        a0 = a1 = a2 = a3 = np.float64(0)
+    else:
+        n0 = n1 = n2 = n3 = ret.dtype.type(0)
+        a0, a1 = np.float64(init[i0]), np.float64(init[i1])
+        a2, a3 = np.float64(init[i2]), np.float64(init[i3])
     for t in range(r.shape[1] - 1, -1, -1):
-        n0, a0 = step(t, r0, v0, m0, d0, e0, o0, g0, l0, n0, a0, hv, hm, hd)
-        n1, a1 = step(t, r1, v1, m1, d1, e1, o1, g1, l1, n1, a1, hv, hm, hd)
-        n2, a2 = step(t, r2, v2, m2, d2, e2, o2, g2, l2, n2, a2, hv, hm, hd)
-        n3, a3 = step(t, r3, v3, m3, d3, e3, o3, g3, l3, n3, a3, hv, hm, hd)
+        n0, a0 = step(t, r0, v0, m0, d0, c0, e0, o0, g0, l0, n0, a0, hv, hm, hd, hc)
+        n1, a1 = step(t, r1, v1, m1, d1, c1, e1, o1, g1, l1, n1, a1, hv, hm, hd, hc)
+        n2, a2 = step(t, r2, v2, m2, d2, c2, e2, o2, g2, l2, n2, a2, hv, hm, hd, hc)
+        n3, a3 = step(t, r3, v3, m3, d3, c3, e3, o3, g3, l3, n3, a3, hv, hm, hd, hc)
 
 
 @_jit
-def gae_000(r, v, mask, dones, g, gl, adv, ret, rows):
+def gae_0000(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
     read_operands()
-    body(r, v, mask, dones, g, gl, adv, ret, rows, False, False, False)
+    body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, False, False, False, False)
 
 
 @_jit
-def gae_001(r, v, mask, dones, g, gl, adv, ret, rows):
+def gae_0010(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
     read_operands()
-    body(r, v, mask, dones, g, gl, adv, ret, rows, False, False, True)
+    body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, False, False, True, False)
 
 
 @_jit
-def gae_010(r, v, mask, dones, g, gl, adv, ret, rows):
+def gae_0011(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
     read_operands()
-    body(r, v, mask, dones, g, gl, adv, ret, rows, False, True, False)
+    body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, False, False, True, True)
 
 
 @_jit
-def gae_011(r, v, mask, dones, g, gl, adv, ret, rows):
+def gae_0100(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
     read_operands()
-    body(r, v, mask, dones, g, gl, adv, ret, rows, False, True, True)
+    body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, False, True, False, False)
 
 
 @_jit
-def gae_100(r, v, mask, dones, g, gl, adv, ret, rows):
+def gae_0110(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
     read_operands()
-    body(r, v, mask, dones, g, gl, adv, ret, rows, True, False, False)
+    body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, False, True, True, False)
 
 
 @_jit
-def gae_101(r, v, mask, dones, g, gl, adv, ret, rows):
+def gae_0111(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
     read_operands()
-    body(r, v, mask, dones, g, gl, adv, ret, rows, True, False, True)
+    body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, False, True, True, True)
 
 
 @_jit
-def gae_110(r, v, mask, dones, g, gl, adv, ret, rows):
+def gae_1000(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
     read_operands()
-    body(r, v, mask, dones, g, gl, adv, ret, rows, True, True, False)
+    body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, True, False, False, False)
 
 
 @_jit
-def gae_111(r, v, mask, dones, g, gl, adv, ret, rows):
+def gae_1010(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
     read_operands()
-    body(r, v, mask, dones, g, gl, adv, ret, rows, True, True, True)
+    body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, True, False, True, False)
+
+
+@_jit
+def gae_1011(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
+    read_operands()
+    body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, True, False, True, True)
+
+
+@_jit
+def gae_1100(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
+    read_operands()
+    body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, True, True, False, False)
+
+
+@_jit
+def gae_1110(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
+    read_operands()
+    body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, True, True, True, False)
+
+
+@_jit
+def gae_1111(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
+    read_operands()
+    body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, True, True, True, True)
 
 
 GAE = {
-    (False, False, False): gae_000,
-    (False, False, True): gae_001,
-    (False, True, False): gae_010,
-    (False, True, True): gae_011,
-    (True, False, False): gae_100,
-    (True, False, True): gae_101,
-    (True, True, False): gae_110,
-    (True, True, True): gae_111,
+    (False, False, False, False): gae_0000,
+    (False, False, True, False): gae_0010,
+    (False, False, True, True): gae_0011,
+    (False, True, False, False): gae_0100,
+    (False, True, True, False): gae_0110,
+    (False, True, True, True): gae_0111,
+    (True, False, False, False): gae_1000,
+    (True, False, True, False): gae_1010,
+    (True, False, True, True): gae_1011,
+    (True, True, False, False): gae_1100,
+    (True, True, True, False): gae_1110,
+    (True, True, True, True): gae_1111,
 }
 
 

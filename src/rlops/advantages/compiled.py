@@ -22,12 +22,16 @@ def gae_compiled(
     dones: torch.Tensor | None,
     gamma: torch.Tensor,
     gamma_lam: torch.Tensor,
+    cut: torch.Tensor | None = None,
+    end: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused GAE in one pass; with ``values=None``, discounted returns (pass ``gamma_lam=gamma``).
 
     ``rewards``/``values`` ``[N, T]`` in the compute dtype (float32/64, CPU); ``mask``/``dones``
     ``[N, T]`` bool or None; ``gamma``/``gamma_lam`` ``[N]`` (give them in float64: the carry
     decays by ``gamma_lam`` in float64; ``gamma`` enters the TD residual in the input dtype).
+    The bootstrap: ``cut`` ``[N, T]`` the value after each done (0 where terminated) or None,
+    ``end`` ``[N]`` the value after the row's end or None.
     Returns ``(advantages, returns)``; without values both are the same tensor.
     """
     from rlops.advantages._numba_kernels import GAE
@@ -38,14 +42,18 @@ def gae_compiled(
     adv = ret if values is None else torch.empty_like(rewards)
     if n == 0 or t_len == 0:
         return adv, ret
+    has_cut = dones is not None and cut is not None
+    init = rewards.new_zeros(n) if end is None else end.to(rewards.dtype).contiguous()
     run_rows(
-        GAE[(values is not None, mask is not None, dones is not None)],
+        GAE[(values is not None, mask is not None, dones is not None, has_cut)],
         n,
         rewards.numel(),
         rewards.numpy(),
         as_array(values, n, rewards.dtype),
         as_array(mask, n, torch.bool),
         as_array(dones, n, torch.bool),
+        as_array(cut if has_cut else None, n, rewards.dtype),
+        init.numpy(),
         gamma.expand(n).to(rewards.dtype).contiguous().numpy(),
         gamma_lam.expand(n).to(torch.float64).contiguous().numpy(),
         adv.numpy(),

@@ -18,6 +18,7 @@ from rlops._checks import (
     check_unit_interval,
     compute_dtype,
 )
+from rlops.distributed.layout import check_cp_layout
 from rlops.scan import SCAN, scan
 from rlops.scan.dispatch import case_of
 
@@ -32,6 +33,7 @@ def discounted_cumsum(
     method: str = "auto",
     chunk_size: int | None = None,
     cp_group: object | None = None,
+    cp_layout: str = "zigzag",
 ) -> torch.Tensor:
     """Discounted reverse cumulative sum along ``dim``: ``y[t] = x[t] + discount[t] * y[t+1]``.
 
@@ -53,9 +55,12 @@ def discounted_cumsum(
         chunk_size: time steps per chunk for ``"chunked"`` (default 64 for a per-row discount,
             16 for a per-token one; values below 2 act as 2).
         cp_group: a context-parallel process group. ``x`` (and a per-token ``discount``) are
-            then this rank's zigzag shards along ``dim`` (two equal chunks, see
-            :func:`rlops.distributed.zigzag_shard`) and the result is this rank's shard of the
-            full scan; ranks exchange one carry per chunk (one ``all_gather``).
+            then this rank's shards along ``dim`` (:func:`rlops.distributed.cp_shard`) and the
+            result is this rank's shard of the full scan; ranks exchange one carry per chunk
+            (one ``all_gather``).
+        cp_layout: the shards' layout: ``"zigzag"`` (Megatron's load-balanced layout, two
+            equal chunks per rank: r and 2·cp−1−r of 2·cp) or ``"contiguous"`` (slime's
+            ``--allgather-cp``: rank r holds the r-th 1/cp of the sequence).
 
     Returns:
         ``y``, same shape, dtype and device as ``x``. Differentiable through ``"chunked"``,
@@ -73,6 +78,7 @@ def discounted_cumsum(
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension (time), got a 0-d tensor")
     dim = check_dim(dim, x.dim())
+    check_cp_layout(cp_layout)
     if isinstance(discount, torch.Tensor):
         check_same_device("x", x, discount=discount)
         if discount.is_complex():
@@ -95,9 +101,9 @@ def discounted_cumsum(
     x2 = xt.reshape(math.prod(lead), xt.shape[-1]).to(dtype)
     decay = _canonical_decay(discount, x, dim, dtype)
     if cp_group is not None:
-        from rlops.advantages.context_parallel import cp_scan
+        from rlops.advantages.context_parallel import Layout, cp_scan
 
-        y = cp_scan(x2, decay, cp_group, method, chunk_size)
+        y = cp_scan(x2, decay, Layout(cp_group, cp_layout), method, chunk_size)
     else:
         y = scan(x2, decay, method, chunk_size)
     return y.reshape(xt.shape).movedim(-1, dim).to(x.dtype)

@@ -10,6 +10,14 @@ Both take ``[B, T]`` tensors and share the semantics of ``mask`` and ``dones``
 * ``dones`` (``dones[t] = True``: token t ends its sequence): nothing flows from t+1 into t
   or earlier, for packed rows holding several sequences; not even NaN or inf. A done on a
   mask-0 token cuts too.
+* ``bootstrap`` and ``truncated`` (torchrl's ``done`` vs ``terminated``): a sequence that was
+  *cut* (by a length or turn limit) rather than *ended* bootstraps from the value of the state
+  after its cut. ``bootstrap`` ``[B]``: every row's end is such a cut, with value
+  ``bootstrap[b]``. ``bootstrap`` ``[B, T]`` with ``truncated`` ``[B, T]``: each token with
+  ``truncated[t]`` ends its sequence (as a done) and bootstraps from ``bootstrap[b, t]``, the
+  value of the state after token t; the other entries are never read (NaN there is harmless).
+  The bootstrap is the value that follows the sequence's last action token: mask-0 tokens
+  between that token and the cut pass it through, one ``gamma`` in all.
 
 Which implementation runs is decided by one table, :data:`RETURNS` (:mod:`rlops.scan.dispatch`):
 ``"reference"`` (:mod:`rlops.advantages.reference`, the loop), ``"compiled"``
@@ -40,12 +48,15 @@ from rlops._checks import (
 from rlops.advantages import compiled
 from rlops.advantages.masking import (
     as_rows,
+    bootstrap_inputs,
     indicators,
     next_action_value,
+    returns_input,
     td_residual,
     token_decay,
 )
 from rlops.advantages.reference import gae_reference
+from rlops.distributed.layout import check_cp_layout
 from rlops.scan import scan
 from rlops.scan.dispatch import (
     CHUNKED,
@@ -63,8 +74,11 @@ __all__ = ["RETURNS", "discounted_returns", "gae"]
 @dataclasses.dataclass(frozen=True)
 class Returns:
     """One checked call of the family: ``r``/``v`` ``[B, T]`` in the compute dtype (``v`` None
-    for discounted returns), ``mask``/``dones`` bool or None, ``gamma`` and ``gamma_lam`` floats
-    or ``[B, 1]`` tensors as given (``gamma_lam = gamma`` for returns)."""
+    for discounted returns), ``mask``/``dones`` bool or None (``dones``: every sequence end,
+    truncations included), ``gamma`` and ``gamma_lam`` floats or ``[B, 1]`` tensors as given
+    (``gamma_lam = gamma`` for returns); ``cut`` ``[B, T]`` the value of the state after each
+    end (0 where the sequence terminated) or None, ``end`` ``[B]`` the value after the row's
+    last token or None (:func:`rlops.advantages.masking.bootstrap_inputs`)."""
 
     r: torch.Tensor
     v: torch.Tensor | None
@@ -74,6 +88,9 @@ class Returns:
     gamma_lam: float | torch.Tensor
     chunk_size: int | None = None
     cp_group: object | None = None
+    cut: torch.Tensor | None = None
+    end: torch.Tensor | None = None
+    cp_layout: str = "zigzag"
 
     def rows(self, value, dtype) -> torch.Tensor:
         """A discount as a ``[B]`` tensor of ``dtype``."""
@@ -86,13 +103,13 @@ class Returns:
 
 def _reference(method: str, c: Returns):
     g, gl = c.rows(c.gamma, c.r.dtype), c.rows(c.gamma_lam, c.r.dtype)
-    return gae_reference(c.r, c.v, c.mask, c.dones, g, gl)
+    return gae_reference(c.r, c.v, c.mask, c.dones, g, gl, c.cut, c.end)
 
 
 def _compiled(method: str, c: Returns):
     # the carry decays by gamma * lam in float64 (see gae_compiled)
     g, gl = c.rows(c.gamma, torch.float64), c.rows(c.gamma_lam, torch.float64)
-    return compiled.gae_compiled(c.r, c.v, c.mask, c.dones, g, gl)
+    return compiled.gae_compiled(c.r, c.v, c.mask, c.dones, g, gl, c.cut, c.end)
 
 
 def _triton(method: str, c: Returns):
@@ -100,17 +117,17 @@ def _triton(method: str, c: Returns):
 
     # the discounts are rounded once to the kernels' carry dtype (float32, float64 for float64)
     g, gl = c.rows(c.gamma, torch.float64), c.rows(c.gamma_lam, torch.float64)
-    return gae_triton(c.r, c.v, c.mask, c.dones, g, gl)
+    return gae_triton(c.r, c.v, c.mask, c.dones, g, gl, c.cut, c.end)
 
 
 def _chunked(method: str, c: Returns):
     r, mask, gamma = c.r, c.mask, c.cast(c.gamma)
     if c.v is None:
-        x = r if mask is None else torch.where(mask, r, 0.0)
+        x = returns_input(r, mask, c.dones, gamma, c.cut, c.end)
         out = scan(x, token_decay(gamma, mask, c.dones, r), method, c.chunk_size)
         out = out if mask is None else torch.where(mask, out, 0.0)
         return out, out
-    nxt = next_action_value(c.v, mask, c.dones, method, c.chunk_size)
+    nxt = next_action_value(c.v, mask, c.dones, method, c.chunk_size, c.cut, c.end)
     delta = td_residual(r, c.v, nxt, gamma, mask)
     adv = scan(delta, token_decay(c.cast(c.gamma_lam), mask, c.dones, r), method, c.chunk_size)
     ret = c.v + adv
@@ -121,17 +138,23 @@ def _chunked(method: str, c: Returns):
 
 
 def _context_parallel(method: str, c: Returns):
-    from rlops.advantages.context_parallel import cp_gae, cp_scan
+    from rlops.advantages.context_parallel import Layout, bootstrap_fields, cp_gae, cp_scan
 
+    layout = Layout(c.cp_group, c.cp_layout)
     if c.v is None:
         gamma = c.cast(c.gamma)
-        x = c.r if c.mask is None else torch.where(c.mask, c.r, 0.0)
+        # the row's end value enters on the rank holding the row's last token
+        end = c.end if layout.holds_end else None
+        x = returns_input(c.r, c.mask, c.dones, gamma, c.cut, end)
         decay = token_decay(gamma, c.mask, c.dones, c.r)
-        out = cp_scan(x, decay, c.cp_group, method, c.chunk_size, params=(gamma, None))
+        params = (gamma, bootstrap_fields(c.end, c.cut, c.r.device))
+        out = cp_scan(x, decay, layout, method, c.chunk_size, params=params)
         out = out if c.mask is None else torch.where(c.mask, out, 0.0)
         return out, out
     g, gl = c.rows(c.gamma, c.r.dtype), c.rows(c.gamma_lam, c.r.dtype)
-    return cp_gae(c.r, c.v, c.mask, c.dones, g, gl, c.cp_group, method, c.chunk_size)
+    return cp_gae(
+        c.r, c.v, c.mask, c.dones, g, gl, layout, method, c.chunk_size, c.cut, c.end
+    )
 
 
 def _in_context_parallel(case) -> bool:
@@ -169,9 +192,12 @@ def gae(
     lam: float | torch.Tensor,
     mask: torch.Tensor | None = None,
     dones: torch.Tensor | None = None,
+    bootstrap: torch.Tensor | None = None,
+    truncated: torch.Tensor | None = None,
     method: str = "auto",
     chunk_size: int | None = None,
     cp_group: object | None = None,
+    cp_layout: str = "zigzag",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation (Schulman et al., 2016, https://arxiv.org/abs/1506.02438).
 
@@ -180,7 +206,46 @@ def gae(
         returns  = V + A
 
     where ``next(t)`` is the next action token of the same sequence; past the last one
-    ``V = 0`` and ``A = 0`` (no bootstrap). Without ``mask`` and ``dones``, ``next(t) = t+1``.
+    ``V = 0`` and ``A = 0`` (the sequence terminated), or ``V`` is the bootstrap value when it
+    was truncated (below). Without ``mask`` and ``dones``, ``next(t) = t+1``. Walking back in
+    time, the recurrence every method computes is, per row, with the state ``(W, A)`` (the
+    value and advantage of the next action token):
+
+        start (after the row's last token):  W = bootstrap[b] ([B] form) or 0,  A = 0
+        at a sequence end t (done or truncated), before token t:
+                                             W = bootstrap[b, t] if truncated[t] else 0,  A = 0
+        at an action token t:                A[t] = r[t] + gamma * W - V[t] + gamma * lam * A
+                                             W = V[t],  A = A[t]
+        at a mask-0 token:                   output 0; W and A pass through unchanged
+
+    Bootstrap (truncated rows, torchrl's ``done`` vs ``terminated``): a sequence that was
+    *terminated* has nothing after its last action token (``V = 0``, ``A = 0``, as above); a
+    sequence that was *truncated* (cut by a length or turn limit) continues into a state whose
+    value is known, ``V(s')``, and its last action token ``t*`` reads it:
+
+        delta[t*] = r[t*] + gamma * V(s') - V[t*]        A[t*] = delta[t*]
+
+    * ``bootstrap`` ``[B]``: every row is cut at its end; ``V(s') = bootstrap[b]``, the value
+      of the state after the row's last token, read by the row's last sequence (after its last
+      done, if any). Trailing mask-0 tokens (padding, a tool output) pass it through: it is
+      the value after the row's last action token, one ``gamma`` away.
+    * ``bootstrap`` ``[B, T]`` with ``truncated`` ``[B, T]`` (bool or 0/1): ``truncated[t]``
+      ends a sequence at token t (as a done does; it need not be in ``dones`` too) and that
+      sequence reads ``V(s') = bootstrap[b, t]``, the value of the state after token t. Entries
+      of ``bootstrap`` where ``truncated`` is False are never read. A row's end is then a
+      termination unless ``truncated`` marks a token at or after its last action token. A
+      truncation on a mask-0 token (a cut after a tool output) bootstraps the last action token
+      before it, one ``gamma`` away. A done that is not in ``truncated`` terminates.
+
+    The mapping from torchrl (``done``, ``terminated``, ``next_state_value``, no mask): pass
+    ``dones=done``, ``truncated=(done & ~terminated)`` with its last column set where the
+    trajectory does not end in a done (torchrl bootstraps there), and
+    ``bootstrap=next_state_value``; every other step's next value is ``values[t + 1]``
+    here, as it is in torchrl when ``next_state_value[t] == state_value[t + 1]``.
+
+    Under context parallelism a ``[B]`` bootstrap is the same on every rank and enters at
+    the rank holding the row's last chunk; ``bootstrap`` ``[B, T]`` and ``truncated`` are
+    shards like ``rewards``.
 
     Args:
         rewards: ``[B, T]`` per-token rewards (floating). Rewards on mask-0 tokens are ignored.
@@ -189,12 +254,21 @@ def gae(
         mask: optional ``[B, T]`` bool or 0/1, 1 = action token; mask-0 tokens are skipped,
             not reset (see the module docstring).
         dones: optional ``[B, T]`` bool or 0/1; ``dones[t]`` ends a sequence at token t.
+        bootstrap: optional floating ``[B]`` (the value after each row's end) or ``[B, T]``
+            (the value after each token, read where ``truncated``), cast to the compute dtype.
+            Differentiable like ``values``.
+        truncated: optional ``[B, T]`` bool or 0/1, with a ``[B, T]`` bootstrap only: where a
+            sequence is cut (and bootstraps) rather than terminated.
         method: ``"auto"``, ``"reference"``, ``"chunked"``, ``"compiled"`` or ``"triton"``
             (the last two without a gradient).
         chunk_size: chunk length for ``"chunked"``.
-        cp_group: a context-parallel process group: all inputs are then this rank's zigzag
-            shards ``[B, T_local]`` (:func:`rlops.distributed.zigzag_shard`) and so are the
-            outputs; one ``all_gather`` of five numbers per chunk and row, independent of T.
+        cp_group: a context-parallel process group: all inputs are then this rank's shards
+            ``[B, T_local]`` (:func:`rlops.distributed.cp_shard`) and so are the outputs; one
+            ``all_gather`` of five numbers per chunk and row, independent of T.
+        cp_layout: the shards' layout under ``cp_group``: ``"zigzag"`` (Megatron's
+            load-balanced layout: rank r holds chunks r and 2·cp−1−r of 2·cp) or
+            ``"contiguous"`` (slime's ``--allgather-cp``: rank r holds the r-th 1/cp of the
+            row). Only carries cross ranks in either.
 
     Returns:
         ``(advantages, returns)``, both ``[B, T]`` in the promoted dtype of ``rewards`` and
@@ -210,6 +284,8 @@ def gae(
         >>> m = torch.tensor([[1, 0, 1]])  # token 1 is a tool output: skipped, not a reset
         >>> rlops.gae(r, v, gamma=0.5, lam=1.0, mask=m)[0]
         tensor([[0.0000, 0.0000, 0.5000]])
+        >>> rlops.gae(r, v, gamma=1.0, lam=1.0, bootstrap=torch.tensor([2.0]))[0]  # cut
+        tensor([[2.5000, 2.5000, 2.5000]])
     """
     rewards = check_2d("rewards", rewards)
     values = as_float_tensor("values", values)
@@ -217,19 +293,22 @@ def gae(
         raise shape_error("values", f"[B, T] like rewards {list(rewards.shape)}", values.shape)
     check_same_device("rewards", rewards, values=values)
     check_chunk_size(chunk_size)
+    check_cp_layout(cp_layout)
     b = rewards.shape[0]
     gamma_ = per_row_discount("gamma", gamma, b, rewards)
     lam_ = per_row_discount("lam", lam, b, rewards)
     mask, dones = indicators(rewards.shape, rewards, mask, dones)
     out_dtype = torch.promote_types(rewards.dtype, values.dtype)
     dtype = compute_dtype(out_dtype)
+    ends, cut, end = bootstrap_inputs(bootstrap, truncated, rewards, dones, dtype)
     gl = gamma_ * lam_
     case = case_of(
-        rewards, values, gamma_, lam_, cp=cp_group is not None, discounts=(gamma_, gl)
+        rewards, values, gamma_, lam_, bootstrap, cp=cp_group is not None, discounts=(gamma_, gl)
     )
     call = Returns(
-        rewards.to(dtype), values.to(dtype), mask, dones, gamma_, gl, chunk_size, cp_group
-    )
+        rewards.to(dtype), values.to(dtype), mask, ends, gamma_, gl, chunk_size, cp_group,
+        cut, end, cp_layout,
+    )  # fmt: skip
     adv, ret = RETURNS(method, case, call)
     return adv.to(out_dtype), ret.to(out_dtype)
 
@@ -240,27 +319,45 @@ def discounted_returns(
     gamma: float | torch.Tensor,
     mask: torch.Tensor | None = None,
     dones: torch.Tensor | None = None,
+    bootstrap: torch.Tensor | None = None,
+    truncated: torch.Tensor | None = None,
     method: str = "auto",
     chunk_size: int | None = None,
     cp_group: object | None = None,
+    cp_layout: str = "zigzag",
 ) -> torch.Tensor:
     """Discounted returns (reward-to-go) over action tokens.
 
         G[t] = r[t] + gamma * G[next(t)]
 
-    with ``next(t)`` the next action token of the same sequence (``G = 0`` past the last).
-    ``mask`` and ``dones`` as in :func:`gae`: mask-0 tokens are skipped (their rewards ignored,
-    output 0), a done ends a sequence.
+    with ``next(t)`` the next action token of the same sequence; past the last one ``G = 0``
+    (the sequence terminated) or ``G = V(s')``, the bootstrap value, when it was truncated.
+    ``mask``, ``dones``, ``bootstrap`` and ``truncated`` as in :func:`gae`: mask-0 tokens are
+    skipped (their rewards ignored, output 0), a done ends a sequence. Walking back in time,
+    per row:
+
+        start (after the row's last token):  G = bootstrap[b] ([B] form) or 0
+        at a sequence end t (done or truncated), before token t:
+                                             G = bootstrap[b, t] if truncated[t] else 0
+        at an action token t:                G[t] = r[t] + gamma * G;  G = G[t]
+        at a mask-0 token:                   output 0; G passes through unchanged
+
+    See :func:`gae` for ``bootstrap`` (``[B]``: the rows are cut at their end; ``[B, T]`` with
+    ``truncated``: the sequences are cut where ``truncated`` says).
 
     Args:
         rewards: ``[B, T]`` floating.
         gamma: a float in [0, 1] or a per-row tensor ``[B]``.
         mask, dones: optional ``[B, T]`` bool or 0/1.
+        bootstrap: optional floating ``[B]`` or ``[B, T]`` (with ``truncated``), as in
+            :func:`gae`.
+        truncated: optional ``[B, T]`` bool or 0/1, as in :func:`gae`.
         method: ``"auto"``, ``"reference"``, ``"chunked"``, ``"compiled"`` or ``"triton"``
             (the last two without a gradient).
         chunk_size: chunk length for ``"chunked"``.
-        cp_group: a context-parallel process group; inputs and output are this rank's zigzag
-            shards, as in :func:`gae`.
+        cp_group: a context-parallel process group; inputs and output are this rank's shards,
+            as in :func:`gae`.
+        cp_layout: ``"zigzag"`` or ``"contiguous"``, as in :func:`gae`.
 
     Returns:
         ``[B, T]`` returns in the dtype of ``rewards``.
@@ -270,12 +367,22 @@ def discounted_returns(
         >>> r = torch.tensor([[1.0, 5.0, 1.0]])
         >>> rlops.discounted_returns(r, gamma=0.5, mask=torch.tensor([[1, 0, 1]]))
         tensor([[1.5000, 0.0000, 1.0000]])
+        >>> r = torch.tensor([[0.0, 1.0, 0.0, 1.0]])  # two sequences; the first was cut at t=1
+        >>> cut = torch.tensor([[0, 1, 0, 0]], dtype=torch.bool)
+        >>> boot = torch.tensor([[0.0, 3.0, 0.0, 0.0]])  # the value after token 1
+        >>> rlops.discounted_returns(r, gamma=0.5, bootstrap=boot, truncated=cut)
+        tensor([[1.2500, 2.5000, 0.5000, 1.0000]])
     """
     rewards = check_2d("rewards", rewards)
     check_chunk_size(chunk_size)
+    check_cp_layout(cp_layout)
     gamma_ = per_row_discount("gamma", gamma, rewards.shape[0], rewards)
     mask, dones = indicators(rewards.shape, rewards, mask, dones)
-    case = case_of(rewards, gamma_, cp=cp_group is not None, discounts=(gamma_,))
-    r = rewards.to(compute_dtype(rewards.dtype))
-    call = Returns(r, None, mask, dones, gamma_, gamma_, chunk_size, cp_group)
+    dtype = compute_dtype(rewards.dtype)
+    ends, cut, end = bootstrap_inputs(bootstrap, truncated, rewards, dones, dtype)
+    case = case_of(rewards, gamma_, bootstrap, cp=cp_group is not None, discounts=(gamma_,))
+    r = rewards.to(dtype)
+    call = Returns(
+        r, None, mask, ends, gamma_, gamma_, chunk_size, cp_group, cut, end, cp_layout
+    )
     return RETURNS(method, case, call)[1].to(rewards.dtype)

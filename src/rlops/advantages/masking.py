@@ -12,6 +12,13 @@ them to the compacted-sequence oracle.
 * The value that bootstraps an action token's TD residual is the value of the *next action
   token of the same sequence*: a pass-through scan of ``V`` (exact: every step adds one value
   to 0, or multiplies by exactly 1 or 0).
+* Bootstrap (truncation): an end may carry a *cut value*, the value of the state after it
+  (0 where the sequence terminated), and the row's end may carry one too (``end``, ``[N]``).
+  Both enter the scans as inputs, never as a new kind of step: at an end the next-value carry
+  is *replaced* by the cut value (selected, as the cut itself), and the row's end value enters
+  the last token as a carry from the right (``x[T-1] + a[T-1]·end``, with the exact cut of
+  :func:`rlops.scan.decay.through`). So every method that runs these scans, and the context
+  parallel form (whose rank holding the row's end enters it), gets the bootstrap from here.
 """
 
 from __future__ import annotations
@@ -19,14 +26,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlops._checks import check_indicator, check_same_device
+from rlops._checks import check_indicator, check_same_device, shape_error
 from rlops.scan import scan
+from rlops.scan.decay import through
 
 __all__ = [
     "as_rows",
+    "bootstrap_inputs",
+    "enter",
     "indicators",
     "next_action_value",
     "pass_through_decay",
+    "returns_input",
+    "shift_in",
     "td_residual",
     "token_decay",
 ]
@@ -40,6 +52,84 @@ def indicators(shape, ref: torch.Tensor, mask, dones):
     mask = None if mask is None else mask.bool()
     dones = None if dones is None else dones.bool()
     return mask, dones
+
+
+def bootstrap_inputs(bootstrap, truncated, ref: torch.Tensor, dones, dtype):
+    """Check ``bootstrap`` and ``truncated`` of ``rewards`` ``ref`` ``[B, T]`` (``dones`` bool
+    or None); return ``(ends, cut, end)``: every sequence end (``dones | truncated``, bool, or
+    None), the cut value at each end (``bootstrap`` where truncated, 0 elsewhere, ``[B, T]`` in
+    ``dtype``, or None) and the value entering at the row's end (``[B]`` in ``dtype``, or
+    None)."""
+    b, t = ref.shape
+    if bootstrap is None:
+        if truncated is not None:
+            raise ValueError(
+                "truncated needs bootstrap= (a [B, T] tensor: the value of the state after "
+                "each truncated token)"
+            )
+        return dones, None, None
+    if not isinstance(bootstrap, torch.Tensor):
+        raise TypeError(f"bootstrap must be a torch.Tensor or None, got {type(bootstrap).__name__}")
+    if not bootstrap.is_floating_point():
+        raise TypeError(f"bootstrap must be a floating-point tensor, got {bootstrap.dtype}")
+    check_same_device("rewards", ref, bootstrap=bootstrap)
+    if tuple(bootstrap.shape) == (b,):
+        if truncated is not None:
+            raise ValueError(
+                f"truncated needs a per-token bootstrap [B, T] = {[b, t]} (the value of the "
+                f"state after each truncated token), got bootstrap of shape {[b]}"
+            )
+        return dones, None, bootstrap.to(dtype)
+    if tuple(bootstrap.shape) == (b, t):
+        if truncated is None:
+            raise ValueError(
+                "a per-token bootstrap [B, T] needs truncated= (a [B, T] bool: where a sequence "
+                "is cut and bootstraps); for the row's end alone pass a [B] bootstrap"
+            )
+        check_indicator("truncated", truncated, (b, t))
+        check_same_device("rewards", ref, truncated=truncated)
+        tr = truncated.bool()
+        ends = tr if dones is None else dones | tr
+        return ends, torch.where(tr, bootstrap.to(dtype), 0.0), None
+    raise shape_error(
+        "bootstrap", f"[B] = {[b]} (the row's end) or [B, T] = {[b, t]} (with truncated=)",
+        bootstrap.shape,
+    )
+
+
+def enter(x: torch.Tensor, a, carry: torch.Tensor) -> torch.Tensor:
+    """``x`` of a scan with ``carry`` ``[N]`` entering from the right of the last token:
+    ``x[T-1] + a[T-1]·carry`` (an exact cut where ``a[T-1] == 0``)."""
+    if x.shape[-1] == 0:
+        return x
+    a_last = torch.as_tensor(a, dtype=x.dtype, device=x.device)
+    a_last = a_last.expand_as(x)[:, -1] if a_last.dim() else a_last.expand(x.shape[0])
+    last = x[:, -1] + through(a_last, carry.to(x.dtype))
+    return torch.cat([x[:, :-1], last.unsqueeze(-1)], -1)
+
+
+def shift_in(z: torch.Tensor, tail) -> torch.Tensor:
+    """``z[t+1]`` at every t, with ``tail`` (a number, ``[N]`` or None for 0) past the end."""
+    if z.shape[-1] == 0:
+        return z
+    if tail is None or not isinstance(tail, torch.Tensor):
+        return F.pad(z[:, 1:], (0, 1), value=0.0 if tail is None else tail)
+    return torch.cat([z[:, 1:], tail.to(z.dtype).reshape(-1, 1)], -1)
+
+
+def returns_input(r, mask, ends, gamma, cut=None, end=None):
+    """The input ``x`` of the discounted-returns scan: ``r`` on action tokens, 0 elsewhere, plus
+    the bootstrap: ``γ·cut`` on an action token that ends a sequence, ``cut`` itself on a
+    mask-0 end (it passes through mask-0 tokens, one ``γ`` at the last action token before
+    it), and the row's ``end`` entering at the last token."""
+    x = r if mask is None else torch.where(mask, r, 0.0)
+    if cut is not None:
+        g = torch.as_tensor(gamma, dtype=r.dtype, device=r.device).expand_as(r)
+        boot = through(g, cut) if mask is None else torch.where(mask, through(g, cut), cut)
+        x = torch.where(ends, x + boot, x)
+    if end is not None:
+        x = enter(x, token_decay(gamma, mask, ends, r), end)
+    return x
 
 
 def as_rows(value: float | torch.Tensor, b: int, dtype, device) -> torch.Tensor:
@@ -69,23 +159,27 @@ def pass_through_decay(mask: torch.Tensor, dones: torch.Tensor | None, dtype) ->
     return a.to(dtype)
 
 
-def next_action_value(values, mask, dones, method: str, chunk_size=None) -> torch.Tensor:
-    """``V`` at the next action token of the same sequence, 0 past the last one."""
+def next_action_value(
+    values, mask, dones, method: str, chunk_size=None, cut=None, end=None
+) -> torch.Tensor:
+    """``V`` at the next action token of the same sequence; past the last one the sequence's
+    cut value (``cut`` at its end, ``end`` at the row's end; 0 where None)."""
     if mask is None:
-        nxt = F.pad(values[:, 1:], (0, 1))
+        nxt = shift_in(values, end)
     else:
-        # z[t] = V at the first action token at or after t
-        z = scan(
-            torch.where(mask, values, 0.0),
-            pass_through_decay(mask, dones, values.dtype),
-            method,
-            chunk_size,
-        )
-        nxt = F.pad(z[:, 1:], (0, 1))
-    return nxt if dones is None else torch.where(dones, 0.0, nxt)
+        # z[t] = V at the first action token at or after t (the cut value at a mask-0 end)
+        a = pass_through_decay(mask, dones, values.dtype)
+        x = torch.where(mask, values, 0.0 if cut is None else cut)
+        z = scan(x if end is None else enter(x, a, end), a, method, chunk_size)
+        nxt = shift_in(z, end)
+    if dones is None:
+        return nxt
+    return torch.where(dones, 0.0 if cut is None else cut, nxt)
 
 
 def td_residual(r, v, next_value, gamma, mask) -> torch.Tensor:
-    """``δ = r + γ·V_next − V`` on action tokens, 0 on the others (their rewards are ignored)."""
-    delta = r + gamma * next_value - v
+    """``δ = r + γ·V_next − V`` on action tokens, 0 on the others (their rewards are ignored);
+    a zero ``γ`` cuts ``V_next`` exactly (selected away, so an inf bootstrap gives no NaN)."""
+    g = torch.as_tensor(gamma, dtype=r.dtype, device=r.device)
+    delta = r + through(g, next_value) - v
     return delta if mask is None else torch.where(mask, delta, 0.0)

@@ -19,12 +19,17 @@ def gae_reference(
     dones: torch.Tensor | None,
     gamma: torch.Tensor,
     gamma_lam: torch.Tensor,
+    cut: torch.Tensor | None = None,
+    end: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE over action tokens, ``[N, T]`` inputs in the compute dtype, ``gamma`` ``[N]``.
+    """GAE over action tokens, ``[N, T]`` inputs in the compute dtype, ``gamma`` ``[N]``;
+    ``dones`` marks every sequence end, ``cut`` ``[N, T]`` the value of the state after each
+    end (0 where the sequence terminated), ``end`` ``[N]`` the value after the row's end.
 
-    Walking back in time with the (value, advantage) of the next action token as state:
+    Walking back in time with the (value, advantage) of the next action token as state,
+    starting from ``(end, 0)`` (``(0, 0)`` without ``end``):
 
-        at a done:           state = (0, 0)               (nothing flows from t+1)
+        at a done:           state = (cut[t], 0)          (nothing flows from t+1)
         at an action token:  delta = r[t] + gamma * next_value - V[t]
                              A[t]  = delta + gamma * lam * next_advantage
                              state = (V[t], A[t])
@@ -35,11 +40,13 @@ def gae_reference(
     """
     n, t_len = rewards.shape
     zero = rewards.new_zeros(n)
-    next_value, next_adv = zero, zero
+    next_value = zero if end is None else end.to(rewards.dtype)
+    next_adv = zero
     adv = torch.zeros_like(rewards)
     for t in reversed(range(t_len)):
         if dones is not None:
-            next_value = torch.where(dones[:, t], zero, next_value)
+            after = zero if cut is None else cut[:, t]
+            next_value = torch.where(dones[:, t], after, next_value)
             next_adv = torch.where(dones[:, t], zero, next_adv)
         v_t = values[:, t] if values is not None else zero
         # a zero discount is an exact cut: what follows is selected away, not multiplied by 0

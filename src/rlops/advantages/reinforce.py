@@ -29,6 +29,7 @@ from rlops._checks import (
 from rlops.advantages import compiled
 from rlops.advantages.gae import discounted_returns
 from rlops.advantages.masking import as_rows
+from rlops.distributed.layout import check_cp_layout
 from rlops.scan.dispatch import (
     CHUNKED,
     COMPILED,
@@ -54,6 +55,7 @@ class Call:
     kl_coef: float
     gamma: float | torch.Tensor
     cp_group: object | None = None
+    cp_layout: str = "zigzag"
 
     def token_rewards(self) -> torch.Tensor:
         return torch.where(self.mask, -self.kl_coef * self.kl, 0.0)
@@ -85,12 +87,13 @@ def _two_step(method: str, c: Call) -> torch.Tensor:
 
 
 def _context_parallel(method: str, c: Call) -> torch.Tensor:
-    from rlops.advantages.context_parallel import cp_reinforce_returns
+    from rlops.advantages.context_parallel import Layout, cp_reinforce_returns
 
+    layout = Layout(c.cp_group, c.cp_layout)
     cdt = compute_dtype(c.kl.dtype)
     rows = as_rows(c.gamma, c.kl.shape[0], cdt, c.kl.device)
     out = cp_reinforce_returns(
-        c.token_rewards().to(cdt), c.outcome.to(cdt), c.mask, rows, c.cp_group, method, c.kl_coef
+        c.token_rewards().to(cdt), c.outcome.to(cdt), c.mask, rows, layout, method, c.kl_coef
     )
     return out.to(c.kl.dtype)
 
@@ -135,6 +138,7 @@ def reinforce_plus_plus_returns(
     gamma: float | torch.Tensor,
     method: str = "auto",
     cp_group: object | None = None,
+    cp_layout: str = "zigzag",
 ) -> torch.Tensor:
     """REINFORCE++ token returns (Hu, 2025, https://arxiv.org/abs/2501.03262).
 
@@ -151,8 +155,9 @@ def reinforce_plus_plus_returns(
         gamma: a float in [0, 1] or a per-row tensor ``[B]``.
         method: as in :func:`discounted_returns`.
         cp_group: a context-parallel process group; ``kl``, ``mask`` and the output are this
-            rank's zigzag shards, ``rewards`` is ``[B]`` on every rank. The outcome lands on
-            the globally last action token, found from the exchanged carries (one collective).
+            rank's shards, ``rewards`` is ``[B]`` on every rank. The outcome lands on the
+            globally last action token, found from the exchanged carries (one collective).
+        cp_layout: the shards' layout, ``"zigzag"`` or ``"contiguous"``, as in :func:`rlops.gae`.
 
     Returns:
         ``[B, T]`` returns in the promoted dtype of ``rewards`` and ``kl``, 0 on mask-0 tokens.
@@ -172,9 +177,10 @@ def reinforce_plus_plus_returns(
         raise shape_error("rewards", f"[B] = [{b}] (one outcome score per row)", rewards.shape)
     check_same_device("kl", kl, rewards=rewards)
     kl_coef = check_nonneg("kl_coef", kl_coef)
+    check_cp_layout(cp_layout)
     gamma_ = per_row_discount("gamma", gamma, b, kl)
     dtype = torch.promote_types(rewards.dtype, kl.dtype)
     cp = cp_group is not None
     case = case_of(kl, rewards, gamma_, dtype=dtype, cp=cp, discounts=(gamma_,))
-    call = Call(kl.to(dtype), rewards.to(dtype), mask, kl_coef, gamma_, cp_group)
+    call = Call(kl.to(dtype), rewards.to(dtype), mask, kl_coef, gamma_, cp_group, cp_layout)
     return REINFORCE(method, case, call)

@@ -17,6 +17,12 @@ blocks again with their carries):
   ``(G, O) ← (r_kl + γ·G + O, 0)`` with ``r_kl = −kl_coef·kl`` rounded in the input dtype, so
   the outcome lands on the row's last action token, the first one met walking back.
 
+A bootstrap is an input of the same maps: the row's end value starts the carry (``W`` for GAE,
+``G`` for returns) in place of 0, and at a done the cut value (the value of the state after it,
+0 where the sequence terminated) replaces the carry instead of 0: a done action token maps
+``G ← r + γ·cut`` and ``(A, W) ← ((r − V) + γ·cut, V)``, a done mask-0 token ``G ← cut`` and
+``(A, W) ← (0, cut)``.
+
 Block summaries are five numbers per block and row for the two-number states (the same five
 the context-parallel GAE exchanges per chunk), two for returns. Zero discounts and dones are
 exact cuts (selected, never multiplied), so NaN past a done never reaches earlier tokens.
@@ -53,9 +59,9 @@ def _first(v, i, BLOCK: tl.constexpr):
 
 @triton.jit
 def _estimator_block(
-    r_ptr, v_ptr, m_ptr, d_ptr, g_ptr, gl_ptr, ck_ptr, adv_ptr, ret_ptr, summ_ptr, carry_ptr,
-    B, T, NB,
-    MODE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DONES: tl.constexpr,
+    r_ptr, v_ptr, m_ptr, d_ptr, cut_ptr, g_ptr, gl_ptr, ck_ptr, adv_ptr, ret_ptr, summ_ptr,
+    carry_ptr, B, T, NB,
+    MODE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DONES: tl.constexpr, HAS_CUT: tl.constexpr,
     FINAL: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
@@ -76,9 +82,16 @@ def _estimator_block(
     one = zero + 1.0
     cell = row.to(tl.int64) * NB + blk
     plane = B * NB
+    boot = zero  # gamma * the value after a done (0 without a cut value, or where gamma is 0)
+    cv = zero
+    if HAS_CUT:
+        cv = tl.load(cut_ptr + base + t, mask=done, other=0.0).to(ACC)
+        boot = gamma * tl.where(gamma == 0.0, zero, cv)
     if MODE == 1:  # discounted returns: one number of state
         p = tl.where(done, zero, tl.where(act, gamma, one))
         c = tl.where(act, r.to(ACC), zero)
+        if HAS_CUT:
+            c = tl.where(done, tl.where(act, c + boot, cv), c)
         p, c = tl.associative_scan((p, c), 0, compose1)
         if FINAL:
             a_in = tl.load(carry_ptr + cell).to(ACC)
@@ -98,6 +111,9 @@ def _estimator_block(
             s = tl.where(act | done, zero, one)
             c = tl.where(act, r.to(ACC) - v, zero)
             e = tl.where(act, v, zero)
+            if HAS_CUT:
+                c = tl.where(done & act, c + boot, c)
+                e = tl.where(act, v, tl.where(done, cv, zero))
         else:  # REINFORCE++ returns: (G, O = the outcome until the last action token)
             ck = tl.load(ck_ptr).to(ACC)
             tok = cast_to(ck * r.to(ACC), r_ptr.dtype.element_ty).to(ACC)
@@ -126,7 +142,7 @@ def _estimator_block(
             tl.store(summ_ptr + 4 * plane + cell, _first(e, i, BLOCK))
 
 
-def _run(mode, r, v, mask, dones, gamma, gamma_lam, ck, init, adv, ret, block_t):
+def _run(mode, r, v, mask, dones, gamma, gamma_lam, ck, init, adv, ret, block_t, cut=None):
     b, t_len = r.shape
     if b == 0 or t_len == 0:
         return
@@ -140,6 +156,7 @@ def _run(mode, r, v, mask, dones, gamma, gamma_lam, ck, init, adv, ret, block_t)
         dummy if v is None else v,
         dummy if mask is None else mask,
         dummy if dones is None else dones,
+        dummy if cut is None else cut,
         gamma,
         gamma if gamma_lam is None else gamma_lam,
         gamma if ck is None else ck,
@@ -150,6 +167,7 @@ def _run(mode, r, v, mask, dones, gamma, gamma_lam, ck, init, adv, ret, block_t)
         MODE=mode,
         HAS_MASK=mask is not None,
         HAS_DONES=dones is not None,
+        HAS_CUT=cut is not None,
         BLOCK=block,
         ACC=tl_dtype(acc),
         num_warps=4,
@@ -175,6 +193,8 @@ def gae_triton(
     dones: torch.Tensor | None,
     gamma: torch.Tensor,
     gamma_lam: torch.Tensor,
+    cut: torch.Tensor | None = None,
+    end: torch.Tensor | None = None,
     *,
     block_t: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +202,9 @@ def gae_triton(
 
     ``rewards`` / ``values`` ``[N, T]`` (any float dtype, read as they are); ``mask`` /
     ``dones`` ``[N, T]`` bool or 0/1, or None; ``gamma`` / ``gamma_lam`` ``[N]``, rounded to
-    the carry dtype (float32, float64 for float64 inputs). Returns ``(advantages, returns)``
+    the carry dtype (float32, float64 for float64 inputs). The bootstrap: ``cut`` ``[N, T]``
+    the value after each done (0 where terminated) or None, ``end`` ``[N]`` the value after
+    the row's end or None. Returns ``(advantages, returns)``
     in the promoted dtype of the inputs, 0 on mask-0 tokens; without values both are the
     same tensor. Same semantics as :func:`rlops.advantages.reference.gae_reference`.
     """
@@ -193,16 +215,20 @@ def gae_triton(
     out_dtype = r.dtype if values is None else torch.promote_types(r.dtype, values.dtype)
     g = gamma.reshape(-1).expand(n).to(acc).contiguous()
     ret = torch.empty((n, t_len), dtype=out_dtype, device=r.device)
+    cut = None if cut is None or dones is None else cut.contiguous()
+    # the carry after the row's end: the return (returns) or the next-action value W (GAE)
+    after = torch.zeros(n, dtype=acc, device=r.device) if end is None else end.to(acc)
     if values is None:
-        init = torch.zeros((1, n), dtype=acc, device=r.device)
+        init = after.reshape(1, n).contiguous()
         _run(RETURNS, r, None, _indicator(mask), _indicator(dones), g, None, None, init, None,
-             ret, block_t)  # fmt: skip
+             ret, block_t, cut)  # fmt: skip
         return ret, ret
     v = values.contiguous()
     gl = gamma_lam.reshape(-1).expand(n).to(acc).contiguous()
     adv = torch.empty_like(ret)
-    init = torch.zeros((2, n), dtype=acc, device=r.device)
-    _run(GAE, r, v, _indicator(mask), _indicator(dones), g, gl, None, init, adv, ret, block_t)
+    init = torch.stack([torch.zeros_like(after), after]).contiguous()
+    _run(GAE, r, v, _indicator(mask), _indicator(dones), g, gl, None, init, adv, ret, block_t,
+         cut)  # fmt: skip
     return adv, ret
 
 

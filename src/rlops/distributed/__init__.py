@@ -1,10 +1,20 @@
-"""Distributed pieces: the zigzag context-parallel layout, the process-group check and the
-one collective of the small group reductions (:mod:`rlops.distributed.collectives`).
+"""Distributed pieces: the context-parallel layouts (zigzag and contiguous), the process-group
+check and the one collective of the small group reductions
+(:mod:`rlops.distributed.collectives`).
 
 The estimators take ``cp_group=`` directly (``rlops.gae(..., cp_group=g)``); this package
 holds the layout helpers.
 """
 
+from rlops.distributed.layout import (
+    CP_LAYOUTS,
+    contiguous_indices,
+    contiguous_shard,
+    contiguous_unshard,
+    cp_indices,
+    cp_shard,
+    cp_unshard,
+)
 from rlops.distributed.zigzag import (
     zigzag_indices,
     zigzag_response_mask,
@@ -15,6 +25,13 @@ from rlops.distributed.zigzag import (
 )
 
 __all__ = [
+    "CP_LAYOUTS",
+    "contiguous_indices",
+    "contiguous_shard",
+    "contiguous_unshard",
+    "cp_indices",
+    "cp_shard",
+    "cp_unshard",
     "zigzag_indices",
     "zigzag_response_mask",
     "zigzag_shard",
