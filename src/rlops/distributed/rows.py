@@ -28,14 +28,13 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from rlops._checks import as_int, check_choice, check_ids, values_checked
+from rlops._checks import as_int, check_ids, values_checked
 from rlops.distributed.collectives import Call, gather
 from rlops.distributed.groups import group_rank_size
+from rlops.distributed.layout import check_cp_layout
 
-__all__ = ["CP_LAYOUTS", "Rows"]
+__all__ = ["Rows"]
 
-#: the context-parallel layouts: how a row's tokens are split over the ranks of ``cp_group``
-CP_LAYOUTS = ("zigzag", "contiguous")
 
 
 def _check_inside(group: object, cp_group: object) -> None:
@@ -101,7 +100,7 @@ class Rows:
         group: object = None,
     ) -> None:
         self.cp_rank, self.cp_world = group_rank_size(cp_group, "cp_group")
-        self.layout = check_choice("cp_layout", cp_layout, CP_LAYOUTS)
+        self.layout = check_cp_layout(cp_layout)
         if self.cp_world > 1 and group is not None:
             group_rank_size(group)
             _check_inside(group, cp_group)
