@@ -46,13 +46,19 @@ _MIN_TILE_VOCAB = 256
 
 
 def _linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``h [C, H] @ weightᵀ (+ bias)`` in the inputs' dtype, as ``F.linear`` computes it."""
-    return h @ weight.T if bias is None else torch.addmm(bias, h, weight.T)
+    """``h [C, H] @ weightᵀ``, then ``+ bias``, each in the inputs' dtype (a fresh tensor).
+
+    The bias is added after the matmul, not inside it (``addmm``): an elementwise add has the
+    same bits however the rows and columns are tiled, whereas a fused ``addmm`` rounds its
+    partial sums differently per block shape, and the backward's tiles must see the logits
+    the forward's chunks saw (their mismatch enters every gradient)."""
+    z = h @ weight.T
+    return z if bias is None else z.add_(bias)
 
 
 class _Matmul(_engine.Producer):
     """Chunks of rows of ``hidden @ weightᵀ (+ bias)`` in the inputs' dtype (as a materialised
-    output layer, ``F.linear``), then in the compute dtype and ``/ τ``; a fresh buffer each
+    output layer, :func:`_linear`), then in the compute dtype and ``/ τ``; a fresh buffer each
     time."""
 
     def __init__(
@@ -370,10 +376,10 @@ def linear_logprobs_and_entropy(
     r"""Log-probs and entropy of ``softmax((hidden @ weightᵀ + bias) / τ)`` without building the
     logits.
 
-    Equal to ``logprobs_and_entropy(F.linear(hidden, weight, bias), target, ...)`` (the matmul
-    in the inputs' dtype, as a materialised output layer computes it), but only
-    ``[chunk, V_local]`` logits exist at a time, in the forward and again in the backward (the
-    bias is added to each chunk there):
+    Equal to ``logprobs_and_entropy(hidden @ weight.T + bias, target, ...)`` (the matmul, then
+    the bias, in the inputs' dtype, as a materialised output layer computes them; ``F.linear``
+    fuses the two and may round once less), but only ``[chunk, V_local]`` logits exist at a
+    time, in the forward and again in the backward (the bias is added to each chunk there):
 
     .. math::
 
