@@ -9,8 +9,7 @@ numbers per token, the columns of a ``[C, k]`` statistics tensor:
 - with entropy, ``m, s, h`` over the *unmasked* logits, where ``h = log s − Σ exp(z − m)(z − m)/s``
   is the shard's own entropy (columns shared with the above when there is no keep mask);
 - with the sum of squares, last, ``ρ = Σ (e / Σ e)²`` with ``e = exp(z − m)`` over the
-  log-prob distribution: the shard's own ``Σ p²`` within its part of the distribution,
-  computed in float64 (from float32 sums its rounding error would double).
+  log-prob distribution: the shard's own ``Σ p²`` within its part of the distribution.
 
 Shards merge these exactly: with ``M = max_r m_r``, ``S = Σ_r exp(m_r − M) s_r`` and
 ``q_r = exp(m_r − M) s_r / S`` (the probability mass held by shard r),
@@ -76,14 +75,13 @@ def _softmax_stats(
     d = z.sub_(m_safe) if own else z - m_safe
     if not entropy:
         e = d.exp_()
-        rho = _squares_ratio(e) if squares else None
-        return m, e.sum(dim=-1, keepdim=True), None, rho
+        s = e.sum(dim=-1, keepdim=True)
+        return m, s, None, (_squares_ratio(e, s) if squares else None)
     d.clamp_(min=_FLOOR)
     e = d.exp()
     s = e.sum(dim=-1, keepdim=True)
     u = torch.linalg.vecdot(e, d).unsqueeze(1)  # Σ e·(z − m) ≤ 0
-    rho = _squares_ratio(e) if squares else None
-    return m, s, s.log() - u / s, rho
+    return m, s, s.log() - u / s, (_squares_ratio(e, s) if squares else None)
 
 
 def wide_dtype(device: torch.device) -> torch.dtype:
@@ -91,16 +89,13 @@ def wide_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-def _squares_ratio(e: torch.Tensor) -> torch.Tensor:
-    """``[C, 1]`` ``Σ_v (e_v / Σ e)²`` of ``e`` ``[C, V]`` ``≥ 0`` (the row's ``Σ p²``), in
-    float64 (a ``[C, V]`` float64 buffer), rounded once to ``e``'s dtype; 0 for a row of
-    zeros."""
-    dtype = e.dtype
-    wide = e.to(wide_dtype(e.device))
-    s = wide.sum(dim=-1, keepdim=True)
-    s = torch.where(s > 0, s, torch.ones_like(s))  # a row of zeros: ρ = 0
-    p = wide.div_(s) if wide is not e else wide / s
-    return torch.linalg.vecdot(p, p).unsqueeze(1).to(dtype)
+def _squares_ratio(e: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``[C, 1]`` ``Σ_v p_v²`` with ``p = e / s`` (``e`` ``[C, V]`` ``≥ 0``, ``s`` its row
+    sums ``[C, 1]``), as the softmax computes ``p``: the same roundings as the reference, and
+    no more passes than a division and a dot product (float64 sums cost several times the
+    chunk's other work on CPU). Overwrites ``e``; 0 for a row of zeros."""
+    p = e.div_(torch.where(s > 0, s, torch.ones_like(s)))
+    return torch.linalg.vecdot(p, p).unsqueeze(1)
 
 
 def stats_chunk(

@@ -277,8 +277,9 @@ def logprobs_and_entropy(
     logits), the squared norm of the log-prob's gradient that the optimal token baseline
     (`arXiv 2602.07078 <https://arxiv.org/abs/2602.07078>`_) sums into its weights. It is
     computed in the same chunk loop, relative to the same maxima: each shard's own
-    ``ρ_r = Σ e² / (Σ e)²`` with ``e = exp(z − m_r)`` (the two sums in float64, one rounding),
-    merged as ``Σ_r q_r² ρ_r`` with ``q_r`` the shard's probability mass; under a ``group`` it
+    ``ρ_r = Σ (e / Σ e)²`` with ``e = exp(z − m_r)``, merged in float64 as ``Σ_r q_r² ρ_r``
+    with ``q_r`` the shard's probability mass (the Triton kernels accumulate ``Σ e`` and
+    ``Σ e²`` in float64 and form ``ρ_r`` from them); under a ``group`` it
     travels in the same single collective (one more column of ``[N, k]``). It is returned
     detached: a constant weight, without gradient.
 
@@ -357,7 +358,9 @@ def logprobs_and_entropy(
     softmax chunk by chunk. With ``top_k`` / ``top_p`` / ``min_p`` the forward also sorts each
     chunk (a few more ``[chunk_size, V_local]`` temporaries; top-k alone uses ``topk``), and
     saves one more number per token, the support's threshold, from which the backward
-    rebuilds the support (``z ≥ t``) without sorting again.
+    rebuilds the support (``z ≥ t``) without sorting again. ``with_sum_pi_squared`` adds no
+    temporary (a division and a dot product on the chunk's ``exp(z − m)``) and saves nothing
+    more.
     Logits that cannot be viewed as ``[N, V_local]`` (e.g. a slice ``x[:, :-1]``) are copied.
 
     Args:
