@@ -159,17 +159,18 @@ def _grads_by_tiles(
 
 class _FusedLinearLogprobsEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, keep, plan):
-        plan = plan.bound(target, keep)
+    def forward(ctx, hidden, weight, bias, plan):
+        # ``plan``: its target and keep mask bound (no gradient; saved from it)
         h2 = hidden.reshape(-1, hidden.shape[-1])
         producer = _Matmul(h2, weight, bias, plan)
-        return _engine.forward(ctx, plan, producer, (hidden, weight, bias, target, keep))
+        inputs = (hidden, weight, bias, plan.target, plan.keep)
+        return _engine.forward(ctx, plan, producer, inputs)
 
     @staticmethod
     def backward(ctx, g_logp, g_ent, _g_squares):
         restored = _engine.restore(ctx, g_logp, g_ent)
         if restored is None:
-            return None, None, None, None, None, None
+            return None, None, None, None
         (hidden, weight, bias, _, _), plan = restored
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         h2 = hidden.reshape(-1, hidden.shape[-1])
@@ -181,7 +182,7 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
             g = _engine.grad_with_graph(plan, logits, _OP)
             grad_h = (g @ weight).view(hidden.shape) if need_h else None
             grad_b = g.sum(dim=0) if need_b else None
-            return grad_h, (g.T @ h2 if need_w else None), grad_b, None, None, None
+            return grad_h, (g.T @ h2 if need_w else None), grad_b, None
         grad_h = torch.empty_like(h2, memory_format=torch.contiguous_format) if need_h else None
         # The weight and bias gradients sum over all chunks: accumulated in float32 for half
         # inputs.
@@ -196,8 +197,6 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
             None if grad_h is None else grad_h.view(hidden.shape),
             None if grad_w is None else grad_w.to(weight.dtype),
             None if grad_b is None else grad_b.to(bias.dtype),
-            None,
-            None,
             None,
         )
 
@@ -462,7 +461,7 @@ def linear_logprobs_and_entropy(
         _OP, hidden, options, lambda: _checked(hidden, weight, bias, target, options)
     )
     logp, ent, squares = _FusedLinearLogprobsEntropy.apply(
-        inputs.x, inputs.weight, inputs.bias, inputs.target, inputs.keep, plan
+        inputs.x, inputs.weight, inputs.bias, plan.bound(inputs.target, inputs.keep)
     )
     if with_sum_pi_squared:
         return logp, (ent if with_entropy else None), squares
