@@ -15,6 +15,7 @@ __all__ = [
     "forward_backward",
     "longdouble_oracle",
     "nan_filled_empty",
+    "sum_pi_squared_oracle",
 ]
 
 EPS32 = torch.finfo(torch.float32).eps
@@ -130,3 +131,20 @@ def assert_as_accurate_as_float64(
     floor = EPS64 * float(np.abs(oracle).max())
     bound = max(factor * err_ref, floor)
     assert err_fast <= bound, f"{what}: error {err_fast:.3g} > {factor} x reference {err_ref:.3g}"
+
+
+def sum_pi_squared_oracle(
+    logits: torch.Tensor, target: torch.Tensor, support: torch.Tensor | None, temperature: float
+) -> np.ndarray:
+    """``Σ_v p_v²`` from its definition in ``numpy.longdouble``, ``p`` the softmax of
+    ``z = logits / τ`` over ``K = support ∪ {target}`` (all of ``z`` when ``support`` is None);
+    ``logits`` ``[N, V]`` float64, ``target`` ``[N]``."""
+    ld = np.longdouble
+    z = logits.double().numpy().astype(ld) / ld(temperature)
+    if support is not None:
+        keep = support.numpy().copy()
+        keep[np.arange(z.shape[0]), target.numpy()] = True
+        z = np.where(keep, z, ld(-np.inf))
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    p = e / e.sum(axis=1, keepdims=True)
+    return (p * p).sum(axis=1)

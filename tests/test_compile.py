@@ -45,7 +45,7 @@ def compile_inputs(b: int, t: int, v: int = 11, h: int = 6,
         "score": rand(b), "index": torch.arange(b) // 2,
         "mask": mask, "dones": dones,
         "logits": rand(b, t, v) * 2, "target": torch.randint(0, v, (b, t), generator=g),
-        "hidden": rand(b * t, h), "weight": rand(v, h) / 2,
+        "hidden": rand(b * t, h), "weight": rand(v, h) / 2, "bias": rand(v),
     }
 
 
@@ -68,9 +68,10 @@ CASES: dict[str, Case] = {
         d["score"], d["index"], d["mask"]), ("score",)),
     "kl_penalty": (lambda d: rlops.kl_penalty(d["logp"], d["old"], "low_var_kl"), ("logp",)),
     "linear_logprobs_and_entropy": (lambda d: rlops.linear_logprobs_and_entropy(
-        d["hidden"], d["weight"], d["target"].reshape(-1)), ("hidden", "weight")),
-    "logprobs_and_entropy": (lambda d: rlops.logprobs_and_entropy(d["logits"], d["target"]),
-                             ("logits",)),
+        d["hidden"], d["weight"], d["target"].reshape(-1), bias=d["bias"],
+        with_sum_pi_squared=True), ("hidden", "weight", "bias")),
+    "logprobs_and_entropy": (lambda d: rlops.logprobs_and_entropy(
+        d["logits"], d["target"], with_sum_pi_squared=True), ("logits",)),
     "masked_mean": (lambda d: rlops.masked_mean(d["x"], d["mask"]), ("x",)),
     "masked_var": (lambda d: rlops.masked_var(d["x"], d["mask"]), ("x",)),
     "masked_whiten": (lambda d: rlops.masked_whiten(d["x"], d["mask"]), ("x",)),

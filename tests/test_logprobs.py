@@ -259,19 +259,29 @@ def test_default_chunk_bounds_the_temporaries():
 
 def test_with_entropy_overloads():
     """Type checkers see ``(Tensor, Tensor)`` for ``with_entropy=True`` (the default) and
-    ``(Tensor, None)`` for ``with_entropy=False``, on both ops."""
+    ``(Tensor, None)`` for ``with_entropy=False``, with a third ``Tensor`` for
+    ``with_sum_pi_squared=True``, on both ops."""
     from typing import Literal, get_overloads, get_type_hints
 
     from rlops.logprobs import linear_logprobs_and_entropy
 
+    t, f = Literal[True], Literal[False]
+    tensor, maybe = torch.Tensor, torch.Tensor | None
     for fn in (logprobs_and_entropy, linear_logprobs_and_entropy):
         hints = [get_type_hints(o) for o in get_overloads(fn)]
-        returns = {h["with_entropy"]: h["return"] for h in hints}
-        assert returns[Literal[True]] == tuple[torch.Tensor, torch.Tensor]
-        assert returns[Literal[False]] == tuple[torch.Tensor, None]
-        assert returns[bool] == tuple[torch.Tensor, torch.Tensor | None]
+        returns = {(h["with_entropy"], h["with_sum_pi_squared"]): h["return"] for h in hints}
+        assert returns[t, f] == tuple[tensor, tensor]
+        assert returns[f, f] == tuple[tensor, None]
+        assert returns[bool, f] == tuple[tensor, maybe]
+        assert returns[t, t] == tuple[tensor, tensor, tensor]
+        assert returns[f, t] == tuple[tensor, None, tensor]
+        assert returns[bool, t] == tuple[tensor, maybe, tensor]
+        assert returns[bool, bool] == tuple[tensor, maybe] | tuple[tensor, maybe, tensor]
         x = torch.zeros(2, 3)
         args = (x, torch.zeros(2, dtype=torch.long)) if fn is logprobs_and_entropy else (
             x, torch.zeros(4, 3), torch.zeros(2, dtype=torch.long))
         assert fn(*args, with_entropy=False)[1] is None
         assert isinstance(fn(*args)[1], torch.Tensor)
+        assert len(fn(*args)) == 2
+        out = fn(*args, with_entropy=False, with_sum_pi_squared=True)
+        assert len(out) == 3 and out[1] is None and isinstance(out[2], torch.Tensor)

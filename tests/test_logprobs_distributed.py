@@ -4,7 +4,9 @@ Each rank holds a slice of the columns of the same logits (or rows of the same o
 its outputs and gradient shard must equal the single-process result on the full vocabulary.
 The forward makes one all-gather of 64 numbers per rank (the consistency check of
 :mod:`rlops.distributed.collectives`) and one of the statistics; with ``RLOPS_TP_CHECK=0`` only
-the latter; the backward none. Ranks that make mismatched calls all raise ``ValueError``
+the latter; the backward none. The same counts with ``with_sum_pi_squared=True`` (one more
+column in the statistics' gather) and with an output-layer bias split like the weight.
+Ranks that make mismatched calls all raise ``ValueError``
 (the harness turns a hang into a timeout error).
 
 Spawning processes is the slow part, so one spawn of 4 processes serves every test here: the
@@ -44,16 +46,25 @@ CASES = {
     "entropy detached": (torch.float64, {"entropy_grad": False, "mask": True}),
     "float32": (torch.float32, {"temperature": 0.5, "chunk_size": 5}),
     "empty": (torch.float64, {"n": 0}),
+    "sum_pi_squared masked": (torch.float64, {"mask": True, "temperature": 1.3, "chunk_size": 5,
+                                              "with_sum_pi_squared": True}),
+    "sum_pi_squared float32": (torch.float32, {"with_sum_pi_squared": True,
+                                               "with_entropy": False}),
 }
 LINEAR_CASES = {
     "linear": (torch.float64, {"temperature": 1.7, "chunk_size": 5}),
     "linear float32": (torch.float32, {"with_entropy": False}),
     "linear masked": (torch.float64, {"mask": True, "chunk_size": 6}),
     "linear entropy detached": (torch.float64, {"mask": True, "entropy_grad": False}),
+    # "bias": the output layer's bias, split with the weight's rows
+    "linear bias": (torch.float64, {"bias": True, "with_sum_pi_squared": True,
+                                    "temperature": 1.7, "chunk_size": 5}),
+    "linear bias masked": (torch.float64, {"bias": True, "mask": True, "chunk_size": 6}),
 }
 # Run again on shards of unequal size, and again with the check off (equal shards).
-UNEQUAL_CASES = ("masked", "no entropy", "linear", "linear masked")
-UNCHECKED_CASES = ("masked", "linear", "linear masked")
+UNEQUAL_CASES = ("masked", "no entropy", "linear", "linear masked", "sum_pi_squared masked",
+                 "linear bias")
+UNCHECKED_CASES = ("masked", "linear", "linear masked", "sum_pi_squared masked", "linear bias")
 
 
 def _keep_mask(n: int, target: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -77,6 +88,7 @@ def _case(name: str, dtype: torch.dtype, kw: dict):
 
 
 def _linear_case(name: str, dtype: torch.dtype, kw: dict):
+    """``(hidden, weight, bias or None, target, grads, keywords)``."""
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
     hidden = torch.randn(N, H, generator=gen).to(dtype)
     weight = torch.randn(V, H, generator=gen).to(dtype)
@@ -84,12 +96,20 @@ def _linear_case(name: str, dtype: torch.dtype, kw: dict):
     kw = dict(kw)
     if kw.pop("mask", False):
         kw["keep_mask"] = _keep_mask(N, target, gen)
+    bias = (torch.randn(V, generator=gen) * 2).to(dtype) if kw.pop("bias", False) else None
     grads = [torch.randn(N, generator=gen).to(dtype) for _ in range(2)]
-    return hidden, weight, target, grads, kw
+    return hidden, weight, bias, target, grads, kw
+
+
+def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone().requires_grad_()
 
 
 def _backward(outs, grads):
-    pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o is not None and o.requires_grad]
+    """Upstream gradients into (logp, entropy); a third output (Σπ²) has no gradient."""
+    assert len(outs) < 3 or not outs[2].requires_grad
+    pairs = [(o, g) for o, g in zip(outs[:2], grads, strict=True)
+             if o is not None and o.requires_grad]
     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 
@@ -113,24 +133,27 @@ def _columns(r: int, sizes: tuple[int, ...]) -> slice:
 
 def _run_case(name: str, group, cols: slice) -> dict:
     if name in LINEAR_CASES:
-        hidden, weight, target, grads, kw = _linear_case(name, *LINEAR_CASES[name])
+        hidden, weight, bias, target, grads, kw = _linear_case(name, *LINEAR_CASES[name])
         if "keep_mask" in kw:
             kw["keep_mask"] = kw["keep_mask"][:, cols]
         h = hidden.clone().requires_grad_()
         w = weight[cols].clone().requires_grad_()
+        b = _leaf(None if bias is None else bias[cols])
         with count_collectives() as fwd:
-            outs = linear_logprobs_and_entropy(h, w, target, group=group, **kw)
+            outs = linear_logprobs_and_entropy(h, w, target, bias=b, group=group, **kw)
         with count_collectives() as bwd:
             _backward(outs, grads)
         # Through the column-parallel input op, every rank gets the full hidden gradient.
         h_full = hidden.clone().requires_grad_()
         outs_full = linear_logprobs_and_entropy(
-            copy_to_tensor_parallel_region(h_full, group), weight[cols], target, group=group, **kw
-        )
+            copy_to_tensor_parallel_region(h_full, group), weight[cols], target,
+            bias=None if bias is None else bias[cols], group=group, **kw,
+        )  # fmt: skip
         with count_collectives() as bwd_layer:
             _backward(outs_full, grads)
-        return {"outs": outs, "grads": [h.grad, w.grad], "fwd": dict(fwd), "bwd": dict(bwd),
-                "bwd_layer": dict(bwd_layer), "h_full": h_full.grad}
+        return {"outs": outs, "grads": [h.grad, w.grad, None if b is None else b.grad],
+                "fwd": dict(fwd), "bwd": dict(bwd), "bwd_layer": dict(bwd_layer),
+                "h_full": h_full.grad}
     logits, target, grads, kw = _case(name, *CASES[name])
     if "keep_mask" in kw:
         kw["keep_mask"] = kw["keep_mask"][:, cols]
@@ -146,7 +169,7 @@ def _mismatches(r: int) -> dict:
     """name -> a call in which group rank 1 (only) differs from the others."""
     odd = r == 1
     logits, target, _, _ = _case("plain", torch.float64, {})
-    hidden, weight, _, _, _ = _linear_case("linear", torch.float64, {})
+    hidden, weight, _, _, _, _ = _linear_case("linear", torch.float64, {})
     x, w = logits[:, :13], weight[:13]  # any shard will do: the check runs first
     keep = torch.ones_like(x, dtype=torch.bool)
     other_target = target.clone()
@@ -155,8 +178,8 @@ def _mismatches(r: int) -> dict:
     def fused(x=x, t=target, **kw):
         return lambda group: logprobs_and_entropy(x, t, group=group, **kw)
 
-    def linear(h=hidden, w=w, t=target, **kw):
-        return lambda group: linear_logprobs_and_entropy(h, w, t, group=group, **kw)
+    def linear(h=hidden, w=w, t=target, b=None, **kw):
+        return lambda group: linear_logprobs_and_entropy(h, w, t, bias=b, group=group, **kw)
 
     return {
         "tokens": fused(x=x[:-1] if odd else x, t=target[:-1] if odd else target),
@@ -170,6 +193,8 @@ def _mismatches(r: int) -> dict:
         "hidden size": linear(h=torch.randn(N, H + odd, dtype=torch.float64),
                               w=torch.randn(13, H + odd, dtype=torch.float64)),
         "linear with_entropy": linear(with_entropy=not odd),
+        "with_sum_pi_squared": fused(with_sum_pi_squared=odd),
+        "bias given": linear(b=torch.zeros(13, dtype=torch.float64) if odd else None),
         "bad keep_mask": fused(keep_mask=keep[:, :-1] if odd else keep),
         "bad temperature": fused(temperature="1" if odd else 1.0),
         "bad hidden": linear(h=hidden.long() if odd else hidden),
@@ -246,11 +271,11 @@ def expected() -> dict:
         _backward(outs, grads)
         exp[name] = {"outs": outs, "grads": [x.grad]}
     for name, (dtype, kw) in LINEAR_CASES.items():
-        hidden, weight, target, grads, kw = _linear_case(name, dtype, kw)
-        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        outs = linear_logprobs_and_entropy(h, w, target, **kw)
+        hidden, weight, bias, target, grads, kw = _linear_case(name, dtype, kw)
+        h, w, b = hidden.clone().requires_grad_(), weight.clone().requires_grad_(), _leaf(bias)
+        outs = linear_logprobs_and_entropy(h, w, target, bias=b, **kw)
         _backward(outs, grads)
-        exp[name] = {"outs": outs, "grads": [h.grad, w.grad]}
+        exp[name] = {"outs": outs, "grads": [h.grad, w.grad, None if b is None else b.grad]}
     return exp
 
 
@@ -278,6 +303,9 @@ def _check_values(results: list[dict], tp: int, part: str, sizes: tuple[int, ...
                 _close(a, b, f"{where} output {k}")
             if name in LINEAR_CASES:
                 _close(got["grads"][1], expected[name]["grads"][1][cols], f"{where} grad weight")
+                bias_grad = expected[name]["grads"][2]
+                _close(got["grads"][2], None if bias_grad is None else bias_grad[cols],
+                       f"{where} grad bias")  # fmt: skip
                 group_ranks = range(rank - r, rank - r + tp)
                 summed = sum(results[q][tp][part][name]["grads"][0] for q in group_ranks)
                 _close(summed, expected[name]["grads"][0], f"{where} sum of partial grad hidden")
@@ -328,6 +356,8 @@ def _expected_mismatch(name: str, tp: int, r: int) -> tuple[str, str]:
                                            "linear_logprobs_and_entropy")),
         "hidden size": ("hidden size", per_rank(H, H + 1)),
         "linear with_entropy": ("with_entropy", per_rank(True, False)),
+        "with_sum_pi_squared": ("with_sum_pi_squared", per_rank(False, True)),
+        "bias given": ("bias given", per_rank(False, True)),
     }[name]
     return "ValueError", f"^the ranks of a process group disagree on `{field}`: {values}"
 

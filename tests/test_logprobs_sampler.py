@@ -485,7 +485,8 @@ def _tp_linear():
     weight = torch.randn(TP_V, TP_H, generator=gen, dtype=torch.float64)
     target = torch.randint(0, TP_V, (TP_N,), generator=gen)
     grads = [torch.randn(TP_N, generator=gen, dtype=torch.float64) for _ in range(2)]
-    return hidden, weight, target, grads, {"top_k": 6, "top_p": 0.9, "chunk_size": 7}
+    bias = torch.randn(TP_V, generator=gen, dtype=torch.float64)
+    return hidden, weight, bias, target, grads, {"top_k": 6, "top_p": 0.9, "chunk_size": 7}
 
 
 def _raised(fn):
@@ -505,17 +506,19 @@ def _tensor_parallel_sampler(rank, world):
     for name in TP_CASES:
         logits, target, grads, kw = _tp_case(name)
         x = logits[:, cols].clone().requires_grad_()
-        with count_collectives() as fwd:
-            lp, ent = logprobs_and_entropy(x, target, group=group, **kw)
+        with count_collectives() as fwd:  # Σπ² too: no collective more
+            lp, ent, sq = logprobs_and_entropy(x, target, group=group, with_sum_pi_squared=True,
+                                               **kw)  # fmt: skip
         with count_collectives() as bwd:
             torch.autograd.backward([lp, ent], grads)
-        out[name] = {"outs": (lp.detach(), ent.detach()), "grad": x.grad,
+        out[name] = {"outs": (lp.detach(), ent.detach(), sq), "grad": x.grad,
                      "fwd": sum(dict(fwd).values()), "bwd": sum(dict(bwd).values())}
-    hidden, weight, target, grads, kw = _tp_linear()
+    hidden, weight, bias, target, grads, kw = _tp_linear()
     w = weight[cols].clone().requires_grad_()
-    lp, ent = linear_logprobs_and_entropy(hidden, w, target, group=group, **kw)
+    b = bias[cols].clone().requires_grad_()
+    lp, ent = linear_logprobs_and_entropy(hidden, w, target, bias=b, group=group, **kw)
     torch.autograd.backward([lp, ent], grads)
-    out["linear"] = {"outs": (lp.detach(), ent.detach()), "grad": w.grad}
+    out["linear"] = {"outs": (lp.detach(), ent.detach()), "grad": w.grad, "grad bias": b.grad}
     x = torch.zeros(3, TP_SIZES[rank], dtype=torch.float64)
     y = torch.zeros(3, dtype=torch.long)
     os.environ["RLOPS_TP_CHECK"] = "0"  # equal shards, the check off: 2 collectives
@@ -541,28 +544,33 @@ def _tensor_parallel_sampler(rank, world):
 def test_tensor_parallel_matches_one_process():
     """The vocabulary in two unequal shards: every rank's outputs and gradient shard equal the
     one-process results; the forward makes 3 collectives (check, candidates, statistics), the
-    backward none; mismatched calls raise on every rank. (Top-p without top-k and a per-token
-    top-k, by radix select: tests/test_logprobs_sampler_radix.py.)"""
+    backward none; mismatched calls raise on every rank; ``Σπ²`` over the support (asked for in
+    the same calls) too, and the bias gradient shard of the linear op. (Top-p without top-k and
+    a per-token top-k, by radix select: tests/test_logprobs_sampler_radix.py.)"""
     res = run_distributed(_tensor_parallel_sampler, 2)
     for name in TP_CASES:
         logits, target, grads, kw = _tp_case(name)
-        full = forward_backward(lambda x, y, kw=kw: logprobs_and_entropy(x, y, **kw),
-                                (logits, target), grads)
+        full = forward_backward(
+            lambda x, y, kw=kw: logprobs_and_entropy(x, y, with_sum_pi_squared=True, **kw),
+            (logits, target), [*grads, None],
+        )  # fmt: skip
         for r, rank_res in enumerate(res):
             got = rank_res[name]
             cols = slice(sum(TP_SIZES[:r]), sum(TP_SIZES[: r + 1]))
-            for a, b in zip(got["outs"], full[:2], strict=True):
+            for a, b in zip(got["outs"], full[:3], strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
-            torch.testing.assert_close(got["grad"], full[2][:, cols], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(got["grad"], full[3][:, cols], rtol=1e-12, atol=1e-12)
             assert got["fwd"] == 3 and got["bwd"] == 0, (name, got["fwd"], got["bwd"])
-    hidden, weight, target, grads, kw = _tp_linear()
-    full = forward_backward(lambda h, w, y: linear_logprobs_and_entropy(h, w, y, **kw),
-                            (hidden, weight, target), grads)
+    hidden, weight, bias, target, grads, kw = _tp_linear()
+    full = forward_backward(lambda h, w, b, y: linear_logprobs_and_entropy(h, w, y, bias=b, **kw),
+                            (hidden, weight, bias, target), grads)  # fmt: skip
     for r, rank_res in enumerate(res):
         cols = slice(sum(TP_SIZES[:r]), sum(TP_SIZES[: r + 1]))
         for a, b in zip(rank_res["linear"]["outs"], full[:2], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(rank_res["linear"]["grad"], full[3][cols],
+                                   rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(rank_res["linear"]["grad bias"], full[4][cols],
                                    rtol=1e-12, atol=1e-12)
     logits, target, grads, kw = _tp_case("top_k top_p")
     full = forward_backward(lambda x, y: logprobs_and_entropy(x, y, **kw), (logits, target), grads)

@@ -27,6 +27,7 @@ from tests._logprobs_util import (
     forward_backward,
     longdouble_oracle,
     nan_filled_empty,
+    sum_pi_squared_oracle,
 )
 from tests._triton_interp import triton  # noqa: F401  (sets TRITON_INTERPRET=1 first)
 from tests.tolerances import assert_half_matches
@@ -267,6 +268,99 @@ def test_shards_merge_to_the_whole_vocabulary(masked):
         torch.testing.assert_close(g.double(), x.grad[:, a:b], rtol=1e-4, atol=1e-5)
 
 
+# --------------------------------------------------------------------------- Σπ²
+SQUARE_CASES = {
+    "plain": {},
+    "masked, temperature": {"keep": 0.4, "temperature": 0.7},
+    "top_k, no entropy": {"top_k": 20, "with_entropy": False, "chunk_size": 16},
+    "top_p over the support": {"top_p": 0.8, "entropy_over_support": True},
+}
+
+
+F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
+SQUARE_PARAMS = [
+    *((case, v, dtype) for case in SQUARE_CASES for v in (1, 127, 129) for dtype in (F32, F64)),
+    *((case, 1000, dtype) for case in ("plain", "top_p over the support") for dtype in (F32, F64)),
+    ("masked, temperature", 333, BF16),
+    ("top_k, no entropy", 129, BF16),
+]
+
+
+@pytest.mark.parametrize(("case", "v", "dtype"), SQUARE_PARAMS,
+                         ids=[f"{c}-{v}-{str(d)[6:]}" for c, v, d in SQUARE_PARAMS])
+def test_sum_pi_squared(case, v, dtype):
+    """``Σπ²`` of the log-prob's distribution from the kernel's float64 sums, against the
+    definition (float64 reference, longdouble for float64 logits) by the same-dtype
+    reference's error, and against the chunked method's by the same rule."""
+    kw = dict(SQUARE_CASES[case])
+    keep_frac = kw.pop("keep", None)
+    # 257 rows: the yardstick is the reference's max error, one row's luck over fewer (in
+    # float64 the kernel's w / σ² and the reference's Σ (e / s)² have the same error
+    # distribution, measured over 40000 rows)
+    logits, target, keep, _ = _data(257, v, seed=v + len(case), keep_frac=keep_frac,
+                                    dtype=dtype)  # fmt: skip
+    if keep is not None:
+        kw["keep_mask"] = keep
+    with nan_filled_empty():
+        sq = logprobs_and_entropy(logits, target, method="triton", with_sum_pi_squared=True,
+                                  **kw)[2]  # fmt: skip
+    chunked = logprobs_and_entropy(logits, target, method="chunked", with_sum_pi_squared=True,
+                                   **kw)[2]  # fmt: skip
+    tau, sampler = kw.get("temperature", 1.0), {k: kw[k] for k in ("top_k", "top_p") if k in kw}
+    support = kw.get("keep_mask")
+    if sampler:  # the sampler's support, on the scaled logits in the compute dtype
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        support = sampler_keep_mask(logits.to(acc) / tau, **sampler)
+
+    def ref(x):
+        return reference(x, target, temperature=tau, keep_mask=support, with_entropy=False,
+                         with_sum_pi_squared=True)[2]  # fmt: skip
+
+    if dtype == torch.float64:
+        oracle = sum_pi_squared_oracle(logits, target, support, tau)
+        assert_as_accurate_as_float64(sq, ref(logits), oracle, FACTOR_FWD, "triton Σπ²")
+        assert_as_accurate_as_float64(sq, chunked, oracle, FACTOR_FWD, "triton vs chunked Σπ²")
+        return
+    exact = ref(logits.double())
+    assert_as_accurate(sq, ref(logits), exact, FACTOR_FWD, "triton Σπ²")
+    assert_as_accurate(sq, chunked, exact, FACTOR_FWD, "triton vs chunked Σπ²")
+
+
+def test_sum_pi_squared_changes_nothing_else():
+    """Asking for ``Σπ²`` leaves the log-prob, the entropy and the gradient bit for bit, and
+    ``Σπ²`` has no gradient."""
+    logits, target, keep, grads = _data(33, 300, seed=15, keep_frac=0.5)
+    for kw in ({"keep_mask": keep, "temperature": 1.2}, {"top_k": 9}):
+        fast = forward_backward(_op("triton", with_sum_pi_squared=True, **kw), (logits, target),
+                                [*grads, None])  # fmt: skip
+        plain = forward_backward(_op("triton", **kw), (logits, target), grads)
+        for a, b in zip([fast[0], fast[1], fast[3]], plain, strict=True):
+            assert torch.equal(a, b)
+        x = logits.clone().requires_grad_()
+        assert not logprobs_and_entropy(x, target, method="triton", with_sum_pi_squared=True,
+                                        **kw)[2].requires_grad  # fmt: skip
+
+
+def test_sum_pi_squared_of_shards_merges():
+    """Two shards' statistics with the Σπ² column (unequal sizes, one at an offset, a keep mask
+    that leaves a shard empty on some rows), merged as under tensor parallelism."""
+    logits, target, keep, _ = _data(21, 300, seed=14, keep_frac=0.3, dtype=torch.float64)
+    keep[:7, 128:] = False  # rows whose second shard holds nothing but maybe the target
+    cuts = [(0, 128), (128, 300)]
+    stats = torch.stack([
+        kernels.shard_stats(logits[:, a:b], target, offset=a, temperature=1.3, block_n=8,
+                            block_v=64, keep_mask=keep[:, a:b], with_squares=True)
+        for a, b in cuts
+    ])  # fmt: skip
+    assert stats.shape == (2, 21, 7)
+    _, _, saved = _shard.merge(stats, True, True)
+    sq = _shard.merge_squares(stats, True, True, saved)
+    oracle = sum_pi_squared_oracle(logits, target, keep, 1.3)
+    ref = reference(logits, target, temperature=1.3, keep_mask=keep, with_entropy=False,
+                    with_sum_pi_squared=True)[2]  # fmt: skip
+    assert_as_accurate_as_float64(sq, ref, oracle, FACTOR_FWD, "merged Σπ²")
+
+
 # --------------------------------------------------------------------------- the method
 def test_method_errors(monkeypatch):
     logits, target, _, _ = _data(4, 10)
@@ -378,7 +472,14 @@ TP_CASES = {
     "top_k": {"top_k": 6, "temperature": 0.8},  # the candidates' merge
     "top_p over support": {"top_p": 0.7, "entropy_over_support": True},  # the radix select
     "entropy detached": {"entropy_grad": False},
+    "sum_pi_squared masked": {"mask": True, "with_sum_pi_squared": True, "chunk_size": 7},
+    "sum_pi_squared top_k": {"top_k": 6, "with_sum_pi_squared": True, "with_entropy": False},
 }
+
+
+def _upstream(grads, kw):
+    """The upstream gradients of the op's outputs: none into ``Σπ²``."""
+    return [*grads, None] if kw.get("with_sum_pi_squared") else grads
 
 
 def _tp_case(name):
@@ -404,7 +505,7 @@ def _tensor_parallel(rank, world):
             kw["keep_mask"] = kw["keep_mask"][:, cols]
         res = forward_backward(
             lambda x, y, kw=kw: logprobs_and_entropy(x, y, group=group, method="triton", **kw),
-            (logits[:, cols], target), grads,
+            (logits[:, cols], target), _upstream(grads, kw),
         )  # fmt: skip
         out[name] = res
     out["failed"] = _method.failed()
@@ -422,9 +523,12 @@ def test_tensor_parallel_matches_one_process():
         cols = slice(sum(TP_SIZES[:r]), sum(TP_SIZES[: r + 1]))
         for name in TP_CASES:
             logits, target, grads, kw = _tp_case(name)
-            full = forward_backward(_op("chunked", **kw), (logits, target), grads)
+            full = forward_backward(_op("chunked", **kw), (logits, target), _upstream(grads, kw))
             got = rank_res[name]
-            for a, b in zip(got[:2], full[:2], strict=True):
+            for a, b in zip(got[:-1], full[:-1], strict=True):
+                if b is None:
+                    assert a is None, name
+                    continue
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
-            torch.testing.assert_close(got[2], full[2][:, cols], rtol=1e-12, atol=1e-12,
+            torch.testing.assert_close(got[-1], full[-1][:, cols], rtol=1e-12, atol=1e-12,
                                        msg=name)  # fmt: skip

@@ -71,6 +71,7 @@ class Options:
     entropy_over_support: bool = False
     with_entropy: bool = True
     entropy_grad: bool = True
+    with_sum_pi_squared: bool = False
     group: object = None
     chunk_size: int | None = None
 
@@ -80,7 +81,8 @@ class Checked:
     """One op's inputs after this rank's own checks.
 
     ``x``: the tensor whose leading dims are the tokens (``logits`` or ``hidden``, named
-    ``name``); ``weight``: the output layer's (linear op) or None; ``target`` as int64;
+    ``name``); ``weight``, ``bias``: the output layer's (linear op) or None; ``target`` as
+    int64;
     ``chunk``: tokens per chunk (the op's default when ``chunk_size`` is None); ``hidden``: the
     hidden size (0 for logits), compared across ranks.
     """
@@ -88,6 +90,7 @@ class Checked:
     name: str
     x: torch.Tensor
     weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
     target: torch.Tensor
     keep: torch.Tensor | None
     temperature: float
@@ -134,6 +137,7 @@ def prepare(
         temperature=inputs.temperature,
         with_entropy=options.with_entropy,
         entropy_grad=options.entropy_grad,
+        sum_pi_squared=options.with_sum_pi_squared,
         masked=inputs.keep is not None or (sampler is not None and not over_support),
         sampler=sampler,
         over_support=over_support,
@@ -151,9 +155,11 @@ def _header(op: str, inputs: Checked, options: Options, sampler: Sampler | None)
         v_local=inputs.v_local,
         tokens=inputs.target.numel(),
         hidden=inputs.hidden,
+        bias=inputs.bias is not None,
         dtype=inputs.x.dtype,
         with_entropy=options.with_entropy,
         entropy_grad=options.entropy_grad,
+        sum_pi_squared=options.with_sum_pi_squared,
         masked=inputs.keep is not None,
         temperature=inputs.temperature,
         sampler=sampler,
@@ -228,7 +234,8 @@ class Producer:
     def stats(self, plan: Plan, i: int, j: int, out: torch.Tensor) -> None:
         """Write the statistics of tokens ``i:j`` into ``out`` ``[C, k]``: the columns of
         :func:`_shard.stats_chunk` (the target logit or 0; ``m``, ``s`` of the log-prob
-        distribution; with entropy ``h``, or ``m, s, h`` of all logits when ``plan.masked``).
+        distribution; with entropy ``h``, or ``m, s, h`` of all logits when ``plan.masked``;
+        last, with ``plan.sum_pi_squared``, the log-prob distribution's ``Σ p²`` in the chunk).
 
         With a sampler (``plan.sampler``) the support is ``z ≥ plan.threshold[i:j]``; in one
         process (``plan.world == 1``) the chunk finds that threshold itself and writes it there
@@ -241,7 +248,10 @@ class Producer:
             if plan.world == 1:
                 t.copy_(_support.threshold_chunk(z, *plan.sampler.rows(i, j)))
             z, own, keep = support_applied(z, own, idx, in_range, t, plan.over_support)
-        _shard.stats_chunk(z, own, idx, in_range, keep, entropy=plan.with_entropy, out=out)
+        _shard.stats_chunk(
+            z, own, idx, in_range, keep,
+            entropy=plan.with_entropy, squares=plan.sum_pi_squared, out=out,
+        )  # fmt: skip
 
     def grad(self, plan: Plan, i: int, j: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """The gradient with respect to the unscaled logits of tokens ``i:j`` ``[C, V_local]``
@@ -292,28 +302,37 @@ def support_applied(
 # --------------------------------------------------------------------------- forward
 def forward(
     ctx: Any, plan: Plan, producer: Producer, inputs: tuple[torch.Tensor | None, ...]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's autograd forward on a plan with its target bound: ``(logp, entropy)`` shaped
-    ``plan.lead`` (without entropy an empty tensor, non-differentiable like an entropy without
-    gradient). ``inputs``: the op's tensors, its differentiable ones first, then the target and
-    the keep mask as given (saved as they are when a gradient may be asked for)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op's autograd forward on a plan with its target bound: ``(logp, entropy,
+    sum_pi_squared)`` shaped ``plan.lead`` (without entropy an empty tensor, non-differentiable
+    like an entropy without gradient; ``Σ p²`` likewise, an empty tensor unless
+    ``plan.sum_pi_squared``, and never differentiable). ``inputs``: the op's tensors, its
+    differentiable ones first, then the target and the keep mask as given (saved as they are
+    when a gradient may be asked for)."""
     stats, thr = _statistics(plan, producer)
     gathered = gather_stats(stats, plan.group, plan.world)
     logp, ent, saved = _shard.merge(gathered, plan.masked, plan.with_entropy)
+    if plan.sum_pi_squared:
+        squares = _shard.merge_squares(gathered, plan.masked, plan.with_entropy, saved)
+        sq_out = squares.view(plan.lead)
+    else:
+        sq_out = logp.new_empty(0)
     ctx.set_materialize_grads(False)
     ctx.plan, ctx.n_inputs = plan.unbound(), len(inputs)
     if any(ctx.needs_input_grad[: len(inputs)]):
         packed = _shard.pack_saved(saved, plan.masked, plan.entropy_grad)
         ctx.save_for_backward(*inputs, thr, *packed)
     ent_out = ent.view(plan.lead) if ent is not None else logp.new_empty(0)
+    constants = [sq_out]  # one call: each call replaces the previous one's list
     if ent is None or not plan.entropy_grad:
-        ctx.mark_non_differentiable(ent_out)
-    return logp.view(plan.lead), ent_out
+        constants.append(ent_out)
+    ctx.mark_non_differentiable(*constants)
+    return logp.view(plan.lead), ent_out, sq_out
 
 
 def _statistics(plan: Plan, producer: Producer) -> tuple[torch.Tensor, torch.Tensor | None]:
     """This shard's statistics ``[N, k]`` and the sampler's threshold ``[N, 1]`` (or None)."""
-    n_cols = _shard.n_columns(plan.masked, plan.with_entropy)
+    n_cols = _shard.n_columns(plan.masked, plan.with_entropy, plan.sum_pi_squared)
     stats = torch.empty((plan.rows, n_cols), dtype=plan.dtype, device=plan.device)
     thr = None
     if plan.sampler is not None:

@@ -32,6 +32,8 @@ class Plan:
     - ``chunk``: tokens per chunk; ``dtype``: the compute dtype (float32, or float64);
       ``device``; ``lead``: the outputs' shape ``[...]``;
     - ``temperature`` (``inv_tau = 1 / temperature``), ``with_entropy``, ``entropy_grad``;
+    - ``sum_pi_squared``: the statistics also carry each shard's own ``Σ p²`` of the log-prob
+      distribution (the op's third output, ``Σ_v p_v²``);
     - ``masked``: the log-prob is over a support (a keep mask, or the sampler's without
       ``over_support``), so that the statistics carry a second ``(m, s)``;
     - ``sampler``, ``over_support``: the sampler's filters, and whether the entropy too is
@@ -58,6 +60,7 @@ class Plan:
     temperature: float = 1.0
     with_entropy: bool = True
     entropy_grad: bool = True
+    sum_pi_squared: bool = False
     masked: bool = False
     sampler: Sampler | None = None
     over_support: bool = False

@@ -7,13 +7,16 @@ numbers per token, the columns of a ``[C, k]`` statistics tensor:
 - ``m, s``: the shard's max and ``s = Σ exp(z − m)`` over the log-prob distribution (the kept
   logits when a keep mask is given);
 - with entropy, ``m, s, h`` over the *unmasked* logits, where ``h = log s − Σ exp(z − m)(z − m)/s``
-  is the shard's own entropy (columns shared with the above when there is no keep mask).
+  is the shard's own entropy (columns shared with the above when there is no keep mask);
+- with the sum of squares, last, ``ρ = Σ (e / Σ e)²`` with ``e = exp(z − m)`` over the
+  log-prob distribution: the shard's own ``Σ p²`` within its part of the distribution.
 
 Shards merge these exactly: with ``M = max_r m_r``, ``S = Σ_r exp(m_r − M) s_r`` and
 ``q_r = exp(m_r − M) s_r / S`` (the probability mass held by shard r),
 
     lse = M + log S,      logp = (zy − M) − log S,
-    H   = Σ_r q_r · (h_r + (M − m_r) + (log S − log s_r)).
+    H   = Σ_r q_r · (h_r + (M − m_r) + (log S − log s_r)),
+    Σ_v p_v² = Σ_r q_r² · ρ_r      (q_r over the log-prob distribution).
 
 Every term of the entropy sum is ≥ 0, so there is no cancellation however large the logits are
 (unlike ``lse − Σ p·z``). Only ``(M, log S, H)`` per token is kept for the backward, where
@@ -33,11 +36,13 @@ __all__ = [
     "grad_chunk",
     "grad_differentiable",
     "merge",
+    "merge_squares",
     "n_columns",
     "pack_saved",
     "stats_chunk",
     "target_index",
     "unpack_saved",
+    "wide_dtype",
 ]
 
 # Clamp of (z − max) in entropy terms so that a -inf logit (probability 0) contributes 0 · finite
@@ -45,9 +50,10 @@ __all__ = [
 _FLOOR = -1e30
 
 
-def n_columns(masked: bool, entropy: bool) -> int:
-    """Statistics per token: 3 for the log-prob, 0 more (no mask) or 3 more (mask) for entropy."""
-    return 3 + (3 if masked else 1) * entropy
+def n_columns(masked: bool, entropy: bool, squares: bool = False) -> int:
+    """Statistics per token: 3 for the log-prob, 0 more (no mask) or 3 more (mask) for entropy,
+    1 more for the sum of squares (the last column)."""
+    return 3 + (3 if masked else 1) * entropy + squares
 
 
 def target_index(
@@ -60,19 +66,36 @@ def target_index(
 
 
 def _softmax_stats(
-    z: torch.Tensor, own: bool, entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Row max ``m``, ``s = Σ exp(z − m)`` and optionally the row entropy ``h``; may reuse ``z``."""
+    z: torch.Tensor, own: bool, entropy: bool, squares: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Row max ``m``, ``s = Σ exp(z − m)``, optionally the row entropy ``h`` and the row's
+    ``ρ = Σ p²`` (:func:`_squares_ratio`); may reuse ``z``."""
     m = z.amax(dim=-1, keepdim=True)
     m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # an all -inf row: s = 0
     d = z.sub_(m_safe) if own else z - m_safe
     if not entropy:
-        return m, d.exp_().sum(dim=-1, keepdim=True), None
+        e = d.exp_()
+        s = e.sum(dim=-1, keepdim=True)
+        return m, s, None, (_squares_ratio(e, s) if squares else None)
     d.clamp_(min=_FLOOR)
     e = d.exp()
     s = e.sum(dim=-1, keepdim=True)
     u = torch.linalg.vecdot(e, d).unsqueeze(1)  # Σ e·(z − m) ≤ 0
-    return m, s, s.log() - u / s
+    return m, s, s.log() - u / s, (_squares_ratio(e, s) if squares else None)
+
+
+def wide_dtype(device: torch.device) -> torch.dtype:
+    """float64, but float32 where the device has no float64 (MPS)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _squares_ratio(e: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``[C, 1]`` ``Σ_v p_v²`` with ``p = e / s`` (``e`` ``[C, V]`` ``≥ 0``, ``s`` its row
+    sums ``[C, 1]``), as the softmax computes ``p``: the same roundings as the reference, and
+    no more passes than a division and a dot product (float64 sums cost several times the
+    chunk's other work on CPU). Overwrites ``e``; 0 for a row of zeros."""
+    p = e.div_(torch.where(s > 0, s, torch.ones_like(s)))
+    return torch.linalg.vecdot(p, p).unsqueeze(1)
 
 
 def stats_chunk(
@@ -84,27 +107,34 @@ def stats_chunk(
     *,
     entropy: bool,
     out: torch.Tensor,
+    squares: bool = False,
 ) -> None:
     """Write the statistics of one chunk of scaled logits ``z`` ``[C, V]`` into ``out`` ``[C, k]``.
 
     ``own``: ``z`` is a temporary that may be overwritten. ``keep``: the chunk's keep mask.
+    ``squares``: also ``ρ``, the log-prob distribution's ``Σ p²`` within the chunk (last).
     """
     zy = z.gather(1, idx)
     out[:, 0:1] = torch.where(in_range, zy, torch.zeros_like(zy))
+    c = n_columns(keep is not None, entropy)
     if keep is None:
-        m, s, h = _softmax_stats(z, own, entropy)
+        m, s, h, w = _softmax_stats(z, own, entropy, squares)
         out[:, 1:2], out[:, 2:3] = m, s
         if h is not None:
             out[:, 3:4] = h
+        if w is not None:
+            out[:, c : c + 1] = w
         return
     if entropy:
-        m, s, h = _softmax_stats(z, False, True)
+        m, s, h, _ = _softmax_stats(z, False, True)
         assert h is not None
         out[:, 3:4], out[:, 4:5], out[:, 5:6] = m, s, h
     zk = z.masked_fill_(~keep, float("-inf")) if own else z.masked_fill(~keep, float("-inf"))
     zk.scatter_(1, idx, torch.where(in_range, zy, zk.gather(1, idx)))  # the target is always kept
-    mk, sk, _ = _softmax_stats(zk, True, False)
+    mk, sk, _, wk = _softmax_stats(zk, True, False, squares)
     out[:, 1:2], out[:, 2:3] = mk, sk
+    if wk is not None:
+        out[:, c : c + 1] = wk
 
 
 def _merge_lse(m: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -137,6 +167,25 @@ def merge(
     terms = q * (h + (me - m) + (lse - s.log()))
     ent = torch.where(q > 0, terms, torch.zeros_like(terms)).sum(dim=0)
     return logp, ent, (mp, lsp, me, lse, ent)
+
+
+def merge_squares(
+    gathered: torch.Tensor, masked: bool, entropy: bool, saved: tuple[torch.Tensor, ...]
+) -> torch.Tensor:
+    """``[N]`` sum of the squared probabilities of the log-prob distribution from the
+    ``[R, N, k]`` per-shard statistics (``ρ_r``, each shard's own ``Σ p²``, in the last
+    column) and :func:`merge`'s ``saved`` (its ``M``):
+
+        Σ_v p_v² = Σ_r q_r² · ρ_r,    q_r = a_r s_r / Σ_r a_r s_r,    a_r = exp(m_r − M),
+
+    in float64 (one rounding to the statistics' dtype at the end). Every term is ≥ 0; in one
+    process ``q = 1`` exactly and the result is ``ρ``; a shard that holds nothing of the
+    distribution (``m_r = −∞``: ``q_r = 0``, ``ρ_r = 0``) adds 0."""
+    c = n_columns(masked, entropy)
+    m, s, rho = (gathered[:, :, k].to(wide_dtype(gathered.device)) for k in (1, 2, c))
+    w = torch.exp(m - saved[0].to(m.dtype)) * s
+    q = w / w.sum(dim=0)
+    return (q * q * rho).sum(dim=0).to(gathered.dtype)
 
 
 def grad_chunk(

@@ -3,7 +3,8 @@ statistics.
 
 Every rank of a vocabulary-parallel call describes what it was asked to compute (a
 :class:`rlops.distributed.collectives.Call`: the operation, the number of tokens, the hidden
-size (linear op), the input dtype, the flags, the temperature, the sampler's scalar ``top_k``,
+size and whether a bias is given (linear op), the input dtype, the flags (``with_sum_pi_squared``
+among them: it adds a column to the statistics), the temperature, the sampler's scalar ``top_k``,
 ``top_p``, ``min_p`` and ``entropy_over_support``) with checksums computed on the device,
 compared bit for bit: one of the target ids and one of each sampler parameter given per token
 (:func:`checksum`). The payload is its vocabulary shard size ``V_local``. One
@@ -83,6 +84,8 @@ class Call:
     temperature: float
     sampler: Sampler | None = None
     entropy_over_support: bool = False
+    sum_pi_squared: bool = False
+    bias: bool = False
 
     def described(self, target: torch.Tensor) -> collectives.Call:
         """The group check's description, with the checksums of ``target`` and of the
@@ -90,9 +93,11 @@ class Call:
         fields: dict[str, object] = {
             "tokens": self.tokens,
             "hidden size": self.hidden,
+            "bias given": self.bias,
             "dtype": self.dtype,
             "with_entropy": self.with_entropy,
             "entropy_grad": self.entropy_grad,
+            "with_sum_pi_squared": self.sum_pi_squared,
             "keep_mask given": self.masked,
             "temperature": self.temperature,
         }

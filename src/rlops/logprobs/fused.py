@@ -80,7 +80,7 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
         return _engine.forward(ctx, plan, _producer(x, plan, kernels), (logits, target, keep))
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent):
+    def backward(ctx, g_logp, g_ent, _g_squares):
         restored = _engine.restore(ctx, g_logp, g_ent)
         if restored is None:
             return None, None, None, None, None
@@ -110,6 +110,7 @@ def logprobs_and_entropy(
     group: object = ...,
     chunk_size: int | None = ...,
     method: str = ...,
+    with_sum_pi_squared: Literal[False] = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -129,6 +130,7 @@ def logprobs_and_entropy(
     group: object = ...,
     chunk_size: int | None = ...,
     method: str = ...,
+    with_sum_pi_squared: Literal[False] = ...,
 ) -> tuple[torch.Tensor, None]: ...
 
 
@@ -148,7 +150,91 @@ def logprobs_and_entropy(
     group: object = ...,
     chunk_size: int | None = ...,
     method: str = ...,
+    with_sum_pi_squared: Literal[False] = ...,
 ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+@overload
+def logprobs_and_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    temperature: float = ...,
+    keep_mask: torch.Tensor | None = ...,
+    top_k: int | torch.Tensor | None = ...,
+    top_p: float | torch.Tensor | None = ...,
+    min_p: float | torch.Tensor | None = ...,
+    entropy_over_support: bool = ...,
+    with_entropy: Literal[True] = ...,
+    entropy_grad: bool = ...,
+    group: object = ...,
+    chunk_size: int | None = ...,
+    method: str = ...,
+    with_sum_pi_squared: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def logprobs_and_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    temperature: float = ...,
+    keep_mask: torch.Tensor | None = ...,
+    top_k: int | torch.Tensor | None = ...,
+    top_p: float | torch.Tensor | None = ...,
+    min_p: float | torch.Tensor | None = ...,
+    entropy_over_support: bool = ...,
+    with_entropy: Literal[False],
+    entropy_grad: bool = ...,
+    group: object = ...,
+    chunk_size: int | None = ...,
+    method: str = ...,
+    with_sum_pi_squared: Literal[True],
+) -> tuple[torch.Tensor, None, torch.Tensor]: ...
+
+
+@overload
+def logprobs_and_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    temperature: float = ...,
+    keep_mask: torch.Tensor | None = ...,
+    top_k: int | torch.Tensor | None = ...,
+    top_p: float | torch.Tensor | None = ...,
+    min_p: float | torch.Tensor | None = ...,
+    entropy_over_support: bool = ...,
+    with_entropy: bool = ...,
+    entropy_grad: bool = ...,
+    group: object = ...,
+    chunk_size: int | None = ...,
+    method: str = ...,
+    with_sum_pi_squared: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]: ...
+
+
+@overload
+def logprobs_and_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    temperature: float = ...,
+    keep_mask: torch.Tensor | None = ...,
+    top_k: int | torch.Tensor | None = ...,
+    top_p: float | torch.Tensor | None = ...,
+    min_p: float | torch.Tensor | None = ...,
+    entropy_over_support: bool = ...,
+    with_entropy: bool = ...,
+    entropy_grad: bool = ...,
+    group: object = ...,
+    chunk_size: int | None = ...,
+    method: str = ...,
+    with_sum_pi_squared: bool = ...,
+) -> (
+    tuple[torch.Tensor, torch.Tensor | None]
+    | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
+): ...
 
 
 def logprobs_and_entropy(
@@ -166,7 +252,11 @@ def logprobs_and_entropy(
     group: object = None,
     chunk_size: int | None = None,
     method: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    with_sum_pi_squared: bool = False,
+) -> (
+    tuple[torch.Tensor, torch.Tensor | None]
+    | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
+):
     r"""Log-probabilities of the targets and the entropy of the softmax, fused and chunked.
 
     With ``z = logits / temperature`` over the full vocabulary, for every token:
@@ -178,6 +268,20 @@ def logprobs_and_entropy(
 
     With ``keep_mask`` (top-p / top-k replay), the log-prob is taken over the kept logits only
     (the target is always kept), while the entropy uses all logits.
+
+    With ``with_sum_pi_squared=True`` a third output is ``Σ_v π_v²`` per token, where ``π`` is
+    the distribution whose log-prob is returned: ``softmax(z)`` over the full vocabulary, or,
+    with ``keep_mask`` or the sampler's filters, the softmax of ``z`` renormalised over the
+    support (target included), so ``log π_y`` is ``logp`` — whatever ``entropy_over_support``
+    says about the entropy. Then ``‖∂logp/∂z‖² = 1 − 2π_y + Σ_v π_v²`` (times ``1/τ²`` for the
+    logits), the squared norm of the log-prob's gradient that the optimal token baseline
+    (`arXiv 2602.07078 <https://arxiv.org/abs/2602.07078>`_) sums into its weights. It is
+    computed in the same chunk loop, relative to the same maxima: each shard's own
+    ``ρ_r = Σ (e / Σ e)²`` with ``e = exp(z − m_r)``, merged in float64 as ``Σ_r q_r² ρ_r``
+    with ``q_r`` the shard's probability mass (the Triton kernels accumulate ``Σ e`` and
+    ``Σ e²`` in float64 and form ``ρ_r`` from them); under a ``group`` it
+    travels in the same single collective (one more column of ``[N, k]``). It is returned
+    detached: a constant weight, without gradient.
 
     Sampler support: ``top_k``, ``top_p`` and ``min_p`` rebuild the sampler's support from
     ``z`` chunk by chunk inside the loop (never an ``[N, V]`` mask; a chunk's sort is the extra
@@ -254,7 +358,9 @@ def logprobs_and_entropy(
     softmax chunk by chunk. With ``top_k`` / ``top_p`` / ``min_p`` the forward also sorts each
     chunk (a few more ``[chunk_size, V_local]`` temporaries; top-k alone uses ``topk``), and
     saves one more number per token, the support's threshold, from which the backward
-    rebuilds the support (``z ≥ t``) without sorting again.
+    rebuilds the support (``z ≥ t``) without sorting again. ``with_sum_pi_squared`` adds no
+    temporary (a division and a dot product on the chunk's ``exp(z − m)``) and saves nothing
+    more.
     Logits that cannot be viewed as ``[N, V_local]`` (e.g. a slice ``x[:, :-1]``) are copied.
 
     Args:
@@ -284,10 +390,13 @@ def logprobs_and_entropy(
             imported (chunked while ``torch.compile`` traces), else chunked. A kernel that
             fails to build on the device warns once (``RuntimeWarning``) and the chunked
             method runs for the rest of the process.
+        with_sum_pi_squared: also return ``Σ_v π_v²`` (above), detached.
 
     Returns:
         ``(logp, entropy)``, each ``[...]``, float32 (float64 for float64 logits);
         ``entropy`` is None when ``with_entropy=False``. Differentiable w.r.t. ``logits``.
+        With ``with_sum_pi_squared=True``: ``(logp, entropy, sum_pi_squared)``, the last
+        ``[...]`` in the same dtype and without gradient.
 
     Example:
         >>> import torch
@@ -302,6 +411,9 @@ def logprobs_and_entropy(
         >>> # the sampled token even outside it (row 1: the support is {0, 1})
         >>> logprobs_and_entropy(logits, torch.tensor([1, 1]), top_k=1)[0]
         tensor([-1.3863, -2.1269])
+        >>> # Σ π² is 1/4 for four equal logits
+        >>> logprobs_and_entropy(logits, torch.tensor([1, 0]), with_sum_pi_squared=True)[2]
+        tensor([0.2500, 0.5960])
     """
     options = _engine.Options(
         temperature=temperature,
@@ -312,6 +424,7 @@ def logprobs_and_entropy(
         entropy_over_support=entropy_over_support,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
+        with_sum_pi_squared=with_sum_pi_squared,
         group=group,
         chunk_size=chunk_size,
     )
@@ -326,7 +439,11 @@ def logprobs_and_entropy(
     kernels = chosen[0] == "triton"
     if kernels and chunk_size is None and plan.sampler is None:
         plan = replace(plan, chunk=max(plan.rows, 1))  # the kernels need no [chunk, V] buffer
-    logp, ent = _FusedLogprobsEntropy.apply(inputs.x, inputs.target, inputs.keep, plan, kernels)
+    logp, ent, squares = _FusedLogprobsEntropy.apply(
+        inputs.x, inputs.target, inputs.keep, plan, kernels
+    )
+    if with_sum_pi_squared:
+        return logp, (ent if with_entropy else None), squares
     return logp, (ent if with_entropy else None)
 
 
@@ -337,7 +454,11 @@ def _checked(logits: object, target: object, options: _engine.Options) -> _engin
     if v_local == 0:
         raise ValueError("logits must have a non-empty vocabulary dimension, got [..., 0]")
     temperature = check_temperature(options.temperature)
-    check_flags(with_entropy=options.with_entropy, entropy_grad=options.entropy_grad)
+    check_flags(
+        with_entropy=options.with_entropy,
+        entropy_grad=options.entropy_grad,
+        with_sum_pi_squared=options.with_sum_pi_squared,
+    )
     check_chunk_size(options.chunk_size)
     lead = logits.shape[:-1]
     target = check_target(target, lead, "logits")

@@ -45,16 +45,30 @@ _OP = "linear_logprobs_and_entropy"
 _MIN_TILE_VOCAB = 256
 
 
-class _Matmul(_engine.Producer):
-    """Chunks of rows of ``hidden @ weightᵀ`` in the inputs' dtype (as a materialised output
-    layer), then in the compute dtype and ``/ τ``; a fresh buffer each time."""
+def _linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``h [C, H] @ weightᵀ``, then ``+ bias``, each in the inputs' dtype (a fresh tensor).
 
-    def __init__(self, h2: torch.Tensor, weight: torch.Tensor, plan: Plan) -> None:
-        self.h2, self.weight = h2, weight
+    The bias is added after the matmul, not inside it (``addmm``): an elementwise add has the
+    same bits however the rows and columns are tiled, whereas a fused ``addmm`` rounds its
+    partial sums differently per block shape, and the backward's tiles must see the logits
+    the forward's chunks saw (their mismatch enters every gradient)."""
+    z = h @ weight.T
+    return z if bias is None else z.add_(bias)
+
+
+class _Matmul(_engine.Producer):
+    """Chunks of rows of ``hidden @ weightᵀ (+ bias)`` in the inputs' dtype (as a materialised
+    output layer, :func:`_linear`), then in the compute dtype and ``/ τ``; a fresh buffer each
+    time."""
+
+    def __init__(
+        self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: Plan
+    ) -> None:
+        self.h2, self.weight, self.bias = h2, weight, bias
         self.dtype, self.temperature = plan.dtype, plan.temperature
 
     def logits(self, i: int, j: int) -> tuple[torch.Tensor, bool]:
-        z = (self.h2[i:j] @ self.weight.T).to(self.dtype)
+        z = _linear(self.h2[i:j], self.weight, self.bias).to(self.dtype)
         return (z.div_(self.temperature) if self.temperature != 1.0 else z), True
 
 
@@ -70,16 +84,21 @@ def _grads_by_rows(
     plan: Plan,
     h2: torch.Tensor,
     weight: torch.Tensor,
-    grad_h: torch.Tensor | None,
-    grad_w: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
 ) -> None:
     """The backward over token chunks of the whole vocabulary row, in the forward's chunks:
     each chunk's logits have the forward's bits, so that the saved threshold of the sampler's
-    support selects the same tokens."""
-    producer = _Matmul(h2, weight, plan)
+    support selects the same tokens. ``grads``: the buffers of the hidden, weight and bias
+    gradients (None: not asked for)."""
+    grad_h, grad_w, grad_b = grads
+    producer = _Matmul(h2, weight, bias, plan)
     for i in plan.starts:
         j = i + plan.chunk
-        g = producer.grad(plan, i, j).to(h2.dtype)
+        g = producer.grad(plan, i, j)
+        if grad_b is not None:  # the sum over the rows, in the compute dtype
+            grad_b += g.sum(dim=0)
+        g = g.to(h2.dtype)
         if grad_h is not None:
             torch.mm(g, weight, out=grad_h[i:j])
         if grad_w is not None:
@@ -90,8 +109,8 @@ def _grads_by_tiles(
     plan: Plan,
     h2: torch.Tensor,
     weight: torch.Tensor,
-    grad_h: torch.Tensor | None,
-    grad_w: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
 ) -> None:
     """The backward over ``[tokens, vocabulary]`` tiles of the forward chunk's size (no sampler
     threshold: every tile's gradient is local, given the saved per-token statistics).
@@ -101,12 +120,16 @@ def _grads_by_tiles(
     rather than once per chunk: with a 152K vocabulary a chunk holds ~55 tokens, and streaming
     the weight and its gradient per chunk made the backward memory-bound.
     """
+    grad_h, grad_w, grad_b = grads
     n, v_local = plan.rows, plan.v_local
     budget = plan.chunk * v_local  # elements of one forward chunk
     vb = min(v_local, max(_MIN_TILE_VOCAB, budget // max(n, 1)))
     ct = max(1, min(n, budget // vb))
     tiles = [(v0, min(v0 + vb, v_local)) for v0 in range(0, v_local, vb)]
-    producers = [_Matmul(h2, weight[v0:v1], plan) for v0, v1 in tiles]
+    producers = [
+        _Matmul(h2, weight[v0:v1], None if bias is None else bias[v0:v1], plan)
+        for v0, v1 in tiles
+    ]
     plans = [plan.tile(v0, v1) for v0, v1 in tiles]
     for i in range(0, n, ct):
         j = min(i + ct, n)
@@ -116,7 +139,10 @@ def _grads_by_tiles(
         if dst is not None and dst.dtype != plan.dtype:
             acc = torch.zeros_like(dst, dtype=plan.dtype)
         for (v0, v1), producer, tile in zip(tiles, producers, plans, strict=True):
-            g = producer.grad(tile, i, j).to(h2.dtype)
+            g = producer.grad(tile, i, j)
+            if grad_b is not None:  # the sum over the rows, in the compute dtype
+                grad_b[v0:v1] += g.sum(dim=0)
+            g = g.to(h2.dtype)
             wb = producer.weight
             if acc is not None:
                 acc += g @ wb
@@ -133,42 +159,44 @@ def _grads_by_tiles(
 
 class _FusedLinearLogprobsEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, keep, plan):
-        plan = plan.bound(target, keep)
+    def forward(ctx, hidden, weight, bias, plan):
+        # ``plan``: its target and keep mask bound (no gradient; saved from it)
         h2 = hidden.reshape(-1, hidden.shape[-1])
-        producer = _Matmul(h2, weight, plan)
-        return _engine.forward(ctx, plan, producer, (hidden, weight, target, keep))
+        producer = _Matmul(h2, weight, bias, plan)
+        inputs = (hidden, weight, bias, plan.target, plan.keep)
+        return _engine.forward(ctx, plan, producer, inputs)
 
     @staticmethod
-    def backward(ctx, g_logp, g_ent):
+    def backward(ctx, g_logp, g_ent, _g_squares):
         restored = _engine.restore(ctx, g_logp, g_ent)
         if restored is None:
-            return None, None, None, None, None
-        (hidden, weight, _, _), plan = restored
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+            return None, None, None, None
+        (hidden, weight, bias, _, _), plan = restored
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         h2 = hidden.reshape(-1, hidden.shape[-1])
         if torch.is_grad_enabled():  # create_graph=True: a differentiable backward
             # The logits chunk by chunk, as in the forward: the same bits, so that the saved
             # threshold selects the same support.
-            rows = [h2[i : i + plan.chunk] @ weight.T for i in plan.starts]
-            logits = torch.cat(rows) if rows else h2 @ weight.T
+            rows = [_linear(h2[i : i + plan.chunk], weight, bias) for i in plan.starts]
+            logits = torch.cat(rows) if rows else _linear(h2, weight, bias)
             g = _engine.grad_with_graph(plan, logits, _OP)
             grad_h = (g @ weight).view(hidden.shape) if need_h else None
-            return grad_h, (g.T @ h2 if need_w else None), None, None, None
+            grad_b = g.sum(dim=0) if need_b else None
+            return grad_h, (g.T @ h2 if need_w else None), grad_b, None
         grad_h = torch.empty_like(h2, memory_format=torch.contiguous_format) if need_h else None
-        # The weight gradient sums over all chunks: accumulate in float32 for half inputs.
-        grad_w = None
+        # The weight and bias gradients sum over all chunks: accumulated in float32 for half
+        # inputs.
+        grad_w = grad_b = None
         if need_w:
             grad_w = torch.zeros(weight.shape, dtype=plan.dtype, device=weight.device)
-        if plan.threshold is None:
-            _grads_by_tiles(plan, h2, weight, grad_h, grad_w)
-        else:
-            _grads_by_rows(plan, h2, weight, grad_h, grad_w)
+        if need_b:
+            grad_b = torch.zeros(bias.shape, dtype=plan.dtype, device=bias.device)
+        by = _grads_by_tiles if plan.threshold is None else _grads_by_rows
+        by(plan, h2, weight, bias, (grad_h, grad_w, grad_b))
         return (
             None if grad_h is None else grad_h.view(hidden.shape),
             None if grad_w is None else grad_w.to(weight.dtype),
-            None,
-            None,
+            None if grad_b is None else grad_b.to(bias.dtype),
             None,
         )
 
@@ -179,6 +207,7 @@ def linear_logprobs_and_entropy(
     weight: torch.Tensor,
     target: torch.Tensor,
     *,
+    bias: torch.Tensor | None = ...,
     temperature: float = ...,
     keep_mask: torch.Tensor | None = ...,
     top_k: int | torch.Tensor | None = ...,
@@ -189,6 +218,7 @@ def linear_logprobs_and_entropy(
     entropy_grad: bool = ...,
     group: object = ...,
     chunk_size: int | None = ...,
+    with_sum_pi_squared: Literal[False] = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -198,6 +228,7 @@ def linear_logprobs_and_entropy(
     weight: torch.Tensor,
     target: torch.Tensor,
     *,
+    bias: torch.Tensor | None = ...,
     temperature: float = ...,
     keep_mask: torch.Tensor | None = ...,
     top_k: int | torch.Tensor | None = ...,
@@ -208,6 +239,7 @@ def linear_logprobs_and_entropy(
     entropy_grad: bool = ...,
     group: object = ...,
     chunk_size: int | None = ...,
+    with_sum_pi_squared: Literal[False] = ...,
 ) -> tuple[torch.Tensor, None]: ...
 
 
@@ -217,6 +249,7 @@ def linear_logprobs_and_entropy(
     weight: torch.Tensor,
     target: torch.Tensor,
     *,
+    bias: torch.Tensor | None = ...,
     temperature: float = ...,
     keep_mask: torch.Tensor | None = ...,
     top_k: int | torch.Tensor | None = ...,
@@ -227,7 +260,95 @@ def linear_logprobs_and_entropy(
     entropy_grad: bool = ...,
     group: object = ...,
     chunk_size: int | None = ...,
+    with_sum_pi_squared: Literal[False] = ...,
 ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+@overload
+def linear_logprobs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = ...,
+    temperature: float = ...,
+    keep_mask: torch.Tensor | None = ...,
+    top_k: int | torch.Tensor | None = ...,
+    top_p: float | torch.Tensor | None = ...,
+    min_p: float | torch.Tensor | None = ...,
+    entropy_over_support: bool = ...,
+    with_entropy: Literal[True] = ...,
+    entropy_grad: bool = ...,
+    group: object = ...,
+    chunk_size: int | None = ...,
+    with_sum_pi_squared: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def linear_logprobs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = ...,
+    temperature: float = ...,
+    keep_mask: torch.Tensor | None = ...,
+    top_k: int | torch.Tensor | None = ...,
+    top_p: float | torch.Tensor | None = ...,
+    min_p: float | torch.Tensor | None = ...,
+    entropy_over_support: bool = ...,
+    with_entropy: Literal[False],
+    entropy_grad: bool = ...,
+    group: object = ...,
+    chunk_size: int | None = ...,
+    with_sum_pi_squared: Literal[True],
+) -> tuple[torch.Tensor, None, torch.Tensor]: ...
+
+
+@overload
+def linear_logprobs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = ...,
+    temperature: float = ...,
+    keep_mask: torch.Tensor | None = ...,
+    top_k: int | torch.Tensor | None = ...,
+    top_p: float | torch.Tensor | None = ...,
+    min_p: float | torch.Tensor | None = ...,
+    entropy_over_support: bool = ...,
+    with_entropy: bool = ...,
+    entropy_grad: bool = ...,
+    group: object = ...,
+    chunk_size: int | None = ...,
+    with_sum_pi_squared: Literal[True],
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]: ...
+
+
+@overload
+def linear_logprobs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = ...,
+    temperature: float = ...,
+    keep_mask: torch.Tensor | None = ...,
+    top_k: int | torch.Tensor | None = ...,
+    top_p: float | torch.Tensor | None = ...,
+    min_p: float | torch.Tensor | None = ...,
+    entropy_over_support: bool = ...,
+    with_entropy: bool = ...,
+    entropy_grad: bool = ...,
+    group: object = ...,
+    chunk_size: int | None = ...,
+    with_sum_pi_squared: bool = ...,
+) -> (
+    tuple[torch.Tensor, torch.Tensor | None]
+    | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
+): ...
 
 
 def linear_logprobs_and_entropy(
@@ -235,6 +356,7 @@ def linear_logprobs_and_entropy(
     weight: torch.Tensor,
     target: torch.Tensor,
     *,
+    bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     keep_mask: torch.Tensor | None = None,
     top_k: int | torch.Tensor | None = None,
@@ -245,16 +367,22 @@ def linear_logprobs_and_entropy(
     entropy_grad: bool = True,
     group: object = None,
     chunk_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    r"""Log-probs and entropy of ``softmax(hidden @ weightᵀ / τ)`` without building the logits.
+    with_sum_pi_squared: bool = False,
+) -> (
+    tuple[torch.Tensor, torch.Tensor | None]
+    | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
+):
+    r"""Log-probs and entropy of ``softmax((hidden @ weightᵀ + bias) / τ)`` without building the
+    logits.
 
-    Equal to ``logprobs_and_entropy(hidden @ weight.T, target, ...)`` (the matmul in the
-    inputs' dtype, as a materialised output layer computes it), but only ``[chunk, V_local]``
-    logits exist at a time, in the forward and again in the backward:
+    Equal to ``logprobs_and_entropy(hidden @ weight.T + bias, target, ...)`` (the matmul, then
+    the bias, in the inputs' dtype, as a materialised output layer computes them; ``F.linear``
+    fuses the two and may round once less), but only ``[chunk, V_local]`` logits exist at a
+    time, in the forward and again in the backward (the bias is added to each chunk there):
 
     .. math::
 
-        z = h W^\top / \tau, \qquad \log p_y = z_y - \operatorname{lse}(z), \qquad
+        z = (h W^\top + b) / \tau, \qquad \log p_y = z_y - \operatorname{lse}(z), \qquad
         H = \operatorname{lse}(z) - \sum_v \operatorname{softmax}(z)_v\, z_v .
 
     Vocabulary-parallel over ``group``: rank ``r`` holds the rows of the output weight for the
@@ -272,6 +400,10 @@ def linear_logprobs_and_entropy(
     Args:
         hidden: ``[..., H]`` (typically ``[N, H]``) float16 / bfloat16 / float32 / float64.
         weight: ``[V_local, H]``, the output layer's weight (its shard), same dtype as hidden.
+        bias: ``[V_local]``, the output layer's bias (its shard, the entries of the ids of
+            ``weight``'s rows), same dtype and device as hidden, or None (no bias). Its
+            gradient is the logits' gradient summed over the tokens, chunk by chunk
+            (accumulated in float32 for half precision).
         target: ``[...]`` integer ids in the global vocabulary ``[0, Σ_r V_local_r)``.
         temperature: ``> 0``; divides the logits.
         keep_mask: ``[..., V_local]`` bool (the support as a mask, e.g. from the engine), read
@@ -289,11 +421,16 @@ def linear_logprobs_and_entropy(
         group: the tensor-parallel process group, or None (one process, no collective).
         chunk_size: tokens per chunk (``>= 1``); None picks a bound of 32 MiB per
             ``[chunk, V_local]`` float32 buffer on CPU and 128 MiB on accelerators.
+        with_sum_pi_squared: also return ``Σ_v π_v²`` of the log-prob's distribution,
+            detached, as :func:`rlops.logprobs.logprobs_and_entropy` defines it (one more
+            column in the same collective under a group).
 
     Returns:
         ``(logp, entropy)``, each ``[...]``, float32 (float64 for float64 inputs); entropy is
-        None when ``with_entropy=False``. Differentiable w.r.t. ``hidden`` and ``weight``; the
-        weight gradient is accumulated in float32 for half-precision weights.
+        None when ``with_entropy=False``; with ``with_sum_pi_squared=True`` a third ``[...]``
+        output ``Σ_v π_v²`` without gradient. Differentiable w.r.t. ``hidden``, ``weight`` and
+        ``bias``; the weight and bias gradients are accumulated in float32 for half-precision
+        inputs.
 
     Example:
         >>> import torch
@@ -303,6 +440,9 @@ def linear_logprobs_and_entropy(
         >>> logp, ent = linear_logprobs_and_entropy(hidden, weight, torch.tensor([0, 2]))
         >>> logp, ent
         (tensor([-0.2395, -1.0986]), tensor([0.6656, 1.0986]))
+        >>> bias = torch.tensor([0.0, 0.0, 1.0])  # the logits of row 1 become (0, 0, 1)
+        >>> linear_logprobs_and_entropy(hidden, weight, torch.tensor([0, 2]), bias=bias)[0]
+        tensor([-0.4076, -0.5514])
     """
     options = _engine.Options(
         temperature=temperature,
@@ -313,20 +453,23 @@ def linear_logprobs_and_entropy(
         entropy_over_support=entropy_over_support,
         with_entropy=with_entropy,
         entropy_grad=entropy_grad,
+        with_sum_pi_squared=with_sum_pi_squared,
         group=group,
         chunk_size=chunk_size,
     )
     inputs, plan = _engine.prepare(
-        _OP, hidden, options, lambda: _checked(hidden, weight, target, options)
+        _OP, hidden, options, lambda: _checked(hidden, weight, bias, target, options)
     )
-    logp, ent = _FusedLinearLogprobsEntropy.apply(
-        inputs.x, inputs.weight, inputs.target, inputs.keep, plan
+    logp, ent, squares = _FusedLinearLogprobsEntropy.apply(
+        inputs.x, inputs.weight, inputs.bias, plan.bound(inputs.target, inputs.keep)
     )
+    if with_sum_pi_squared:
+        return logp, (ent if with_entropy else None), squares
     return logp, (ent if with_entropy else None)
 
 
 def _checked(
-    hidden: object, weight: object, target: object, options: _engine.Options
+    hidden: object, weight: object, bias: object, target: object, options: _engine.Options
 ) -> _engine.Checked:
     """This rank's own argument checks (the sampler's are the engine's)."""
     hidden = check_logits("hidden", hidden)
@@ -337,19 +480,34 @@ def _checked(
         raise shape_error(
             "weight", f"[V_local, H] with V_local >= 1 and H = {hidden.shape[-1]}", weight.shape
         )
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"bias must have hidden's dtype {hidden.dtype}, got {bias.dtype}")
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise shape_error("bias", f"[V_local] like weight's rows [{weight.shape[0]}]",
+                              bias.shape)  # fmt: skip
     temperature = check_temperature(options.temperature)
-    check_flags(with_entropy=options.with_entropy, entropy_grad=options.entropy_grad)
+    check_flags(
+        with_entropy=options.with_entropy,
+        entropy_grad=options.entropy_grad,
+        with_sum_pi_squared=options.with_sum_pi_squared,
+    )
     check_chunk_size(options.chunk_size)
     lead = hidden.shape[:-1]
     target = check_target(target, lead, "hidden")
     v_local = weight.shape[0]
     keep_mask = check_keep_mask(options.keep_mask, (*lead, v_local), "hidden @ weight.T")
-    check_same_device("hidden", hidden, weight=weight, target=target, keep_mask=keep_mask)
+    check_same_device(
+        "hidden", hidden, weight=weight, bias=bias, target=target, keep_mask=keep_mask
+    )
     n, chunk = target.numel(), options.chunk_size
     return _engine.Checked(
         name="hidden",
         x=hidden,
         weight=weight,
+        bias=bias,
         target=target,
         keep=keep_mask,
         temperature=temperature,

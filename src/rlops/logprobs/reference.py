@@ -83,7 +83,11 @@ def logprobs_and_entropy_reference(
     min_p: float | torch.Tensor | None = None,
     entropy_over_support: bool = False,
     with_entropy: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    with_sum_pi_squared: bool = False,
+) -> (
+    tuple[torch.Tensor, torch.Tensor | None]
+    | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
+):
     """Reference log-probs and entropy over the full vocabulary ``[..., V]``.
 
     ``z = logits / temperature`` in float32 (float64 stays float64); the support ``K`` is
@@ -91,7 +95,8 @@ def logprobs_and_entropy_reference(
     always holds the target;
     ``logp = log_softmax(z masked to K).gather(target)``;
     ``entropy = −(softmax(z) · log_softmax(z)).sum(−1)`` over the unmasked logits, or over
-    ``K`` with ``entropy_over_support=True``.
+    ``K`` with ``entropy_over_support=True``; with ``with_sum_pi_squared=True`` a third output
+    ``(p ** 2).sum(−1)``, ``p = softmax(z masked to K)`` (the log-prob's distribution), detached.
 
     Example:
         >>> import torch
@@ -117,12 +122,15 @@ def logprobs_and_entropy_reference(
         zk = z.masked_fill(~keep, float("-inf"))
     log_pk = torch.log_softmax(zk, dim=-1)
     logp = log_pk.gather(-1, idx).squeeze(-1)
-    if not with_entropy:
-        return logp, None
-    if entropy_over_support and keep is not None:
-        return logp, -(torch.softmax(zk, dim=-1) * log_pk.masked_fill(~keep, 0.0)).sum(dim=-1)
-    log_p = torch.log_softmax(z, dim=-1)
-    return logp, -(torch.softmax(z, dim=-1) * log_p).sum(dim=-1)
+    ent = None
+    if with_entropy and entropy_over_support and keep is not None:
+        ent = -(torch.softmax(zk, dim=-1) * log_pk.masked_fill(~keep, 0.0)).sum(dim=-1)
+    elif with_entropy:
+        ent = -(torch.softmax(z, dim=-1) * torch.log_softmax(z, dim=-1)).sum(dim=-1)
+    if not with_sum_pi_squared:
+        return logp, ent
+    p = torch.softmax(zk.detach(), dim=-1)
+    return logp, ent, (p**2).sum(dim=-1)
 
 
 def linear_logprobs_and_entropy_reference(
@@ -130,6 +138,7 @@ def linear_logprobs_and_entropy_reference(
     weight: torch.Tensor,
     target: torch.Tensor,
     *,
+    bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     keep_mask: torch.Tensor | None = None,
     top_k: int | torch.Tensor | None = None,
@@ -137,8 +146,13 @@ def linear_logprobs_and_entropy_reference(
     min_p: float | torch.Tensor | None = None,
     entropy_over_support: bool = False,
     with_entropy: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The reference on materialised logits: ``hidden [N, H] @ weight [V, H]ᵀ`` in their dtype.
+    with_sum_pi_squared: bool = False,
+) -> (
+    tuple[torch.Tensor, torch.Tensor | None]
+    | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
+):
+    """The reference on materialised logits: ``F.linear(hidden [N, H], weight [V, H], bias
+    [V])``, ``hidden @ weightᵀ + bias``, in their dtype.
 
     Example:
         >>> import torch
@@ -148,7 +162,7 @@ def linear_logprobs_and_entropy_reference(
         tensor([-1.0986])
     """
     return logprobs_and_entropy_reference(
-        hidden @ weight.T,
+        torch.nn.functional.linear(hidden, weight, bias),
         target,
         temperature=temperature,
         keep_mask=keep_mask,
@@ -157,4 +171,5 @@ def linear_logprobs_and_entropy_reference(
         min_p=min_p,
         entropy_over_support=entropy_over_support,
         with_entropy=with_entropy,
+        with_sum_pi_squared=with_sum_pi_squared,
     )

@@ -7,10 +7,13 @@ vocabulary tiles with an online log-sum-exp and writes, per token, the columns t
 :mod:`rlops.logprobs._shard` defines — the target logit ``z_y`` (0 when the target lies outside
 ``[offset, offset + V_local)``), the max ``m`` and ``s = Σ exp(z − m)`` of the log-prob
 distribution, and the shard's own entropy ``h = log s − Σ exp(z − m)(z − m)/s`` (with a keep
-mask or a sampler threshold, ``(m, s, h)`` of the unmasked logits in three more columns). When
-a tile raises the max from ``m`` to ``m'`` the running sums are rescaled,
-``s ← s·e^{m−m'} + Σ e^{z−m'}`` and ``u ← e^{m−m'}·(u + (m − m')·s) + Σ e^{z−m'}(z − m')``,
-every term ``≤ 0`` in ``u``: nothing cancels. ``z = logits / temperature`` in float32 (float64
+mask or a sampler threshold, ``(m, s, h)`` of the unmasked logits in three more columns), and
+on request, last, the shard's own ``ρ = Σ p²`` of the log-prob distribution, ``w / σ²`` from
+``σ = Σ e^{z−m}`` and ``w = Σ e^{2(z−m)}`` accumulated in float64. When a tile raises the max
+from ``m`` to ``m'`` the running sums are rescaled, ``s ← s·e^{m−m'} + Σ e^{z−m'}`` (``σ``
+likewise), ``w ← w·e^{2(m−m')} + Σ e^{2(z−m')}`` and
+``u ← e^{m−m'}·(u + (m − m')·s) + Σ e^{z−m'}(z − m')``, every term ``≤ 0`` in ``u``: nothing
+cancels. ``z = logits / temperature`` in float32 (float64
 for float64 logits), divided with IEEE rounding as the torch path does. The sampler's support
 is ``z ≥ t`` for a given per-token threshold ``t`` (the target always in it); with
 ``over_support`` the logits outside it are ``-inf``, so the entropy too is over the support.
@@ -73,8 +76,10 @@ def _scaled(x_ptrs, ok, tau, SCALE: tl.constexpr, ACC: tl.constexpr):
 
 
 @triton.jit
-def _online(m, s, u, z, ENTROPY: tl.constexpr):
-    # one tile [BLOCK_N, BLOCK_V] of scaled logits (-inf where absent) into (m, s, u) [BLOCK_N]
+def _online(m, s, u, sw, w, z, ENTROPY: tl.constexpr, SQUARES: tl.constexpr):
+    # one tile [BLOCK_N, BLOCK_V] of scaled logits (-inf where absent) into (m, s, u, sw, w)
+    # [BLOCK_N]; with SQUARES, sw = Σ exp(z − m) and w = Σ exp(2(z − m)) in float64, both
+    # rescaled by the same factor (its rounding cancels in w / sw²)
     m_new = tl.maximum(m, tl.max(z, axis=1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     scale = tl.exp(m - m_ref)
@@ -83,8 +88,13 @@ def _online(m, s, u, z, ENTROPY: tl.constexpr):
     if ENTROPY:
         corr = tl.where(m == float("-inf"), 0.0, (m - m_ref) * s)
         u = scale * (u + corr) + tl.sum(e * d, axis=1)
+    if SQUARES:
+        e64 = e.to(tl.float64)
+        sc = scale.to(tl.float64)
+        sw = sw * sc + tl.sum(e64, axis=1)
+        w = w * (sc * sc) + tl.sum(e64 * e64, axis=1)
     s = s * scale + tl.sum(e, axis=1)
-    return m_new, s, u
+    return m_new, s, u, sw, w
 
 
 @triton.jit
@@ -92,9 +102,12 @@ def _stats_kernel(
     x_ptr, tgt_ptr, keep_ptr, thr_ptr, tau_ptr, out_ptr, N, V, stride_x, stride_k, stride_o,
     offset,
     MASK: tl.constexpr, THRESH: tl.constexpr, TWO: tl.constexpr, ENTROPY: tl.constexpr,
-    SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    SQUARES: tl.constexpr, SQ_COL: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    # TWO: the log-prob's distribution (the support) and the entropy's (all logits) differ
+    # TWO: the log-prob's distribution (the support) and the entropy's (all logits) differ;
+    # SQUARES: ρ = Σ e² / (Σ e)² (e = exp(z − m), sums in float64) of the log-prob's
+    # distribution in column SQ_COL, the last
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     rows64 = rows.to(tl.int64)
@@ -108,6 +121,8 @@ def _stats_kernel(
     neg = tl.full([BLOCK_N], float("-inf"), ACC)
     zero = tl.zeros([BLOCK_N], ACC)
     m, s, u = neg, zero, zero  # the log-prob distribution (kept logits)
+    sw = tl.zeros([BLOCK_N], tl.float64)  # its Σ e and Σ e², when SQUARES
+    w = tl.zeros([BLOCK_N], tl.float64)
     me, se, ue = neg, zero, zero  # the unmasked distribution (entropy), when TWO
     cols0 = tl.arange(0, BLOCK_V)
     for v0 in range(0, V, BLOCK_V):
@@ -124,12 +139,12 @@ def _stats_kernel(
             z_keep = tl.where(keep, z, float("-inf"))
             if TWO:
                 if ENTROPY:
-                    me, se, ue = _online(me, se, ue, z, True)
-                m, s, u = _online(m, s, u, z_keep, False)
+                    me, se, ue, _, _ = _online(me, se, ue, sw, w, z, True, False)
+                m, s, u, sw, w = _online(m, s, u, sw, w, z_keep, False, SQUARES)
             else:  # over the support: the entropy's distribution is the log-prob's
-                m, s, u = _online(m, s, u, z_keep, ENTROPY)
+                m, s, u, sw, w = _online(m, s, u, sw, w, z_keep, ENTROPY, SQUARES)
         else:
-            m, s, u = _online(m, s, u, z, ENTROPY)
+            m, s, u, sw, w = _online(m, s, u, sw, w, z, ENTROPY, SQUARES)
     base = out_ptr + rows64 * stride_o
     tl.store(base, zy, mask=row_ok)
     tl.store(base + 1, m, mask=row_ok)
@@ -141,6 +156,9 @@ def _stats_kernel(
             tl.store(base + 5, tl.log(se) - ue / se, mask=row_ok)
         else:
             tl.store(base + 3, tl.log(s) - u / s, mask=row_ok)
+    if SQUARES:
+        rho = tl.where(sw > 0, w / tl.where(sw > 0, sw * sw, 1.0), 0.0)
+        tl.store(base + SQ_COL, rho.to(ACC), mask=row_ok)
 
 
 @triton.jit
@@ -247,6 +265,7 @@ def shard_stats(
     threshold: torch.Tensor | None = None,
     over_support: bool = False,
     with_entropy: bool = True,
+    with_squares: bool = False,
     out: torch.Tensor | None = None,
     block_n: int | None = None,
     block_v: int | None = None,
@@ -259,6 +278,8 @@ def shard_stats(
     :func:`rlops.logprobs._support.threshold_chunk` gives it): the log-prob is then over the
     kept logits (the target always kept), the entropy over all of them — or over the support
     too with ``over_support`` (then only ``k = 3 + 1`` columns, as without a support).
+    ``with_squares``: one more column, last, ``ρ = Σ p²`` of the log-prob distribution within
+    the shard (:func:`rlops.logprobs._shard.merge_squares` merges it).
     Written into ``out`` when given (``[N, k]`` rows of a unit column stride, in the compute
     dtype); float32 statistics (float64 for float64 logits)."""
     v = logits.shape[-1]
@@ -268,7 +289,7 @@ def shard_stats(
     keep, thr = _support_args(x, keep_mask, threshold, acc)
     supported = keep is not None or thr is not None
     two = supported and not over_support
-    ncol = _shard.n_columns(two, with_entropy)
+    ncol = _shard.n_columns(two, with_entropy, with_squares)
     if out is None:
         out = torch.empty((n, ncol), dtype=acc, device=x.device)
     if tuple(out.shape) != (n, ncol) or out.dtype != acc or (ncol > 1 and out.stride(1) != 1):
@@ -285,7 +306,8 @@ def shard_stats(
         x, tgt, x if keep is None else keep, tau if thr is None else thr, tau, out,
         n, v, x.stride(0), 0 if keep is None else keep.stride(0), out.stride(0), offset,
         MASK=keep is not None, THRESH=thr is not None, TWO=two, ENTROPY=with_entropy,
-        SCALE=temperature != 1.0, BLOCK_N=bn, BLOCK_V=bv, ACC=_tl(acc), num_warps=warps,
+        SQUARES=with_squares, SQ_COL=ncol - 1, SCALE=temperature != 1.0, BLOCK_N=bn,
+        BLOCK_V=bv, ACC=_tl(acc), num_warps=warps,
     )  # fmt: skip
     return out
 
@@ -380,7 +402,8 @@ class TritonLogits(_engine.Producer):
             shard_stats(
                 self.x[i:j], plan.target[i:j], offset=plan.start,
                 temperature=plan.temperature, keep_mask=plan.keep_rows(i, j), threshold=thr,
-                over_support=plan.over_support, with_entropy=plan.with_entropy, out=out,
+                over_support=plan.over_support, with_entropy=plan.with_entropy,
+                with_squares=plan.sum_pi_squared, out=out,
             )  # fmt: skip
         except _method.build_errors() as e:
             if not _method.is_build_error(e):
