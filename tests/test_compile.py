@@ -123,7 +123,9 @@ CASES: dict[str, Case] = {
 CASES.update({
     f"verl.{name}": (lambda d, fn=fn: fn(d["old"], d["logp"], d["adv"],
                                          d["mask"].to(d["logp"].dtype), "token-mean",
-                                         {"clip_ratio": 0.2}),
+                                         {"clip_ratio": 0.2, "policy_loss": {
+                                             "rollout_correction": {"loss_type": "ppo_clip",
+                                                                    "rollout_is": "token"}}}),
                      ("logp",))
     for name, fn in verl.POLICY_LOSS_REGISTRY.items()
 })

@@ -131,7 +131,8 @@ def _inputs(log_ratio: torch.Tensor, response_mask: torch.Tensor) -> torch.Tenso
 
 
 def _require_tokens(mask: torch.Tensor) -> None:
-    if not bool(mask.any()):
+    """verl's check (a value read, as in verl), skipped while torch.compile traces."""
+    if not torch.compiler.is_compiling() and not bool(mask.any()):
         raise ValueError("response_mask must contain at least one valid token (1)")
 
 
@@ -210,7 +211,7 @@ def compute_rollout_correction_weights(
         out["rollout_is_ratio_fraction_low"] = (seq < math.log(floor)).float().mean().item()
     # verl's spread of the applied weights (clamped to [0, upper]): population std, 0 for one token
     spread = rlops.masked_var(weights.clamp(0, upper), mask, unbiased=False)
-    out["rollout_is_std"] = spread.sqrt().item() if int(mask.sum()) > 1 else 0.0
+    out["rollout_is_std"] = torch.where(mask.sum() > 1, spread.sqrt(), 0.0).item()
     if lower is not None:
         out["rollout_is_oob_ratio"] = (metrics["rollout_is_ratio_fraction_high"]
                                        + metrics["rollout_is_ratio_fraction_low"]).item()
@@ -317,7 +318,7 @@ def compute_offpolicy_metrics(
     out.update({"log_ppl_diff": gap.mean().item(), "log_ppl_abs_diff": gap.abs().mean().item(),
                 "log_ppl_diff_max": gap.max().item(), "log_ppl_diff_min": gap.min().item(),
                 "ppl_ratio": torch.exp(gap).mean().item()})
-    return dict(sorted(out.items()))
+    return {k: out[k] for k in sorted(out)}
 
 
 def _perplexities(name: str, log_prob: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -356,6 +357,32 @@ def compute_rollout_correction_and_rejection_mask(
         >>> proto.batch["rollout_is_weights"], m["rollout_corr/rollout_is_mean"]
         (tensor([[2., 1.]]), 1.5)
     """
+    weights, modified, metrics = correction_and_rejection(
+        old_log_prob, rollout_log_prob, response_mask, rollout_is, rollout_is_threshold,
+        rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold)
+    proto = None
+    if weights is not None:
+        try:
+            from verl.protocol import DataProto
+        except ImportError:
+            proto = types.SimpleNamespace(batch={"rollout_is_weights": weights})
+        else:
+            proto = DataProto.from_dict(tensors={"rollout_is_weights": weights})
+    return proto, modified, metrics
+
+
+def correction_and_rejection(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is: str | None,
+    rollout_is_threshold: str | float | None,
+    rollout_is_batch_normalize: bool,
+    rollout_rs: str | None,
+    rollout_rs_threshold: str | float | None,
+) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
+    """:func:`compute_rollout_correction_and_rejection_mask` with the weights as a tensor
+    (``None`` when IS is off), not wrapped for verl: ``(weights, modified_mask, metrics)``."""
     check_2d("old_log_prob", old_log_prob)
     check_same_shape("old_log_prob", old_log_prob, rollout_log_prob=rollout_log_prob)
     mask = as_bool_mask("response_mask", response_mask, old_log_prob.shape, "old_log_prob",
@@ -377,13 +404,4 @@ def compute_rollout_correction_and_rejection_mask(
         metrics.update(rs_metrics)
     metrics.update(compute_offpolicy_metrics(old_log_prob, rollout_log_prob, response_mask))
     metrics = {f"rollout_corr/{k}": v for k, v in metrics.items()}
-    proto = None
-    if weights is not None:
-        try:
-            from verl.protocol import DataProto
-        except ImportError:
-            proto = types.SimpleNamespace(batch={"rollout_is_weights": weights})
-        else:
-            proto = DataProto.from_dict(tensors={"rollout_is_weights": weights})
-    return proto, modified, metrics
-
+    return weights, modified, metrics

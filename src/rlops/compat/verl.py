@@ -61,6 +61,7 @@ from rlops.compat._verl_rollout import (
     compute_rollout_correction_and_rejection_mask,
     compute_rollout_correction_weights,
     compute_rollout_rejection_mask,
+    correction_and_rejection,
 )
 from rlops.losses import AGG_MODES, KL_KINDS
 
@@ -964,13 +965,12 @@ def compute_policy_loss_bypass_mode(
         "rollout_rs": config_value(rc, "rollout_rs"),
         "rollout_rs_threshold": config_value(rc, "rollout_rs_threshold"),
     }
-    proto, mask, corr = compute_rollout_correction_and_rejection_mask(
+    weights, mask, corr = correction_and_rejection(
         log_prob.detach(), old_log_prob, response_mask, **options)
     if loss_type == "ppo_clip":
         loss, metrics = compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, mask,
                                                     loss_agg_mode, config, None)
     else:
-        weights = None if proto is None else proto.batch["rollout_is_weights"]
         loss_mat, m = rlops.policy_loss(log_prob, old_log_prob, advantages, mask,
                                         kind="reinforce", rollout_is_weights=weights, agg=None)
         loss = agg_loss(loss_mat, mask, loss_agg_mode, **batch_info(config))
