@@ -9,7 +9,8 @@ run on one single-threaded worker instead (``rlops.scan.dispatch``); this measur
 left: for each shape, ``rlops.gae`` and ``rlops.discounted_cumsum`` with ``method="chunked"``
 timed at 1 thread and at the default count, alternating in rounds (each a median of calls)
 while a child process spins on one core, and the median over rounds of the ratio
-default / 1 thread. The goal: at most 1.5.
+default / 1 thread. The goal: at most 1.5. glibc's malloc keeps freed memory, as in
+``rlops bench`` (``rlops.measure.timing.keep_freed_memory``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ def main() -> None:
     import torch
 
     import rlops
+    from rlops.measure.timing import keep_freed_memory
 
+    keep_freed_memory()  # as rlops bench: freed memory is kept, as a trainer's allocator does
     default = torch.get_num_threads()
     busy = None
     if not args.no_busy:
