@@ -360,7 +360,7 @@ def _bad_work(rank: int, world: int):
     def attempt(name, thunk):
         try:
             thunk()
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             errors[name] = str(e)
         else:
             errors[name] = None
@@ -372,9 +372,10 @@ def _bad_work(rank: int, world: int):
     attempt("norm without L", lambda: rlops.aggregate_loss(
         local["logp"], local["mask"], "seq-mean-token-sum-norm", cp_group=g))
     odd = dist.new_group([0]) if world > 1 else None
-    if rank == 0:  # a group that does not hold cp_group's other ranks (no collective)
-        attempt("group without cp_group", lambda: rlops.aggregate_loss(
-            local["logp"], local["mask"], group=odd, cp_group=g))
+    # a group that does not hold cp_group's other ranks (rank 1 is not even in it): each rank
+    # raises, and fails its cp_group together with the other
+    attempt("group without cp_group", lambda: rlops.aggregate_loss(
+        local["logp"], local["mask"], group=odd, cp_group=g))
     # mismatched calls over cp_group: the same error on every rank, no hang
     attempt("kind", lambda: rlops.policy_loss(local["logp"], local["old"], local["adv"],
                                               local["mask"], kind="gspo" if rank else "ppo",
@@ -400,6 +401,7 @@ def test_inexact_kinds_and_modes_raise_and_mismatches_raise_everywhere(two_ranks
         assert "needs loss_scale_factor" in r["norm without L"]
     assert "must be the data-parallel × context-parallel group" in ranks[0][
         "group without cp_group"]
+    assert ranks[1]["group without cp_group"] is not None
     for name, field in (("kind", "`kind`: ['ppo', 'gspo']"),
                         ("layout", "`cp_layout`: ['contiguous', 'zigzag']"),
                         ("packed on one rank", "`seqs_per_row`: [<absent>, 3]")):

@@ -71,7 +71,7 @@ from rlops._checks import (
     check_same_shape,
     compute_dtype,
 )
-from rlops.distributed.collectives import Call, gather
+from rlops.distributed.collectives import Call, fails_together, gather
 from rlops.distributed.rows import Rows
 
 __all__ = [
@@ -234,6 +234,7 @@ def _mismatch(r: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 # --------------------------------------------------------------------------- diagnostics
+@fails_together()
 def rollout_mismatch_metrics(
     old_logp: torch.Tensor,
     rollout_logp: torch.Tensor,
@@ -302,6 +303,7 @@ def _log_bounds(name: str, value: object, low_name: str, low: object) -> tuple[f
     return (-math.inf if lo is None else math.log(lo)), math.log(hi)
 
 
+@fails_together()
 def rollout_importance_weights(
     old_logp: torch.Tensor,
     rollout_logp: torch.Tensor,
@@ -475,6 +477,7 @@ def _as_given(option: str, spec: object) -> float | tuple[float, ...]:
         as_real(option, spec))
 
 
+@fails_together()
 def rollout_rejection_mask(
     old_logp: torch.Tensor,
     rollout_logp: torch.Tensor,

@@ -52,7 +52,7 @@ from rlops._checks import (
     compute_dtype,
     is_nan,
 )
-from rlops.distributed.collectives import Call, gather
+from rlops.distributed.collectives import Call, fails_together, gather
 from rlops.distributed.groups import group_rank_size
 from rlops.rollout_correction import rollout_importance_weights
 
@@ -132,6 +132,7 @@ def _rounds(x: torch.Tensor, valid: torch.Tensor, weights: list[torch.Tensor], t
 
 
 # --------------------------------------------------------------------------- OPSM
+@fails_together()
 def opsm_mask(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -200,6 +201,7 @@ def opsm_mask(
 
 
 # --------------------------------------------------------------------------- M2PO
+@fails_together()
 def m2po_mask(
     old_logp: torch.Tensor,
     rollout_logp: torch.Tensor,
@@ -309,6 +311,7 @@ def m2po_mask(
 
 
 # --------------------------------------------------------------------------- entropy quantile
+@fails_together()
 def top_entropy_mask(
     entropy: torch.Tensor,
     mask: torch.Tensor,
@@ -399,6 +402,7 @@ def top_entropy_mask(
 
 
 # --------------------------------------------------------------------------- behaviour weights
+@fails_together()
 def behavior_importance_weights(
     old_logp: torch.Tensor,
     rollout_logp: torch.Tensor,

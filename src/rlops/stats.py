@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 from rlops._checks import as_bool_mask, as_float_tensor, check_nonneg, compute_dtype
-from rlops.distributed.collectives import Call, gather
+from rlops.distributed.collectives import Call, fails_together, gather
 from rlops.distributed.groups import group_rank_size
 
 __all__ = [
@@ -197,6 +197,7 @@ def merge_moments(
 
 
 # --------------------------------------------------------------------------- public statistics
+@fails_together()
 def masked_mean(
     x: torch.Tensor,
     mask: torch.Tensor,
@@ -246,6 +247,7 @@ def masked_mean(
     return (total / count.clamp_min(1) * scale).to(x.dtype)
 
 
+@fails_together()
 def masked_var(
     x: torch.Tensor,
     mask: torch.Tensor,
@@ -283,6 +285,7 @@ def masked_var(
     return m.variance(unbiased).to(x.dtype)
 
 
+@fails_together()
 def masked_whiten(
     x: torch.Tensor,
     mask: torch.Tensor,

@@ -18,6 +18,7 @@ from rlops._checks import (
     check_unit_interval,
     compute_dtype,
 )
+from rlops.distributed.collectives import fails_together
 from rlops.distributed.layout import check_cp_layout
 from rlops.scan import SCAN, scan
 from rlops.scan.dispatch import case_of
@@ -25,6 +26,7 @@ from rlops.scan.dispatch import case_of
 __all__ = ["discounted_cumsum"]
 
 
+@fails_together("RLOPS_CP_CHECK")
 def discounted_cumsum(
     x: torch.Tensor,
     discount: float | torch.Tensor,

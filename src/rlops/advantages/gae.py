@@ -56,6 +56,7 @@ from rlops.advantages.masking import (
     token_decay,
 )
 from rlops.advantages.reference import gae_reference
+from rlops.distributed.collectives import fails_together
 from rlops.distributed.layout import check_cp_layout
 from rlops.scan import scan
 from rlops.scan.dispatch import (
@@ -184,6 +185,7 @@ RETURNS = Table(
 )
 
 
+@fails_together("RLOPS_CP_CHECK")
 def gae(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -313,6 +315,7 @@ def gae(
     return adv.to(out_dtype), ret.to(out_dtype)
 
 
+@fails_together("RLOPS_CP_CHECK")
 def discounted_returns(
     rewards: torch.Tensor,
     *,

@@ -29,6 +29,7 @@ from rlops._checks import (
 from rlops.advantages import compiled
 from rlops.advantages.gae import discounted_returns
 from rlops.advantages.masking import as_rows
+from rlops.distributed.collectives import fails_together
 from rlops.distributed.layout import check_cp_layout
 from rlops.scan.dispatch import (
     CHUNKED,
@@ -129,6 +130,7 @@ REINFORCE = Table(
 )
 
 
+@fails_together("RLOPS_CP_CHECK")
 def reinforce_plus_plus_returns(
     rewards: torch.Tensor,
     kl: torch.Tensor,

@@ -30,8 +30,12 @@ exactly its data collective (one ``all_gather`` of the payload itself) and reads
 host. A family of calls may have a switch of its own as well (``RLOPS_CP_CHECK=0`` for the
 context-parallel scans, ``RLOPS_TP_CHECK=0`` for the tensor-parallel log-prob ops), which turns
 off only its own calls' check. Every rank of a group must call, ranks without data included
-(their payload is zeros); a rank that makes no call at all cannot be detected (the others wait
-in the backend).
+(their payload is zeros). A rank whose own argument checks raise before its collective still
+makes it: the public functions with ``group=`` / ``cp_group=`` are wrapped by
+:func:`fails_together`, which joins the first exchange of each group the rank has not reached
+yet, describing only the argument it rejected, so the others raise a ``ValueError`` naming it
+instead of waiting. A rank that makes no call at all cannot be detected (the others wait in
+the backend).
 
 :func:`exchange` is the same check for a call that needs a few numbers of every rank on the
 host (the tensor-parallel log-prob ops: every shard's size): the first exchange alone, read
@@ -41,18 +45,23 @@ raise a ``ValueError`` naming that rank's rejected argument instead of waiting f
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
 import struct
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from rlops.distributed.groups import group_rank_size
 
-__all__ = ["ENV", "REJECTED", "SLOTS", "Call", "check_enabled", "exchange", "gather"]
+__all__ = [
+    "ENV", "REJECTED", "SLOTS", "Call", "check_enabled", "exchange", "fails_together", "gather",
+]
 
 ENV = "RLOPS_GROUP_CHECK"
 #: float64 numbers of the first exchange of a checked call: the digest and a padded payload
@@ -61,6 +70,7 @@ _DIGEST = 2
 _MASK = (1 << 52) - 1
 #: the field of :func:`exchange` that names the argument a rank's own checks rejected
 REJECTED = "argument rejected by the rank's own checks"
+_DISAGREE = "the ranks of a process group disagree on "
 
 
 def check_enabled(*aliases: str) -> bool:
@@ -175,12 +185,14 @@ def _disagreement(descriptions: list[dict[str, str]], implied: Mapping) -> str:
     differ = [f for f in fields if len(set(values(f))) > 1]
     if "function" in differ:
         differ = ["function"]
+    elif REJECTED in differ:  # a rank whose own checks failed: that is the news
+        differ = [REJECTED]
     hidden = {g for f in differ for g in implied.get(f, ())}
     shown = [f for f in differ if f not in hidden and f != "payload shape"] or differ
     parts = [f"`{f}`: [{', '.join(values(f))}]" for f in shown] or [
         "a value computed on the device (equal as numbers, different bits)"]
     return (
-        "the ranks of a process group disagree on " + "; ".join(parts) + " (one value per "
+        _DISAGREE + "; ".join(parts) + " (one value per "
         "rank, in rank order; every rank of the group must make the same call)"
     )
 
@@ -220,6 +232,7 @@ def gather(
         return flat.reshape(1, *payload.shape)
     if not (check_enabled() if check is None else check):
         return _all_gather(flat, group, world).reshape(world, *payload.shape)
+    _entered(group)
     call = call.with_fields(**{"collective over": name, "payload shape": tuple(payload.shape)})
     head = call.slots(flat.device)
     h = head.numel()
@@ -242,7 +255,10 @@ def gather(
 
 
 def _rejected_argument(error: Exception) -> str:
-    """The argument an error of a rank's own checks names: its message's first word."""
+    """The argument an error of a rank's own checks names: its message's first word (for a
+    rank that failed with its peers in another group, says so)."""
+    if str(error).startswith(_DISAGREE):  # raised by a collective of this module
+        return "(none: failed with its peers in another group)"
     word = re.match(r"[`'\"]?([A-Za-z_][\w.]*)", str(error))
     return word.group(1) if word else type(error).__name__
 
@@ -306,3 +322,75 @@ def exchange(
     if failed is not None:
         raise failed
     return [[struct.unpack("<d", struct.pack("<q", b))[0] for b in row[h:]] for row in rows]
+
+
+# --------------------------------------------------------------------------- failing together
+_calls = threading.local()  # ``entered``: ids of the groups the running public call has gathered on
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _entered(group: object) -> None:
+    entered = getattr(_calls, "entered", None)
+    if entered is not None:
+        entered.add(id(group))
+
+
+def _join_rejecting(error: Exception, op: str, group: object, name: str,
+                    device: torch.device) -> None:
+    """Make the first exchange of a checked :func:`gather` over ``group`` as a rank whose own
+    checks raised ``error``: its head describes only ``op`` and the rejected argument, so every
+    other rank reads different digests, joins the readable exchange and raises."""
+    world = group_rank_size(group, name)[1]
+    if world == 1:
+        return
+    fields: dict[str, object] = {REJECTED: _rejected_argument(error), "collective over": name}
+    call = Call(op, implied=None, **fields)
+    head = call.slots(device)
+    _all_gather(torch.cat([head, head.new_zeros(SLOTS - head.numel())]), group, world)
+    descriptions: list = [None] * world
+    dist.all_gather_object(descriptions, call.describe(), group=group)
+
+
+def fails_together(*aliases: str) -> Callable[[F], F]:
+    """Decorate a public function whose ``group=`` / ``cp_group=`` calls gather through
+    :func:`gather`: when a rank's own argument checks raise (``ValueError`` / ``TypeError``)
+    before it reaches a group's collective, it still joins that collective's first exchange,
+    rejecting, and then raises its own error; every other rank raises a ``ValueError`` naming
+    the rejected argument, instead of waiting forever for the rank that left.
+
+    The groups are joined in the order the ranks gather on them (``cp_group``, then ``group``),
+    each one this rank has not gathered on yet in this call; so a rank whose ``cp_group``
+    peers rejected also fails ``group`` together. Only with the consistency check on
+    (:func:`check_enabled` with ``aliases``, the family's own switch): without it a failing
+    rank cannot be told from a slow one. Not while ``torch.compile`` traces; a nested public
+    call leaves it to the outer one.
+    """
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            groups = [(kwargs.get(n), n) for n in ("cp_group", "group")]
+            if (all(g is None for g, _ in groups) or torch.compiler.is_compiling()
+                    or getattr(_calls, "entered", None) is not None):
+                return fn(*args, **kwargs)
+            entered: set[int] = set()
+            _calls.entered = entered
+            try:
+                return fn(*args, **kwargs)
+            except (ValueError, TypeError) as e:
+                if check_enabled(*aliases):
+                    device = next((a.device for a in (*args, *kwargs.values())
+                                   if isinstance(a, torch.Tensor)), torch.device("cpu"))
+                    for g, n in groups:
+                        if g is not None and id(g) not in entered:
+                            try:
+                                _join_rejecting(e, fn.__name__, g, n, device)
+                            except (ValueError, TypeError):  # not a usable group: it was the error
+                                break
+                raise
+            finally:
+                _calls.entered = None
+
+        return call  # type: ignore[return-value]
+
+    return wrap

@@ -15,7 +15,7 @@ from rlops._checks import (
     read_value,
     values_checked,
 )
-from rlops.distributed.collectives import Call, check_enabled, gather
+from rlops.distributed.collectives import Call, check_enabled, fails_together, gather
 from rlops.distributed.rows import Rows
 from rlops.losses._checks import AGG_MODES, check_agg, check_normalisers
 
@@ -234,6 +234,7 @@ def aggregate(
                             group, call, {})[0]
 
 
+@fails_together()
 def aggregate_loss(
     loss_mat: torch.Tensor,
     mask: torch.Tensor,

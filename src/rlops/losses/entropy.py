@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch
 
 from rlops._checks import as_bool_mask, check_2d, compute_dtype
+from rlops.distributed.collectives import fails_together
 from rlops.losses._checks import check_agg, check_coef, check_normalisers
 from rlops.losses.aggregation import aggregate, describe, make_rows
 
 __all__ = ["entropy_loss"]
 
 
+@fails_together()
 def entropy_loss(
     entropy: torch.Tensor,
     mask: torch.Tensor,

@@ -11,6 +11,7 @@ from rlops._checks import (
     check_same_shape,
     compute_dtype,
 )
+from rlops.distributed.collectives import fails_together
 from rlops.losses._checks import check_agg, check_normalisers, check_options
 from rlops.losses._common import constant
 from rlops.losses.aggregation import describe, loss_and_metrics, make_rows
@@ -19,6 +20,7 @@ from rlops.losses.kinds import CP_INEXACT, POLICY_KINDS, token_losses
 __all__ = ["POLICY_KINDS", "policy_loss", "row_geometric_mean"]
 
 
+@fails_together()
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlops._checks import as_bool_mask, check_2d, check_positive, check_same_shape, compute_dtype
+from rlops.distributed.collectives import fails_together
 from rlops.losses._checks import check_agg, check_normalisers
 from rlops.losses._common import constant
 from rlops.losses.aggregation import describe, loss_and_metrics, make_rows
@@ -12,6 +13,7 @@ from rlops.losses.aggregation import describe, loss_and_metrics, make_rows
 __all__ = ["value_loss"]
 
 
+@fails_together()
 def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,
