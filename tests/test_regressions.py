@@ -9,9 +9,11 @@ confusing error.
   Python float.
 * Bad arguments raise errors that name them.
 * The default CPU path in float32 is as accurate on 128K-token rows as the chunked method.
+* A NaN or an infinity reaches only the steps at or before it (the chunked scan's matmul once
+  put ``0 · NaN`` on later steps of its chunk), with the loop's NaN / ±inf pattern.
 
-Cases marked ``xfail(strict=True)`` reproduce related bugs that are not fixed yet; each reason
-says what goes wrong, and the mark must go when the fix lands (strict: an unexpected pass fails).
+A bug that is not fixed yet is reproduced by a case marked ``xfail(strict=True)`` whose reason
+says what goes wrong; the mark goes when the fix lands (strict: an unexpected pass fails).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tests.tolerances import ALL_METHODS, METHODS, max_abs_err, needs_numba
 
 import rlops
 from rlops.distributed import zigzag_shard, zigzag_unshard, zigzag_unshard_response
+from rlops.scan.reference import scan_reference
 
 NAN, INF = math.nan, math.inf
 POISONS = [NAN, INF, -INF]
@@ -170,15 +173,7 @@ def test_zero_discount_cuts_in_long_rows(method):
     "method",
     [
         "reference",
-        pytest.param(
-            "chunked",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="chunked scan with a discount constant along time forms each chunk with "
-                "one matmul: 0 * NaN in the upper triangle puts NaN on the later steps of "
-                "the chunk",
-            ),
-        ),
+        "chunked",  # the chunk matmul's 0 · NaN above its diagonal once reached later steps
         pytest.param("compiled", marks=needs_numba),
     ],
 )
@@ -488,3 +483,31 @@ def test_zero_gamma_or_lam_is_an_exact_cut_in_the_estimators(method):
     assert torch.equal(adv[:, :5], x[:, :5])  # delta = r with V = 0
     adv = rlops.gae(x, zeros, gamma=0.9, lam=0.0, method=method)[0]
     assert torch.isfinite(adv[:, :4]).all()  # delta[4] = r[4] + 0.9 * V[5] = r[4]: finite too
+
+
+@pytest.mark.parametrize("discount", ["scalar", "row"])
+@pytest.mark.parametrize("t_len", [1, 63, 64, 65, 129, 1000])
+def test_infinities_and_nan_reach_the_steps_the_loop_reaches(discount, t_len):
+    """The chunked scan against the loop on rows holding NaN, +inf and -inf at chunk edges:
+    the same non-finite pattern (a NaN, or both infinities, at or after a step make it NaN;
+    one infinity makes it that infinity), and the finite steps within the float32 rule."""
+    g = _gen(t_len)
+    x = torch.randn(3, t_len, generator=g)
+    for row, (k, v) in enumerate([(t_len - 1, NAN), (t_len // 2, INF),
+                                  (min(64, t_len - 1), -INF)]):
+        x[row, k] = v
+    x[2, 0] = INF  # row 2: both infinities when t_len > 1
+    a = 0.9 if discount == "scalar" else torch.tensor([[0.9], [0.5], [1.0]])
+    want = scan_reference(x.double(), a if discount == "scalar" else a.double().expand(3, t_len))
+    got = rlops.discounted_cumsum(x, a,
+                                  method="chunked")
+    for pattern in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(pattern(got), pattern(want)), pattern.__name__
+    # finite steps: within twice the float32 loop's error plus a few ulps (the tests' rule)
+    finite = torch.isfinite(want)
+    loop32 = scan_reference(x, a if discount == "scalar" else a.expand(3, t_len))
+    zero = torch.zeros(1, dtype=torch.float64)
+    err = torch.cat([zero, (got.double() - want)[finite].abs()]).max()
+    err_loop = torch.cat([zero, (loop32.double() - want)[finite].abs()]).max()
+    scale = torch.cat([zero + 1, want[finite].abs()]).max()
+    assert err <= 2 * err_loop + 4 * torch.finfo(torch.float32).eps * scale, (err, err_loop)

@@ -16,7 +16,10 @@ Two chunk-local kernels:
 
 * decay constant along time (a float or one value per row): ``local = x_chunks @ W`` with the
   C x C matrix W[k, t] = a^(k-t) (k >= t). Powers are formed in float64 over at most C steps,
-  never as a^(-t), so nothing overflows and a = 0 or 1 is exact.
+  never as a^(-t), so nothing overflows and a = 0 or 1 is exact. W is 0 above its diagonal
+  and ``0 * NaN`` is NaN, so non-finite entries of x are scanned as 0 and put back by a
+  select (:func:`_reach`: what a NaN or an infinity puts on the steps before it); on CPU only
+  when there are some.
 * decay per token: log2(C) doubling steps inside each chunk (Hillis-Steele), on products of the
   decays themselves, no logarithms, so a decay of exactly 0 stays an exact cut.
 
@@ -118,6 +121,30 @@ def _scan_tokenwise(x: torch.Tensor, a: torch.Tensor, c: int) -> torch.Tensor:
     return y.reshape(n, -1)[:, :t_len]
 
 
+def _reach(x: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """What the non-finite entries of ``x`` put on each step of a row whose decay is constant and
+    above 0: every earlier step is reached (``a^k·inf`` is inf for any ``a > 0``), so ``y[t]`` is
+    NaN where a NaN, or both infinities, lie at ``k >= t``, else that infinity; 0 where none."""
+    def at_or_after(flag: torch.Tensor) -> torch.Tensor:
+        return flag.to(torch.uint8).flip(-1).cummax(-1).values.flip(-1).bool()
+
+    nan = at_or_after(torch.isnan(x))
+    pos, neg = at_or_after(x == torch.inf), at_or_after(x == -torch.inf)
+    inf = torch.where(pos, torch.inf, torch.where(neg, -torch.inf, 0.0)).to(x.dtype)
+    return torch.where(nan | (pos & neg), torch.nan, inf)
+
+
+def _scan_rowwise_exact(x: torch.Tensor, w: torch.Tensor, c: int) -> torch.Tensor:
+    """:func:`_scan_rowwise` where a non-finite ``x[k]`` reaches no later step: the chunk
+    matrix has zeros above its diagonal, and ``0 · NaN`` is NaN, so the finite part is scanned
+    with those entries at 0 and :func:`_reach` adds theirs (on CPU only when there are some: a
+    host read of a CPU tensor, no device synchronisation). Their gradient is then 0."""
+    bad = ~torch.isfinite(x)
+    if x.device.type == "cpu" and not bool(bad.any()):
+        return _scan_rowwise(x, w, c)
+    return _scan_rowwise(torch.where(bad, 0.0, x), w, c) + _reach(x, bad)
+
+
 def scan_chunked(
     x: torch.Tensor, decay: float | torch.Tensor, chunk_size: int | None = None
 ) -> torch.Tensor:
@@ -137,6 +164,6 @@ def scan_chunked(
         if float(decay) == 0.0:
             return x.clone()
         w = torch.tensor([[float(decay)]], dtype=torch.float64, device=x.device)
-        return _scan_rowwise(x, w, max(c, 2))
+        return _scan_rowwise_exact(x, w, max(c, 2))
     w = decay.reshape(-1, 1).to(torch.float64)
-    return torch.where(w == 0, x, _scan_rowwise(x, w, max(c, 2)))
+    return torch.where(w == 0, x, _scan_rowwise_exact(x, w, max(c, 2)))
