@@ -19,7 +19,7 @@ Two chunk-local kernels:
   never as a^(-t), so nothing overflows and a = 0 or 1 is exact. W is 0 above its diagonal
   and ``0 * NaN`` is NaN, so non-finite entries of x are scanned as 0 and put back by a
   select (:func:`_reach`: what a NaN or an infinity puts on the steps before it); on CPU only
-  when there are some.
+  when the sum of x is not finite.
 * decay per token: log2(C) doubling steps inside each chunk (Hillis-Steele), on products of the
   decays themselves, no logarithms, so a decay of exactly 0 stays an exact cut.
 
@@ -138,10 +138,11 @@ def _scan_rowwise_exact(x: torch.Tensor, w: torch.Tensor, c: int) -> torch.Tenso
     """:func:`_scan_rowwise` where a non-finite ``x[k]`` reaches no later step: the chunk
     matrix has zeros above its diagonal, and ``0 · NaN`` is NaN, so the finite part is scanned
     with those entries at 0 and :func:`_reach` adds theirs (on CPU only when there are some: a
-    host read of a CPU tensor, no device synchronisation). Their gradient is then 0."""
-    bad = ~torch.isfinite(x)
-    if x.device.type == "cpu" and not bool(bad.any()):
+    host read of a CPU tensor, no device synchronisation; a finite sum says every entry is
+    finite, and one that overflows only takes the longer way). Their gradient is then 0."""
+    if x.device.type == "cpu" and bool(torch.isfinite(x.detach().sum())):
         return _scan_rowwise(x, w, c)
+    bad = ~torch.isfinite(x)
     return _scan_rowwise(torch.where(bad, 0.0, x), w, c) + _reach(x, bad)
 
 
