@@ -1,4 +1,4 @@
-"""The torch.compile table: for every case of ``tests/test_compile.py`` (each public function
+"""The torch.compile table: for every case of ``tests/api/test_compile.py`` (each public function
 and the adapters' hot functions), whether it compiles with ``fullgraph=True``, the time of the
 first compiled forward + backward (Inductor on this machine's CPU, less the eager run), and for
 the ``[B, T]`` functions the recompiles that three new lengths cause under ``dynamic=True``.
@@ -33,7 +33,7 @@ def main() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
     sys.path.insert(0, str(ROOT))
     import torch
-    from tests.test_compile import CASES, DYNAMIC, _count_graphs, compile_inputs, run_case
+    from tests.api.test_compile import CASES, DYNAMIC, _count_graphs, compile_inputs, run_case
 
     rows = []
     for name in args.names or sorted(CASES):

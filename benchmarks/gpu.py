@@ -240,7 +240,7 @@ def check_logprobs(cfg, device):
             del exact, ref32
         for (k, j), (e, y, scale) in worst.items():
             what = ("logp", "entropy", "grad")[j]
-            factor = 3.0 if j == 2 else 2.0  # as tests/test_logprobs.py
+            factor = 3.0 if j == 2 else 2.0  # as tests/logprobs/test_fused.py
             floor = torch.finfo(torch.float32).eps * scale
             rows.append({
                 "case": f"logprobs {n}x{v} {str(dtype)[6:]} {what} {k}", "error": e,

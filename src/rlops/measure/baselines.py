@@ -12,7 +12,7 @@
 * ``logprobs_entropy_unfused``: ``log_softmax`` + gather and the softmax entropy over the full
   vocabulary, every ``[..., V]`` temporary materialised (as verl's ``entropy_from_logits``).
 
-``tests/test_cli_baselines.py`` checks that each gives the values of the rlops function it is
+``tests/cli/test_baselines.py`` checks that each gives the values of the rlops function it is
 measured against.
 """
 

@@ -18,7 +18,7 @@ from tests._logprobs_util import (
     longdouble_oracle,
     nan_filled_empty,
 )
-from tests.test_logprobs_sampler import reference_support
+from tests.logprobs.test_sampler import reference_support
 
 from rlops.logprobs import linear_logprobs_and_entropy, logprobs_and_entropy
 from rlops.logprobs.reference import (

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_dry_run(tmp_path):

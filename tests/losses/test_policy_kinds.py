@@ -10,7 +10,7 @@ import mpmath
 import pytest
 import torch
 from tests._losses_util import DTYPES, acc_dtype, assert_within_ref_error, make_inputs
-from tests.test_losses import ref_aggregate
+from tests.losses.test_losses import ref_aggregate
 
 import rlops
 from rlops.losses import AGG_MODES, POLICY_KINDS
@@ -32,7 +32,7 @@ OPTIONS = {
     "geo_mean": {"clip_low": 0.3, "clip_high": 0.4},
 }
 # the kinds checked here (luspo, vespo, dppo_*, dro and the sequence levels: in
-# tests/test_policy_kinds_new.py)
+# tests/losses/test_policy_kinds_luspo_vespo_dppo.py)
 KINDS = tuple(OPTIONS)
 assert set(KINDS) <= set(POLICY_KINDS)
 

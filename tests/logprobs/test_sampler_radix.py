@@ -1,7 +1,7 @@
 """The sampler's support under tensor parallelism by radix select (top-p without top-k, a
 per-token top-k): tp = 2 and 4 on real Gloo groups, with shards of unequal size, against one
 process on the full vocabulary and against the definition (the support built token by token,
-:func:`tests.test_logprobs_sampler.reference_support`); the collectives per call; the keys."""
+:func:`tests.logprobs.test_sampler.reference_support`); the collectives per call; the keys."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from tests._distributed import count_collectives, run_distributed
 from tests._logprobs_util import forward_backward
-from tests.test_logprobs_sampler import reference, reference_support
+from tests.logprobs.test_sampler import reference, reference_support
 
 from rlops._checks import compute_dtype
 from rlops.logprobs import (

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from tests.test_group_gdpo_otb import ref_otb
+from tests.advantages.test_group_gdpo_otb import ref_otb
 
 from rlops.compat import verl
 

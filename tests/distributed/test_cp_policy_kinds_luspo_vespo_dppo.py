@@ -1,6 +1,6 @@
 """The newer policy-loss kinds under ``cp_group=`` on 2 Gloo ranks (one spawn): the sequence
 levels of cispo and sapo, gspo's dual clip, luspo and vespo (per-row quantities), and the
-per-token dppo_tv, dppo_kl and dro. Exact means as in tests/test_cp_losses.py: the ranks'
+per-token dppo_tv, dppo_kl and dro. Exact means as in tests/distributed/test_cp_losses.py: the ranks'
 losses sum to the one-process loss on the whole rows, each rank's gradient is the whole rows'
 gradient on its tokens, the metrics are the whole rows'; both layouts, packed rows, with and
 without a DP×CP ``group=``, a rank whose shard holds no action token; collectives counted."""
@@ -12,7 +12,7 @@ import os
 import pytest
 import torch.distributed as dist
 from tests._distributed import count_collectives, run_distributed
-from tests.test_cp_losses import AGGS, L_NORM, B, K, _close, _data, _shard
+from tests.distributed.test_cp_losses import AGGS, L_NORM, B, K, _close, _data, _shard
 
 import rlops
 
@@ -30,7 +30,7 @@ ROW_CASES = ("gspo_dual", "cispo_seq", "sapo_seq", "luspo", "vespo")  # a per-ro
 
 
 def _cp_data(seed, empty=False):
-    """tests/test_cp_losses.py's rows with the log-ratios mirrored (sequence ratios above 1:
+    """tests/distributed/test_cp_losses.py's rows with the log-ratios mirrored (sequence ratios above 1:
     the dual clip binds) and π_old < 1 (DPPO reads it as a probability)."""
     d = _data(seed, empty_rank0=2 if empty else 0)
     d["old"] = (2 * d["logp"] - d["old"]).clamp_max(-0.01)

@@ -3,7 +3,7 @@
 * ``"auto"`` picks compiled on CPU without a gradient (numba installed), chunked under
   autograd, and never numba while ``torch.compile`` traces.
 * ``"triton"`` on CPU tensors without the Triton interpreter is a clear ``ValueError``
-  (``tests/test_triton_dispatch.py`` runs the Triton rows).
+  (``tests/advantages/test_triton.py`` runs the Triton rows).
 * A backend that fails to compile warns once and is replaced by chunked for the rest of the
   process (a failing backend injected into a table).
 * Without a gradient, chunked and reference rows run on one single-threaded CPU worker: the

@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "logprobs.py"
+PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "logprobs.py"
 
 
 def _load():

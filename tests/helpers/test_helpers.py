@@ -9,13 +9,13 @@ import pathlib
 
 import pytest
 
-TESTS = pathlib.Path(__file__).resolve().parent
+TESTS = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _imported(module: str) -> dict[str, list[str]]:
     """name -> the test files that import it from ``module``."""
     found: dict[str, list[str]] = {}
-    for path in sorted(TESTS.glob("*.py")):
+    for path in sorted(TESTS.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.ImportFrom) and node.module == module:
                 for alias in node.names:

@@ -3,7 +3,7 @@ luspo, vespo, dppo_tv, dppo_kl and dro: each against a loop written from its pap
 (40-digit and same-dtype), against its peer's own code (TRL, Liger, AReaL, verl, Tinker: their
 tensor formulas written out below as their code computes them), and gradients (gradcheck where
 the loss's value carries its gradient, the formula's gradient for the stop-gradient forms).
-Their exactness under ``cp_group`` is in tests/test_cp_kinds_new.py."""
+Their exactness under ``cp_group`` is in tests/distributed/test_cp_policy_kinds_luspo_vespo_dppo.py."""
 
 from __future__ import annotations
 

@@ -21,14 +21,14 @@ from tests.oracles import (
     discounted_returns_oracle,
     gae_bootstrap_oracle,
 )
-from tests.test_advantages import (
+from tests.advantages.test_gae_and_returns import (
     DTYPES,
     HALF,
     _seed,
     check_estimate,
     make_batch,
 )
-from tests.test_advantages import (
+from tests.advantages.test_gae_and_returns import (
     make_discounts as per_row_discounts,
 )
 from tests.tolerances import ALL_METHODS, for_each_method

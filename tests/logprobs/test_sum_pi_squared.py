@@ -6,8 +6,8 @@ definition: float32 and bfloat16 results within twice the same-dtype reference's
 float64, float64 results within twice the float64 reference's error against a ``longdouble``
 oracle; the identity ``τ²·‖∂logp/∂logits‖² = 1 − 2π_y + Σ_v π_v²``; bounds that hold for any
 distribution (hypothesis); the output without gradient; the other outputs unchanged by the
-flag. Vocabulary-parallel: tests/test_logprobs_distributed.py; Triton:
-tests/test_triton_logprobs.py.
+flag. Vocabulary-parallel: tests/logprobs/test_tensor_parallel.py; Triton:
+tests/logprobs/test_triton.py.
 """
 
 from __future__ import annotations

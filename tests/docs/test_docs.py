@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```\s*(?P<lang>[\w+-]*)\s*$")
 IMPORT = re.compile(r"^\s*(?:from|import)\s+(?P<mod>[A-Za-z_]\w*)", re.MULTILINE)

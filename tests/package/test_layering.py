@@ -21,7 +21,7 @@ import pathlib
 
 import pytest
 
-SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "rlops"
+SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "rlops"
 BENCHMARKS = SRC.parents[1] / "benchmarks"
 
 LAYERS = {

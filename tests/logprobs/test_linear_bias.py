@@ -5,7 +5,7 @@ within twice, gradients (hidden, weight, bias) within three times the float32 re
 against float64; bfloat16 against the materialised bf16 layer; float64 gradients by
 ``gradcheck`` (and ``gradgradcheck`` for double backward), through the tiled backward and the
 sampler's row-chunk backward. The bias split over a tensor-parallel group:
-tests/test_logprobs_distributed.py.
+tests/logprobs/test_tensor_parallel.py.
 """
 
 from __future__ import annotations

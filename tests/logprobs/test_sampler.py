@@ -546,7 +546,7 @@ def test_tensor_parallel_matches_one_process():
     one-process results; the forward makes 3 collectives (check, candidates, statistics), the
     backward none; mismatched calls raise on every rank; ``Σπ²`` over the support (asked for in
     the same calls) too, and the bias gradient shard of the linear op. (Top-p without top-k and
-    a per-token top-k, by radix select: tests/test_logprobs_sampler_radix.py.)"""
+    a per-token top-k, by radix select: tests/logprobs/test_sampler_radix.py.)"""
     res = run_distributed(_tensor_parallel_sampler, 2)
     for name in TP_CASES:
         logits, target, grads, kw = _tp_case(name)

@@ -23,7 +23,7 @@ import pytest
 
 import rlops
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SKIP = {".git", ".venv", "__pycache__", ".hypothesis", ".pytest_cache", ".ruff_cache", "build",
         "dist"}
 
@@ -122,8 +122,8 @@ def test_sdist_carries_what_the_tests_read(tmp_path):
         top = f"rlops-{rlops.__version__}/"
         names = {m.name[len(top):] for m in tar.getmembers() if m.isfile()}
         pkg_info = email.message_from_bytes(tar.extractfile(top + "PKG-INFO").read())
-    needed = _tree_files("tests/*.py", "src/rlops/**/*.py", "benchmarks/*.py", "examples/*.py",
-                         "docs/*.md", "docs/*.png")
+    needed = _tree_files("tests/**/*.py", "src/rlops/**/*.py", "benchmarks/*.py", "examples/*.py",
+                         "docs/**/*.md", "docs/**/*.png")
     needed |= {"README.md", "LICENSE", "CHANGELOG.md", "pyproject.toml", ".ci/run",
                "src/rlops/py.typed"}
     missing = sorted(needed - names)

@@ -27,7 +27,7 @@ from rlops.distributed import zigzag_indices
 from rlops.losses import AGG_MODES, POLICY_KINDS
 
 # the kinds of this table (luspo, vespo, dppo_*, dro, the sequence levels and gspo's dual clip:
-# tests/test_cp_kinds_new.py)
+# tests/distributed/test_cp_policy_kinds_luspo_vespo_dppo.py)
 EXACT_KINDS = ("ppo", "reinforce", "gpg", "gspo", "cispo", "sapo", "geo_mean")
 assert set(EXACT_KINDS) <= set(POLICY_KINDS)
 ROW_KINDS = ("gspo", "geo_mean")  # the kinds with a per-row ratio
