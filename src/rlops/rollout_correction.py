@@ -272,9 +272,9 @@ def rollout_mismatch_metrics(
             without ``group``, the metrics are the whole rows' (over ``cp_group``).
         cp_layout: ``"zigzag"`` or ``"contiguous"``: how rows are split over ``cp_group``
             (row sums and maxima need no order; checked and compared across ranks).
-        seq_ids, seqs_per_row: packed rows: ``[B, T]`` integer sequence ids in
-            ``[0, seqs_per_row)``; every sequence quantity is then per sequence (see
-            :func:`rlops.aggregate_loss`).
+        seq_ids: packed rows: ``[B, T]`` integer sequence ids in ``[0, seqs_per_row)``;
+            every sequence quantity is then per sequence (see :func:`rlops.aggregate_loss`).
+        seqs_per_row: with ``seq_ids``, the number of sequence slots per row.
 
     Returns:
         dict of detached 0-dim tensors (computation dtype): ``chi2_seq``, ``chi2_token``,
@@ -363,9 +363,9 @@ def rollout_importance_weights(
             without ``group``, the metrics are the whole rows' (over ``cp_group``).
         cp_layout: ``"zigzag"`` or ``"contiguous"``: how rows are split over ``cp_group``
             (row sums and maxima need no order; checked and compared across ranks).
-        seq_ids, seqs_per_row: packed rows: ``[B, T]`` integer sequence ids in
-            ``[0, seqs_per_row)``; every sequence quantity is then per sequence (see
-            :func:`rlops.aggregate_loss`).
+        seq_ids: packed rows: ``[B, T]`` integer sequence ids in ``[0, seqs_per_row)``;
+            every sequence quantity is then per sequence (see :func:`rlops.aggregate_loss`).
+        seqs_per_row: with ``seq_ids``, the number of sequence slots per row.
 
     Returns:
         ``(weights, keep_mask, metrics)``: ``weights`` ``[B, T]`` detached, 0 off ``keep_mask``
@@ -518,9 +518,9 @@ def rollout_rejection_mask(
             without ``group``, the metrics are the whole rows' (over ``cp_group``).
         cp_layout: ``"zigzag"`` or ``"contiguous"``: how rows are split over ``cp_group``
             (row sums and maxima need no order; checked and compared across ranks).
-        seq_ids, seqs_per_row: packed rows: ``[B, T]`` integer sequence ids in
-            ``[0, seqs_per_row)``; every sequence quantity is then per sequence (see
-            :func:`rlops.aggregate_loss`).
+        seq_ids: packed rows: ``[B, T]`` integer sequence ids in ``[0, seqs_per_row)``;
+            every sequence quantity is then per sequence (see :func:`rlops.aggregate_loss`).
+        seqs_per_row: with ``seq_ids``, the number of sequence slots per row.
 
     Returns:
         ``(keep_mask, metrics)``: ``keep_mask`` ``[B, T]`` bool, ``mask`` less the rejected

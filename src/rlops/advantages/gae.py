@@ -252,7 +252,9 @@ def gae(
     Args:
         rewards: ``[B, T]`` per-token rewards (floating). Rewards on mask-0 tokens are ignored.
         values: ``[B, T]`` value estimates.
-        gamma, lam: floats in [0, 1], or per-row tensors ``[B]`` (e.g. length-adaptive lambda).
+        gamma: the discount, a float in [0, 1] or a per-row tensor ``[B]``.
+        lam: GAE's λ, a float in [0, 1] or a per-row tensor ``[B]`` (e.g. length-adaptive
+            lambda).
         mask: optional ``[B, T]`` bool or 0/1, 1 = action token; mask-0 tokens are skipped,
             not reset (see the module docstring).
         dones: optional ``[B, T]`` bool or 0/1; ``dones[t]`` ends a sequence at token t.
@@ -351,7 +353,8 @@ def discounted_returns(
     Args:
         rewards: ``[B, T]`` floating.
         gamma: a float in [0, 1] or a per-row tensor ``[B]``.
-        mask, dones: optional ``[B, T]`` bool or 0/1.
+        mask: optional ``[B, T]`` bool or 0/1, 1 = action token.
+        dones: optional ``[B, T]`` bool or 0/1; ``dones[t]`` ends a sequence at token t.
         bootstrap: optional floating ``[B]`` or ``[B, T]`` (with ``truncated``), as in
             :func:`gae`.
         truncated: optional ``[B, T]`` bool or 0/1, as in :func:`gae`.

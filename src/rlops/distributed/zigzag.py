@@ -63,7 +63,8 @@ def zigzag_shard(x: torch.Tensor, *, cp_size: int, cp_rank: int, dim: int = -1) 
 
     Args:
         x: the full tensor, e.g. ``[B, T]``.
-        cp_size, cp_rank: the context-parallel world size and this rank.
+        cp_size: the context-parallel world size.
+        cp_rank: this rank.
         dim: the sequence dimension.
 
     Returns:

@@ -409,8 +409,9 @@ def linear_logprobs_and_entropy(
         keep_mask: ``[..., V_local]`` bool (the support as a mask, e.g. from the engine), read
             chunk by chunk: the log-prob over the kept logits (the target always kept), the
             entropy over all. Not with the sampler filters.
-        top_k, top_p, min_p, entropy_over_support: the sampler's support, rebuilt per token
-            chunk from the chunk's logits, as in :func:`rlops.logprobs.logprobs_and_entropy`
+        top_k: the sampler's top-k, with ``top_p``, ``min_p`` and ``entropy_over_support``
+            its support, rebuilt per token chunk from the chunk's logits, as in
+            :func:`rlops.logprobs.logprobs_and_entropy`
             (under a group: one more all-gather of ``[N, top_k + 2]`` candidates for an int
             ``top_k`` or ``min_p`` alone; for ``top_p`` without ``top_k`` or a per-token
             ``top_k``, the radix select's fixed number of all-reduces, each round one more

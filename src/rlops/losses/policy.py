@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlops._checks import (
@@ -155,9 +157,16 @@ def policy_loss(
             (detached inside).
         agg: aggregation mode, see :func:`aggregate_loss`; ``None`` returns the per-token loss
             matrix ``[B, T]`` (0 on mask-0 tokens).
-        loss_scale_factor, num_tokens, num_seqs, group: see :func:`aggregate_loss` (global
-            normalisers: the micro-batch losses then *sum* to the full-batch loss).
-        cp_group, cp_layout, seq_ids, seqs_per_row: see :func:`aggregate_loss` and above.
+        loss_scale_factor: see :func:`aggregate_loss`.
+        num_tokens: see :func:`aggregate_loss` (global normalisers: with ``num_tokens``,
+            ``num_seqs`` or ``group``, the micro-batch losses then *sum* to the full-batch
+            loss).
+        num_seqs: see :func:`aggregate_loss`.
+        group: see :func:`aggregate_loss`.
+        cp_group: see :func:`aggregate_loss` and above.
+        cp_layout: see :func:`aggregate_loss`.
+        seq_ids: see :func:`aggregate_loss`.
+        seqs_per_row: see :func:`aggregate_loss`.
         **kind_params: the kind's options (numbers, numpy scalars or 0-dim tensors):
             ppo: ``clip_low`` (in (0, 1) or inf; 0.2), ``clip_high`` (> 0), ``dual_clip``
             (None or > 1); gspo, cispo: ``clip_low``, ``clip_high``; sapo: ``tau_pos``,
@@ -236,10 +245,29 @@ def policy_loss(
         "pg_clipfrac_lower": sums.pop("pg_clipfrac_lower", none),
         **sums,
     }
+    weights = None
     if rollout_is_weights is not None:
-        loss_mat = loss_mat * torch.where(keep, rollout_is_weights.to(dtype), 0)
+        weights = torch.where(keep, rollout_is_weights.to(dtype), 0)
+        loss_mat = loss_mat * weights
+    loss_mat = _keep_nan(loss_mat, lp, log_ratio, adv, weights)
     return loss_and_metrics(loss_mat, rows, agg, loss_scale_factor, dtype, num_tokens,
                             num_seqs, group, call, sums)
+
+
+def _keep_nan(loss_mat: torch.Tensor, lp: torch.Tensor, log_ratio: torch.Tensor,
+              adv: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """``loss_mat`` with NaN, in value and in the gradient into ``logp``, on every action token
+    where an input is NaN (``logp``, ``old_logp`` — both in the log-ratio —, the advantage or
+    the weight), whatever the kind does with the token: a kind that drops it (dppo's trust
+    region compares, and a comparison with NaN is False), clamps it or maps it to a number
+    must not turn it into a finite loss. The inputs are 0 on mask-0 tokens, so those stay as
+    they are; on the other tokens the term is an exact 0 with a zero gradient."""
+    bad = log_ratio.isnan() | adv.isnan()
+    if weights is not None:
+        bad = bad | weights.isnan()
+    # NaN · logp where bad, 0 · 0 elsewhere: a -inf logp off the bad tokens stays out of it
+    poison = torch.where(bad, math.nan, 0.0).to(loss_mat.dtype)
+    return loss_mat + poison * torch.where(bad, lp, 0)
 
 
 def row_geometric_mean(

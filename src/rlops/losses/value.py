@@ -47,11 +47,18 @@ def value_loss(
         agg: aggregation mode, see :func:`aggregate_loss`; ``None`` returns the per-token loss
             matrix ``[B, T]`` (0 on mask-0 tokens) instead of a scalar, for callers that
             aggregate themselves.
-        loss_scale_factor, num_tokens, num_seqs, group: see :func:`aggregate_loss` (global
-            normalisers: the micro-batch losses then sum to the full-batch loss).
-        cp_group, cp_layout, seq_ids, seqs_per_row: see :func:`aggregate_loss` (rows split
+        loss_scale_factor: see :func:`aggregate_loss`.
+        num_tokens: see :func:`aggregate_loss` (global normalisers: with ``num_tokens``,
+            ``num_seqs`` or ``group``, the micro-batch losses then sum to the full-batch
+            loss).
+        num_seqs: see :func:`aggregate_loss`.
+        group: see :func:`aggregate_loss`.
+        cp_group: see :func:`aggregate_loss` (rows split
             over context-parallel ranks: the ranks' losses sum to the whole rows' loss, each
-            rank's gradient is the whole rows' gradient on its tokens; packed sequences).
+            rank's gradient is the whole rows' gradient on its tokens).
+        cp_layout: see :func:`aggregate_loss`.
+        seq_ids: see :func:`aggregate_loss` (packed sequences).
+        seqs_per_row: see :func:`aggregate_loss`.
 
     Returns:
         ``(loss, metrics)``: a 0-dim loss (float32 for half inputs; the ``[B, T]`` matrix
