@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from rlops._checks import (
@@ -245,29 +243,10 @@ def policy_loss(
         "pg_clipfrac_lower": sums.pop("pg_clipfrac_lower", none),
         **sums,
     }
-    weights = None
     if rollout_is_weights is not None:
-        weights = torch.where(keep, rollout_is_weights.to(dtype), 0)
-        loss_mat = loss_mat * weights
-    loss_mat = _keep_nan(loss_mat, lp, log_ratio, adv, weights)
+        loss_mat = loss_mat * torch.where(keep, rollout_is_weights.to(dtype), 0)
     return loss_and_metrics(loss_mat, rows, agg, loss_scale_factor, dtype, num_tokens,
                             num_seqs, group, call, sums)
-
-
-def _keep_nan(loss_mat: torch.Tensor, lp: torch.Tensor, log_ratio: torch.Tensor,
-              adv: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """``loss_mat`` with NaN, in value and in the gradient into ``logp``, on every action token
-    where an input is NaN (``logp``, ``old_logp`` — both in the log-ratio —, the advantage or
-    the weight), whatever the kind does with the token: a kind that drops it (dppo's trust
-    region compares, and a comparison with NaN is False), clamps it or maps it to a number
-    must not turn it into a finite loss. The inputs are 0 on mask-0 tokens, so those stay as
-    they are; on the other tokens the term is an exact 0 with a zero gradient."""
-    bad = log_ratio.isnan() | adv.isnan()
-    if weights is not None:
-        bad = bad | weights.isnan()
-    # NaN · logp where bad, 0 · 0 elsewhere: a -inf logp off the bad tokens stays out of it
-    poison = torch.where(bad, math.nan, 0.0).to(loss_mat.dtype)
-    return loss_mat + poison * torch.where(bad, lp, 0)
 
 
 def row_geometric_mean(
