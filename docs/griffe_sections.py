@@ -2,8 +2,10 @@
 
 rlops' docstrings are Google style as Napoleon reads it: griffe's parser takes ``Examples:``
 but not the singular ``Example:`` (Napoleon takes both), and Sphinx roles such as
-``:func:`aggregate_loss``` would show as written. Before parsing, the singular heading becomes
-the plural (so ``>>>`` blocks render as code) and each role becomes a code span.
+``:func:`aggregate_loss``` and the ``::`` that opens a literal block would show as written.
+Before parsing, the singular heading becomes the plural (so ``>>>`` blocks render as code),
+each role becomes a code span, and a line's closing ``::`` a colon (the indented block after
+it is a code block in Markdown too).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import griffe
 
 HEADING = re.compile(r"^(\s*)Example:[ \t]*$", re.MULTILINE)
 ROLE = re.compile(r":(?:func|data|class|mod|meth|attr|obj|exc):`~?([^`]+)`")
+LITERAL = re.compile(r"(?<=\S)::[ \t]*$", re.MULTILINE)
 
 
 class NapoleonSections(griffe.Extension):
@@ -23,4 +26,4 @@ class NapoleonSections(griffe.Extension):
         if docstring is None:
             return
         value = HEADING.sub(r"\1Examples:", docstring.value)
-        docstring.value = ROLE.sub(r"`\1`", value)
+        docstring.value = LITERAL.sub(":", ROLE.sub(r"`\1`", value))
