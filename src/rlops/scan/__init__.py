@@ -9,8 +9,9 @@ beside the others: ``"reference"`` (the serial loop, the definition), ``"chunked
 kernel, the ``fast`` extra), ``"triton"`` (:mod:`rlops.scan.triton`, a two-level scan on
 CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``; the ``gpu`` extra; differentiable,
 its backward the adjoint scan forward in time) and ``"auto"``; :data:`SCAN` is the family's
-dispatch table (:mod:`rlops.scan.dispatch`): auto picks triton on CUDA tensors when triton
-imports, compiled on CPU when numba is installed and no gradient is needed, else chunked.
+dispatch table (:mod:`rlops.scan.table`, its rows built by :mod:`rlops.scan.dispatch`): auto
+picks triton on CUDA tensors when triton imports, compiled on CPU when numba is installed and
+no gradient is needed, else chunked.
 While ``torch.compile`` traces, :func:`scan` is the operator ``rlops::reverse_scan``
 (:mod:`rlops.scan._op`): one graph node at every length, which runs this table at run time.
 
@@ -25,52 +26,12 @@ from __future__ import annotations
 
 import torch
 
-from rlops.scan import compiled
 from rlops.scan._op import reverse_scan_op
-from rlops.scan.chunked import scan_chunked
 from rlops.scan.decay import is_per_token
-from rlops.scan.dispatch import (
-    CHUNKED,
-    COMPILED,
-    METHODS,
-    REFERENCE,
-    TRITON,
-    Row,
-    Table,
-    case_of,
-)
-from rlops.scan.reference import scan_reference
+from rlops.scan.dispatch import METHODS, case_of
+from rlops.scan.table import SCAN
 
 __all__ = ["METHODS", "SCAN", "is_per_token", "scan"]
-
-
-def _reference(method, x, decay, chunk_size):
-    return scan_reference(x, decay)
-
-
-def _chunked(method, x, decay, chunk_size):
-    return scan_chunked(x, decay, chunk_size)
-
-
-def _compiled(method, x, decay, chunk_size):
-    return compiled.scan_compiled(x, decay)
-
-
-def _triton(method, x, decay, chunk_size):
-    from rlops.scan.triton import reverse_scan  # triton is imported on first use only
-
-    return reverse_scan(x, decay)
-
-
-SCAN = Table(
-    "discounted_cumsum",
-    [
-        Row((REFERENCE,), _reference, small_ops=True),
-        Row((COMPILED,), _compiled),
-        Row((TRITON,), _triton),  # every decay (a zero one cuts exactly); autograd
-        Row((CHUNKED,), _chunked, small_ops=True),
-    ],
-)
 
 
 def scan(

@@ -5,7 +5,7 @@ a graph compiled under ``dynamic=True`` would hold for one length only. Register
 operator (``torch.library.custom_op``) the scan is one node whose output has its input's shape
 (the fake implementation), whatever the length: one graph serves every ``[N, T]``.
 
-At run time the operator is an ordinary eager call of :data:`rlops.scan.SCAN`, outside any
+At run time the operator is an ordinary eager call of :data:`rlops.scan.table.SCAN`, outside any
 trace and without autograd, so ``method="auto"`` picks what it picks in eager code for a call
 that needs no gradient: the numba kernel on CPU where numba is installed, Triton on CUDA, else
 the chunked scan. Its gradient is registered beside it and is the same operator again, the
@@ -25,6 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rlops.scan.dispatch import case_of
+from rlops.scan.table import SCAN
+
 __all__ = ["reverse_scan_op"]
 
 
@@ -35,9 +38,6 @@ def _per_token(x: torch.Tensor, decay: torch.Tensor) -> bool:
 @torch.library.custom_op("rlops::reverse_scan", mutates_args=())
 def _reverse_scan(x: torch.Tensor, decay: torch.Tensor, method: str,
                   chunk_size: int) -> torch.Tensor:
-    from rlops.scan import SCAN  # the package imports this module
-    from rlops.scan.dispatch import case_of
-
     with torch.no_grad():
         y = SCAN(method, case_of(x, decay), x, decay, chunk_size or None)
     # the fake's layout (contiguous), never an input itself (a zero scan may hand back x)
@@ -75,7 +75,7 @@ _reverse_scan.register_autograd(_backward, setup_context=_setup)
 def reverse_scan_op(
     x: torch.Tensor, decay: float | torch.Tensor, method: str, chunk_size: int | None
 ) -> torch.Tensor:
-    """:data:`rlops.scan.SCAN` on ``x`` ``[N, T]`` and a canonical ``decay`` as the
+    """:data:`rlops.scan.table.SCAN` on ``x`` ``[N, T]`` and a canonical ``decay`` as the
     ``rlops::reverse_scan`` operator (a float decay becomes ``[N, 1]`` float64)."""
     if not isinstance(decay, torch.Tensor):
         decay = x.new_full((x.shape[0], 1), float(decay), dtype=torch.float64)
