@@ -232,3 +232,21 @@ def test_the_architecture_map_names_every_module():
     modules = sorted(p.relative_to(src).as_posix() for p in src.rglob("*.py"))
     missing = [m for m in modules if f"`{m}`" not in text]
     assert not missing, f"docs/architecture.md does not name {missing}"
+
+
+def test_the_reference_reads_napoleon_sections():
+    """docs/griffe_sections.py (the site's griffe extension) splits ``a, b: ...`` entries of an
+    ``Args:`` section into one entry per parameter, and leaves other sections alone."""
+    pytest.importorskip("griffe", reason="the docs extra: pip install -e '.[docs]'")
+    spec = importlib.util.spec_from_file_location(
+        "griffe_sections", ROOT / "docs" / "griffe_sections.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = (
+        "Sum.\n\nArgs:\n    a: one.\n    b, c: two\n        lines.\n\nReturns:\n    x, y: kept.\n"
+    )
+    assert module.split_shared_entries(text) == (
+        "Sum.\n\nArgs:\n    a: one.\n    b: two\n        lines.\n    c: two\n        lines.\n"
+        "\nReturns:\n    x, y: kept.\n"
+    )
