@@ -1,14 +1,17 @@
 """Drop-in adapters for the call sites of other RL trainers, implemented on rlops.
 
-Two submodules, imported explicitly (nothing is re-exported here)::
+Three submodules, imported explicitly (nothing is re-exported here)::
 
-    from rlops.compat import slime, verl
+    from rlops.compat import slime, trl, verl
 
 * :mod:`rlops.compat.slime` — the functions of slime's ``slime/utils/ppo_utils.py``, its
   context-parallel helpers and its critic loss (``value_loss_function``), with slime's
   per-sample lists of 1-D tensors. Where slime reads
   Megatron's global parallel state, the adapters take the process group as a keyword argument
   (``cp_group=``, ``tp_group``, ``process_group=``).
+* :mod:`rlops.compat.trl` — TRL's GRPO: ``grpo_advantages`` and ``grpo_loss`` with TRL's
+  option names and semantics, and ``GRPOMixin``, which makes ``trl.GRPOTrainer`` compute its
+  log-probs, advantages and loss with rlops (TRL imported only when the mixin is used).
 * :mod:`rlops.compat.verl` — the functions of verl's ``verl/trainer/ppo/core_algos.py`` and
   ``verl/utils/torch_functional.py``, on ``[bs, response_length]`` tensors.
 

@@ -1,0 +1,378 @@
+"""``GRPOMixin``: TRL's ``GRPOTrainer`` with rlops computing log-probs, advantages and loss.
+
+TRL is never imported here at module level: the mixin is a plain class whose methods call
+``super()``, so ``import rlops.compat.trl`` works without TRL installed.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+import rlops
+from rlops.compat._trl_loss import LOSS_TYPES, SUPPORTED_TRL, _loss_and_stats, grpo_advantages
+
+__all__ = ["GRPOMixin"]
+
+# model-config attributes that change the logits of TRL's head; rlops's linear op has none
+_HEAD_SCALES = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "output_multiplier",
+    "lm_head_multiplier",
+    "logits_scaling",
+)
+
+
+def _unsupported(option: str, value: object, why: str) -> ValueError:
+    return ValueError(f"rlops.compat.trl.GRPOMixin does not support {option}={value!r}: {why}")
+
+
+class GRPOMixin:
+    """TRL's GRPO trainer with rlops's log-probs, advantages and loss: put it first.
+
+    ``class Trainer(GRPOMixin, trl.GRPOTrainer)`` takes TRL's arguments (and ``check=``) and
+    trains as TRL's trainer, with three steps computed by rlops:
+
+    * ``_get_per_token_logps_and_entropies`` (the policy's, the old policy's and the reference
+      model's log-probs, and the entropies): the model's final hidden states (one forward with
+      ``output_hidden_states=True, logits_to_keep=1``) at the positions that predict the
+      completion tokens, through :func:`rlops.linear_logprobs_and_entropy` with the output
+      layer's weight and bias and TRL's ``temperature``: only ``[chunk, V]`` logits exist at a
+      time; 0 at padded completion positions (as TRL's head).
+    * the advantages: :func:`rlops.compat.trl.grpo_advantages` of the rewards TRL computed, on
+      every process's rows, then this process's slice.
+    * ``_compute_loss``: :func:`rlops.compat.trl.grpo_loss`'s computation, with TRL's metrics
+      logged under TRL's names (``entropy``, ``kl``, ``clip_ratio/...``, ``cispo_clip_ratio``,
+      ``policy_loss`` and ``entropy_coef`` with an entropy bonus), reduced over the processes
+      as TRL does.
+
+    Options rlops does not serve raise ``ValueError`` at construction, naming TRL's option:
+    ``loss_type="vespo"``, ``use_adaptive_entropy``, ``off_policy_mask_threshold``, vLLM's
+    importance-sampling correction, a Mixture-of-Experts router loss, vision-language inputs,
+    and heads with a softcap or a logit scale (``final_logit_softcapping``, ``logit_scale``,
+    ...). ``delta`` must be ``>= 1 + epsilon_high``.
+
+    With ``check=True`` the first loss and its gradients (one process: every trainable
+    parameter's) and the first advantages are compared with TRL's own computation on the same
+    batch, and a difference beyond ``256·eps`` of the parameters' dtype, relative to TRL's
+    largest value, raises ``RuntimeError`` (costs one more forward and backward, once).
+
+    Example (not run here: it needs TRL, a model and a dataset)::
+
+        import trl
+        from rlops.compat.trl import GRPOMixin
+
+        class Trainer(GRPOMixin, trl.GRPOTrainer):
+            pass
+
+        trainer = Trainer(model=model, reward_funcs=reward, args=trl.GRPOConfig(...),
+                          train_dataset=dataset, check=True)
+        trainer.train()
+    """
+
+    def __init__(self, *args: Any, check: bool = False, **kwargs: Any) -> None:
+        self._rlops_check = bool(check)
+        self._rlops_loss_checked = self._rlops_adv_checked = False
+        self._rlops_use_trl = False
+        self._rlops_rewards: torch.Tensor | None = None
+        super().__init__(*args, **kwargs)
+        self._rlops_check_options()
+
+    # ----------------------------------------------------------------------------- options
+    def _rlops_check_options(self) -> None:
+        import trl
+        from packaging.version import Version
+
+        version = Version(trl.__version__)
+        if not Version("1.16") <= version < Version("1.17"):
+            raise ImportError(
+                f"rlops.compat.trl supports TRL {SUPPORTED_TRL}, found {trl.__version__}"
+            )
+        t: Any = self
+        args = t.args
+        if t.loss_type not in LOSS_TYPES:
+            raise _unsupported("loss_type", t.loss_type, f"the loss types served are {LOSS_TYPES}")
+        if t.use_adaptive_entropy:
+            raise _unsupported(
+                "use_adaptive_entropy",
+                True,
+                "use a static entropy_coef (the adaptive controller is TRL's)",
+            )
+        if t.off_policy_mask_threshold is not None:
+            raise _unsupported(
+                "off_policy_mask_threshold",
+                t.off_policy_mask_threshold,
+                "off-policy sequence masking is not wired through",
+            )
+        if t.use_vllm and t.vllm_importance_sampling_correction:
+            raise _unsupported(
+                "vllm_importance_sampling_correction", True, "set it to False, or use TRL's trainer"
+            )
+        if t.aux_loss_enabled:
+            raise _unsupported(
+                "router_aux_loss_coef",
+                t.router_aux_loss_coef,
+                "the MoE router loss is not computed from the hidden states",
+            )
+        if getattr(t, "_is_vlm", False):
+            raise _unsupported(
+                "model", type(t.model).__name__, "vision-language models are not supported"
+            )
+        text_config = t.model.config.get_text_config()
+        for name in _HEAD_SCALES:
+            value = getattr(text_config, name, None)
+            if value is not None and not (name == "logit_scale" and value == 1.0):
+                raise _unsupported(
+                    f"model.config.{name}",
+                    value,
+                    "the rlops linear log-prob op has no softcap or logit scale",
+                )
+        if args.delta is not None and t.loss_type in ("bnpo", "dapo", "dr_grpo", "grpo", "luspo"):
+            if args.delta < 1 + t.epsilon_high:
+                raise _unsupported(
+                    "delta", args.delta, f"delta must be >= 1 + epsilon_high = {1 + t.epsilon_high}"
+                )
+
+    @contextmanager
+    def _rlops_as_trl(self):
+        """TRL's own log-probs inside the block (for the check)."""
+        self._rlops_use_trl = True
+        try:
+            yield
+        finally:
+            self._rlops_use_trl = False
+
+    # ----------------------------------------------------------------------------- log-probs
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
+        if self._rlops_use_trl:
+            return super()._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size=batch_size,
+                compute_entropy=compute_entropy,
+                compute_aux_loss=compute_aux_loss,
+                **multimodal,
+            )
+        given = [k for k, v in multimodal.items() if v is not None]
+        if given:
+            raise _unsupported(given[0], "...", "multimodal inputs are not supported")
+        t: Any = self
+        head = t.accelerator.unwrap_model(model).get_output_embeddings()
+        weight, bias = head.weight, head.bias
+        if t.args.cast_lm_head_to_fp32:
+            weight = weight.float()
+            bias = None if bias is None else bias.float()
+        entropy_grad = bool(t._entropy_bonus_enabled) and torch.is_grad_enabled()
+        k = logits_to_keep
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):  # TRL's micro-batches
+            ids = input_ids[start : start + batch_size]
+            am = attention_mask[start : start + batch_size]
+            with t.accelerator.autocast():
+                out = model(
+                    input_ids=ids,
+                    attention_mask=am,
+                    output_hidden_states=True,
+                    logits_to_keep=1,
+                    use_cache=False,
+                )
+            # the hidden state at position p predicts token p + 1
+            hidden = out.hidden_states[-1][:, -k - 1 : -1].to(weight.dtype)
+            lp, ent = rlops.linear_logprobs_and_entropy(
+                hidden,
+                weight,
+                ids[:, -k:],
+                bias=bias,
+                temperature=t.temperature,
+                with_entropy=compute_entropy,
+                entropy_grad=entropy_grad,
+            )
+            valid = am[:, -k:].bool()
+            logps.append(torch.where(valid, lp, 0))
+            if compute_entropy:
+                assert ent is not None
+                entropies.append(torch.where(valid, ent, 0))
+        return (torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None)
+
+    # ----------------------------------------------------------------------------- advantages
+    def _calculate_rewards(self, *args, **kwargs):
+        rewards = super()._calculate_rewards(*args, **kwargs)
+        self._rlops_rewards = rewards
+        return rewards
+
+    def _generate_and_score_completions(self, generation_batch):
+        out = super()._generate_and_score_completions(generation_batch)
+        t: Any = self
+        rewards = self._rlops_rewards
+        assert rewards is not None
+        mode = "train" if t.model.training else "eval"
+        g = t.num_generations if mode == "train" else t.num_generations_eval
+        adv = grpo_advantages(
+            rewards,
+            g,
+            reward_weights=t.reward_weights.to(rewards.device),
+            scale_rewards=t.scale_rewards,
+            multi_objective_aggregation=t.multi_objective_aggregation,
+        )
+        n = out["advantages"].shape[0]
+        start = t.accelerator.process_index * n
+        adv = adv[start : start + n].to(out["advantages"].dtype)
+        if self._rlops_check and not self._rlops_adv_checked:
+            self._rlops_adv_checked = True
+            _compare("advantages", adv, out["advantages"], _tolerance(adv.dtype))
+        out["advantages"] = adv
+        return out
+
+    # ----------------------------------------------------------------------------- loss
+    def _compute_loss(self, model, inputs):
+        if self._rlops_check and not self._rlops_loss_checked:
+            self._rlops_loss_checked = True
+            return self._rlops_checked_loss(model, inputs)
+        return self._rlops_loss(model, inputs)
+
+    def _rlops_checked_loss(self, model, inputs):
+        t: Any = self
+        mode = "train" if t.model.training else "eval"
+        logged = {k: len(v) for k, v in t._metrics[mode].items()}
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = t.accelerator.num_processes == 1 and torch.is_grad_enabled()
+        with self._rlops_as_trl():
+            ref = super()._compute_loss(model, inputs)
+        ref_grads = torch.autograd.grad(ref, params, allow_unused=True) if grads else ()
+        ref = ref.detach()
+        for key in list(t._metrics[mode]):  # keep TRL's metrics of this step out of the logs
+            del t._metrics[mode][key][logged.get(key, 0) :]
+        loss = self._rlops_loss(model, inputs)
+        tol = _tolerance(params[0].dtype if params else torch.float32)
+        _compare("loss", loss.detach(), ref, tol)
+        if grads:
+            ours = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+            pairs = [(a, b) for a, b in zip(ours, ref_grads, strict=True) if b is not None]
+            _compare(
+                "gradient",
+                torch.cat([a.reshape(-1) for a, _ in pairs]),
+                torch.cat([b.reshape(-1) for _, b in pairs]),
+                tol,
+            )
+        return loss
+
+    def _rlops_loss(self, model, inputs):
+        t: Any = self
+        args = t.args
+        completion_ids = inputs["completion_ids"]
+        completion_mask = inputs["completion_mask"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
+        mask = (
+            completion_mask
+            if "tool_mask" not in inputs
+            else (completion_mask * inputs["tool_mask"])
+        )
+        logps, entropies, _ = self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True
+        )
+        mode = "train" if t.model.training else "eval"
+        entropy_coef = t.entropy_coef if t._entropy_bonus_enabled else 0.0
+        loss, policy, sums, per_row = _loss_and_stats(
+            logps,
+            inputs.get("old_per_token_logps"),
+            inputs["advantages"],
+            mask,
+            loss_type=t.loss_type,
+            epsilon=t.epsilon_low,
+            epsilon_high=t.epsilon_high,
+            delta=args.delta,
+            importance_sampling_level=t.importance_sampling_level,
+            beta=t.beta,
+            ref_per_token_logps=inputs.get("ref_per_token_logps"),
+            use_bias_correction_kl=args.use_bias_correction_kl,
+            entropies=entropies,
+            top_entropy_quantile=t.top_entropy_quantile,
+            entropy_coef=entropy_coef,
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            max_completion_length=t.max_completion_length,
+            num_items_in_batch=inputs.get("num_items_in_batch"),
+            num_processes=t.accelerator.num_processes,
+            gradient_accumulation_steps=t.current_gradient_accumulation_steps,
+            steps_per_generation=args.steps_per_generation,
+            training=mode == "train",
+            group=_group(t.accelerator),
+        )
+        self._rlops_log(mode, policy, sums, per_row)
+        return loss
+
+    def _rlops_log(
+        self,
+        mode: str,
+        policy: torch.Tensor,
+        sums: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        per_row: dict[str, torch.Tensor],
+    ) -> None:
+        """TRL's metrics: means over every process's tokens (one reduce), min / max over every
+        process's rows, the policy loss (mean over processes) with an entropy bonus."""
+        t: Any = self
+        acc = t.accelerator
+        metrics = t._metrics[mode]
+        names = list(sums)
+        if t._entropy_bonus_enabled:
+            metrics["policy_loss"].append(acc.gather(policy).nanmean().item())
+            if mode == "train" and acc.sync_gradients:
+                metrics["entropy_coef"].append(t.entropy_coef)
+        if names:
+            vec = torch.stack([torch.stack([s.float(), n.float()]) for s, n in sums.values()])
+            vec = acc.reduce(vec, reduction="sum")
+            values = (vec[:, 0] / vec[:, 1].clamp(min=1.0)).tolist()
+            for name, value in zip(names, values, strict=True):
+                metrics[name].append(value)
+        for name, x in per_row.items():
+            gathered = acc.gather(x)
+            finite = gathered[~torch.isnan(gathered)]
+            value = (
+                math.nan
+                if finite.numel() == 0
+                else (finite.min() if name.endswith("_min") else finite.max()).item()
+            )
+            metrics[name].append(value)
+
+
+def _group(accelerator: Any) -> object:
+    """The process group of the data-parallel processes, None for one process."""
+    if accelerator.num_processes == 1:
+        return None
+    import torch.distributed as dist
+
+    return dist.group.WORLD
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 256 * torch.finfo(dtype).eps
+
+
+def _compare(what: str, ours: torch.Tensor, trl_value: torch.Tensor, tol: float) -> None:
+    """Raise when ``ours`` differs from TRL's by more than ``tol`` relative to TRL's largest."""
+    ours, trl_value = ours.double(), trl_value.double().to(ours.device)
+    scale = max(float(trl_value.abs().max()) if trl_value.numel() else 0.0, 1e-30)
+    diff = float((ours - trl_value).abs().max()) if ours.numel() else 0.0
+    if not diff <= tol * scale:
+        raise RuntimeError(
+            f"rlops.compat.trl.GRPOMixin(check=True): the {what} differs from TRL's by "
+            f"{diff:.3g} (TRL's largest {scale:.3g}; tolerance {tol:.3g} relative)"
+        )
