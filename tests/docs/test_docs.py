@@ -178,7 +178,9 @@ def test_relative_links_resolve(path):
 def test_reference_pages_cover_the_public_api():
     """Every name of rlops.__all__ has a reference directive (its public path, or the path of
     the module that defines it where a submodule of the same name shadows it), every
-    directive names an importable object, and the README's table links each name there."""
+    directive names an importable object, and the README's table links each name there;
+    rlops.distributed, rlops.kl_controllers, each public rlops.compat module and rlops.testing
+    have theirs."""
     import rlops
 
     directives = {
@@ -204,13 +206,13 @@ def test_reference_pages_cover_the_public_api():
         assert ident is not None, f"rlops.{name} has no ::: directive under docs/reference/"
         page = directives[ident].relative_to(ROOT).as_posix()
         assert f"[`{name}`]({page}#{ident})" in readme, f"the README's table lacks {name}"
-    for module in (
-        "rlops.distributed",
-        "rlops.compat.verl",
-        "rlops.compat.slime",
-        "rlops.kl_controllers",
-    ):
-        assert module in directives, f"no reference page for {module}"
+    src = ROOT / "src" / "rlops"
+    adapters = [f"rlops.compat.{p.stem}" for p in (src / "compat").glob("[!_]*.py")]
+    required = ["rlops.distributed", "rlops.kl_controllers", *sorted(adapters)]
+    if (src / "testing").is_dir():
+        required.append("rlops.testing")
+    missing = [m for m in required if m not in directives]
+    assert not missing, f"no reference page for {missing}"
 
 
 def test_every_page_is_in_the_nav():
