@@ -7,7 +7,7 @@ another module's private names. Layers (a module may import its own package and 
     3  advantages, group_advantages, losses, rollout_correction, kl_controllers
     3.5  selection                            (selection masks; builds on rollout_correction)
     4  rlops (the package: the public API)
-    5  compat, measure                        (adapt, or measure, the public API only)
+    5  compat, measure, testing               (adapt, measure or check against the core)
     6  cli                                    (the command line, on the measurement harness)
 
 Parsed statically with ``ast``, including imports inside functions (lazy imports count). The
@@ -40,6 +40,7 @@ LAYERS = {
     "rlops": 4,
     "rlops.compat": 5,
     "rlops.measure": 5,
+    "rlops.testing": 5,  # the contract: the core's references turned into checks
     "rlops.cli": 6,
 }
 

@@ -7,11 +7,11 @@ import argparse
 import sys
 
 import rlops
-from rlops.cli import bench, demo, profile
+from rlops.cli import bench, check, demo, profile
 
 __all__ = ["main"]
 
-COMMANDS = {"bench": bench, "demo": demo, "profile": profile}
+COMMANDS = {"bench": bench, "check": check, "demo": demo, "profile": profile}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -19,7 +19,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rlops",
         description="rlops: the numerical core of RL for language models. The commands show, "
-        "on your machine, what it buys.",
+        "on your machine, what it buys, and check your trainer's numerics.",
     )
     p.add_argument("--version", action="version", version=f"rlops {rlops.__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")

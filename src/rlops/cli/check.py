@@ -1,0 +1,185 @@
+"""``rlops check logprobs|loss|advantages MODULE:FUNCTION``: run a :mod:`rlops.testing`
+contract on a function of the user's code, print the report, exit 1 if a check failed."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from rlops.testing import check_advantages, check_logprobs, check_policy_loss
+
+__all__ = ["add_arguments", "load_function", "run"]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def load_function(spec: str) -> Callable:
+    """The function named by ``MODULE:FUNCTION`` (``FUNCTION`` may be dotted:
+    ``pkg.mod:Class.method``); the current directory is importable, as for ``python -m``."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(
+            f"expected MODULE:FUNCTION (e.g. my_trainer.losses:ppo_loss), got {spec!r}"
+        )
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    obj: object = importlib.import_module(module_name)
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{module_name} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{spec} is not callable")
+    return obj
+
+
+def _csv(kind: Callable[[str], object]) -> Callable[[str], tuple]:
+    def parse(text: str) -> tuple:
+        try:
+            return tuple(kind(x) for x in text.split(",") if x)
+        except (KeyError, ValueError) as e:
+            raise argparse.ArgumentTypeError(f"invalid list {text!r}: {e}") from None
+
+    return parse
+
+
+def _param(text: str) -> tuple[str, float]:
+    name, sep, value = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return name, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NAME=NUMBER, got {text!r}") from None
+
+
+def add_arguments(subparsers) -> argparse.ArgumentParser:
+    """Register ``check`` and its three contracts on an ``argparse`` subparsers object."""
+    p = subparsers.add_parser(
+        "check",
+        help="run rlops' numerics contract on your trainer's function",
+        description="Check a function of your trainer against rlops' definitions "
+        "(rlops.testing); prints the report and exits 1 if a check failed.",
+    )
+    contracts = p.add_subparsers(
+        dest="contract", required=True, metavar="{logprobs,loss,advantages}"
+    )
+
+    def contract(name: str, help_text: str) -> argparse.ArgumentParser:
+        c = contracts.add_parser(name, help=help_text, description=help_text)
+        c.add_argument("function", metavar="MODULE:FUNCTION", help="the function under test")
+        c.add_argument("--device", default="cpu", help="where the inputs are made (default cpu)")
+        c.add_argument("--seed", type=int, default=0, help="seed of the inputs (default 0)")
+        return c
+
+    lp = contract(
+        "logprobs", "fn(logits [N, V], target [N], temperature) -> logp [N] or (logp, entropy)"
+    )
+    lp.add_argument("--temperature", type=float, default=1.0)
+    lp.add_argument(
+        "--vocab-sizes",
+        type=_csv(int),
+        default=(1000, 50257),
+        metavar="V,V",
+        help="vocabularies of the values checks (default 1000,50257)",
+    )
+    lp.add_argument(
+        "--dtypes",
+        type=_csv(lambda s: _DTYPES[s]),
+        default=(torch.float32,),
+        metavar="DTYPE,...",
+        help="logits' dtypes of the values check (default float32)",
+    )
+    lp.add_argument("--rows", type=int, default=32, help="rows per batch (default 32)")
+    lp.add_argument(
+        "--bitwise", action="store_true", help="batch_invariance demands identical bits"
+    )
+
+    loss = contract(
+        "loss", "fn(logp, old_logp, advantages, mask[, num_tokens=, num_seqs=]) -> loss"
+    )
+    loss.add_argument(
+        "--agg", default="token-mean", help="the aggregation mode fn applies (default token-mean)"
+    )
+    loss.add_argument("--kind", default="ppo", help="the policy-loss kind (default ppo)")
+    loss.add_argument("--clip-low", type=float, default=None)
+    loss.add_argument("--clip-high", type=float, default=None)
+    loss.add_argument("--loss-scale-factor", type=float, default=None)
+    loss.add_argument(
+        "--param",
+        type=_param,
+        action="append",
+        default=[],
+        metavar="NAME=X",
+        help="another option of the kind, e.g. dual_clip=3 (repeatable)",
+    )
+
+    adv = contract(
+        "advantages",
+        "fn(rewards, values, mask, gamma, lam) -> advantages "
+        "(gae), fn(rewards, mask, gamma) -> returns",
+    )
+    adv.add_argument("--estimator", choices=("gae", "returns"), default="gae")
+    adv.add_argument("--gamma", type=float, default=0.99)
+    adv.add_argument("--lam", type=float, default=0.95)
+    adv.add_argument("--long-length", type=int, default=32768)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """``rlops check``: 0 if every check passed, 1 if one failed, 2 on a usage error."""
+    try:
+        fn = load_function(args.function)
+    except (ImportError, ValueError) as e:
+        print(f"rlops check: error: {e}", file=sys.stderr)
+        return 2
+    common = {"device": args.device, "seed": args.seed}
+    start = time.perf_counter()
+    try:
+        if args.contract == "logprobs":
+            report = check_logprobs(
+                fn,
+                temperature=args.temperature,
+                vocab_sizes=args.vocab_sizes,
+                dtypes=args.dtypes,
+                rows=args.rows,
+                bitwise=args.bitwise,
+                **common,
+            )
+        elif args.contract == "loss":
+            report = check_policy_loss(
+                fn,
+                agg=args.agg,
+                kind=args.kind,
+                clip_low=args.clip_low,
+                clip_high=args.clip_high,
+                loss_scale_factor=args.loss_scale_factor,
+                **dict(args.param),
+                **common,
+            )
+        else:
+            report = check_advantages(
+                fn,
+                estimator=args.estimator,
+                gamma=args.gamma,
+                lam=args.lam,
+                long_length=args.long_length,
+                **common,
+            )
+    except (TypeError, ValueError) as e:
+        print(f"rlops check: error: {e}", file=sys.stderr)
+        return 2
+    print(report)
+    print(f"({time.perf_counter() - start:.1f} s)")
+    return 0 if report.ok else 1
