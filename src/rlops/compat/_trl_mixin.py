@@ -58,8 +58,13 @@ class GRPOMixin:
 
     With ``check=True`` the first loss and its gradients (one process: every trainable
     parameter's) and the first advantages are compared with TRL's own computation on the same
-    batch, and a difference beyond ``256·eps`` of the parameters' dtype, relative to TRL's
-    largest value, raises ``RuntimeError`` (costs one more forward and backward, once).
+    batch, and a difference beyond ``256·eps`` of the parameters' dtype (``2·eps`` of
+    bfloat16 / float16 under TRL's ``bf16`` / ``fp16`` autocast), relative to TRL's largest
+    value, raises ``RuntimeError`` (costs one more forward and backward, once).
+
+    Under autocast the hidden states are cast to the output layer's weight dtype before the
+    log-prob op (float32 master weights: the head runs in float32, where TRL's runs in the
+    autocast dtype unless ``cast_lm_head_to_fp32``).
 
     Example (not run here: it needs TRL, a model and a dataset)::
 
@@ -236,7 +241,7 @@ class GRPOMixin:
         adv = adv[start : start + n].to(out["advantages"].dtype)
         if self._rlops_check and not self._rlops_adv_checked:
             self._rlops_adv_checked = True
-            _compare("advantages", adv, out["advantages"], _tolerance(adv.dtype))
+            _compare("advantages", adv, out["advantages"], _tolerance(adv.dtype, None))
         out["advantages"] = adv
         return out
 
@@ -260,7 +265,7 @@ class GRPOMixin:
         for key in list(t._metrics[mode]):  # keep TRL's metrics of this step out of the logs
             del t._metrics[mode][key][logged.get(key, 0) :]
         loss = self._rlops_loss(model, inputs)
-        tol = _tolerance(params[0].dtype if params else torch.float32)
+        tol = _tolerance(params[0].dtype if params else torch.float32, t.args)
         _compare("loss", loss.detach(), ref, tol)
         if grads:
             ours = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
@@ -362,8 +367,14 @@ def _group(accelerator: Any) -> object:
     return dist.group.WORLD
 
 
-def _tolerance(dtype: torch.dtype) -> float:
-    return 256 * torch.finfo(dtype).eps
+def _tolerance(dtype: torch.dtype, args: Any) -> float:
+    """``256·eps`` of the parameters' dtype, or ``2·eps`` of the half dtype that autocast
+    computes in (``bf16`` / ``fp16`` in TRL's config), whichever is larger."""
+    tol = 256 * torch.finfo(dtype).eps
+    for flag, half in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        if args is not None and getattr(args, flag, False):
+            tol = max(tol, 2 * torch.finfo(half).eps)
+    return tol
 
 
 def _compare(what: str, ours: torch.Tensor, trl_value: torch.Tensor, tol: float) -> None:
