@@ -9,6 +9,7 @@ old / reference log-probs moved so that clipping and the KL term fire.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -111,6 +112,11 @@ def _trainer(
     )
 
 
+def _as_trl(trainer):
+    """TRL's own log-probs (a plain TRL trainer has them anyway)."""
+    return getattr(trainer, "_rlops_as_trl", contextlib.nullcontext)()
+
+
 def _batch(trainer, seed=0):
     """A GRPO micro-batch as _generate_and_score_completions returns it."""
     g = torch.Generator().manual_seed(seed)
@@ -123,7 +129,7 @@ def _batch(trainer, seed=0):
     lengths = torch.tensor([6, 3, 5, 1, 6, 0, 4, 2])  # row 5: no completion token
     completion_mask = (torch.arange(k) < lengths[:, None]).long()
     completion_ids[completion_mask == 0] = trainer.processing_class.pad_token_id
-    with torch.no_grad(), trainer._rlops_as_trl():
+    with torch.no_grad(), _as_trl(trainer):
         ids = torch.cat([prompt_ids, completion_ids], 1)
         am = torch.cat([prompt_mask, completion_mask], 1)
         logp = trainer._get_per_token_logps_and_entropies(trainer.model, ids, am, k)[0]
@@ -144,7 +150,7 @@ def _loss_and_grads(trainer, inputs, use_trl):
     model = trainer.model
     params = [p for p in model.parameters() if p.requires_grad]
     if use_trl:
-        with trainer._rlops_as_trl():
+        with _as_trl(trainer):
             loss = trl.GRPOTrainer._compute_loss(trainer, model, inputs)
     else:
         loss = trainer._compute_loss(model, inputs)
@@ -202,6 +208,30 @@ def test_loss_and_gradients_match_trl(tokenizer, tmp_path, name):
     assert torch.isfinite(ours_grad).all() and ours_grad.abs().max() > 0
     assert_within_reference(f"{name} loss", ours_loss, oracle_loss, trl_loss)
     assert_within_reference(f"{name} gradient", ours_grad, oracle_grad, trl_grad)
+
+
+def test_patch_serves_trls_head(tokenizer, tmp_path):
+    """patch(): TRL's own trainer (its log-probs, loss and entropy bonus) on rlops's linear op."""
+    from trl.trainer import utils
+
+    original = utils._ChunkedLogProbFunction
+    trainer = _trainer(tokenizer, tmp_path, cls=trl.GRPOTrainer, beta=0.04, entropy_coef=0.01)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = _batch(trainer)
+    trl_loss, trl_grad = _loss_and_grads(trainer, inputs, use_trl=True)
+    rtrl.patch()
+    try:
+        assert utils._ChunkedLogProbFunction is not original
+        ours_loss, ours_grad = _loss_and_grads(trainer, inputs, use_trl=True)
+    finally:
+        rtrl.patch(False)
+    assert utils._ChunkedLogProbFunction is original
+    trainer.model.double()
+    inputs64 = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+    oracle_loss, oracle_grad = _loss_and_grads(trainer, inputs64, use_trl=True)
+    assert_within_reference("patched loss", ours_loss, oracle_loss, trl_loss)
+    assert_within_reference("patched gradient", ours_grad, oracle_grad, trl_grad)
 
 
 def test_metrics_have_trl_names_and_values(tokenizer, tmp_path):

@@ -15,7 +15,7 @@ import torch
 import rlops
 from rlops.compat._trl_loss import LOSS_TYPES, SUPPORTED_TRL, _loss_and_stats, grpo_advantages
 
-__all__ = ["GRPOMixin"]
+__all__ = ["GRPOMixin", "patch"]
 
 # model-config attributes that change the logits of TRL's head; rlops's linear op has none
 _HEAD_SCALES = (
@@ -144,12 +144,20 @@ class GRPOMixin:
 
     @contextmanager
     def _rlops_as_trl(self):
-        """TRL's own log-probs inside the block (for the check)."""
+        """TRL's own log-probs inside the block (for the check), on TRL's own head also where
+        :func:`patch` is in effect."""
+        from trl.trainer import utils
+
+        patched = utils._ChunkedLogProbFunction is _RlopsChunkedLogProb
         self._rlops_use_trl = True
+        if patched:
+            patch(False)
         try:
             yield
         finally:
             self._rlops_use_trl = False
+            if patched:
+                patch(True)
 
     # ----------------------------------------------------------------------------- log-probs
     def _get_per_token_logps_and_entropies(
@@ -387,3 +395,69 @@ def _compare(what: str, ours: torch.Tensor, trl_value: torch.Tensor, tol: float)
             f"rlops.compat.trl.GRPOMixin(check=True): the {what} differs from TRL's by "
             f"{diff:.3g} (TRL's largest {scale:.3g}; tolerance {tol:.3g} relative)"
         )
+
+
+# --------------------------------------------------------------------------- TRL's fused head
+class _RlopsChunkedLogProb:
+    """Stands for TRL's ``ChunkedLogProbFunction`` (its ``apply`` signature and outputs):
+    log-probs and entropy by :func:`rlops.linear_logprobs_and_entropy`; what rlops's op does
+    not compute (a softcap, a logit scale, TRL's other outputs) goes to TRL's own function."""
+
+    original: Any = None
+
+    @classmethod
+    def apply(
+        cls,
+        hidden,
+        weight,
+        bias,
+        targets,
+        temperature,
+        chunk_size,
+        final_logit_softcapping=None,
+        logit_scale=1.0,
+        outputs=("log_probs",),
+    ):
+        if (
+            final_logit_softcapping is not None
+            or logit_scale != 1.0
+            or not set(outputs) <= {"log_probs", "entropy"}
+        ):
+            return cls.original.apply(
+                hidden,
+                weight,
+                bias,
+                targets,
+                temperature,
+                chunk_size,
+                final_logit_softcapping,
+                logit_scale,
+                outputs,
+            )
+        hidden = hidden.to(weight.dtype)  # autocast: the head in the weight's dtype
+        lp, ent = rlops.linear_logprobs_and_entropy(
+            hidden,
+            weight,
+            targets,
+            bias=None if bias is None else bias.to(weight.dtype),
+            temperature=temperature,
+            with_entropy="entropy" in outputs,
+        )
+        return lp, ent, None, None, None
+
+
+def patch(enabled: bool = True) -> None:
+    """Serve TRL's fused LM head (``add_fused_lm_head``, every TRL trainer that calls
+    ``model(..., fused_lm_head=True)``: GRPO, RLOO, DPO, KTO, SFT) by rlops's linear op.
+
+    Replaces ``trl.trainer.utils._ChunkedLogProbFunction`` for the process; heads with a
+    softcap or a logit scale, and TRL's outputs other than log-probs and entropy, still run on
+    TRL's function. ``patch(False)`` puts TRL's back. Under autocast the hidden states are cast
+    to the head's weight dtype.
+    """
+    from trl.trainer import utils
+
+    if _RlopsChunkedLogProb.original is None:
+        _RlopsChunkedLogProb.original = utils._ChunkedLogProbFunction
+    head = _RlopsChunkedLogProb if enabled else _RlopsChunkedLogProb.original
+    setattr(utils, "_ChunkedLogProbFunction", head)  # noqa: B010  (a module global of TRL's)

@@ -16,6 +16,8 @@ Supported and tested: TRL 1.16.x (:data:`SUPPORTED_TRL`). TRL is imported only w
   rlops computing the log-probs and entropies from the final hidden states (the ``[B, T, V]``
   logits never exist; only the completion tokens are scored), the advantages and the loss,
   logging TRL's metrics under TRL's names.
+* :func:`patch` — TRL's fused LM head (``add_fused_lm_head``, used by all of TRL's trainers)
+  served by :func:`rlops.linear_logprobs_and_entropy`.
 
 How TRL's options map (``ε_l = epsilon``, ``ε_h = epsilon_high``, default ``epsilon``)::
 
@@ -45,6 +47,6 @@ every row; rlops's own default leaves such rows out. ``GA`` is
 """
 
 from rlops.compat._trl_loss import LOSS_TYPES, SUPPORTED_TRL, grpo_advantages, grpo_loss
-from rlops.compat._trl_mixin import GRPOMixin
+from rlops.compat._trl_mixin import GRPOMixin, patch
 
-__all__ = ["LOSS_TYPES", "SUPPORTED_TRL", "GRPOMixin", "grpo_advantages", "grpo_loss"]
+__all__ = ["LOSS_TYPES", "SUPPORTED_TRL", "GRPOMixin", "grpo_advantages", "grpo_loss", "patch"]
