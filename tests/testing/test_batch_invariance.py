@@ -32,7 +32,7 @@ def _rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 WEIGHT = torch.randn(V, H, generator=torch.Generator().manual_seed(99)) / H**0.5
 
 
-def _op(kind: str, hidden, logits, target, chunk_size):
+def _op(kind: str, hidden, logits, target, chunk_size, grad=True):
     if kind == "logits":
         x = logits.clone().requires_grad_(True)
         logp, ent = rlops.logprobs_and_entropy(
@@ -43,7 +43,8 @@ def _op(kind: str, hidden, logits, target, chunk_size):
         logp, ent = rlops.linear_logprobs_and_entropy(
             x, WEIGHT, target, temperature=0.7, chunk_size=chunk_size
         )
-    (logp.sum() + ent.sum()).backward()
+    if grad:
+        (logp.sum() + ent.sum()).backward()
     return logp.detach(), ent.detach(), x.grad
 
 
@@ -106,7 +107,7 @@ def test_the_linear_op_is_within_the_rule_in_every_batch():
     worse = []
     for chunk_size in CHUNK_SIZES:
         for name, h, z, t, pos, idx in batches:
-            got = _op("linear", h, z, t, chunk_size)
+            got = _op("linear", h, z, t, chunk_size, grad=False)
             for k, what in enumerate(("logp", "entropy")):
                 err = (got[k][pos].double() - ref64[k][idx]).abs()
                 if not bool((err <= bounds[k][idx]).all()):

@@ -95,14 +95,14 @@ def float16_accumulation(rewards, values, mask, gamma, lam):
 
 
 def log_space_scan(rewards, values, mask, gamma, lam):
-    """edges: A[t] = w^t · Σ_{k≥t} w^(−k)·δ[k] in log space: log 0 at γλ = 0."""
+    """edges: A[t] = w^(−t) · Σ_{k≥t} w^k·δ[k], the powers in log space: log 0 at γλ = 0."""
     v_next = torch.cat([values[:, 1:] * mask[:, 1:], values.new_zeros(values.shape[0], 1)], 1)
     delta = (rewards + gamma * v_next - values) * mask
     t = torch.arange(rewards.shape[1], dtype=torch.float64)
     log_w = torch.log(torch.tensor(gamma * lam, dtype=torch.float64))
-    scaled = delta.double() * torch.exp(-t * log_w)
+    scaled = delta.double() * torch.exp(t * log_w)
     tail = scaled.flip(-1).cumsum(-1).flip(-1)
-    return (tail * torch.exp(t * log_w) * mask).float()
+    return (tail * torch.exp(-t * log_w) * mask).float()
 
 
 BROKEN = {

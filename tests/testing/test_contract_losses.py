@@ -74,27 +74,28 @@ class _DriftedPPO(torch.autograd.Function):
     """gradients: a fused PPO loss whose hand-written backward forgot the clip mask."""
 
     @staticmethod
-    def forward(ctx, logp, old_logp, advantages, mask):
+    def forward(ctx, logp, old_logp, advantages, mask, n):
         ratio = torch.exp(logp - old_logp)
         loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.2))
-        ctx.save_for_backward(ratio, advantages, mask)
-        return (loss * mask).sum() / mask.sum()
+        ctx.save_for_backward(ratio, advantages, mask, n)
+        return (loss * mask).sum() / n
 
     @staticmethod
     def backward(ctx, g):
-        ratio, advantages, mask = ctx.saved_tensors
-        return g * -advantages * ratio * mask / mask.sum(), None, None, None
+        ratio, advantages, mask, n = ctx.saved_tensors
+        return g * -advantages * ratio * mask / n, None, None, None, None
 
 
 def drifted_backward(logp, old_logp, advantages, mask, num_tokens=None):
-    return _DriftedPPO.apply(logp, old_logp.detach(), advantages.detach(), mask.float())
+    n = mask.sum() if num_tokens is None else torch.tensor(num_tokens)
+    return _DriftedPPO.apply(logp, old_logp.detach(), advantages.detach(), mask.float(), n.float())
 
 
 def old_logp_with_gradient(logp, old_logp, advantages, mask, num_tokens=None):
     """constants: the ratio's denominator is not detached."""
     ratio = torch.exp(logp - old_logp)
     loss = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(0.8, 1.2))
-    return (loss * mask).sum() / mask.sum()
+    return (loss * mask).sum() / (mask.sum() if num_tokens is None else num_tokens)
 
 
 def micro_batch_token_mean(logp, old_logp, advantages, mask, num_tokens=None):
