@@ -40,7 +40,8 @@ _EXPLAIN = {
     "usually p*log p evaluated as 0*(-inf)",
     "large_logits": "large logits overflow (exp without subtracting the max, or a cancelling "
     "entropy formula)",
-    "low_precision": "bfloat16 logits lose more than rounding (accumulated in bfloat16)",
+    "low_precision": "bfloat16 logits lose more than rounding: accumulated in bfloat16, or "
+    "divided by the temperature in bfloat16 (every logit rounded again)",
 }
 
 
