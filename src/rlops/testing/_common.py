@@ -124,11 +124,10 @@ def run_check(
         ok, value, figure = body()
     except Exception as e:  # the user's function raised: that check fails, the others run
         where = traceback.extract_tb(e.__traceback__)[-1]
+        message = (str(e).strip().splitlines() or [""])[0]
+        message = message if len(message) <= 160 else message[:157] + "..."
+        place = f"{where.filename.rsplit('/', 1)[-1]}:{where.lineno}"
         return Check(
-            name,
-            False,
-            None,
-            f"raised {type(e).__name__}: {e} ({where.filename.rsplit('/', 1)[-1]}:{where.lineno})",
-            explanation,
+            name, False, None, f"raised {type(e).__name__}: {message} ({place})", explanation
         )
     return Check(name, ok, value, figure, explanation)
