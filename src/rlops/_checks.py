@@ -14,7 +14,7 @@ from __future__ import annotations
 import numbers
 import operator
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import SupportsIndex, cast, overload
 
 import torch
@@ -25,6 +25,7 @@ __all__ = [
     "as_int",
     "as_real",
     "as_real_or_tensor",
+    "as_real_vector",
     "as_tensor",
     "check_2d",
     "check_bool",
@@ -322,6 +323,33 @@ def as_real_or_tensor(name: str, value: object) -> float | torch.Tensor:
             raise TypeError(f"{name} must be a real tensor, got {value.dtype}")
         return value.detach()
     return as_real(name, value)
+
+
+def as_real_vector(name: str, value: object, size: int, like: str) -> torch.Tensor:
+    """``size`` finite real numbers (one per column of ``like``): a sequence of numbers (numpy
+    scalars too) or a 1-dim real tensor. A sequence is returned as a float64 CPU tensor; a
+    tensor detached, on its own device, its values checked where :func:`values_checked` reads
+    them."""
+    what = f"{size} finite real numbers (one per column of {like})"
+    if isinstance(value, torch.Tensor):
+        if value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be {what}, got a {value.dtype} tensor")
+        if tuple(value.shape) != (size,):
+            raise shape_error(name, f"[{size}] (one per column of {like})", value.shape)
+        if values_checked(value) and value.device.type != "meta" and size > 0:
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError(f"{name} must be {what}, got {value.tolist()}")
+        return value.detach()
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise TypeError(
+            f"{name} must be {what} (a sequence or a [{size}] tensor), got {type(value).__name__}"
+        )
+    items = [as_real(f"{name}[{i}]", v) for i, v in enumerate(value)]
+    if len(items) != size:
+        raise shape_error(name, f"[{size}] (one per column of {like})", [len(items)])
+    if not all(is_finite(v) for v in items):
+        raise ValueError(f"{name} must be {what}, got {items}")
+    return torch.tensor(items, dtype=torch.float64)
 
 
 def check_count(

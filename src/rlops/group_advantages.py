@@ -26,6 +26,8 @@ import torch
 from rlops._checks import (
     as_bool_mask,
     as_float_tensor,
+    as_real_vector,
+    check_bool,
     check_ids,
     check_matrix,
     check_nonneg,
@@ -485,8 +487,10 @@ def gdpo_advantages(
         scores: ``[B, K]`` one column per reward component (a ``[B]`` tensor is one component).
         index: ``[B]`` integer group id per sample.
         mask: ``[B, T]`` 0/1 action mask.
-        weights: ``[K]`` weight per component (verl's ``gdpo_reward_weights``); default all 1.
-        norm_std: divide each component by its group std (verl's ``norm_adv_by_std_in_grpo``).
+        weights: ``[K]`` finite weights, one per component (verl's ``gdpo_reward_weights``): a
+            sequence of numbers or a 1-dim real tensor; default all 1.
+        norm_std: a bool: divide each component by its group std (verl's
+            ``norm_adv_by_std_in_grpo``).
         eps: ``>= 0``, added to each group std.
         whiten_eps: ``>= 0``, added to the batch variance.
 
@@ -502,6 +506,7 @@ def gdpo_advantages(
     """
     eps = check_nonneg("eps", eps)
     whiten_eps = check_nonneg("whiten_eps", whiten_eps)
+    norm_std = check_bool("norm_std", norm_std)
     scores = as_float_tensor("scores", scores)
     b, _ = check_matrix("mask", mask)
     cols = scores[:, None] if scores.dim() == 1 else scores
@@ -514,9 +519,8 @@ def gdpo_advantages(
     if weights is None:
         w = torch.ones(k, dtype=torch.float64)
     else:
-        w = torch.as_tensor(weights, dtype=torch.float64).reshape(-1)
-        if w.numel() != k:
-            raise shape_error("weights", f"[K] = [{k}], one per column of scores", w.shape)
+        w = as_real_vector("weights", weights, k, "scores")
+        check_same_device("scores", scores, weights=w)
     gid = None
     total = None
     for j in range(k):  # a few reward components, never tokens or samples
@@ -572,13 +576,13 @@ def optimal_token_baseline_advantages(
         rewards: ``[B, T]`` token rewards (or ``[B]``: the outcome on the last action token).
         index: ``[B]`` integer group id per sample.
         mask: ``[B, T]`` 0/1 action mask.
-        logp: ``[B, T]`` log-probs of the sampled tokens (verl's ``old_log_probs``).
-        sum_pi_squared: ``[B, T]`` Σ_v π_v² per token.
-        rollout_is_weights: ``[B, T]`` IS weights ρ, or None.
-        handle_zero_tail: zero the baseline of a group's unique longest sample past the
-            second longest.
+        logp: ``[B, T]`` floating log-probs of the sampled tokens (verl's ``old_log_probs``).
+        sum_pi_squared: ``[B, T]`` floating Σ_v π_v² per token.
+        rollout_is_weights: ``[B, T]`` floating IS weights ρ, or None.
+        handle_zero_tail: a bool: zero the baseline of a group's unique longest sample past
+            the second longest.
         eps: ``>= 0``, added to each denominator.
-        per_action_step: positions by action-token index (TIR) instead of by column.
+        per_action_step: a bool: positions by action-token index (TIR) instead of by column.
 
     Returns:
         ``(advantages, returns)``, ``[B, T]`` each (``returns`` = ``G``), 0 where ``mask`` is 0.
@@ -594,6 +598,8 @@ def optimal_token_baseline_advantages(
                 [-0.5000, -0.5000]])
     """
     eps = check_nonneg("eps", eps)
+    handle_zero_tail = check_bool("handle_zero_tail", handle_zero_tail)
+    per_action_step = check_bool("per_action_step", per_action_step)
     as_float_tensor("rewards", rewards)
     b, t = check_matrix("mask", mask)
     keep = as_bool_mask("mask", mask, (b, t), "[B, T]")
@@ -601,8 +607,10 @@ def optimal_token_baseline_advantages(
     per_token = check_per_row("rewards", rewards, b, t) == 2
     for name, x in (("logp", logp), ("sum_pi_squared", sum_pi_squared),
                     ("rollout_is_weights", rollout_is_weights)):
-        if x is not None and tuple(x.shape) != (b, t):
+        if x is not None and tuple(as_float_tensor(name, x).shape) != (b, t):
             raise shape_error(name, f"[B, T] = {[b, t]} like mask", x.shape)
+    check_same_device("rewards", rewards, index=index, mask=mask, logp=logp,
+                      sum_pi_squared=sum_pi_squared, rollout_is_weights=rollout_is_weights)
     dtype = compute_dtype(rewards.dtype)
     wide = _wide_dtype(keep.device)
     if per_token:

@@ -42,15 +42,14 @@ import torch
 
 from rlops._checks import (
     as_bool_mask,
-    as_real,
     check_2d,
     check_bounds,
     check_choice,
     check_nonneg,
     check_positive,
+    check_real,
     check_same_shape,
     compute_dtype,
-    is_nan,
 )
 from rlops.distributed.collectives import Call, fails_together, gather
 from rlops.distributed.groups import group_rank_size
@@ -180,9 +179,7 @@ def opsm_mask(
     check_2d("logp", logp)
     check_same_shape("logp", logp, old_logp=old_logp, advantages=advantages)
     keep = as_bool_mask("mask", mask, logp.shape, "logp", logp)
-    delta = as_real("delta", delta)
-    if is_nan(delta):
-        raise ValueError("delta must be a number, got nan")
+    delta = check_real("delta", delta)
     dtype = compute_dtype(torch.promote_types(logp.dtype, old_logp.dtype))
     d = torch.where(keep, old_logp.detach().to(dtype) - logp.detach().to(dtype), 0)
     rows = torch.stack([d.sum(-1).to(torch.float64), keep.sum(-1).to(torch.float64)], -1)

@@ -13,7 +13,15 @@ from typing import Any
 import torch
 
 import rlops
-from rlops._checks import as_bool_mask, check_2d, check_bool, check_nonneg, check_positive
+from rlops._checks import (
+    as_bool_mask,
+    as_float_tensor,
+    as_real_vector,
+    check_2d,
+    check_bool,
+    check_nonneg,
+    check_positive,
+)
 from rlops.compat._verl_kinds import config_value
 
 __all__ = [
@@ -186,11 +194,14 @@ def compute_gdpo_outcome_advantage(
             torch.as_tensor(np.asarray(non_tensor_batch[k], dtype=np.float32), device=device)
             for k in keys], -1)
         weights = config_value(config, "gdpo_reward_weights")
+        if weights is not None:
+            weights = as_real_vector("config['gdpo_reward_weights']", weights, len(keys),
+                                     "the scores of config['gdpo_reward_keys']")
     else:
         scores = token_level_rewards.sum(-1, keepdim=True)
     with torch.no_grad():
         return rlops.gdpo_advantages(scores, _group_ids(index, device), mask,
-                                     weights=None if weights is None else list(weights),
+                                     weights=weights,
                                      norm_std=check_bool("norm_adv_by_std_in_grpo",
                                                          norm_adv_by_std_in_grpo),
                                      eps=epsilon, whiten_eps=1e-8)
@@ -199,6 +210,10 @@ def compute_gdpo_outcome_advantage(
 def _otb(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
          rollout_is_weights, handle_zero_tail, epsilon, per_action_step):
     mask = _inputs(token_level_rewards, response_mask)
+    for name, x in (("old_log_probs", old_log_probs), ("sum_pi_squared", sum_pi_squared),
+                    ("rollout_is_weights", rollout_is_weights)):
+        if x is not None:
+            as_float_tensor(name, x)  # under verl's names
     with torch.no_grad():
         return rlops.optimal_token_baseline_advantages(
             token_level_rewards, _group_ids(index, token_level_rewards.device), mask,

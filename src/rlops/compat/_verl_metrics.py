@@ -14,7 +14,19 @@ import math
 import torch
 
 import rlops
-from rlops._checks import as_bool_mask, check_2d, check_choice, check_positive
+from rlops._checks import (
+    as_bool_mask,
+    as_float_tensor,
+    check_2d,
+    check_bool,
+    check_choice,
+    check_indicator,
+    check_positive,
+    check_real,
+    check_same_device,
+    check_same_shape,
+    shape_error,
+)
 
 __all__ = ["compute_is_metrics", "compute_rs_metrics"]
 
@@ -76,8 +88,12 @@ def compute_is_metrics(
         (1.125, 1.5)
     """
     w = check_2d("rollout_is_weights", rollout_is_weights).detach()
+    check_same_shape("rollout_is_weights", w, raw_rollout_is_weights=raw_rollout_is_weights)
+    as_float_tensor("log_ratio_for_metrics", log_ratio_for_metrics)
+    check_same_device("rollout_is_weights", w, log_ratio_for_metrics=log_ratio_for_metrics)
     raw = raw_rollout_is_weights.detach()
     mask = as_bool_mask("response_mask", response_mask, w.shape, "rollout_is_weights", w)
+    check_choice("rollout_is", rollout_is, ("token", "sequence"))
     upper = check_positive("rollout_is_threshold", rollout_is_threshold)
     lower = 1.0 / upper if rollout_is_threshold_lower is None else check_positive(
         "rollout_is_threshold_lower", rollout_is_threshold_lower)
@@ -161,7 +177,18 @@ def compute_rs_metrics(
     x = check_2d("rs_statistic", rs_statistic).detach()
     mask = as_bool_mask("response_mask", response_mask, x.shape, "rs_statistic", x)
     level = check_choice("level", level, ("token", "sequence"))
-    upper, lower = float(rollout_rs_threshold), float(rollout_rs_threshold_lower)
+    if not isinstance(option_name, str):
+        raise TypeError(f"option_name must be a str (verl's rollout_rs option), got "
+                        f"{type(option_name).__name__}")
+    check_indicator("seq_valid_mask", seq_valid_mask, x.shape[:1], "rs_statistic's rows")
+    if per_sequence_values is not None:
+        as_float_tensor("per_sequence_values", per_sequence_values)
+        if tuple(per_sequence_values.shape) not in ((x.shape[0],), (x.shape[0], 1)):
+            raise shape_error("per_sequence_values", f"[bs] = [{x.shape[0]}] (or [bs, 1])",
+                              per_sequence_values.shape)
+    upper = check_real("rollout_rs_threshold", rollout_rs_threshold)
+    lower = check_real("rollout_rs_threshold_lower", rollout_rs_threshold_lower)
+    apply_lower_threshold = check_bool("apply_lower_threshold", apply_lower_threshold)
     if not bool(mask.any()):
         raise ValueError("response_mask must contain at least one valid token (1).")
     p = f"rollout_rs_{option_name}"

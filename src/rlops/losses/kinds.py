@@ -167,7 +167,8 @@ def _vespo(lp, lr, adv, rows, k_pos, lambda_pos, k_neg, lambda_neg) -> Out:
     k = torch.where(nonneg, torch.full_like(adv, k_pos), torch.full_like(adv, k_neg))
     lam = torch.where(nonneg, torch.full_like(adv, lambda_pos), torch.full_like(adv, lambda_neg))
     phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))  # φ(W) = W^k·e^(λ(1 − W))
-    phi = torch.where(keep, torch.nan_to_num(phi, nan=0.0, posinf=0.0), 0)
+    # an overflow of φ counts 0 (as TRL and Liger); a NaN stays NaN (a NaN log-ratio in the row)
+    phi = torch.where(keep, torch.nan_to_num(phi, nan=math.nan, posinf=0.0), 0)
     return torch.where(keep, -phi * adv * lp, 0), {"vespo_phi_mean": (phi.sum(), "tokens")}
 
 

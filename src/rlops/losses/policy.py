@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rlops._checks import (
@@ -73,7 +75,8 @@ def policy_loss(
                   https://arxiv.org/abs/2602.05261; TRL's and Liger's loss_type="luspo"
                   (defaults clip_low 2e-3, clip_high 2.5e-3, the paper's section 5.1)
         vespo     −sg(φ(W_i))·A·log π, φ(W) = W^k·exp(λ·(1 − W)) with W_i = exp(Σ_i lr) the
-                  row's sequence ratio (each lr clamped to ±20, log W_i to [log 1e-8, 20]);
+                  row's sequence ratio (each lr clamped to ±20, log W_i to [log 1e-8, 20];
+                  a φ that overflows counts 0, as TRL's and Liger's nan_to_num; a NaN stays);
                   k, λ = k_pos, lambda_pos where A ≥ 0 else k_neg, lambda_neg (defaults 2, 3,
                   3, 2) https://arxiv.org/abs/2602.10693; TRL's and Liger's loss_type="vespo"
                   (they fold the sampler's token IS ratios into W: pass the sampler's
@@ -117,6 +120,12 @@ def policy_loss(
 
     ``old_logp``, ``advantages`` and ``rollout_is_weights`` stand for a fixed policy and fixed
     targets: they are detached inside, so the gradient flows into ``logp`` only.
+
+    **NaN.** A NaN in ``logp``, ``old_logp``, ``advantages`` or ``rollout_is_weights`` at an
+    action token makes that token's loss NaN, and its gradient into ``logp`` NaN, whatever the
+    kind does with the token (dppo's trust region would drop it, vespo's φ or a clip would map
+    it to a number; reinforce and gpg, which do not read ``old_logp``, are no exception): the
+    loss is NaN, never a finite number that hides it. A NaN at a mask-0 token is never read.
 
     **Context parallelism** (``cp_group=``: each row split over the ranks of ``cp_group``,
     ``cp_layout`` zigzag or contiguous — sums need no order). The ranks' losses **sum** to the
@@ -243,10 +252,29 @@ def policy_loss(
         "pg_clipfrac_lower": sums.pop("pg_clipfrac_lower", none),
         **sums,
     }
+    weights = None
     if rollout_is_weights is not None:
-        loss_mat = loss_mat * torch.where(keep, rollout_is_weights.to(dtype), 0)
+        weights = torch.where(keep, rollout_is_weights.to(dtype), 0)
+        loss_mat = loss_mat * weights
+    loss_mat = _keep_nan(loss_mat, lp, log_ratio, adv, weights)
     return loss_and_metrics(loss_mat, rows, agg, loss_scale_factor, dtype, num_tokens,
                             num_seqs, group, call, sums)
+
+
+def _keep_nan(loss_mat: torch.Tensor, lp: torch.Tensor, log_ratio: torch.Tensor,
+              adv: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """``loss_mat`` with NaN, in value and in the gradient into ``logp``, on every action token
+    where an input is NaN (``logp``, ``old_logp`` — both in the log-ratio —, the advantage or
+    the weight), whatever the kind does with the token: a kind that drops it (dppo's trust
+    region compares, and a comparison with NaN is False), clamps it or maps it to a number
+    must not turn it into a finite loss. The inputs are 0 on mask-0 tokens, so those stay as
+    they are; on the other tokens the term is an exact 0 with a zero gradient."""
+    bad = log_ratio.isnan() | adv.isnan()
+    if weights is not None:
+        bad = bad | weights.isnan()
+    # NaN · logp where bad, 0 · 0 elsewhere: a -inf logp off the bad tokens stays out of it
+    poison = torch.where(bad, math.nan, 0.0).to(loss_mat.dtype)
+    return loss_mat + poison * torch.where(bad, lp, 0)
 
 
 def row_geometric_mean(
