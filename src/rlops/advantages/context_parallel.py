@@ -1,7 +1,7 @@
 """Context-parallel reverse scans that exchange only carries.
 
 Each rank holds whole chunks of every sequence: in the zigzag layout chunks ``r`` and
-``2*cp - 1 - r`` (:mod:`rlops.distributed.zigzag`), in the contiguous layout chunk ``r``
+``2*cp - 1 - r`` (:mod:`rlops.distributed.layout`), in the contiguous layout chunk ``r``
 (:mod:`rlops.distributed.layout`, ``cp_layout=``). A scan ``y[t] = x[t] + a[t] * y[t+1]`` is
 linear in what enters a chunk from its right, so each chunk is scanned locally with nothing
 entering, and summarised by a few numbers per row:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from rlops._checks import as_int, check_choice
 from rlops.compat import _ragged
-from rlops.distributed import zigzag_response_mask, zigzag_shard, zigzag_shard_response
+from rlops.distributed import zigzag_indices, zigzag_shard, zigzag_unshard
 from rlops.distributed.groups import group_rank_size
 
 __all__ = [
@@ -37,7 +37,98 @@ __all__ = [
     "local_columns",
     "response_values",
     "slice_log_prob_with_cp",
+    "zigzag_response_mask",
+    "zigzag_shard_response",
+    "zigzag_unshard_response",
 ]
+
+# The response-offset form of the zigzag layout: the tokens are prompt + response
+# (``total_length`` tokens, the last ``response_length`` generated) and per-token log-probs are
+# shifted by one (position ``p`` holds the log-prob of token ``p + 1``), so response token ``i``
+# sits at position ``total_length - response_length - 1 + i``; a rank may hold any part of the
+# response, or none of it.
+
+
+def _response_start(total_length: int, response_length: int) -> int:
+    if not 1 <= response_length < total_length + 1:
+        raise ValueError(
+            f"response_length must be in [1, total_length], got {response_length} "
+            f"with total_length {total_length}"
+        )
+    return total_length - response_length - 1
+
+
+def zigzag_response_mask(
+    total_length: int,
+    response_length: int,
+    *,
+    cp_size: int,
+    cp_rank: int,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Bool mask over this rank's zigzag positions: True where a response log-prob sits.
+
+    Response token ``i`` (``0 <= i < response_length``) has its log-prob at position
+    ``total_length - response_length - 1 + i`` (the logits at position ``p`` predict token
+    ``p + 1``). With a response that fills the whole sequence the first token has no
+    log-prob position; it is then dropped.
+
+    Example:
+        >>> zigzag_response_mask(6, 3, cp_size=2, cp_rank=0)  # positions 0, 1 | 6, 7 (pad)
+        tensor([False, False, False, False])
+        >>> zigzag_response_mask(6, 3, cp_size=2, cp_rank=1)  # positions 2, 3 | 4, 5
+        tensor([ True,  True,  True, False])
+    """
+    start = _response_start(total_length, response_length)
+    pos = zigzag_indices(total_length, cp_size=cp_size, cp_rank=cp_rank, device=device)
+    return (pos >= max(start, 0)) & (pos < total_length - 1)
+
+
+def zigzag_shard_response(
+    x: torch.Tensor,
+    *,
+    total_length: int,
+    response_length: int,
+    cp_size: int,
+    cp_rank: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Place response-aligned ``x`` ``[..., R]`` on this rank's zigzag positions.
+
+    Returns ``(local, mask)``: ``local`` ``[..., T_local]`` holds ``x[..., i]`` at the position
+    of response token ``i`` and 0 elsewhere; ``mask`` ``[T_local]`` marks those positions.
+    Run the estimators on ``local`` with ``mask`` (and ``cp_group``): prompt and padding
+    positions are skipped.
+    """
+    if x.shape[-1] != response_length:
+        raise ValueError(
+            f"x must have response_length = {response_length} entries in its last dim, "
+            f"got {x.shape[-1]}"
+        )
+    start = _response_start(total_length, response_length)
+    pos = zigzag_indices(total_length, cp_size=cp_size, cp_rank=cp_rank, device=x.device)
+    mask = zigzag_response_mask(
+        total_length, response_length, cp_size=cp_size, cp_rank=cp_rank, device=x.device
+    )
+    idx = (pos - start).clamp(0, response_length - 1)
+    local = torch.where(mask, x.index_select(-1, idx), 0)
+    return local, mask
+
+
+def zigzag_unshard_response(
+    local: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None,
+    total_length: int,
+    response_length: int,
+) -> torch.Tensor:
+    """Inverse of :func:`zigzag_shard_response`: the response-aligned ``[..., R]`` on every
+    rank (one ``all_gather``). A first response token without a log-prob position is 0."""
+    start = _response_start(total_length, response_length)
+    full = zigzag_unshard(local, group=group, length=total_length)
+    out = full[..., max(start, 0) : total_length - 1]
+    if start < 0:
+        out = F.pad(out, (1, 0))
+    return out
 
 
 def check_length_pair(

@@ -14,14 +14,9 @@ from rlops.distributed.layout import (
     cp_indices,
     cp_shard,
     cp_unshard,
-)
-from rlops.distributed.zigzag import (
     zigzag_indices,
-    zigzag_response_mask,
     zigzag_shard,
-    zigzag_shard_response,
     zigzag_unshard,
-    zigzag_unshard_response,
 )
 
 __all__ = [
@@ -33,9 +28,6 @@ __all__ = [
     "cp_shard",
     "cp_unshard",
     "zigzag_indices",
-    "zigzag_response_mask",
     "zigzag_shard",
-    "zigzag_shard_response",
     "zigzag_unshard",
-    "zigzag_unshard_response",
 ]

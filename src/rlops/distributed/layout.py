@@ -2,9 +2,9 @@
 
 Two layouts, named by ``cp_layout=`` wherever a context-parallel scan takes ``cp_group=``:
 
-* ``"zigzag"`` (Megatron's load-balanced layout, :mod:`rlops.distributed.zigzag`): the
-  sequence, padded to a multiple of ``2 * cp``, is cut into ``2 * cp`` equal chunks; rank ``r``
-  holds chunks ``r`` and ``2*cp - 1 - r``, concatenated in that order.
+* ``"zigzag"`` (Megatron's load-balanced layout): the sequence, padded to a multiple of
+  ``2 * cp``, is cut into ``2 * cp`` equal chunks; rank ``r`` holds chunks ``r`` and
+  ``2*cp - 1 - r``, concatenated in that order, so causal attention costs every rank the same.
 * ``"contiguous"`` (slime's ``--allgather-cp``): the sequence, padded at its end to a multiple
   of ``cp``, is cut into ``cp`` equal chunks; rank ``r`` holds chunk ``r``.
 
@@ -12,6 +12,9 @@ Either way a rank's shard is a concatenation of whole chunks, and a reverse scan
 other ranks only one carry per chunk (:mod:`rlops.advantages.context_parallel`). In both the
 row's last chunk is the *last* piece of one rank's shard (rank 0's second chunk in zigzag, rank
 ``cp - 1``'s in contiguous): :func:`holds_row_end` says which.
+
+``zigzag_*`` and ``contiguous_*`` are :func:`cp_indices`, :func:`cp_shard` and
+:func:`cp_unshard` with the layout named.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import torch.nn.functional as F
 
 from rlops._checks import as_tensor, check_choice, check_cp_rank, check_dim
 from rlops.distributed.groups import group_rank_size
-from rlops.distributed.zigzag import zigzag_indices
 
 __all__ = [
     "CP_LAYOUTS",
@@ -35,6 +37,9 @@ __all__ = [
     "cp_unshard",
     "holds_row_end",
     "rank_chunks",
+    "zigzag_indices",
+    "zigzag_shard",
+    "zigzag_unshard",
 ]
 
 #: the context-parallel layouts, in the order of the ``cp_layout=`` documentation
@@ -86,6 +91,28 @@ def contiguous_indices(
     return torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
 
 
+def zigzag_indices(
+    length: int, *, cp_size: int, cp_rank: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Positions of the padded sequence that rank ``cp_rank`` holds, in its local order.
+
+    The sequence of ``length`` tokens is padded to a multiple of ``2 * cp_size``; the result
+    has ``padded / cp_size`` entries, some ``>= length`` (padding).
+
+    Example:
+        >>> zigzag_indices(8, cp_size=2, cp_rank=0)
+        tensor([0, 1, 6, 7])
+    """
+    check_cp_rank(cp_size, cp_rank)
+    if length < 0:
+        raise ValueError(f"length must be >= 0, got {length}")
+    chunk = _padded(length, cp_size, "zigzag") // (2 * cp_size)
+    first = torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
+    second_start = (2 * cp_size - 1 - cp_rank) * chunk
+    second = torch.arange(second_start, second_start + chunk, device=device)
+    return torch.cat([first, second])
+
+
 def cp_indices(
     length: int,
     *,
@@ -129,6 +156,18 @@ def cp_shard(
         x = F.pad(x, (0, pad))
     idx = cp_indices(t_len, cp_size=cp_size, cp_rank=cp_rank, layout=layout, device=x.device)
     return x.index_select(-1, idx).movedim(-1, dim)
+
+
+def zigzag_shard(x: torch.Tensor, *, cp_size: int, cp_rank: int, dim: int = -1) -> torch.Tensor:
+    """This rank's zigzag shard of ``x`` along ``dim`` (:func:`cp_shard`): chunks ``cp_rank``
+    and ``2*cp_size - 1 - cp_rank`` of the sequence padded with zeros to ``2 * cp_size`` chunks,
+    ``[B, T_pad / cp_size]`` for ``x`` ``[B, T]``.
+
+    Example:
+        >>> zigzag_shard(torch.arange(6), cp_size=2, cp_rank=1)
+        tensor([2, 3, 4, 5])
+    """
+    return cp_shard(x, cp_size=cp_size, cp_rank=cp_rank, layout="zigzag", dim=dim)
 
 
 def contiguous_shard(x: torch.Tensor, *, cp_size: int, cp_rank: int, dim: int = -1):
@@ -175,6 +214,13 @@ def cp_unshard(
         idx = cp_indices(padded, cp_size=cp_size, cp_rank=rank, layout=layout, device=local.device)
         full[..., idx] = part
     return full[..., :length].movedim(-1, dim)
+
+
+def zigzag_unshard(
+    local: torch.Tensor, *, group: dist.ProcessGroup | None, length: int, dim: int = -1
+) -> torch.Tensor:
+    """Reassemble the full tensor from every rank's zigzag shard (:func:`cp_unshard`)."""
+    return cp_unshard(local, group=group, length=length, layout="zigzag", dim=dim)
 
 
 def contiguous_unshard(
