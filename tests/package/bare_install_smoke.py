@@ -12,6 +12,7 @@ import sys
 import torch
 
 import rlops
+import rlops.testing
 
 
 def main() -> None:
@@ -102,6 +103,13 @@ def main() -> None:
         assert "numba" in str(e), e
     else:
         raise AssertionError('method="compiled" ran without numba')
+
+    # the numerics contract runs on torch alone too
+    def loss(logp, old_logp, advantages, mask):
+        return rlops.policy_loss(logp, old_logp, advantages, mask)[0]
+
+    report = rlops.testing.check_policy_loss(loss, agg="token-mean")
+    assert report.ok, str(report)
     assert "numpy" not in sys.modules and "numba" not in sys.modules
     print(
         f"bare install: {len(calls)} public functions ran, outputs finite "
