@@ -1,9 +1,13 @@
 """The prepared GPU check: the Triton kernels against the references and the chunked paths at
 production shapes, and their speed side by side, in one process within a few minutes.
 
-    python benchmarks/gpu.py --json gpu.json      # on a CUDA device
+    PYTHONPATH=src python benchmarks/gpu.py       # on a CUDA device (no install, no extras)
     python benchmarks/gpu.py --dry-run            # the same script on CPU under the Triton
                                                   # interpreter, at tiny shapes (CI)
+
+The report goes to ``--json`` (default ``$OUT/gpu.json`` when ``OUT`` is set, else
+``gpu.json``) and is written again after every section, each run under its own ``try``: a
+Triton error or running out of memory in one section leaves the figures of the others.
 
 Correctness (errors against float64, the rule of ``tests/tolerances.py``: at most twice the
 float32 yardstick's error plus a few ulps of the output's magnitude):
@@ -16,7 +20,9 @@ float32 yardstick's error plus a few ulps of the output's magnitude):
   ``method="chunked"``) against the unfused reference in float64, row block by row block
   (the float32 reference is the yardstick).
 
-Timings (median of CUDA-event timed runs after a warm-up), side by side:
+Timings, side by side: the median over a few windows, each one pair of CUDA events around many
+back-to-back calls (enough for ~20 ms of device work), so the host's dispatch of a call
+overlaps the device's work on the previous ones instead of being timed with it:
 
 * GAE at 256 x 131072 float32: Triton, the chunked path, the chunk loop trainers ship (a
   C x C decay matmul per chunk, carries passed by a Python loop over chunks), torchrl's
@@ -24,7 +30,8 @@ Timings (median of CUDA-event timed runs after a warm-up), side by side:
   bytes a single pass must move) over the device's measured copy bandwidth;
 * log-prob + entropy forward + backward at N = 32768, V = 151936 bfloat16: Triton against
   ``log_softmax`` + gather (and with the entropy), against Liger's cross entropy when
-  installed; peak memory above the inputs from ``torch.cuda.max_memory_allocated``.
+  installed; the peak memory beyond the inputs and their gradient (``x.grad``, N·V, which
+  every path allocates), from ``torch.cuda.max_memory_allocated``, for every side.
 
 Writes one JSON file and prints a short verdict. Goals (``docs/gpu.md``): the scan at >= 50%
 of copy bandwidth at 256 x 131072; the fused log-prob forward + backward at <= 1.2x the time
@@ -107,28 +114,42 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+WINDOW_S = 0.02  # device time per timed window
+
+
 def timed(fn, device, reps):
-    """Median seconds of ``fn()`` after one warm-up call."""
+    """Median seconds per call of ``fn()``: ``reps`` windows of back-to-back calls between one
+    pair of CUDA events (as many calls as fill ~20 ms, from a first timed call), after a
+    warm-up. On CPU (the dry run) one call per window."""
     fn()
     sync(device)
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
+    if device.type != "cuda":
+        times = []
+        for _ in range(reps):
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    calls = max(1, min(200, int(WINDOW_S / max(start.elapsed_time(end) / 1e3, 1e-6))))
+    times = []
+    for _ in range(reps):
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end) / 1e3 / calls)
     return statistics.median(times)
 
 
-def peak_extra(fn, device):
-    """Peak bytes allocated above those allocated before ``fn()`` (CUDA), else None."""
+def peak_extra(fn, device, beyond=0):
+    """Peak bytes allocated during ``fn()`` above those allocated before it, less ``beyond``
+    (the bytes every path must allocate: the gradient), on CUDA; else None."""
     if device.type != "cuda":
         return None
     sync(device)
@@ -136,7 +157,7 @@ def peak_extra(fn, device):
     torch.cuda.reset_peak_memory_stats(device)
     fn()
     sync(device)
-    return torch.cuda.max_memory_allocated(device) - before
+    return torch.cuda.max_memory_allocated(device) - before - beyond
 
 
 def copy_bandwidth(device, reps):
@@ -280,7 +301,8 @@ def time_gae(cfg, device, copy_bw):
     scan_bytes = 2 * r.numel() * 4  # read x, write y
     sec = timed(lambda: reverse_scan(r, gamma * lam), device, reps)
     out["triton scan (discounted_cumsum)"] = {
-        "seconds": sec, "fraction_of_copy_bandwidth": scan_bytes / sec / copy_bw
+        "seconds": sec,
+        "fraction_of_copy_bandwidth": scan_bytes / sec / copy_bw,
     }
     return out
 
@@ -316,6 +338,7 @@ def time_logprobs(cfg, device):
         variants["liger cross entropy (logp)"] = (lig, False)
     out = {}
     for name, (fn, two) in variants.items():
+
         def step(fn=fn, two=two):
             x = logits.detach().requires_grad_()
             res = fn(x, target)
@@ -325,9 +348,13 @@ def time_logprobs(cfg, device):
                 res.backward(g)
             return x.grad
 
+        grad_bytes = logits.numel() * logits.element_size()  # x.grad: every path's
         try:
             sec = timed(step, device, reps)
-            out[name] = {"seconds": sec, "peak_extra_bytes": peak_extra(step, device)}
+            out[name] = {
+                "seconds": sec,
+                "peak_extra_bytes": peak_extra(step, device, beyond=grad_bytes),
+            }
         except (RuntimeError, torch.OutOfMemoryError) as exc:
             out[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
         if device.type == "cuda":
@@ -343,16 +370,20 @@ def _ratio(a, b, key):
 
 def verdict(report):
     lines = []
-    bad = [r["case"] for r in report["correctness"] if not r["pass"]]
+    correctness = [r for key in ("correctness_gae", "correctness_logprobs")
+                   for r in (report.get(key) or []) if isinstance(r, dict)]  # fmt: skip
+    bad = [r["case"] for r in correctness if not r["pass"]]
     lines.append("correct: all cases within the rule" if not bad else f"FAILED: {bad}")
+    for name, message in report.get("errors", {}).items():
+        lines.append(f"SECTION FAILED {name}: {message}")
     for message in report.get("fallbacks", []):
         lines.append(f"FALLBACK (the Triton timings are the chunked path's): {message}")
-    gae = report["timings"]["gae"]
+    gae = report.get("timings_gae") or {}
     for name, row in gae.items():
         if "fraction_of_copy_bandwidth" in row:
             lines.append(f"{name}: {row['seconds'] * 1e3:.3f} ms, "
                          f"{row['fraction_of_copy_bandwidth']:.1%} of copy bandwidth")  # fmt: skip
-    lp = report["timings"]["logprobs"]
+    lp = report.get("timings_logprobs") or {}
     base, fused = lp.get("log_softmax + gather", {}), lp.get("triton logp + entropy", {})
     t_ratio = _ratio(fused, base, "seconds")
     m_ratio = _ratio(fused, base, "peak_extra_bytes")
@@ -366,51 +397,108 @@ def verdict(report):
         None if m_ratio is None else bool(m_ratio <= 0.1)
     )
     if t_ratio is not None:
-        lines.append(f"triton logp + entropy / log_softmax + gather: time {t_ratio:.2f}x"
-                     + ("" if m_ratio is None else f", peak extra memory {m_ratio:.3f}x"))
+        lines.append(
+            f"triton logp + entropy / log_softmax + gather: time {t_ratio:.2f}x"
+            + ("" if m_ratio is None else f", extra memory {m_ratio:.3f}x")
+        )
     lines.append("goals: " + ", ".join(f"{k}: {v}" for k, v in goals.items()))
     if report["dry_run"]:
         lines.append("(dry run: CPU, Triton interpreter, tiny shapes; timings mean nothing)")
     return lines
 
 
+SECTIONS = ("copy_bandwidth", "correctness_gae", "correctness_logprobs", "timings_gae",
+            "timings_logprobs")  # fmt: skip
+
+
+def default_json() -> str:
+    out = os.environ.get("OUT")
+    return os.path.join(out, "gpu.json") if out else "gpu.json"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="CPU, Triton interpreter, tiny shapes")
-    p.add_argument("--json", default="gpu.json", help="where to write the report")
+    p.add_argument(
+        "--json",
+        default=default_json(),
+        help="where to write the report (default $OUT/gpu.json, else gpu.json)",
+    )
+    p.add_argument(
+        "--fail-section",
+        choices=SECTIONS,
+        default=None,
+        help="raise at the start of this section (tests the report's resilience)",
+    )
+    p.add_argument(
+        "--kill-section",
+        choices=SECTIONS,
+        default=None,
+        help="end the process at the start of this section, as a kill would",
+    )
     args = p.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         p.error("no CUDA device: run with --dry-run on CPU")
     device = torch.device("cpu" if args.dry_run else "cuda")
     cfg = TINY if args.dry_run else FULL
     t0 = time.perf_counter()
-    copy_bw = copy_bandwidth(device, cfg["reps"])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", RuntimeWarning)
-        report = run_all(args, cfg, device, copy_bw)
-    # a kernel that failed to build here ran the chunked path instead: say so
-    report["fallbacks"] = sorted({str(w.message) for w in caught
-                                  if str(w.message).startswith("rlops:")})  # fmt: skip
-    report["verdict"] = verdict(report)
-    report["seconds"] = time.perf_counter() - t0
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=1)
-    print("\n".join(report["verdict"]))
-    print(f"wrote {args.json} ({report['seconds']:.0f} s)")
-    ok = all(r["pass"] for r in report["correctness"]) and not report["fallbacks"]
-    return 0 if ok else 1
-
-
-def run_all(args, cfg, device, copy_bw):
-    return {
+    report = {
         "device": "cpu (interpreter)" if args.dry_run else torch.cuda.get_device_name(device),
         "dry_run": args.dry_run,
         "torch": torch.__version__,
-        "copy_bandwidth_bytes_per_s": copy_bw,
-        "correctness": check_gae(cfg, device) + check_logprobs(cfg, device),
-        "timings": {"gae": time_gae(cfg, device, copy_bw), "logprobs": time_logprobs(cfg, device)},
+        "triton": _version("triton"),
         "goals": {},
+        "errors": {},
     }
+    state: dict = {}
+    work = {
+        "copy_bandwidth": lambda: state.setdefault("bw", copy_bandwidth(device, cfg["reps"])),
+        "correctness_gae": lambda: check_gae(cfg, device),
+        "correctness_logprobs": lambda: check_logprobs(cfg, device),
+        "timings_gae": lambda: time_gae(cfg, device, state["bw"]),
+        "timings_logprobs": lambda: time_logprobs(cfg, device),
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        for name in SECTIONS:
+            try:
+                if name == args.kill_section:
+                    os._exit(3)
+                if name == args.fail_section:
+                    raise RuntimeError(f"--fail-section {name}")
+                report[name] = work[name]()
+            except Exception as exc:  # report it, keep the others' figures, go on
+                report[name] = None
+                report["errors"][name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            # a kernel that failed to build here ran the chunked path instead: say so
+            report["fallbacks"] = sorted({str(w.message) for w in caught
+                                          if str(w.message).startswith("rlops:")})  # fmt: skip
+            report["seconds"] = time.perf_counter() - t0
+            _write(args.json, report)
+    report["verdict"] = verdict(report)
+    _write(args.json, report)
+    print("\n".join(report["verdict"]))
+    print(f"wrote {args.json} ({report['seconds']:.0f} s)")
+    correct = all(r["pass"] for k in ("correctness_gae", "correctness_logprobs")
+                  for r in report.get(k) or [])  # fmt: skip
+    ok = correct and not report["fallbacks"] and not report["errors"]
+    return 0 if ok else 1
+
+
+def _version(name):
+    try:
+        return __import__(name).__version__
+    except Exception:
+        return None
+
+
+def _write(path, report):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, path)  # a reader never sees half a report
 
 
 if __name__ == "__main__":

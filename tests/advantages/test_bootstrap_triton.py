@@ -23,13 +23,13 @@ from tests.tolerances import assert_half_matches, assert_within_reference
 
 import rlops
 import rlops.advantages.triton as adv_triton
-from rlops.scan import dispatch
+from rlops import _backends
 
 
 @pytest.fixture
 def kernels(monkeypatch):
     """Counts the calls of the Triton estimator kernel (it still runs)."""
-    monkeypatch.setattr(dispatch, "_failed", {})
+    monkeypatch.setattr(_backends, "_failed", {})
     calls = {"gae_triton": 0}
     original = adv_triton.gae_triton
 

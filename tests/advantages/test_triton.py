@@ -14,14 +14,17 @@ CPU interpreter (``TRITON_INTERPRET=1``).
   it picks compiled or chunked even under the interpreter.
 * Without the interpreter a CPU call to ``"triton"`` raises saying so; without triton it names
   the ``gpu`` extra.
-* A kernel that fails to compile (triton's ``CompilationError`` injected at the launch) warns
-  once, and the chunked row runs that call and every later one, for each table.
+* A kernel that fails to compile (triton's ``CompilationError`` or a compiler pass's plain
+  ``RuntimeError`` injected at the launch) warns once, and the chunked row runs that call and
+  every later one, for each table and for the log-prob ops (one record); in the scan's
+  backward too, which runs outside the tables.
 * With ``cp_group=``, the context-parallel row runs its local scans on the kernels.
 """
 
 from __future__ import annotations
 
 import itertools
+import types
 import warnings
 
 import pytest
@@ -42,6 +45,7 @@ from tests.tolerances import assert_half_matches, assert_within_reference
 import rlops
 import rlops.advantages.triton as adv_triton
 import rlops.scan.triton as scan_triton
+from rlops import _backends
 from rlops.advantages.gae import RETURNS
 from rlops.advantages.reinforce import REINFORCE
 from rlops.scan import SCAN, dispatch
@@ -56,7 +60,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 @pytest.fixture
 def clean_failures(monkeypatch):
     """A process-wide record of failed backends that this test alone sees."""
-    monkeypatch.setattr(dispatch, "_failed", {})
+    monkeypatch.setattr(_backends, "_failed", {})
 
 
 @pytest.fixture
@@ -366,7 +370,7 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
 
 
 def test_triton_without_the_package_names_the_extra(monkeypatch):
-    monkeypatch.setattr(dispatch, "_triton_importable", lambda: False)
+    monkeypatch.setattr(_backends, "triton_importable", lambda: False)
     for call in _triton_calls():
         with pytest.raises(ValueError, match=r'pip install "rlops\[gpu\]"'):
             call()
@@ -375,18 +379,29 @@ def test_triton_without_the_package_names_the_extra(monkeypatch):
 
 
 # ------------------------------------------------------------------ a kernel that cannot build
-class _Unbuildable:
-    """Stands for a ``@triton.jit`` kernel whose launch fails to compile on this device."""
+def _injected(kind: str) -> Exception:
+    """A build failure as triton raises it at a kernel's first launch: its own compilation
+    error, or the plain RuntimeError of a compiler pass."""
+    if kind == "CompilationError":
+        from triton.compiler.errors import CompilationError
 
-    def __init__(self, launches: list):
-        self.launches = launches
+        return CompilationError(None, None, "injected: no kernel for this device")
+    return RuntimeError("PassManager::run failed (injected)")
+
+
+BUILD_ERRORS = ["CompilationError", "RuntimeError"]
+
+
+class _Unbuildable:
+    """Stands for a ``@triton.jit`` kernel whose launch fails to build on this device."""
+
+    def __init__(self, launches: list, kind: str = "CompilationError"):
+        self.launches, self.kind = launches, kind
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.launches.append(grid)
-            from triton.compiler.errors import CompilationError
-
-            raise CompilationError(None, None, "injected: no kernel for this device")
+            raise _injected(self.kind)
 
         return launch
 
@@ -404,27 +419,69 @@ def _calls(name):
         torch.ones(2), x, m, kl_coef=0.1, gamma=0.99, method=method)
 
 
+@pytest.mark.parametrize("error", BUILD_ERRORS)
 @pytest.mark.parametrize("table", list(TABLES))
 def test_a_kernel_that_fails_to_compile_warns_once_and_falls_back(
-    table, monkeypatch, clean_failures
+    table, error, monkeypatch, clean_failures
 ):
+    from rlops.logprobs import _method
+
     launches: list = []
     module, kernel = (scan_triton, "_scan_block") if table == "scan" else (
         adv_triton, "_estimator_block")
-    monkeypatch.setattr(module, kernel, _Unbuildable(launches))
+    monkeypatch.setattr(module, kernel, _Unbuildable(launches, error))
     call = _calls(table)
     want = call("chunked")
     with pytest.warns(RuntimeWarning, match=r"(?s)triton backend failed to compile.*injected"):
         got = call("triton")
     assert len(launches) == 1
     torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert "CompilationError" in dispatch.failed()["triton"]
+    assert error in dispatch.failed()["triton"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second warning, and no second launch
         torch.testing.assert_close(call("triton"), want, rtol=0, atol=0)
     assert len(launches) == 1
     for t in TABLES.values():  # set aside for every family: auto on CUDA picks chunked
         assert t.method("auto", _case(CUDA)) == "chunked"
+    # one record for every Triton op: the log-prob kernels are set aside too
+    assert _method.resolve("auto", types.SimpleNamespace(device=CUDA)) == "chunked"
+
+
+@pytest.mark.parametrize("error", BUILD_ERRORS)
+@pytest.mark.parametrize("decay", ["row", "token"])
+def test_a_kernel_that_fails_to_build_in_the_backward_falls_back(
+    error, decay, monkeypatch, clean_failures
+):
+    """The scan's backward runs outside the dispatch: a kernel failing to build there warns
+    once, the gradients are the chunked method's, and the rest of the process runs chunked."""
+    gen = seeded("backward", error, decay)
+    b, t = 2, 301
+    x = torch.randn(b, t, generator=gen, dtype=torch.float64)
+    a = random_decay(decay, 0.9, b, t, torch.float64, gen)
+    g = torch.randn(b, t, generator=gen, dtype=torch.float64)
+
+    def grads(method):
+        xs = x.clone().requires_grad_()
+        ts = a.clone().requires_grad_()
+        y = rlops.discounted_cumsum(xs, ts, method=method)
+        if method == "triton":  # the forward ran the kernels; the backward's cannot build
+            monkeypatch.setattr(scan_triton, "_scan_block", _Unbuildable(launches, error))
+        y.backward(g)
+        return y.detach(), xs.grad, ts.grad
+
+    launches: list = []
+    want = grads("chunked")
+    with pytest.warns(RuntimeWarning, match=r"(?s)triton backend.*backward.*injected"):
+        got = grads("triton")
+    assert len(launches) == 1 and error in dispatch.failed()["triton"]
+    for name, u, w in zip(("y", "x.grad", "a.grad"), got, want, strict=True):
+        torch.testing.assert_close(u, w, msg=name)  # float64: both far inside the defaults
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning; the table runs chunked now
+        assert SCAN.method("auto", _case(CUDA)) == "chunked"
+        xs = x.clone().requires_grad_()
+        rlops.discounted_cumsum(xs, a, method="triton").backward(g)
+    assert len(launches) == 1
 
 
 def test_an_interpreter_error_is_a_bug_not_a_build_failure(monkeypatch, clean_failures):

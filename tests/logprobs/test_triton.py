@@ -32,6 +32,7 @@ from tests._logprobs_util import (
 from tests._triton_interp import triton  # noqa: F401  (sets TRITON_INTERPRET=1 first)
 from tests.tolerances import assert_half_matches
 
+from rlops import _backends
 from rlops.logprobs import _method, _shard, logprobs_and_entropy
 from rlops.logprobs import triton as kernels
 from rlops.logprobs.reference import logprobs_and_entropy_reference as reference
@@ -394,6 +395,43 @@ def test_auto_picks_triton_on_cuda_only(monkeypatch):
     assert _method.resolve("auto", cuda) == "chunked"
 
 
+def _torch_definition(x, y, keep_mask=None):
+    """``log_softmax(z)[y]`` (over the kept logits) and ``−Σ softmax(z)·log_softmax(z)`` (over
+    all of them): torch's own operators, whatever they make of a NaN."""
+    zk = x if keep_mask is None else x.masked_fill(~(keep_mask | _onehot(y, x)), float("-inf"))
+    lp = torch.log_softmax(zk, -1).gather(-1, y[:, None])[:, 0]
+    ls = torch.log_softmax(x, -1)
+    return lp, -(ls.exp() * ls).sum(-1)
+
+
+def _onehot(y, x):
+    return torch.nn.functional.one_hot(y, x.shape[-1]).bool()
+
+
+@pytest.mark.parametrize("where", ["other", "target", "outside the keep mask"])
+def test_a_nan_logit_reaches_its_row_as_in_torch(where):
+    """One NaN logit in row 1: the log-prob, entropy and gradients are torch's — NaN where
+    torch's are NaN (the row, or only its entropy when the NaN lies outside the log-prob's keep
+    mask), the same numbers elsewhere. The hardware max (``max.f32``, the interpreter's
+    ``fmax``) skips NaN, so a clamp that skipped it too made the row finite."""
+    v = 300
+    logits, target, keep, grads = _data(6, v, seed=27, keep_frac=0.5)
+    col = (target[1] + 7) % v if where != "target" else target[1]
+    keep = keep if where == "outside the keep mask" else None
+    if keep is not None:
+        keep[1, col] = False
+    logits[1, col] = float("nan")
+    kw = {} if keep is None else {"keep_mask": keep}
+    fast = forward_backward(_op("triton", **kw), (logits, target), grads)
+    ref = forward_backward(_torch_definition, (logits, target), grads, **kw)
+    exact = forward_backward(_torch_definition, (logits.double(), target), grads, **kw)
+    assert exact[1][1].isnan() and not exact[1][[0, 2, 3, 4, 5]].isnan().any()
+    for k, name in enumerate(WHAT):
+        nan = exact[k].isnan()
+        assert torch.equal(fast[k].isnan(), nan), f"{name}: NaN where torch's is not, or not"
+        assert_as_accurate(fast[k][~nan], ref[k][~nan], exact[k][~nan], FACTORS[k], name)
+
+
 class _Broken:
     """A kernel whose launch raises ``error`` (as a build failure does at the first launch)."""
 
@@ -408,7 +446,11 @@ class _Broken:
         return launch
 
 
-def _build_error():
+def _build_error(kind="CompilationError"):
+    """A build failure as a kernel's first launch raises it: triton's compilation error, or
+    the plain RuntimeError a compiler pass raises."""
+    if kind == "RuntimeError":
+        return RuntimeError("PassManager::run failed: injected build failure")
     from triton.compiler.errors import CompilationError
 
     return CompilationError(None, None, "injected build failure")
@@ -418,20 +460,21 @@ def _rlops_warnings(record):
     return [w for w in record if str(w.message).startswith("rlops:")]
 
 
+@pytest.mark.parametrize("error", ["CompilationError", "RuntimeError"])
 @pytest.mark.parametrize("kernel", ["_stats_kernel", "_grad_kernel"])
-def test_build_failure_warns_once_then_runs_chunked(monkeypatch, kernel):
+def test_build_failure_warns_once_then_runs_chunked(monkeypatch, kernel, error):
     """A kernel that fails to build (injected at its launch): one RuntimeWarning naming the
     error, the call finishes on the torch maths (the chunked method's results), and every
     later call runs chunked without launching a kernel, ``method="triton"`` included."""
-    monkeypatch.setattr(_method, "_failed", None)
-    broken = _Broken(_build_error())
+    monkeypatch.setattr(_backends, "_failed", {})
+    broken = _Broken(_build_error(error))
     monkeypatch.setattr(kernels, kernel, broken)
     logits, target, keep, grads = _data(25, 150, seed=14, keep_frac=0.5)
     expected = forward_backward(_op("chunked", keep_mask=keep), (logits, target), grads)
     with pytest.warns(RuntimeWarning) as record:
         got = forward_backward(_op("triton", keep_mask=keep), (logits, target), grads)
     (warning,) = _rlops_warnings(record)
-    assert "CompilationError" in str(warning.message)
+    assert error in str(warning.message)
     assert "injected build failure" in str(warning.message)
     assert "chunked" in str(warning.message)
     assert broken.launches == 1
@@ -447,7 +490,6 @@ def test_build_failure_warns_once_then_runs_chunked(monkeypatch, kernel):
     assert _method.resolve("auto", types.SimpleNamespace(device=torch.device("cuda"))) == (
         "chunked"
     )
-    monkeypatch.setattr(_method, "_failed", None)  # restored as the test found it
 
 
 @pytest.mark.parametrize("kind", ["interpreter", "out of memory"])

@@ -1,7 +1,8 @@
 """The import graph of ``src/rlops`` points down only, has no cycle, and no module reaches into
 another module's private names. Layers (a module may import its own package and lower layers):
 
-    0  _checks, _threads                      (argument checks; the CPU thread pool)
+    0  _checks, _threads, _backends           (argument checks; the CPU thread pool; the
+                                              compiled backends' failure record and launch)
     1  scan, distributed                      (the bare recurrence; layout and group helpers)
     2  stats, logprobs                        (leaves)
     3  advantages, group_advantages, losses, rollout_correction, kl_controllers
@@ -27,6 +28,7 @@ BENCHMARKS = SRC.parents[1] / "benchmarks"
 LAYERS = {
     "rlops._checks": 0,
     "rlops._threads": 0,
+    "rlops._backends": 0,
     "rlops.scan": 1,
     "rlops.distributed": 1,
     "rlops.stats": 2,
@@ -185,7 +187,9 @@ def test_scan_knows_nothing_of_rl_or_distribution():
             continue
         deps = {d for t, names, _ in _imports(p, m) for d in _resolve(t, names)}
         outside = {
-            d for d in deps if _unit(d) not in ("rlops.scan", "rlops._checks", "rlops._threads")
+            d
+            for d in deps
+            if _unit(d) not in ("rlops.scan", "rlops._checks", "rlops._threads", "rlops._backends")
         }
         assert not outside, f"{m} imports {sorted(outside)}"
         assert "torch.distributed" not in p.read_text(), f"{m} uses torch.distributed"

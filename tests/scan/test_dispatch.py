@@ -24,6 +24,7 @@ import torch
 from tests.tolerances import needs_numba
 
 import rlops
+from rlops import _backends
 from rlops._threads import for_each
 from rlops.advantages.gae import RETURNS
 from rlops.advantages.reinforce import REINFORCE
@@ -43,7 +44,7 @@ def _case(**kw) -> Case:
 @pytest.fixture
 def clean_failures(monkeypatch):
     """A process-wide record of failed backends that this test alone sees."""
-    monkeypatch.setattr(dispatch, "_failed", {})
+    monkeypatch.setattr(_backends, "_failed", {})
 
 
 # --------------------------------------------------------------------------- choosing

@@ -144,7 +144,10 @@ def token_decay(discount, mask, dones, like: torch.Tensor):
     a sequence ends. A float or ``[B, 1]`` unchanged when neither mask nor dones is given."""
     if mask is None and dones is None:
         return discount
-    a = torch.as_tensor(discount, dtype=like.dtype, device=like.device).expand_as(like)
+    if isinstance(discount, torch.Tensor):
+        a = discount.to(like.dtype).expand_as(like)
+    else:  # a fill, not a host-to-device copy (which would synchronise the stream)
+        a = torch.full_like(like, float(discount))
     if mask is not None:
         a = torch.where(mask, a, 1.0)
     if dones is not None:

@@ -28,6 +28,11 @@ the context-parallel GAE exchanges per chunk), two for returns. Zero discounts a
 exact cuts (selected, never multiplied), so NaN past a done never reaches earlier tokens.
 Rows whose inputs are half precision accumulate in float32; float64 in float64.
 
+Each block is loaded with contiguous time indices and scanned with
+``tl.associative_scan(..., reverse=True)`` (vector loads), the ``(row, block)`` programs on one
+flat grid. Scalars reach the kernels as arguments or ``torch.full`` fills (no host
+synchronisation), launched under the tensors' device (:func:`rlops._backends.launch`).
+
 Forward only: where a gradient is needed, the chunked path keeps it.
 """
 
@@ -37,9 +42,11 @@ import torch
 import triton
 import triton.language as tl
 
+from rlops._backends import launch
 from rlops.scan.triton import (
     acc_dtype,
     block_carries,
+    block_head,
     block_size,
     cast_to,
     compose1,
@@ -53,57 +60,54 @@ RETURNS, GAE, RPP = 1, 2, 3
 
 
 @triton.jit
-def _first(v, i, BLOCK: tl.constexpr):
-    return tl.sum(tl.where(i == BLOCK - 1, v, 0.0), axis=0)
-
-
-@triton.jit
 def _estimator_block(
     r_ptr, v_ptr, m_ptr, d_ptr, cut_ptr, g_ptr, gl_ptr, ck_ptr, adv_ptr, ret_ptr, summ_ptr,
     carry_ptr, B, T, NB,
     MODE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DONES: tl.constexpr, HAS_CUT: tl.constexpr,
     FINAL: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
-    blk = tl.program_id(1)
+    cell = tl.program_id(0).to(tl.int64)  # row * NB + block, one flat grid
+    row = cell // NB
+    blk = cell - row * NB
     i = tl.arange(0, BLOCK)
-    t = blk * BLOCK + (BLOCK - 1 - i)  # scan order: the latest time first
+    t = blk * BLOCK + i  # contiguous: vector loads; the scan runs from the block's end
     ok = t < T
-    base = row.to(tl.int64) * T
+    base = row * T
     act = ok
     if HAS_MASK:
         act = act & (tl.load(m_ptr + base + t, mask=ok, other=0) != 0)
     done = t < 0
     if HAS_DONES:
         done = ok & (tl.load(d_ptr + base + t, mask=ok, other=0) != 0)
-    r = tl.load(r_ptr + base + t, mask=act, other=0.0)
+    # loaded under the block's bounds alone (a mask known per vector: vector loads); every use
+    # of a mask-0 or non-done token's value is selected away below
+    r = tl.load(r_ptr + base + t, mask=ok, other=0.0)
     gamma = tl.load(g_ptr + row).to(ACC)
     zero = tl.zeros([BLOCK], ACC)
     one = zero + 1.0
-    cell = row.to(tl.int64) * NB + blk
     plane = B * NB
     boot = zero  # gamma * the value after a done (0 without a cut value, or where gamma is 0)
     cv = zero
     if HAS_CUT:
-        cv = tl.load(cut_ptr + base + t, mask=done, other=0.0).to(ACC)
+        cv = tl.where(done, tl.load(cut_ptr + base + t, mask=ok, other=0.0).to(ACC), zero)
         boot = gamma * tl.where(gamma == 0.0, zero, cv)
     if MODE == 1:  # discounted returns: one number of state
         p = tl.where(done, zero, tl.where(act, gamma, one))
         c = tl.where(act, r.to(ACC), zero)
         if HAS_CUT:
             c = tl.where(done, tl.where(act, c + boot, cv), c)
-        p, c = tl.associative_scan((p, c), 0, compose1)
+        p, c = tl.associative_scan((p, c), 0, compose1, reverse=True)
         if FINAL:
             a_in = tl.load(carry_ptr + cell).to(ACC)
             y = c + p * tl.where(p == 0, 0.0, a_in)
             y = tl.where(act, y, zero)
             tl.store(ret_ptr + base + t, cast_to(y, ret_ptr.dtype.element_ty), mask=ok)
         else:
-            tl.store(summ_ptr + cell, _first(p, i, BLOCK))
-            tl.store(summ_ptr + plane + cell, _first(c, i, BLOCK))
+            tl.store(summ_ptr + cell, block_head(p, i))
+            tl.store(summ_ptr + plane + cell, block_head(c, i))
     else:
         if MODE == 2:  # GAE: (A, W = value of the next action token)
-            v = tl.load(v_ptr + base + t, mask=act, other=0.0).to(ACC)
+            v = tl.where(act, tl.load(v_ptr + base + t, mask=ok, other=0.0).to(ACC), zero)
             gl = tl.load(gl_ptr + row).to(ACC)
             keep = act & (done == 0)
             p = tl.where(keep, gl, tl.where(act | done, zero, one))
@@ -122,7 +126,7 @@ def _estimator_block(
             s = tl.where(act, zero, one)
             c = tl.where(act, tok, zero)
             e = zero
-        p, q, s, c, e = tl.associative_scan((p, q, s, c, e), 0, compose2)
+        p, q, s, c, e = tl.associative_scan((p, q, s, c, e), 0, compose2, reverse=True)
         if FINAL:
             a_in = tl.load(carry_ptr + cell).to(ACC)
             w_in = tl.load(carry_ptr + plane + cell).to(ACC)
@@ -135,11 +139,11 @@ def _estimator_block(
             else:
                 tl.store(ret_ptr + base + t, cast_to(adv, ret_ptr.dtype.element_ty), mask=ok)
         else:
-            tl.store(summ_ptr + cell, _first(p, i, BLOCK))
-            tl.store(summ_ptr + plane + cell, _first(q, i, BLOCK))
-            tl.store(summ_ptr + 2 * plane + cell, _first(s, i, BLOCK))
-            tl.store(summ_ptr + 3 * plane + cell, _first(c, i, BLOCK))
-            tl.store(summ_ptr + 4 * plane + cell, _first(e, i, BLOCK))
+            tl.store(summ_ptr + cell, block_head(p, i))
+            tl.store(summ_ptr + plane + cell, block_head(q, i))
+            tl.store(summ_ptr + 2 * plane + cell, block_head(s, i))
+            tl.store(summ_ptr + 3 * plane + cell, block_head(c, i))
+            tl.store(summ_ptr + 4 * plane + cell, block_head(e, i))
 
 
 def _run(mode, r, v, mask, dones, gamma, gamma_lam, ck, init, adv, ret, block_t, cut=None):
@@ -176,9 +180,11 @@ def _run(mode, r, v, mask, dones, gamma, gamma_lam, ck, init, adv, ret, block_t,
         carries = init.reshape(init.shape[0], b, 1)
     else:
         summ = torch.empty((5 if two else 2, b, nb), dtype=acc, device=r.device)
-        _estimator_block[(b, nb)](*ptrs, summ, summ, b, t_len, nb, FINAL=False, **flags)
+        launch(_estimator_block, (b * nb,), *ptrs, summ, summ, b, t_len, nb, FINAL=False,
+               **flags)  # fmt: skip
         carries = block_carries(summ, init)
-    _estimator_block[(b, nb)](*ptrs, carries, carries, b, t_len, nb, FINAL=True, **flags)
+    launch(_estimator_block, (b * nb,), *ptrs, carries, carries, b, t_len, nb, FINAL=True,
+           **flags)  # fmt: skip
 
 
 def _indicator(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -255,7 +261,7 @@ def reinforce_returns_triton(
     acc = acc_dtype(out_dtype)
     ret = torch.empty((n, t_len), dtype=out_dtype, device=k.device)
     g = gamma.reshape(-1).expand(n).to(acc).contiguous()
-    ck = torch.tensor([-kl_coef], dtype=acc, device=k.device)
+    ck = torch.full((1,), -kl_coef, dtype=acc, device=k.device)  # a fill: no host copy
     init = torch.stack([torch.zeros(n, dtype=acc, device=k.device), outcome.to(acc).reshape(n)])
     _run(RPP, k, None, _indicator(mask), None, g, None, ck, init, None, ret, block_t)
     return ret

@@ -7,55 +7,34 @@
 - ``"auto"``: Triton on CUDA tensors when triton can be imported, else chunked; chunked while
   ``torch.compile`` traces the call (the chunk engine is plain torch there).
 
-A kernel that fails to build on this machine (a Triton compilation, resource or assembler error)
-is set aside: the call that met the error warns once (``RuntimeWarning`` naming the error) and
-finishes on the chunked maths, and every later call, ``"triton"`` included, runs chunked for the
-rest of the process. Errors of the interpreter (a kernel's bug, not a build failure) and running
-out of memory propagate.
+A kernel that fails to build on this machine (whatever its first launch raises while it builds:
+:class:`rlops._backends.KernelBuildError`) sets the triton backend aside, in the one record that
+every Triton op reads (:mod:`rlops._backends`: a scan kernel that failed sets the log-prob
+kernels aside too, and the other way round): the call that met the error warns once
+(``RuntimeWarning`` naming the error) and finishes on the chunked maths, and every later call,
+``"triton"`` included, runs chunked for the rest of the process. Errors of the interpreter (a
+kernel's bug, not a build failure) and running out of memory propagate.
 """
 
 from __future__ import annotations
 
-import os
-import threading
-import warnings
-
 import torch
 
+import rlops._backends as _backends
 from rlops._checks import check_choice
 
-__all__ = [
-    "METHODS",
-    "build_errors",
-    "failed",
-    "is_build_error",
-    "resolve",
-    "set_failed",
-    "triton_available",
-]
+__all__ = ["METHODS", "failed", "resolve", "set_failed", "triton_available"]
 
 METHODS = ("auto", "chunked", "triton")
 
-_lock = threading.Lock()
-_failed: str | None = None  # why the kernels could not be built here (set once, kept)
-
-
 def triton_available() -> bool:
     """Whether triton can be imported."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return _backends.triton_importable()
 
 
 def failed() -> str | None:
-    """The error that set the kernels aside in this process, or None."""
-    return _failed
+    """The error that set the triton backend aside in this process, or None."""
+    return _backends.failed("triton")
 
 
 def resolve(method: object, x: torch.Tensor) -> str:
@@ -69,7 +48,7 @@ def resolve(method: object, x: torch.Tensor) -> str:
     if method == "auto":
         usable = (
             x.device.type == "cuda"
-            and _failed is None
+            and failed() is None
             and not torch.compiler.is_compiling()
             and triton_available()
         )
@@ -79,7 +58,7 @@ def resolve(method: object, x: torch.Tensor) -> str:
             'method="triton" needs the triton package: pip install "rlops[gpu]" '
             '(or use method="chunked")'
         )
-    if x.device.type == "cpu" and not _interpreted():
+    if x.device.type == "cpu" and not _backends.interpreted():
         raise ValueError(
             'method="triton" runs on CUDA tensors; on CPU tensors only under the Triton '
             "interpreter (TRITON_INTERPRET=1 set before triton is imported). Got CPU logits: "
@@ -87,47 +66,9 @@ def resolve(method: object, x: torch.Tensor) -> str:
         )
     if x.device.type not in ("cuda", "cpu"):
         raise ValueError(f'method="triton" runs on CUDA tensors, got device {x.device}')
-    return "chunked" if _failed is not None else "triton"
-
-
-def build_errors() -> tuple[type[BaseException], ...]:
-    """The exceptions that mean "this kernel cannot be built here": triton's own errors
-    (compilation, out of resources, the assembler) and the RuntimeError its compiler passes
-    raise. The interpreter's errors are filtered out by :func:`is_build_error`."""
-    from triton.compiler.errors import CompilationError
-
-    try:
-        from triton.errors import TritonError
-    except ImportError:  # pragma: no cover - an older triton
-        return (CompilationError, RuntimeError)
-    return (TritonError, RuntimeError)
-
-
-def is_build_error(error: BaseException) -> bool:
-    """Whether ``error``, raised around a kernel launch, is a build failure: not the
-    interpreter's report of a kernel's own error (a bug, which must surface), nor running out
-    of device memory (a property of the call, not of the machine)."""
-    if isinstance(error, torch.OutOfMemoryError):
-        return False
-    try:
-        from triton.runtime.errors import InterpreterError
-    except ImportError:  # pragma: no cover - a triton without the interpreter's class
-        return True
-    return not isinstance(error, InterpreterError)
+    return "chunked" if failed() is not None else "triton"
 
 
 def set_failed(error: BaseException) -> None:
-    """Set the kernels aside for the rest of the process; warn once (the first caller)."""
-    global _failed
-    with _lock:
-        first = _failed is None
-        if first:
-            _failed = f"{type(error).__name__}: {error}"
-    if first:
-        warnings.warn(
-            "rlops: the Triton log-prob kernel failed to build on this machine "
-            f"({type(error).__name__}: {str(error)[:300]}); using the chunked method for the "
-            "rest of the process",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    """Set the triton backend aside for the rest of the process; warn once (the first caller)."""
+    _backends.set_failed("triton", error, "the triton backend (a log-prob kernel)", stacklevel=3)

@@ -165,7 +165,8 @@ def merge(
     else:
         me, lse = mp, lsp
     terms = q * (h + (me - m) + (lse - s.log()))
-    ent = torch.where(q > 0, terms, torch.zeros_like(terms)).sum(dim=0)
+    # a shard holding none of the distribution (q = 0) adds 0; a NaN (q or h) stays NaN
+    ent = torch.where(q == 0, torch.zeros_like(terms), terms).sum(dim=0)
     return logp, ent, (mp, lsp, me, lse, ent)
 
 

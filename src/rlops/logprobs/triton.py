@@ -40,7 +40,9 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
+from rlops._backends import KernelBuildError, launch
 from rlops.logprobs import _engine, _method, _shard, _support
 from rlops.logprobs._plan import Plan
 from rlops.scan.triton import cast_to
@@ -52,10 +54,10 @@ def _config(
     x: torch.Tensor, n: int, v: int, block_n: int | None, block_v: int | None
 ) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_V, num_warps)``. On a GPU one token per program and 4096-wide tiles
-    (16 float32 values per thread at 8 warps). Under the interpreter (CPU tensors) a block
-    runs as numpy arrays: 16 tokens per program, 256-wide tiles (which still cross tiles at a
-    test's vocabulary). Smaller when the shapes are."""
-    if x.device.type == "cpu":
+    (16 float32 values per thread at 8 warps). Under the interpreter (the kernels built as
+    interpreted functions) a block runs as numpy arrays: 16 tokens per program, 256-wide tiles
+    (which still cross tiles at a test's vocabulary). Smaller when the shapes are."""
+    if isinstance(_stats_kernel, InterpretedFunction):
         bn = block_n or min(16, triton.next_power_of_2(n))
         bv = block_v or min(256, max(16, triton.next_power_of_2(v)))
     else:
@@ -83,7 +85,9 @@ def _online(m, s, u, sw, w, z, ENTROPY: tl.constexpr, SQUARES: tl.constexpr):
     m_new = tl.maximum(m, tl.max(z, axis=1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     scale = tl.exp(m - m_ref)
-    d = tl.maximum(z - m_ref[:, None], -1e30)
+    # a NaN logit makes the row's sums NaN, as torch's log_softmax does: max.f32 (tl.max) skips
+    # NaN, so the clamp that keeps exp(-inf)·(-inf) finite must not drop it too
+    d = tl.maximum(z - m_ref[:, None], -1e30, propagate_nan=tl.PropagateNan.ALL)
     e = tl.exp(d)
     if ENTROPY:
         corr = tl.where(m == float("-inf"), 0.0, (m - m_ref) * s)
@@ -100,7 +104,7 @@ def _online(m, s, u, sw, w, z, ENTROPY: tl.constexpr, SQUARES: tl.constexpr):
 @triton.jit
 def _stats_kernel(
     x_ptr, tgt_ptr, keep_ptr, thr_ptr, tau_ptr, out_ptr, N, V, stride_x, stride_k, stride_o,
-    offset,
+    offset, ALIGN_V: tl.constexpr, ALIGN_X: tl.constexpr, ALIGN_K: tl.constexpr,
     MASK: tl.constexpr, THRESH: tl.constexpr, TWO: tl.constexpr, ENTROPY: tl.constexpr,
     SQUARES: tl.constexpr, SQ_COL: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr, ACC: tl.constexpr,
@@ -111,6 +115,9 @@ def _stats_kernel(
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     rows64 = rows.to(tl.int64)
+    V = V * ALIGN_V  # V and the strides come in units of ALIGN: rows start 16-byte aligned
+    stride_x = stride_x * ALIGN_X  # and a tile's bound is known per vector, so tiles load
+    stride_k = stride_k * ALIGN_K  # as vectors
     tau = tl.load(tau_ptr).to(ACC)  # read only when SCALE (else any element: a placeholder)
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=0) - offset
     in_range = row_ok & (tgt >= 0) & (tgt < V)
@@ -165,6 +172,7 @@ def _stats_kernel(
 def _grad_kernel(
     x_ptr, tgt_ptr, keep_ptr, thr_ptr, tau_ptr, mp_ptr, lsp_ptr, me_ptr, lse_ptr, h_ptr,
     glp_ptr, gent_ptr, dx_ptr, N, V, stride_x, stride_k, stride_d, offset,
+    ALIGN_V: tl.constexpr, ALIGN_X: tl.constexpr, ALIGN_K: tl.constexpr, ALIGN_D: tl.constexpr,
     MASK: tl.constexpr, THRESH: tl.constexpr, TWO: tl.constexpr, HAS_LP: tl.constexpr,
     HAS_ENT: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     ACC: tl.constexpr,
@@ -172,6 +180,10 @@ def _grad_kernel(
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     rows64 = rows.to(tl.int64)
+    V = V * ALIGN_V  # V and the strides come in units of ALIGN: rows start 16-byte aligned
+    stride_x = stride_x * ALIGN_X  # and a tile's bound is known per vector, so tiles load
+    stride_k = stride_k * ALIGN_K  # and store as vectors
+    stride_d = stride_d * ALIGN_D
     tau = tl.load(tau_ptr).to(ACC)  # read only when SCALE (else any element: a placeholder)
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=0) - offset
     # (M, log S) of the log-prob distribution; (M, log S, H) of the entropy's
@@ -223,6 +235,30 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 def _tl(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _align(t: torch.Tensor | None) -> int:
+    """How many elements of ``t``'s rows (at most 16 bytes' worth) its row stride is a
+    multiple of: the kernels get the stride in these units and multiply it back by a constant,
+    so they know every row starts 16-byte aligned (with a 16-byte aligned base) and load and
+    store vectors, which triton infers by itself only for strides divisible by 16 (V = 50280
+    in bfloat16 is divisible by 8, not 16). 1 when it is not (V = 50257)."""
+    if t is None or t.dim() < 2:
+        return 1
+    per = max(1, 16 // t.element_size())
+    while per > 1 and (t.stride(0) % per or t.data_ptr() % 16):
+        per //= 2
+    return per
+
+
+def _align_v(v: int) -> int:
+    """The largest power of two up to 16 that divides the vocabulary ``v``."""
+    return min(16, v & -v) if v else 1
+
+
+def _strides(*ts: torch.Tensor | None) -> list[int]:
+    """Row strides in units of :func:`_align` (0 for an absent tensor)."""
+    return [0 if t is None else t.stride(0) // _align(t) for t in ts]
 
 
 def _rows_view(t: torch.Tensor, v: int) -> torch.Tensor:
@@ -302,9 +338,11 @@ def shard_stats(
     tgt = target.reshape(n).to(torch.int64).contiguous()
     tau = _tau(temperature, acc, x)
     bn, bv, warps = _config(x, n, v, block_n, block_v)
-    _stats_kernel[(triton.cdiv(n, bn),)](
+    launch(
+        _stats_kernel, (triton.cdiv(n, bn),),
         x, tgt, x if keep is None else keep, tau if thr is None else thr, tau, out,
-        n, v, x.stride(0), 0 if keep is None else keep.stride(0), out.stride(0), offset,
+        n, v // _align_v(v), *_strides(x, keep), out.stride(0), offset,
+        ALIGN_V=_align_v(v), ALIGN_X=_align(x), ALIGN_K=_align(keep),
         MASK=keep is not None, THRESH=thr is not None, TWO=two, ENTROPY=with_entropy,
         SQUARES=with_squares, SQ_COL=ncol - 1, SCALE=temperature != 1.0, BLOCK_N=bn,
         BLOCK_V=bv, ACC=_tl(acc), num_warps=warps,
@@ -359,10 +397,12 @@ def logits_grad(
     mp, lsp, *rest = cols
     me, lse, h = rest if g_ent is not None else (mp, mp, mp)
     bn, bv, warps = _config(x, n, v, block_n, block_v)
-    _grad_kernel[(triton.cdiv(n, bn),)](
+    launch(
+        _grad_kernel, (triton.cdiv(n, bn),),
         x, tgt, x if keep is None else keep, tau if thr is None else thr, tau,
         mp, lsp, me, lse, h, mp if glp is None else glp, mp if gent is None else gent, out,
-        n, v, x.stride(0), 0 if keep is None else keep.stride(0), out.stride(0), offset,
+        n, v // _align_v(v), *_strides(x, keep, out), offset,
+        ALIGN_V=_align_v(v), ALIGN_X=_align(x), ALIGN_K=_align(keep), ALIGN_D=_align(out),
         MASK=keep is not None, THRESH=thr is not None, TWO=two, HAS_LP=glp is not None,
         HAS_ENT=gent is not None, SCALE=temperature != 1.0, BLOCK_N=bn, BLOCK_V=bv,
         ACC=_tl(acc), num_warps=warps,
@@ -405,9 +445,7 @@ class TritonLogits(_engine.Producer):
                 over_support=plan.over_support, with_entropy=plan.with_entropy,
                 with_squares=plan.sum_pi_squared, out=out,
             )  # fmt: skip
-        except _method.build_errors() as e:
-            if not _method.is_build_error(e):
-                raise
+        except KernelBuildError as e:
             _method.set_failed(e)
             self.torch.stats(plan, i, j, out)
         return None
@@ -426,8 +464,6 @@ class TritonLogits(_engine.Producer):
                 keep_mask=plan.keep_rows(i, j), threshold=thr,
                 over_support=plan.over_support, out=out,
             )  # fmt: skip
-        except _method.build_errors() as e:
-            if not _method.is_build_error(e):
-                raise
+        except KernelBuildError as e:
             _method.set_failed(e)
             return self.torch.grad(plan, i, j, out)

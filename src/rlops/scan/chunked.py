@@ -164,7 +164,7 @@ def scan_chunked(
     if not isinstance(decay, torch.Tensor):
         if float(decay) == 0.0:
             return x.clone()
-        w = torch.tensor([[float(decay)]], dtype=torch.float64, device=x.device)
+        w = torch.full((1, 1), float(decay), dtype=torch.float64, device=x.device)  # no copy
         return _scan_rowwise_exact(x, w, max(c, 2))
     w = decay.reshape(-1, 1).to(torch.float64)
     return torch.where(w == 0, x, _scan_rowwise_exact(x, w, max(c, 2)))

@@ -23,9 +23,12 @@ grad, as ``compiled`` is. Auto picks triton on CUDA tensors only, never while
 that implements it.
 
 A backend whose implementation raises one of its compile errors (the kernel cannot be built
-on this machine: numba's errors; triton's compilation, resource and assembler errors, not its
-interpreter's) warns once and is set aside for the rest of the process: that call and every
-later one run the family's chunked row instead.
+on this machine: numba's errors; for triton a :class:`rlops._backends.KernelBuildError`, which
+every kernel launch raises for whatever fails while the kernel builds, not for its
+interpreter's errors) warns once and is set aside for the rest of the process, in the one
+record that every op family reads (:mod:`rlops._backends`, the log-prob ops' too): that call
+and every later one run the family's chunked row instead. The scan's backward, which runs
+outside this table, falls back the same way (:class:`rlops.scan.triton.ReverseScan`).
 
 On CPU, rows made of many small torch operations (``small_ops``: the loops, the chunked forms)
 run on one worker of :mod:`rlops._threads`, single-threaded, when no gradient is needed:
@@ -41,14 +44,12 @@ the graph stays on the caller's thread, and so do its results, bit for bit.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+import rlops._backends as _backends
 from rlops._checks import check_choice
 from rlops._threads import pool
 from rlops.scan import compiled
@@ -72,9 +73,6 @@ __all__ = [
 
 METHODS = ("auto", "reference", "chunked", "compiled", "triton")
 PREFERENCE = ("triton", "compiled", "chunked")  # what "auto" tries, in order
-
-_failed: dict[str, str] = {}  # backend name -> why it could not compile here (set once, kept)
-
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -160,23 +158,14 @@ def _numba_errors() -> tuple[type[BaseException], ...]:
     return (NumbaError,)
 
 
-@functools.cache
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _triton_requires(case: Case) -> str | None:
-    if not _triton_importable():
+    if not _backends.triton_importable():
         return (
             'method="triton" needs the triton package: pip install "rlops[gpu]" '
             '(or use method="chunked")'
         )
     if case.device.type == "cpu":
-        if os.environ.get("TRITON_INTERPRET") != "1":
+        if not _backends.interpreted():
             return (
                 'method="triton" runs on CUDA tensors; on CPU tensors only under the Triton '
                 "interpreter (TRITON_INTERPRET=1 set before triton is imported). Got CPU "
@@ -199,16 +188,8 @@ def _triton_forward_requires(case: Case) -> str | None:
 
 
 def _triton_errors() -> tuple[type[BaseException], ...]:
-    # what says "this kernel cannot be built here"; not the interpreter's InterpreterError (a
-    # kernel's own error), not a RuntimeError (which may be anything)
-    from triton.compiler.errors import CompilationError
-
-    errors: list[type[BaseException]] = [CompilationError]
-    try:
-        from triton.runtime.errors import OutOfResources, PTXASError
-    except ImportError:  # pragma: no cover - an older triton
-        return tuple(errors)
-    return (*errors, OutOfResources, PTXASError)
+    # what every launch raises for "this kernel cannot be built here" (rlops._backends.launch)
+    return (_backends.KernelBuildError,)
 
 
 REFERENCE = Backend("reference")
@@ -268,7 +249,7 @@ class Table:
                 backend = self._backend(name)
                 if (
                     backend is not None
-                    and name not in _failed
+                    and _backends.failed(name) is None
                     and backend.auto(case)
                     and (backend.traceable or not compiling)
                     and backend.requires(case) is None
@@ -299,7 +280,7 @@ class Table:
         """Run the call: resolve ``method``, pick the row, run it (on a CPU worker when it is
         made of small operations); a backend that fails to compile falls back to chunked."""
         method = self.method(method, case)
-        if method in _failed:
+        if _backends.failed(method) is not None:
             method = "chunked"
         row, method = self.row(method, case)
         backend = self._backend(method)
@@ -312,19 +293,12 @@ class Table:
 
 
 def _fail(backend: Backend, error: BaseException) -> None:
-    _failed[backend.name] = f"{type(error).__name__}: {error}"
-    warnings.warn(
-        f"rlops: the {backend.name} backend failed to compile on this machine "
-        f"({type(error).__name__}: {str(error)[:200]}); using the chunked method for the rest "
-        "of the process",
-        RuntimeWarning,
-        stacklevel=4,
-    )
+    _backends.set_failed(backend.name, error, f"the {backend.name} backend", stacklevel=4)
 
 
 def failed() -> dict[str, str]:
     """The backends set aside in this process, with the error that did it."""
-    return dict(_failed)
+    return _backends.failures()
 
 
 def _execute(row: Row, method: str, case: Case, args: tuple) -> Any:

@@ -7,15 +7,18 @@ Each step is the affine map ``f_t(y) = x[t] + a[t]·y``; maps compose associativ
 block of time reduces to one map. Rows and blocks of time are independent programs (a
 two-level scan, so that one long row fills the device):
 
-1. every ``(row, block)`` program scans its block with ``tl.associative_scan`` (time indices
-   flipped, so the scan runs forward over the reversed block) and writes the block's map: its
-   decay product and its head value (two numbers);
+1. every ``(row, block)`` program scans its block with ``tl.associative_scan(...,
+   reverse=True)`` over contiguous time indices (so each thread loads consecutive elements
+   with vector loads) and writes the block's map: its decay product and its head value (two
+   numbers);
 2. one program per row scans the block maps (shifted by one block) and applies them to
    ``y_boot``: the value entering each block from the right;
 3. every ``(row, block)`` program scans its block again and applies the carry.
 
 The inputs are read twice and the output written once; nothing ``[B, T]``-sized is written
-but ``y``. :func:`compose2` is the same machinery for a two-number state
+but ``y``. The ``(row, block)`` programs form one flat grid (``B·NB`` programs, within the
+2³¹ − 1 of grid dimension 0 at any length; dimension 1 would stop at 65,535 blocks).
+:func:`compose2` is the same machinery for a two-number state
 (``A' = c + p·A + q·W``, ``W' = e + s·W``), on which :mod:`rlops.advantages.triton` builds GAE
 and REINFORCE++ returns in one kernel each.
 
@@ -27,7 +30,12 @@ inputs are read, accumulated in float32 and written back in their dtype.
 Backward (:class:`ReverseScan`): the adjoint of a reverse scan is the same scan forward in
 time, ``gx[t] = g[t] + a[t-1]·gx[t-1]``, run by these kernels on the time-reversed gradient
 with the decays shifted one step; ``ga[t] = gx[t]·y[t+1]`` (0 at a cut, as on the other
-paths), and ``g_boot = gx[T-1]·a[T-1]``.
+paths), and ``g_boot = gx[T-1]·a[T-1]``. A kernel that fails to build there (outside the
+dispatch's fallback) sets the triton backend aside the same way (:mod:`rlops._backends`: one
+warning) and that backward runs the chunked scan.
+
+Launches (:func:`rlops._backends.launch`) run under the tensors' CUDA device and take only
+device tensors and Python numbers: no host synchronisation.
 
 Not exported: the dispatch of :mod:`rlops.scan` and :mod:`rlops.advantages` decides when
 these run.
@@ -39,10 +47,13 @@ import torch
 import triton
 import triton.language as tl
 
+from rlops._backends import KernelBuildError, failed, launch, set_failed
+
 __all__ = [
     "ReverseScan",
     "acc_dtype",
     "block_carries",
+    "block_head",
     "block_size",
     "cast_to",
     "compose1",
@@ -93,30 +104,36 @@ def _first(v, i, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def block_head(v, i):
+    # the value at the block's earliest time (lane 0 of a reverse scan): exact, NaN-safe
+    return tl.sum(tl.where(i == 0, v, 0.0), axis=0)
+
+
+@triton.jit
 def _scan_block(
     x_ptr, a_ptr, y_ptr, summ_ptr, carry_ptr, B, T, NB,
     PER_TOKEN: tl.constexpr, FINAL: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
-    blk = tl.program_id(1)
+    cell = tl.program_id(0).to(tl.int64)  # row * NB + block, one flat grid
+    row = cell // NB
+    blk = cell - row * NB
     i = tl.arange(0, BLOCK)
-    t = blk * BLOCK + (BLOCK - 1 - i)  # scan order: the latest time first
+    t = blk * BLOCK + i  # contiguous: vector loads; the scan runs from the block's end
     ok = t < T
-    base = row.to(tl.int64) * T
+    base = row * T
     x = tl.load(x_ptr + base + t, mask=ok, other=0.0).to(ACC)
     if PER_TOKEN:
         a = tl.load(a_ptr + base + t, mask=ok, other=1.0).to(ACC)
     else:
         a = tl.where(ok, tl.load(a_ptr + row).to(ACC), 1.0)
-    p, c = tl.associative_scan((a, x), 0, compose1)
-    cell = row.to(tl.int64) * NB + blk
+    p, c = tl.associative_scan((a, x), 0, compose1, reverse=True)
     if FINAL:
         y_in = tl.load(carry_ptr + cell).to(ACC)
         y = c + p * tl.where(p == 0, 0.0, y_in)
         tl.store(y_ptr + base + t, cast_to(y, y_ptr.dtype.element_ty), mask=ok)
     else:
-        tl.store(summ_ptr + cell, _first(p, i, BLOCK))
-        tl.store(summ_ptr + B * NB + cell, _first(c, i, BLOCK))
+        tl.store(summ_ptr + cell, block_head(p, i))
+        tl.store(summ_ptr + B * NB + cell, block_head(c, i))
 
 
 @triton.jit
@@ -194,7 +211,8 @@ def block_carries(summaries: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
         return carries.copy_(init.unsqueeze(-1))
     block = min(_CARRY_BLOCK, max(16, triton.next_power_of_2(nb)))
     init = init.to(summaries.dtype).contiguous()
-    _carry_kernel[(b,)](summaries, init, carries, b, nb, TWO=two, BLOCK=block, num_warps=4)
+    launch(_carry_kernel, (b,), summaries, init, carries, b, nb, TWO=two, BLOCK=block,
+           num_warps=4)  # fmt: skip
     return carries
 
 
@@ -210,13 +228,14 @@ def _scan_forward(x, a, y_boot, block_t):
     block = block_size(b, t_len, block_t)
     nb = triton.cdiv(t_len, block)
     common = dict(PER_TOKEN=per_token, BLOCK=block, ACC=tl_dtype(acc), num_warps=4)
+    grid = (b * nb,)
     if nb == 1:
         carries = y_boot.reshape(1, b, 1)
     else:
         summ = torch.empty((2, b, nb), dtype=acc, device=x.device)
-        _scan_block[(b, nb)](x, a, y, summ, summ, b, t_len, nb, FINAL=False, **common)
+        launch(_scan_block, grid, x, a, y, summ, summ, b, t_len, nb, FINAL=False, **common)
         carries = block_carries(summ, y_boot.reshape(1, b))
-    _scan_block[(b, nb)](x, a, y, carries, carries, b, t_len, nb, FINAL=True, **common)
+    launch(_scan_block, grid, x, a, y, carries, carries, b, t_len, nb, FINAL=True, **common)
     return y
 
 
@@ -281,7 +300,7 @@ class ReverseScan(torch.autograd.Function):
         else:
             shifted = decay
         zero = torch.zeros(b, dtype=acc, device=g.device)
-        gx = _scan_forward(g.flip(-1).contiguous(), shifted.contiguous(), zero, ctx.block_t)
+        gx = _adjoint(g.flip(-1).contiguous(), shifted.contiguous(), zero, ctx.block_t)
         gx = gx.flip(-1)
         a_full = decay if per_token else decay.unsqueeze(1).expand(b, t_len)
         gx_acc = gx.to(acc)
@@ -294,6 +313,21 @@ class ReverseScan(torch.autograd.Function):
             ga = gx_acc * torch.where(a_full == 0, 0.0, nxt)
             g_dec = (ga if per_token else ga.sum(dim=1)).to(decay.dtype)
         return gx, g_dec, g_boot, None
+
+
+def _adjoint(g, shifted, zero, block_t):
+    """The backward's scan (on the reversed gradient): the kernels, or, where they cannot be
+    built, the chunked scan (the triton backend set aside, one warning)."""
+    if failed("triton") is None:
+        try:
+            return _scan_forward(g, shifted, zero, block_t)
+        except KernelBuildError as e:
+            set_failed("triton", e, "the triton backend (the scan's backward)")
+    from rlops.scan.chunked import scan_chunked
+
+    acc = zero.dtype
+    dec = shifted.to(acc) if shifted.dim() == 2 else shifted.to(acc).reshape(-1, 1)
+    return scan_chunked(g.to(acc), dec).to(g.dtype)
 
 
 def reverse_scan(

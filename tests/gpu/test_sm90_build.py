@@ -1,0 +1,104 @@
+"""rlops's Triton kernels built for sm_90 and sm_80 by the real compiler, on CPU.
+
+Every kernel variant that the public functions launch at production shapes (the scan per row
+and per token in float32 / bfloat16 / float64 and its backward; GAE, returns and REINFORCE++
+with masks, dones and bootstraps; log-probs at V = 151936 and 50280 with temperature,
+``top_k`` / ``top_p`` / ``min_p``, ``keep_mask``, entropy on and off, Σπ², and gradients) is
+compiled by :mod:`tests.gpu._build`, one subprocess per target (triton's active driver is
+process-wide), and the cubin and PTX are read back. Asserted: every call builds; no spills
+(``STACK 0``, no local memory); shared memory within the target's per-block limit; every grid
+within CUDA's limits, at T = 2²¹ with 16-step blocks too (131,072 blocks of time, beyond the
+65,535 of grid dimension 1); vector global loads in the scan and estimator kernels; and on the
+logits tile at V = 50280 (divisible by 8, not 16) as few scalar 16-bit loads as at an aligned
+vocabulary: the target's gather only.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from tests.gpu._build import (  # noqa: E402
+    GRID_LIMIT,
+    SHARED_LIMIT,
+    TARGETS,
+    build_in_subprocess,
+)
+
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+if not all(os.path.exists(os.path.join(_BIN, b)) for b in ("ptxas", "cuobjdump")):
+    pytest.skip("this triton wheel ships no ptxas / cuobjdump", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def rows() -> dict[int, list[dict]]:
+    with concurrent.futures.ThreadPoolExecutor(len(TARGETS)) as pool:
+        built = dict(zip(TARGETS, pool.map(build_in_subprocess, TARGETS), strict=True))
+    return built
+
+
+def _kernels(rows, arch):
+    return [r for r in rows[arch] if "error" not in r]
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_every_public_call_builds(rows, arch):
+    errors = [f"{r['case']}: {r['error']}" for r in rows[arch] if "error" in r]
+    assert not errors, "\n".join(errors)
+    cases = {r["case"] for r in rows[arch]}
+    assert len(cases) >= 30, sorted(cases)
+    for r in rows[arch]:  # every gradient case built its backward kernel as well
+        if r["case"].startswith("logprobs") and "fwd+bwd" in r["case"]:
+            names = {k["kernel"] for k in rows[arch] if k["case"] == r["case"]}
+            assert names == {"_stats_kernel", "_grad_kernel"}, (r["case"], names)
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_no_spills_and_shared_memory_within_the_limit(rows, arch):
+    for r in _kernels(rows, arch):
+        if r["dup"]:
+            continue
+        where = f"{r['kernel']} ({r['case']}, sm_{arch})"
+        assert r["stack"] == 0 and r["local"] == 0, f"{where} spills: {r}"
+        assert r["shared"] <= SHARED_LIMIT[arch], f"{where} shared memory {r['shared']} B"
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_grids_within_the_limits_at_two_million_steps(rows, arch):
+    for r in _kernels(rows, arch):
+        grid = list(r["grid"]) + [1] * (3 - len(r["grid"]))
+        assert all(1 <= g <= lim for g, lim in zip(grid, GRID_LIMIT, strict=True)), r
+    long = [r for r in _kernels(rows, arch) if "block_t=16" in r["case"]]
+    assert max(r["grid"][0] for r in long if r["kernel"] == "_scan_block") == 2**21 // 16
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_the_scan_and_estimator_kernels_load_vectors(rows, arch):
+    for r in _kernels(rows, arch):
+        if r["dup"] or r["kernel"] not in ("_scan_block", "_estimator_block"):
+            continue
+        if "block_t=16" in r["case"]:  # 16 steps over 128 threads: one element each
+            continue
+        assert r["ld_bits"] >= 64, f"{r['kernel']} ({r['case']}): scalar loads only"
+        if "mask" not in r["case"] and "float64" not in r["case"]:
+            assert r["ld_bits"] == 128, f"{r['kernel']} ({r['case']}): {r['ld_bits']}-bit"
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_no_scalar_half_loads_on_the_logits_tile_at_v_50280(rows, arch):
+    """At V = 50280 every log-prob kernel loads the tile as 128-bit vectors, with as many
+    scalar 16-bit loads as at V = 151936 (divisible by 16): the target logit's gather."""
+    built = {(r["case"], r["kernel"]): r for r in _kernels(rows, arch)}
+    checked = 0
+    for (case, kernel), r in built.items():
+        if "V=50280" not in case or r["dup"]:
+            continue
+        aligned = built[(case.replace("V=50280", "V=151936"), kernel)]
+        assert r["ld_bits"] == 128, f"{kernel} ({case}): {r['ld_bits']}-bit loads"
+        assert r["ld16_scalar"] == aligned["ld16_scalar"] <= 1, (case, kernel, r, aligned)
+        checked += 1
+    assert checked >= 10
