@@ -71,6 +71,7 @@ from rlops._checks import (
     check_same_shape,
     compute_dtype,
 )
+from rlops._types import CPLayout, Group
 from rlops.distributed.collectives import Call, fails_together, gather
 from rlops.distributed.rows import Rows
 
@@ -103,8 +104,8 @@ class _Batch:
     ``cp_group``), each ``[B, K]`` (``K = 1`` unless the rows are packed)."""
 
     def __init__(self, old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
-                 cp_group: object, cp_layout: object, seq_ids: object, seqs_per_row: object,
-                 group: object) -> None:
+                 cp_group: Group, cp_layout: object, seq_ids: object, seqs_per_row: object,
+                 group: Group) -> None:
         check_2d("old_logp", old_logp)
         check_same_shape("old_logp", old_logp, rollout_logp=rollout_logp)
         self.keep = as_bool_mask("mask", mask, old_logp.shape, "old_logp", old_logp)
@@ -187,7 +188,7 @@ class _Tally:
     def add_max(self, name: str, value: torch.Tensor) -> None:
         self.maxes[name] = value
 
-    def reduce(self, group: object, call: Call, name: str = "group") -> dict[str, torch.Tensor]:
+    def reduce(self, group: Group, call: Call, name: str = "group") -> dict[str, torch.Tensor]:
         """Sums and maxima over every rank of ``group``, from one
         :func:`rlops.distributed.collectives.gather` (which checks that every rank makes the
         same ``call``)."""
@@ -240,9 +241,9 @@ def rollout_mismatch_metrics(
     rollout_logp: torch.Tensor,
     mask: torch.Tensor,
     *,
-    group: object | None = None,
-    cp_group: object | None = None,
-    cp_layout: str = "zigzag",
+    group: Group = None,
+    cp_group: Group = None,
+    cp_layout: CPLayout = "zigzag",
     seq_ids: torch.Tensor | None = None,
     seqs_per_row: int | None = None,
 ) -> dict[str, torch.Tensor]:
@@ -314,9 +315,9 @@ def rollout_importance_weights(
     threshold: float = 2.0,
     low: float | None = None,
     batch_normalize: bool = False,
-    group: object | None = None,
-    cp_group: object | None = None,
-    cp_layout: str = "zigzag",
+    group: Group = None,
+    cp_group: Group = None,
+    cp_layout: CPLayout = "zigzag",
     seq_ids: torch.Tensor | None = None,
     seqs_per_row: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -484,9 +485,9 @@ def rollout_rejection_mask(
     mask: torch.Tensor,
     criteria: Mapping[str, float | tuple[float, float]],
     *,
-    group: object | None = None,
-    cp_group: object | None = None,
-    cp_layout: str = "zigzag",
+    group: Group = None,
+    cp_group: Group = None,
+    cp_layout: CPLayout = "zigzag",
     seq_ids: torch.Tensor | None = None,
     seqs_per_row: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -51,6 +51,7 @@ from rlops._checks import (
     check_same_shape,
     compute_dtype,
 )
+from rlops._types import Group
 from rlops.distributed.collectives import Call, fails_together, gather
 from rlops.distributed.groups import group_rank_size
 from rlops.rollout_correction import rollout_importance_weights
@@ -99,7 +100,7 @@ def _value(u: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _rounds(x: torch.Tensor, valid: torch.Tensor, weights: list[torch.Tensor], targets: int,
-            group: object, call: Call, choose) -> tuple[torch.Tensor, int]:
+            group: Group, call: Call, choose) -> tuple[torch.Tensor, int]:
     """Radix select over the keys of the entries of ``x`` where ``valid`` (both flattened),
     over every rank of ``group``.
 
@@ -139,7 +140,7 @@ def opsm_mask(
     mask: torch.Tensor,
     *,
     delta: float = 1e-4,
-    cp_group: object | None = None,
+    cp_group: Group = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Off-policy sequence masking (OPSM): drop the negative-advantage tokens of rows that
     drifted too far from the policy that sampled them.
@@ -205,7 +206,7 @@ def m2po_mask(
     mask: torch.Tensor,
     *,
     threshold: float,
-    group: object | None = None,
+    group: Group = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """M2PO: drop the tokens of largest squared log-ratio until the batch's second moment is
     below ``threshold``, over the whole batch (every rank of ``group``).
@@ -314,7 +315,7 @@ def top_entropy_mask(
     mask: torch.Tensor,
     *,
     rho: float,
-    group: object | None = None,
+    group: Group = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Keep the tokens whose entropy is in the top ``rho`` quantile of the whole batch.
 
@@ -410,8 +411,8 @@ def behavior_importance_weights(
     level: str = "token",
     agg: str = "mean",
     action: str = "mask",
-    group: object | None = None,
-    cp_group: object | None = None,
+    group: Group = None,
+    cp_group: Group = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """AReaL's behaviour importance weight ``π_prox / π_behav``, rejected or clamped at token
     or sequence level, the sequence's ratio aggregated by sum, mean or max.
@@ -523,7 +524,7 @@ def behavior_importance_weights(
 
 
 def _row_max_in_bounds(old_logp: torch.Tensor, rollout_logp: torch.Tensor, keep: torch.Tensor,
-                       low: float | None, up: float, cp_group: object) -> torch.Tensor:
+                       low: float | None, up: float, cp_group: Group) -> torch.Tensor:
     """``[B]``: whether ``log lower ≤ max_{A_b} d ≤ log upper`` (a row without action tokens
     is in bounds, as AReaL); the maximum over every rank of ``cp_group``."""
     dtype = compute_dtype(torch.promote_types(old_logp.dtype, rollout_logp.dtype))

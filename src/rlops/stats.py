@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from rlops._checks import as_bool_mask, as_float_tensor, check_nonneg, compute_dtype
+from rlops._types import Group
 from rlops.distributed.collectives import Call, fails_together, gather
 from rlops.distributed.groups import group_rank_size
 
@@ -121,7 +122,7 @@ def _merge_scaled(m: Moments) -> Moments:
     return Moments(n, mean, m2, scale)
 
 
-def _merge_over(group: object, m: Moments, call: Call) -> Moments:
+def _merge_over(group: Group, m: Moments, call: Call) -> Moments:
     """Merge this rank's :class:`Moments` with every other rank's: one collective of four
     float64 numbers per rank (:func:`rlops.distributed.collectives.gather`, which checks that
     every rank makes the same ``call``), then Chan's formula. This rank's own entry stays the
@@ -203,7 +204,7 @@ def masked_mean(
     mask: torch.Tensor,
     dim: int | tuple[int, ...] | None = None,
     *,
-    group: object | None = None,
+    group: Group = None,
 ) -> torch.Tensor:
     """Mean of the entries of ``x`` where ``mask`` is 1, over all of ``x`` or along ``dim``.
 
@@ -253,7 +254,7 @@ def masked_var(
     mask: torch.Tensor,
     *,
     unbiased: bool = True,
-    group: object | None = None,
+    group: Group = None,
 ) -> torch.Tensor:
     """Variance of the entries of ``x`` where ``mask`` is 1 (two-pass, numerically stable).
 
@@ -292,7 +293,7 @@ def masked_whiten(
     *,
     shift_mean: bool = True,
     eps: float = 1e-8,
-    group: object | None = None,
+    group: Group = None,
 ) -> torch.Tensor:
     """Standardise the selected entries of ``x``: ``(x − mean) / sqrt(var + eps)``.
 

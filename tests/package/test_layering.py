@@ -29,6 +29,7 @@ LAYERS = {
     "rlops._checks": 0,
     "rlops._threads": 0,
     "rlops._backends": 0,
+    "rlops._types": 0,
     "rlops.scan": 1,
     "rlops.distributed": 1,
     "rlops.stats": 2,

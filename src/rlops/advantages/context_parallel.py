@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import torch
 
+from rlops._types import CPLayout
 from rlops.advantages.masking import (
     enter,
     pass_through_decay,
@@ -74,7 +75,7 @@ class Layout:
     order), how the gathered summaries are put in global chunk order, and whether its last
     piece ends the row."""
 
-    def __init__(self, group, layout: str = "zigzag"):
+    def __init__(self, group, layout: CPLayout = "zigzag"):
         self.name = check_cp_layout(layout)
         self.group = group
         self.rank, self.world = group_rank_size(group, "cp_group")

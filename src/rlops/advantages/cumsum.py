@@ -18,6 +18,7 @@ from rlops._checks import (
     check_unit_interval,
     compute_dtype,
 )
+from rlops._types import CPLayout, Group
 from rlops.distributed.collectives import fails_together
 from rlops.distributed.layout import check_cp_layout
 from rlops.scan import SCAN, scan
@@ -34,8 +35,8 @@ def discounted_cumsum(
     dim: int = -1,
     method: str = "auto",
     chunk_size: int | None = None,
-    cp_group: object | None = None,
-    cp_layout: str = "zigzag",
+    cp_group: Group = None,
+    cp_layout: CPLayout = "zigzag",
 ) -> torch.Tensor:
     """Discounted reverse cumulative sum along ``dim``: ``y[t] = x[t] + discount[t] * y[t+1]``.
 

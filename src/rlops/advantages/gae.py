@@ -45,6 +45,7 @@ from rlops._checks import (
     per_row_discount,
     shape_error,
 )
+from rlops._types import CPLayout, Group
 from rlops.advantages import compiled
 from rlops.advantages.masking import (
     as_rows,
@@ -88,10 +89,10 @@ class Returns:
     gamma: float | torch.Tensor
     gamma_lam: float | torch.Tensor
     chunk_size: int | None = None
-    cp_group: object | None = None
+    cp_group: Group = None
     cut: torch.Tensor | None = None
     end: torch.Tensor | None = None
-    cp_layout: str = "zigzag"
+    cp_layout: CPLayout = "zigzag"
 
     def rows(self, value, dtype) -> torch.Tensor:
         """A discount as a ``[B]`` tensor of ``dtype``."""
@@ -198,8 +199,8 @@ def gae(
     truncated: torch.Tensor | None = None,
     method: str = "auto",
     chunk_size: int | None = None,
-    cp_group: object | None = None,
-    cp_layout: str = "zigzag",
+    cp_group: Group = None,
+    cp_layout: CPLayout = "zigzag",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation (Schulman et al., 2016, https://arxiv.org/abs/1506.02438).
 
@@ -328,8 +329,8 @@ def discounted_returns(
     truncated: torch.Tensor | None = None,
     method: str = "auto",
     chunk_size: int | None = None,
-    cp_group: object | None = None,
-    cp_layout: str = "zigzag",
+    cp_group: Group = None,
+    cp_layout: CPLayout = "zigzag",
 ) -> torch.Tensor:
     """Discounted returns (reward-to-go) over action tokens.
 

@@ -26,6 +26,7 @@ from rlops._checks import (
     per_row_discount,
     shape_error,
 )
+from rlops._types import CPLayout, Group
 from rlops.advantages import compiled
 from rlops.advantages.gae import discounted_returns
 from rlops.advantages.masking import as_rows
@@ -55,8 +56,8 @@ class Call:
     mask: torch.Tensor
     kl_coef: float
     gamma: float | torch.Tensor
-    cp_group: object | None = None
-    cp_layout: str = "zigzag"
+    cp_group: Group = None
+    cp_layout: CPLayout = "zigzag"
 
     def token_rewards(self) -> torch.Tensor:
         return torch.where(self.mask, -self.kl_coef * self.kl, 0.0)
@@ -139,8 +140,8 @@ def reinforce_plus_plus_returns(
     kl_coef: float,
     gamma: float | torch.Tensor,
     method: str = "auto",
-    cp_group: object | None = None,
-    cp_layout: str = "zigzag",
+    cp_group: Group = None,
+    cp_layout: CPLayout = "zigzag",
 ) -> torch.Tensor:
     """REINFORCE++ token returns (Hu, 2025, https://arxiv.org/abs/2501.03262).
 

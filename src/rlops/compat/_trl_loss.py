@@ -18,6 +18,7 @@ from rlops._checks import (
     check_same_shape,
     shape_error,
 )
+from rlops._types import Group
 
 __all__ = ["LOSS_TYPES", "SUPPORTED_TRL", "grpo_advantages", "grpo_loss"]
 
@@ -210,7 +211,7 @@ def _loss_and_stats(
     gradient_accumulation_steps: int,
     steps_per_generation: int | None,
     training: bool,
-    group: object,
+    group: Group,
 ) -> tuple[
     torch.Tensor,
     torch.Tensor,
@@ -365,7 +366,7 @@ def grpo_loss(
     gradient_accumulation_steps: int = 1,
     steps_per_generation: int | None = None,
     training: bool = True,
-    group: object = None,
+    group: Group = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """TRL's GRPO loss of one micro-batch (``GRPOTrainer._compute_loss`` after the log-probs).
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -92,7 +93,7 @@ def _policy_loss_option(config: object, name: str, default: float) -> object:
     return default if value is None else value
 
 
-def _options(kind: str, config: object) -> dict[str, float]:
+def _options(kind: str, config: object) -> dict[str, Any]:
     """The rlops options of ``kind`` from verl's actor config."""
     if kind in ("gspo", "cispo"):
         return _clip_pair(config)

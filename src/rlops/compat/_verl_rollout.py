@@ -19,6 +19,7 @@ import torch
 
 import rlops
 from rlops._checks import as_bool_mask, check_2d, check_choice, check_same_shape
+from rlops._types import Group
 from rlops.rollout_correction import RS_OPTIONS
 
 __all__ = [
@@ -136,7 +137,7 @@ def _require_tokens(mask: torch.Tensor) -> None:
         raise ValueError("response_mask must contain at least one valid token (1)")
 
 
-def _distributed_group() -> object | None:
+def _distributed_group() -> Group:
     """verl normalises over every rank once torch.distributed is initialised."""
     import torch.distributed as dist
 

@@ -36,6 +36,7 @@ from rlops._checks import (
     check_same_shape,
     check_unit_interval,
 )
+from rlops._types import Group
 from rlops.compat import _ragged
 from rlops.compat._slime_cp import (
     add_outcome_rewards,
@@ -90,7 +91,7 @@ def _batch_gae(rewards, values, gamma, lambd):
     return rlops.gae(rewards, values, gamma=gamma, lam=lambd)
 
 
-def _default_group(group: object, name: str) -> object:
+def _default_group(group: Group, name: str) -> Group:
     """slime's reading of a group argument: ``None`` is the default (world) group once
     torch.distributed is initialised, and a group of one process is no group."""
     if group is None and dist.is_available() and dist.is_initialized():
@@ -158,7 +159,7 @@ def get_advantages_and_returns_batch(
     lambd,
     chunked: bool = True,
     *,
-    cp_group: object | None = None,
+    cp_group: Group = None,
 ):
     """Batched GAE over per-sample response tensors: ``(advantages_list, returns_list)``.
 
@@ -223,7 +224,7 @@ def get_reinforce_plus_plus_returns(
     kl_coef: float,
     gamma: float | torch.Tensor,
     *,
-    cp_group: object | None = None,
+    cp_group: Group = None,
 ) -> list[torch.Tensor]:
     """REINFORCE++ returns per sample (https://arxiv.org/abs/2501.03262).
 
@@ -476,7 +477,7 @@ def value_loss_function(args, batch, logits, sum_of_sample_mean, *, cp_group=Non
 def distributed_masked_whiten(
     values: torch.Tensor,
     mask: torch.Tensor,
-    process_group: object | None = None,
+    process_group: Group = None,
     shift_mean: bool = True,
     epsilon: float = 1e-8,
 ) -> torch.Tensor:

@@ -57,6 +57,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from rlops._types import Group
 from rlops.distributed.groups import group_rank_size
 
 __all__ = [
@@ -168,7 +169,7 @@ class Call:
         return {k: _shown(v) for k, v in self.fields.items()}
 
 
-def _all_gather(flat: torch.Tensor, group: object, world: int) -> torch.Tensor:
+def _all_gather(flat: torch.Tensor, group: Group, world: int) -> torch.Tensor:
     parts = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(parts, flat, group=group)
     return torch.stack(parts)
@@ -199,7 +200,7 @@ def _disagreement(descriptions: list[dict[str, str]], implied: Mapping) -> str:
 
 def gather(
     payload: torch.Tensor,
-    group: object,
+    group: Group,
     call: Call,
     name: str = "group",
     *,
@@ -265,7 +266,7 @@ def _rejected_argument(error: Exception) -> str:
 
 def exchange(
     payload: torch.Tensor,
-    group: object,
+    group: Group,
     call: Call,
     name: str = "group",
     *,
@@ -329,13 +330,13 @@ _calls = threading.local()  # ``entered``: ids of the groups the running public 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _entered(group: object) -> None:
+def _entered(group: Group) -> None:
     entered = getattr(_calls, "entered", None)
     if entered is not None:
         entered.add(id(group))
 
 
-def _join_rejecting(error: Exception, op: str, group: object, name: str,
+def _join_rejecting(error: Exception, op: str, group: Group, name: str,
                     device: torch.device) -> None:
     """Make the first exchange of a checked :func:`gather` over ``group`` as a rank whose own
     checks raised ``error``: its head describes only ``op`` and the rejected argument, so every

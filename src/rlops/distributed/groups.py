@@ -10,7 +10,9 @@ __all__ = ["group_rank_size"]
 def group_rank_size(group: object, name: str = "group") -> tuple[int, int]:
     """``(rank, world_size)`` of this process in ``group``; ``(0, 1)`` for ``None`` (one process,
     no collective). Raises ``TypeError`` for anything but a ``ProcessGroup`` and ``ValueError``
-    when torch.distributed is not initialised or this process is not a member."""
+    when torch.distributed is not initialised or this process is not a member. ``group`` is
+    typed ``object``: this is the check every ``rlops._types.Group`` argument goes through, so
+    it takes whatever a caller passed."""
     if group is None:
         return 0, 1
     if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):

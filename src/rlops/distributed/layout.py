@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rlops._checks import as_tensor, check_choice, check_cp_rank, check_dim
+from rlops._types import CPLayout, Group
 from rlops.distributed.groups import group_rank_size
 
 __all__ = [
@@ -51,7 +52,7 @@ def check_cp_layout(layout: object) -> str:
     return check_choice("cp_layout", layout, CP_LAYOUTS)
 
 
-def rank_chunks(layout: str, cp_size: int, cp_rank: int) -> tuple[int, ...]:
+def rank_chunks(layout: CPLayout, cp_size: int, cp_rank: int) -> tuple[int, ...]:
     """The global chunk indices rank ``cp_rank`` holds, in its local order; the sequence has
     ``2 * cp_size`` chunks in zigzag, ``cp_size`` in contiguous.
 
@@ -66,7 +67,7 @@ def rank_chunks(layout: str, cp_size: int, cp_rank: int) -> tuple[int, ...]:
     return (cp_rank,)
 
 
-def holds_row_end(layout: str, cp_size: int, cp_rank: int) -> bool:
+def holds_row_end(layout: CPLayout, cp_size: int, cp_rank: int) -> bool:
     """Whether rank ``cp_rank``'s shard ends with the sequence's last (padded) position."""
     chunks = rank_chunks(layout, cp_size, cp_rank)
     return chunks[-1] == (2 * cp_size if layout == "zigzag" else cp_size) - 1
@@ -118,7 +119,7 @@ def cp_indices(
     *,
     cp_size: int,
     cp_rank: int,
-    layout: str = "zigzag",
+    layout: CPLayout = "zigzag",
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Positions of the padded sequence that rank ``cp_rank`` holds in ``layout``, in its
@@ -135,7 +136,7 @@ def _padded(length: int, cp_size: int, layout: str) -> int:
 
 
 def cp_shard(
-    x: torch.Tensor, *, cp_size: int, cp_rank: int, layout: str = "zigzag", dim: int = -1
+    x: torch.Tensor, *, cp_size: int, cp_rank: int, layout: CPLayout = "zigzag", dim: int = -1
 ) -> torch.Tensor:
     """This rank's shard of ``x`` along ``dim`` in ``layout``, padded with zeros at the end of
     the sequence to whole chunks.
@@ -178,9 +179,9 @@ def contiguous_shard(x: torch.Tensor, *, cp_size: int, cp_rank: int, dim: int = 
 def cp_unshard(
     local: torch.Tensor,
     *,
-    group: dist.ProcessGroup | None,
+    group: Group,
     length: int,
-    layout: str = "zigzag",
+    layout: CPLayout = "zigzag",
     dim: int = -1,
 ) -> torch.Tensor:
     """Reassemble the full tensor from every rank's shard in ``layout`` (one ``all_gather``).
@@ -217,14 +218,14 @@ def cp_unshard(
 
 
 def zigzag_unshard(
-    local: torch.Tensor, *, group: dist.ProcessGroup | None, length: int, dim: int = -1
+    local: torch.Tensor, *, group: Group, length: int, dim: int = -1
 ) -> torch.Tensor:
     """Reassemble the full tensor from every rank's zigzag shard (:func:`cp_unshard`)."""
     return cp_unshard(local, group=group, length=length, layout="zigzag", dim=dim)
 
 
 def contiguous_unshard(
-    local: torch.Tensor, *, group: dist.ProcessGroup | None, length: int, dim: int = -1
+    local: torch.Tensor, *, group: Group, length: int, dim: int = -1
 ) -> torch.Tensor:
     """Reassemble the full tensor from every rank's contiguous shard (:func:`cp_unshard`)."""
     return cp_unshard(local, group=group, length=length, layout="contiguous", dim=dim)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from rlops._checks import as_int, check_ids, values_checked
+from rlops._types import Group
 from rlops.distributed.collectives import Call, gather
 from rlops.distributed.groups import group_rank_size
 from rlops.distributed.layout import check_cp_layout
@@ -37,7 +38,7 @@ __all__ = ["Rows"]
 
 
 
-def _check_inside(group: object, cp_group: object) -> None:
+def _check_inside(group: Group, cp_group: Group) -> None:
     """``group`` (DP×CP) must hold every rank of ``cp_group``: a DP-only group would count the
     tokens of one CP rank only (a silently wrong normaliser)."""
     inner = set(dist.get_process_group_ranks(cast(dist.ProcessGroup, cp_group)))
@@ -93,11 +94,11 @@ class Rows:
         keep: torch.Tensor,
         dtype: torch.dtype,
         *,
-        cp_group: object = None,
+        cp_group: Group = None,
         cp_layout: object = "zigzag",
         seq_ids: object = None,
         seqs_per_row: object = None,
-        group: object = None,
+        group: Group = None,
     ) -> None:
         self.cp_rank, self.cp_world = group_rank_size(cp_group, "cp_group")
         self.layout = check_cp_layout(cp_layout)

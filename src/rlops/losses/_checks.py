@@ -27,6 +27,7 @@ from rlops._checks import (
     is_finite,
     shape_error,
 )
+from rlops._types import Group
 from rlops.distributed.groups import group_rank_size
 
 __all__ = [
@@ -62,7 +63,7 @@ def check_agg(
 
 
 def check_normalisers(
-    num_tokens: object, num_seqs: object, group: object, ref: torch.Tensor
+    num_tokens: object, num_seqs: object, group: Group, ref: torch.Tensor
 ) -> tuple[float | torch.Tensor | None, float | torch.Tensor | None]:
     """Check the global-normaliser arguments (``ref``: the loss input); ``group`` excludes the
     two counts. Returns the checked counts."""

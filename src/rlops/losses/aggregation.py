@@ -15,6 +15,7 @@ from rlops._checks import (
     read_value,
     values_checked,
 )
+from rlops._types import CPLayout, Group
 from rlops.distributed.collectives import Call, check_enabled, fails_together, gather
 from rlops.distributed.rows import Rows
 from rlops.losses._checks import AGG_MODES, check_agg, check_normalisers
@@ -48,7 +49,7 @@ def describe(op: str, agg: str | None, loss_scale_factor: float | None, t: int,
 
 
 def make_rows(keep: torch.Tensor, dtype: torch.dtype, agg: str | None,
-              loss_scale_factor: float | None, group: object, cp_group: object,
+              loss_scale_factor: float | None, group: Group, cp_group: Group,
               cp_layout: object, seq_ids: object, seqs_per_row: object) -> Rows:
     """The checked :class:`Rows` of a loss call; under context parallelism
     ``seq-mean-token-sum-norm`` needs ``loss_scale_factor`` (a shard does not know the whole
@@ -149,7 +150,7 @@ def loss_and_metrics(
     dtype: torch.dtype,
     num_tokens: float | torch.Tensor | None,
     num_seqs: float | torch.Tensor | None,
-    group: object,
+    group: Group,
     call: Call,
     metric_sums: dict[str, tuple[torch.Tensor, str]],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -223,7 +224,7 @@ def aggregate(
     loss_scale_factor: float | None,
     num_tokens: float | torch.Tensor | None,
     num_seqs: float | torch.Tensor | None,
-    group: object,
+    group: Group,
     call: Call,
 ) -> torch.Tensor:
     """:func:`aggregate_loss` on checked arguments (``rows``: the bool mask and the rows), for
@@ -243,9 +244,9 @@ def aggregate_loss(
     loss_scale_factor: float | None = None,
     num_tokens: float | torch.Tensor | None = None,
     num_seqs: float | torch.Tensor | None = None,
-    group: object = None,
-    cp_group: object = None,
-    cp_layout: str = "zigzag",
+    group: Group = None,
+    cp_group: Group = None,
+    cp_layout: CPLayout = "zigzag",
     seq_ids: torch.Tensor | None = None,
     seqs_per_row: int | None = None,
 ) -> torch.Tensor:

@@ -13,6 +13,7 @@ from rlops._checks import (
     check_same_shape,
     compute_dtype,
 )
+from rlops._types import CPLayout, Group
 from rlops.distributed.collectives import fails_together
 from rlops.losses._checks import check_agg, check_normalisers, check_options
 from rlops.losses._common import constant
@@ -35,9 +36,9 @@ def policy_loss(
     loss_scale_factor: float | None = None,
     num_tokens: float | torch.Tensor | None = None,
     num_seqs: float | torch.Tensor | None = None,
-    group: object = None,
-    cp_group: object = None,
-    cp_layout: object = "zigzag",  # (as object: callers pass **options of floats beside them)
+    group: Group = None,
+    cp_group: Group = None,
+    cp_layout: CPLayout = "zigzag",
     seq_ids: object = None,
     seqs_per_row: object = None,
     **kind_params: object,

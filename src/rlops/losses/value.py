@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlops._checks import as_bool_mask, check_2d, check_positive, check_same_shape, compute_dtype
+from rlops._types import CPLayout, Group
 from rlops.distributed.collectives import fails_together
 from rlops.losses._checks import check_agg, check_normalisers
 from rlops.losses._common import constant
@@ -25,9 +26,9 @@ def value_loss(
     loss_scale_factor: float | None = None,
     num_tokens: float | torch.Tensor | None = None,
     num_seqs: float | torch.Tensor | None = None,
-    group: object = None,
-    cp_group: object = None,
-    cp_layout: str = "zigzag",
+    group: Group = None,
+    cp_group: Group = None,
+    cp_layout: CPLayout = "zigzag",
     seq_ids: torch.Tensor | None = None,
     seqs_per_row: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
