@@ -20,7 +20,10 @@ __all__ = [
     "check_flags",
     "check_keep_mask",
     "check_logits",
+    "check_row_mask",
     "check_sampler",
+    "check_support",
+    "check_support_range",
     "check_target",
     "check_target_range",
     "check_temperature",
@@ -110,10 +113,73 @@ def check_keep_mask(
     if keep_mask.dtype != torch.bool:
         raise TypeError(f"keep_mask must be a bool tensor, got {keep_mask.dtype}")
     if tuple(keep_mask.shape) != tuple(shape):
-        raise shape_error(
-            "keep_mask", f"[..., V_local] like {like} {list(shape)}", keep_mask.shape
-        )
+        raise shape_error("keep_mask", f"[..., V_local] like {like} {list(shape)}", keep_mask.shape)
     return keep_mask
+
+
+def check_row_mask(mask: object, shape: tuple[int, ...], like: str) -> torch.Tensor | None:
+    """None, or a bool tensor ``[...]`` of the target's ``shape`` (the rows the loss reads)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a bool tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor [...] like target, got {mask.dtype}")
+    if tuple(mask.shape) != tuple(shape):
+        raise shape_error("mask", f"[...] like target {list(shape)} ({like})", mask.shape)
+    return mask
+
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_support(ids: object, offsets: object, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """None, or a CSR support ``(support_ids [nnz], support_offsets [n + 1])``, int32/int64:
+    both given, 1-D, and (values, on CPU: :func:`values_checked`) offsets non-decreasing from 0
+    to ``nnz``. The ids' range is :func:`check_support_range`'s, once the vocabulary is known."""
+    if ids is None and offsets is None:
+        return None
+    if ids is None or offsets is None:
+        given, missing = ("support_ids", "support_offsets")[:: 1 if ids is not None else -1]
+        raise ValueError(f"{given} needs {missing}: a CSR support is the two together")
+    for name, t in (("support_ids", ids), ("support_offsets", offsets)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be an int32/int64 tensor, got {type(t).__name__}")
+        if t.dtype not in _INDEX_DTYPES:
+            raise TypeError(f"{name} must be an int32 or int64 tensor, got {t.dtype}")
+    assert isinstance(ids, torch.Tensor) and isinstance(offsets, torch.Tensor)
+    if ids.dim() != 1:
+        raise shape_error("support_ids", "[nnz]", ids.shape)
+    if tuple(offsets.shape) != (n + 1,):
+        raise shape_error("support_offsets", f"[N + 1] = [{n + 1}] (N = target.numel())",
+                          offsets.shape)  # fmt: skip
+    if values_checked(offsets):
+        o = offsets.long()
+        first, last = int(o[0]), int(o[-1])
+        if first != 0:
+            raise ValueError(f"support_offsets must start at 0, got {first}")
+        if last != ids.numel():
+            raise ValueError(
+                f"support_offsets must end at nnz = support_ids.numel() = {ids.numel()}, got {last}"
+            )
+        if n > 0 and bool((o[1:] < o[:-1]).any()):
+            at = int((o[1:] < o[:-1]).nonzero()[0, 0])
+            raise ValueError(
+                f"support_offsets must be non-decreasing, got {int(o[at])} then "
+                f"{int(o[at + 1])} at {at}"
+            )
+    return ids, offsets
+
+
+def check_support_range(ids: torch.Tensor, vocab: int) -> None:
+    """Every CSR id lies in ``[0, vocab)`` (read on CPU only, see :func:`values_checked`)."""
+    if values_checked(ids) and ids.numel() > 0:
+        lo, hi = (int(v) for v in torch.aminmax(ids))
+        if lo < 0 or hi >= vocab:
+            raise ValueError(
+                f"support_ids must hold vocabulary ids in [0, {vocab}) (the full vocabulary), "
+                f"got {lo if lo < 0 else hi}"
+            )
 
 
 def check_flags(**flags: object) -> None:

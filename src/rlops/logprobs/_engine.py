@@ -27,23 +27,31 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any, TypedDict, cast
 
 import torch
 import torch.distributed as dist
 
-from rlops._checks import check_same_device, compute_dtype
+from rlops._checks import check_same_device, compute_dtype, values_checked
 from rlops._threads import for_each
 from rlops.distributed.groups import group_rank_size
 from rlops.logprobs import _radix, _shard, _support, _tp
-from rlops.logprobs._checks import check_flags, check_sampler, check_target_range
+from rlops.logprobs._checks import (
+    check_flags,
+    check_sampler,
+    check_support_range,
+    check_target_range,
+)
 from rlops.logprobs._plan import Plan
 from rlops.logprobs._support import Sampler
 
 __all__ = [
     "Checked",
+    "CommonOptions",
     "Options",
+    "Outputs",
     "Producer",
+    "Selection",
     "checked_sampler",
     "forward",
     "gather_stats",
@@ -58,6 +66,31 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- the preamble
+# What a public op returns: (logp, entropy) or (logp, entropy, sum_pi_squared).
+Outputs = (
+    tuple[torch.Tensor, torch.Tensor | None]
+    | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
+)
+
+
+class CommonOptions(TypedDict, total=False):
+    """The keyword arguments that both public ops take, beside ``with_entropy`` and
+    ``with_sum_pi_squared`` (which choose the outputs): the overloads' ``**options``."""
+
+    temperature: float
+    keep_mask: torch.Tensor | None
+    support_ids: torch.Tensor | None
+    support_offsets: torch.Tensor | None
+    mask: torch.Tensor | None
+    top_k: int | torch.Tensor | None
+    top_p: float | torch.Tensor | None
+    min_p: float | torch.Tensor | None
+    entropy_over_support: bool
+    entropy_grad: bool
+    group: object
+    chunk_size: int | None
+
+
 @dataclass(frozen=True, kw_only=True)
 class Options:
     """The keyword arguments of a public log-prob op, as the caller gave them (unchecked: the
@@ -65,6 +98,9 @@ class Options:
 
     temperature: float = 1.0
     keep_mask: torch.Tensor | None = None
+    support_ids: torch.Tensor | None = None
+    support_offsets: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
     top_k: int | torch.Tensor | None = None
     top_p: float | torch.Tensor | None = None
     min_p: float | torch.Tensor | None = None
@@ -84,7 +120,10 @@ class Checked:
     ``name``); ``weight``, ``bias``: the output layer's (linear op) or None; ``target`` as
     int64;
     ``chunk``: tokens per chunk (the op's default when ``chunk_size`` is None); ``hidden``: the
-    hidden size (0 for logits), compared across ranks.
+    hidden size (0 for logits), compared across ranks; ``mask``: the row mask ``[...]`` or None;
+    ``support``: the CSR ``(support_ids, support_offsets)`` or None; ``compact``: whether the
+    valid rows of ``mask`` may be compacted where the host reads values (not for the Triton
+    kernels, whose programs of masked rows return at once).
     """
 
     name: str
@@ -97,18 +136,55 @@ class Checked:
     v_local: int
     chunk: int | None
     hidden: int = 0
+    mask: torch.Tensor | None = None
+    support: tuple[torch.Tensor, torch.Tensor] | None = None
+    compact: bool = True
+
+
+# The tensors a plan binds beside the target and the keep mask: the row selection (int64 rows
+# or a bool mask) and the CSR support's (rows, ids); passed to the autograd functions and saved.
+Selection = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
 def prepare(
     op: str, first: object, options: Options, check: Callable[[], Checked]
-) -> tuple[Checked, Plan]:
-    """The preamble of the op named ``op``: ``(checked inputs, plan)``.
+) -> tuple[Checked, Plan, Selection]:
+    """The preamble of the op named ``op``: ``(checked inputs, plan, selection)``.
 
     ``check()`` runs the op's own checks; ``first``: its first argument as given (its device
     carries the consistency check when the checks fail). With a tensor-parallel group, every
     rank then joins one header exchange that either gives this shard's place in the
     vocabulary or raises the same ``ValueError`` on every rank (:mod:`rlops.logprobs._tp`).
-    """
+
+    With a row ``mask`` where the host reads values (CPU, not while compiling) and
+    ``inputs.compact``: the valid rows are found (their number read on the host) and the plan's
+    rows are those only; elsewhere every row stays in the plan, with the mask as
+    ``row_valid`` (no host read). ``selection``: the tensors to bind (:meth:`Plan.bound`)."""
+    inputs, plan = _prepare(op, first, options, check)
+    sampler, sel = plan.sampler, None
+    rows, total = plan.rows, plan.rows
+    if inputs.mask is not None:
+        flat = inputs.mask.reshape(-1)
+        if inputs.compact and values_checked(flat):
+            sel = flat.nonzero().squeeze(1)  # a host-sized result: CPU only
+            rows = sel.numel()
+            sampler = None if sampler is None else sampler.compacted(sel)
+        else:
+            sel = flat
+    s_rows = s_ids = None
+    if inputs.support is not None:
+        ids, offsets = inputs.support
+        compacted = sel if sel is not None and sel.dtype != torch.bool else None
+        s_rows, s_ids = _support.csr_entries(ids, offsets, compacted, total)
+    chunk = plan.chunk if plan.chunk is not plan.rows else rows
+    plan = replace(plan, rows=rows, total=total, chunk=chunk, sampler=sampler)
+    return inputs, plan, (sel, s_rows, s_ids)
+
+
+def _prepare(
+    op: str, first: object, options: Options, check: Callable[[], Checked]
+) -> tuple[Checked, Plan]:
+    """The checks, the consistency check and the plan over every row."""
     rank, world = group_rank_size(options.group)
     tp_checked = world > 1 and _tp.check_enabled()
     try:
@@ -122,7 +198,7 @@ def prepare(
     call = _header(op, inputs, options, sampler) if tp_checked else None
     start, sampler = vocab_layout(
         call, inputs.target, sampler, group=options.group, rank=rank, world=world,
-        v_local=inputs.v_local,
+        v_local=inputs.v_local, support_ids=None if inputs.support is None else inputs.support[0],
     )  # fmt: skip
     over_support = options.entropy_over_support
     rows = inputs.target.numel()
@@ -138,7 +214,11 @@ def prepare(
         with_entropy=options.with_entropy,
         entropy_grad=options.entropy_grad,
         sum_pi_squared=options.with_sum_pi_squared,
-        masked=inputs.keep is not None or (sampler is not None and not over_support),
+        masked=(
+            inputs.keep is not None
+            or inputs.support is not None
+            or (sampler is not None and not over_support)
+        ),
         sampler=sampler,
         over_support=over_support,
         group=options.group,
@@ -161,6 +241,8 @@ def _header(op: str, inputs: Checked, options: Options, sampler: Sampler | None)
         entropy_grad=options.entropy_grad,
         sum_pi_squared=options.with_sum_pi_squared,
         masked=inputs.keep is not None,
+        row_mask=inputs.mask,
+        support=inputs.support,
         temperature=inputs.temperature,
         sampler=sampler,
         entropy_over_support=options.entropy_over_support,
@@ -175,14 +257,20 @@ def checked_sampler(
     over = options.entropy_over_support
     check_flags(entropy_over_support=over)
     sampler = check_sampler(options.top_k, options.top_p, options.min_p, ref, name)
+    if keep_mask is not None and options.support_ids is not None:
+        raise ValueError(
+            "keep_mask and support_ids / support_offsets are exclusive: give the support "
+            "either as a dense mask or as CSR sets"
+        )
     if sampler is None:
         if over:
             raise ValueError("entropy_over_support=True needs top_k, top_p or min_p")
         return None
-    if keep_mask is not None:
+    if keep_mask is not None or options.support_ids is not None:
+        given = "keep_mask" if keep_mask is not None else "support_ids / support_offsets"
         raise ValueError(
-            "keep_mask and top_k / top_p / min_p are exclusive: give the sampler's support "
-            "either as a mask or as its parameters"
+            f"{given} and top_k / top_p / min_p are exclusive: give the sampler's support "
+            "either as a mask or CSR sets, or as its parameters"
         )
     params = {"top_k": sampler.top_k, "top_p": sampler.top_p, "min_p": sampler.min_p}
     check_same_device(name, ref, **{n: p for n, p in params.items() if p is not None})
@@ -198,19 +286,22 @@ def vocab_layout(
     rank: int,
     world: int,
     v_local: int,
+    support_ids: torch.Tensor | None = None,
 ) -> tuple[int, Sampler | None]:
     """``(this shard's first vocabulary id, the sampler for the whole vocabulary)``.
 
     The first id comes from the consistency check's gathered shard sizes when ``call`` is given
     (shards may differ in size), else it is ``rank * v_local``. Checks the targets against the
-    whole vocabulary; an integer ``top_k`` is capped at it (k ≥ V keeps every token) in a new
-    sampler, ``sampler`` itself unchanged."""
+    whole vocabulary (and the CSR ``support_ids``); an integer ``top_k`` is capped at it
+    (k ≥ V keeps every token) in a new sampler, ``sampler`` itself unchanged."""
     if call is not None:
         pg = cast(dist.ProcessGroup, group)  # a group of world > 1 ranks (group_rank_size)
         start, vocab = _tp.shard_layout(pg, rank, call, target)
     else:
         start, vocab = rank * v_local, world * v_local
     check_target_range(target, vocab)
+    if support_ids is not None:
+        check_support_range(support_ids, vocab)
     return start, (None if sampler is None else sampler.capped(vocab))
 
 
@@ -307,14 +398,15 @@ def forward(
     sum_pi_squared)`` shaped ``plan.lead`` (without entropy an empty tensor, non-differentiable
     like an entropy without gradient; ``Σ p²`` likewise, an empty tensor unless
     ``plan.sum_pi_squared``, and never differentiable). ``inputs``: the op's tensors, its
-    differentiable ones first, then the target and the keep mask as given (saved as they are
-    when a gradient may be asked for)."""
+    differentiable ones first, then the target and the keep mask as given and the plan's
+    :data:`Selection` (saved as they are when a gradient may be asked for). With a row mask the
+    outputs are the plan's rows scattered back, exact zeros on the masked rows."""
     stats, thr = _statistics(plan, producer)
     gathered = gather_stats(stats, plan.group, plan.world)
     logp, ent, saved = _shard.merge(gathered, plan.masked, plan.with_entropy)
     if plan.sum_pi_squared:
         squares = _shard.merge_squares(gathered, plan.masked, plan.with_entropy, saved)
-        sq_out = squares.view(plan.lead)
+        sq_out = plan.expand(squares.reshape(-1))
     else:
         sq_out = logp.new_empty(0)
     ctx.set_materialize_grads(False)
@@ -322,12 +414,12 @@ def forward(
     if any(ctx.needs_input_grad[: len(inputs)]):
         packed = _shard.pack_saved(saved, plan.masked, plan.entropy_grad)
         ctx.save_for_backward(*inputs, thr, *packed)
-    ent_out = ent.view(plan.lead) if ent is not None else logp.new_empty(0)
+    ent_out = plan.expand(ent.reshape(-1)) if ent is not None else logp.new_empty(0)
     constants = [sq_out]  # one call: each call replaces the previous one's list
     if ent is None or not plan.entropy_grad:
         constants.append(ent_out)
     ctx.mark_non_differentiable(*constants)
-    return logp.view(plan.lead), ent_out, sq_out
+    return plan.expand(logp.reshape(-1)), ent_out, sq_out
 
 
 def _statistics(plan: Plan, producer: Producer) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -401,8 +493,9 @@ def restore(
     ctx: Any, g_logp: torch.Tensor | None, g_ent: torch.Tensor | None
 ) -> tuple[tuple[torch.Tensor, ...], Plan] | None:
     """The backward's start: ``(the op's inputs as saved by :func:`forward`, the backward
-    plan)`` with the target, keep mask, threshold, saved statistics and upstream gradients
-    ``[N, 1]`` (in the compute dtype) bound; None when no gradient flows into either output."""
+    plan)`` with the target, keep mask, row selection, CSR support, threshold, saved
+    statistics and upstream gradients ``[N, 1]`` (in the compute dtype, the plan's rows)
+    bound; None when no gradient flows into either output."""
     tensors = ctx.saved_tensors
     k = ctx.n_inputs
     inputs, thr, packed = tensors[:k], tensors[k], tensors[k + 1 :]
@@ -410,33 +503,49 @@ def restore(
     g_ent = g_ent if has_entropy else None
     if g_logp is None and g_ent is None:
         return None
-    plan: Plan = ctx.plan
-    gl = None if g_logp is None else g_logp.reshape(-1, 1).to(plan.dtype)
-    ge = None if g_ent is None else g_ent.reshape(-1, 1).to(plan.dtype)
-    plan = replace(
-        plan.bound(inputs[-2], inputs[-1]), threshold=thr, saved=tuple(saved), g_logp=gl, g_ent=ge
-    )
+    target, keep, sel, s_rows, s_ids = inputs[-5:]
+    plan: Plan = ctx.plan.bound(target, keep, sel, None if s_rows is None else (s_rows, s_ids))
+    gl = None if g_logp is None else plan.compact(g_logp).unsqueeze(1).to(plan.dtype)
+    ge = None if g_ent is None else plan.compact(g_ent).unsqueeze(1).to(plan.dtype)
+    plan = replace(plan, threshold=thr, saved=tuple(saved), g_logp=gl, g_ent=ge)
     return inputs, plan
 
 
 def logits_grad(plan: Plan, producer: Producer, out: torch.Tensor) -> None:
     """The backward of an op on logits: the gradient of every chunk of rows written into
     ``out`` ``[N, V_local]`` (the logits' dtype; half-precision chunks are computed in float32
-    and copied), over the thread pool when the producer allows it."""
+    and copied), over the thread pool when the producer allows it; zero on the rows a row mask
+    drops."""
     chunk = plan.chunk
+    if plan.rows_of is not None:  # compacted rows: the masked rows' gradient is zero
+        out.zero_()
+        rows_of = plan.rows_of
 
-    def one(i: int) -> None:
-        rows = out[i : i + chunk]
-        g = producer.grad(plan, i, i + chunk, rows)
-        if g.dtype != out.dtype:  # half-precision logits: the chunk was computed in float32
-            rows.copy_(g)
+        def one(i: int) -> None:
+            g = producer.grad(plan, i, i + chunk)
+            out.index_copy_(0, rows_of[i : i + chunk], g.to(out.dtype))
+
+    else:
+
+        def one(i: int) -> None:
+            rows = out[i : i + chunk]
+            g = producer.grad(plan, i, i + chunk, rows)
+            if g.dtype != out.dtype:  # half-precision logits: the chunk was computed in float32
+                rows.copy_(g)
+            plan.zero_masked(rows, i)
 
     _chunk_loop(one, plan.starts, out.device, producer.parallel)
 
 
-def grad_with_graph(plan: Plan, logits: torch.Tensor, op: str) -> torch.Tensor:
+def grad_with_graph(
+    plan: Plan, logits: torch.Tensor, op: str, *, compacted: bool = False
+) -> torch.Tensor:
     """Gradient w.r.t. the unscaled logits ``[N, V]`` as a differentiable function of them and
     of the upstream gradients: the backward when autograd records it (double backward).
+
+    ``compacted``: ``logits`` are already the plan's rows (the valid rows of a compacted row
+    mask), and so is the result; else they are all the rows, and so is the result, zero on the
+    masked rows.
 
     One process only: with a sharded vocabulary the second derivatives couple the shards (and
     the replicated outputs' gradients would be partial per rank), so it raises RuntimeError.
@@ -449,9 +558,10 @@ def grad_with_graph(plan: Plan, logits: torch.Tensor, op: str) -> torch.Tensor:
         )
     if plan.target is None:
         raise RuntimeError("grad_with_graph needs a plan with its target bound")
-    z = logits.to(compute_dtype(logits.dtype)) / plan.temperature
+    rows = logits if plan.rows_of is None or compacted else logits.index_select(0, plan.rows_of)
+    z = rows.to(compute_dtype(logits.dtype)) / plan.temperature
     idx = plan.target.reshape(-1, 1)
-    keep = plan.keep
+    keep = plan.keep_rows(0, plan.rows)  # the plan's rows, from the keep mask or CSR sets
     if plan.threshold is not None:  # the sampler's support, piecewise constant: no graph
         keep = z.detach() >= plan.threshold.reshape(-1, 1)
         if plan.over_support:
@@ -459,4 +569,8 @@ def grad_with_graph(plan: Plan, logits: torch.Tensor, op: str) -> torch.Tensor:
             z = z.masked_fill(~keep, float("-inf"))
             keep = None
     grad = _shard.grad_differentiable(z, idx, keep, plan.g_logp, plan.g_ent, plan.inv_tau)
+    if plan.rows_of is not None and not compacted:
+        grad = grad.new_zeros(logits.shape[0], grad.shape[1]).index_copy(0, plan.rows_of, grad)
+    elif plan.row_valid is not None:
+        grad = grad.masked_fill(~plan.row_valid.unsqueeze(1), 0.0)
     return grad.to(logits.dtype)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from rlops.logprobs import _shard
+from rlops.logprobs import _shard, _support
 from rlops.logprobs._support import Sampler
 
 __all__ = ["Plan"]
@@ -43,6 +43,14 @@ class Plan:
     Bound per pass (None when not bound):
 
     - ``target`` ``[N]`` int64 and ``keep`` ``[N, V_local]`` bool (None: no keep mask);
+    - ``rows_of`` ``[N]`` int64: with a row ``mask`` whose valid rows were compacted (the host
+      read their number), the original row of each of the plan's ``N`` rows, the valid ones;
+      ``total`` then is the original number of rows. ``row_valid`` ``[N]`` bool: a row mask not
+      compacted (accelerators, ``torch.compile``: every row is computed and the masked ones are
+      zeroed, no host read). At most one of the two;
+    - ``support_rows``, ``support_ids`` ``[nnz]`` int64: a CSR support as (row of the plan,
+      global vocabulary id) pairs, rows non-decreasing (:meth:`keep_rows` builds each chunk's
+      keep mask from them);
     - ``threshold`` ``[N, 1]``: the sampler's support is ``z ≥ threshold``;
     - backward: ``saved``, the per-token statistics of :func:`rlops.logprobs._shard.merge`
       as ``[N, 1]`` columns ``(M, log S)`` of the log-prob distribution then ``(M, log S, H)``
@@ -68,6 +76,11 @@ class Plan:
     world: int = 1
     target: torch.Tensor | None = None
     keep: torch.Tensor | None = None
+    rows_of: torch.Tensor | None = None
+    total: int = 0
+    row_valid: torch.Tensor | None = None
+    support_rows: torch.Tensor | None = None
+    support_ids: torch.Tensor | None = None
     threshold: torch.Tensor | None = None
     saved: tuple[torch.Tensor, ...] = ()
     g_logp: torch.Tensor | None = None
@@ -85,15 +98,36 @@ class Plan:
             return range(1)
         return range(0, self.rows, self.chunk)
 
-    def bound(self, target: torch.Tensor, keep: torch.Tensor | None) -> Plan:
+    def bound(
+        self,
+        target: torch.Tensor,
+        keep: torch.Tensor | None,
+        rows: torch.Tensor | None = None,
+        support: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Plan:
         """This plan with the op's ``target`` ``[...]`` and ``keep`` ``[..., V_local]`` bound,
-        flattened to ``[N]`` and ``[N, V_local]``."""
+        flattened to ``[N]`` and ``[N, V_local]`` (``keep`` stays indexed by the original rows).
+        ``rows``: the row selection, int64 ``rows_of`` (the target compacted to those rows) or
+        bool ``row_valid``; ``support``: ``(support_rows, support_ids)``."""
+        flat = target.reshape(-1)
+        rows_of = row_valid = None
+        if rows is not None and rows.dtype == torch.bool:
+            row_valid = rows
+        elif rows is not None:
+            rows_of, flat = rows, flat.index_select(0, rows)
         flat_keep = None if keep is None else keep.reshape(-1, self.v_local)
-        return replace(self, target=target.reshape(-1), keep=flat_keep)
+        s_rows, s_ids = (None, None) if support is None else support
+        return replace(
+            self, target=flat, keep=flat_keep, rows_of=rows_of, row_valid=row_valid,
+            support_rows=s_rows, support_ids=s_ids,
+        )  # fmt: skip
 
     def unbound(self) -> Plan:
         """This plan without its tensors (what the backward keeps beside the saved tensors)."""
-        return replace(self, target=None, keep=None, sampler=None, threshold=None)
+        return replace(
+            self, target=None, keep=None, sampler=None, threshold=None, rows_of=None,
+            row_valid=None, support_rows=None, support_ids=None,
+        )  # fmt: skip
 
     def tile(self, v0: int, v1: int) -> Plan:
         """The plan of this shard's vocabulary columns ``v0:v1`` (a tile's local gradient)."""
@@ -107,5 +141,48 @@ class Plan:
         return _shard.target_index(self.target[i:j], self.start, self.v_local)
 
     def keep_rows(self, i: int, j: int) -> torch.Tensor | None:
-        """Tokens ``i:j`` of the keep mask, or None."""
-        return None if self.keep is None else self.keep[i:j]
+        """Tokens ``i:j`` of the keep mask ``[C, V_local]`` (from the CSR support: a chunk's
+        own buffer), or None."""
+        if self.support_rows is not None and self.support_ids is not None:
+            return _support.chunk_keep(
+                self.support_rows, self.support_ids, i, self.n_rows(i, j), self.start,
+                self.v_local,
+            )  # fmt: skip
+        if self.keep is None:
+            return None
+        if self.rows_of is not None:
+            return self.keep.index_select(0, self.rows_of[i:j])
+        return self.keep[i:j]
+
+    def n_rows(self, i: int, j: int) -> int:
+        """How many of the rows ``i:j`` exist (``j`` may pass the end)."""
+        if self.target is None:
+            raise RuntimeError("the plan has no target bound")
+        return self.target[i:j].shape[0]
+
+    def compact(self, values: torch.Tensor) -> torch.Tensor:
+        """``[total]`` per-row values (an upstream gradient) as the plan's ``[N]`` rows: the
+        valid rows' values (0 on masked rows that are computed)."""
+        flat = values.reshape(-1)
+        if self.rows_of is not None:
+            return flat.index_select(0, self.rows_of)
+        if self.row_valid is not None:
+            return torch.where(self.row_valid, flat, torch.zeros_like(flat))
+        return flat
+
+    def expand(self, values: torch.Tensor) -> torch.Tensor:
+        """The plan's ``[N]`` per-row results as the op's ``[...]`` outputs: exact zeros on the
+        masked rows."""
+        if self.rows_of is not None:
+            out = values.new_zeros(self.total)
+            values = out.index_copy_(0, self.rows_of, values)
+        elif self.row_valid is not None:
+            values = torch.where(self.row_valid, values, torch.zeros_like(values))
+        return values.view(self.lead)
+
+    def zero_masked(self, grad: torch.Tensor, i: int) -> None:
+        """Zero the rows of a computed chunk gradient ``grad`` (rows ``i:``) that the row mask
+        drops (not compacted), so that they are exact zeros whatever their logits."""
+        if self.row_valid is not None:
+            valid = self.row_valid[i : i + grad.shape[0]]
+            grad.masked_fill_(~valid.unsqueeze(1), 0.0)

@@ -39,9 +39,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from rlops._checks import values_checked
+
 __all__ = [
     "Sampler",
     "candidates_chunk",
+    "chunk_keep",
+    "csr_entries",
     "merged_threshold",
     "n_candidates",
     "support_chunk",
@@ -64,6 +68,15 @@ class Sampler:
     def rows(self, i: int, j: int) -> tuple[TopK, TopP, TopP]:
         """The parameters of rows ``[i, j)``: scalars as they are, tensors as ``[C, 1]``."""
         return _rows(self.top_k, i, j), _rows(self.top_p, i, j), _rows(self.min_p, i, j)
+
+    def compacted(self, rows: torch.Tensor) -> Sampler:
+        """The same sampler on the rows ``rows`` ``[n]`` int64 (its per-token tensors
+        gathered)."""
+
+        def pick(p):
+            return p.index_select(0, rows) if isinstance(p, torch.Tensor) else p
+
+        return Sampler(pick(self.top_k), pick(self.top_p), pick(self.min_p))
 
     def capped(self, vocab: int) -> Sampler:
         """The same sampler with an int ``top_k`` capped at the vocabulary size ``vocab``
@@ -139,8 +152,9 @@ def _top_p_threshold(
     total = w.sum(dim=1, keepdim=True)
     if extra is not None and t is not None:  # the left-out ties, all at value t
         total = total + extra * (t - top).exp()
-    before = torch.zeros_like(w)  # the mass strictly before each sorted position
-    torch.cumsum(w[:, :-1], dim=1, out=before[:, 1:])
+    # the mass strictly before each sorted position (a concatenation, not a cumsum into a
+    # slice: torch.compile refuses an out= tensor that is not contiguous)
+    before = torch.cat([torch.zeros_like(w[:, :1]), w[:, :-1].cumsum(dim=1)], dim=1)
     n_keep = (before < top_p * total).sum(dim=1, keepdim=True)  # a prefix: monotone
     t_p = zs.gather(1, (n_keep - 1).clamp(min=0))
     if isinstance(top_p, torch.Tensor):  # p = 1 keeps every token, whatever the rounding
@@ -193,3 +207,47 @@ def merged_threshold(
         extra = torch.where(last == t.view(1, n), left_out, torch.zeros_like(left_out))
         t = _maximum(t, _top_p_threshold(zs, t, top_p, extra.sum(dim=0).unsqueeze(1)))
     return zs.new_full((n, 1), float("-inf")) if t is None else t
+
+
+# --------------------------------------------------------------------------- CSR support sets
+def csr_entries(
+    ids: torch.Tensor, offsets: torch.Tensor, rows_of: torch.Tensor | None, total: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A CSR support (``ids`` ``[nnz]``, ``offsets`` ``[total + 1]``) as ``(rows, ids)``
+    ``[nnz']`` int64 pairs, rows non-decreasing.
+
+    The row of entry ``e`` is the number of ``offsets[1:]`` at or below ``e`` (a
+    ``searchsorted``: no host read). ``rows_of`` (the valid rows of a compacted row mask,
+    increasing): the rows renumbered to their compacted positions and the entries of the other
+    rows dropped (a host-sized selection, on the host path only)."""
+    ids = ids.long()
+    e = torch.arange(ids.numel(), dtype=torch.int64, device=ids.device)
+    rows = torch.searchsorted(offsets[1:].long().contiguous(), e, right=True)
+    if rows_of is None:
+        return rows, ids
+    pos = torch.full((total,), -1, dtype=torch.int64, device=ids.device)
+    pos[rows_of] = torch.arange(rows_of.numel(), dtype=torch.int64, device=ids.device)
+    rows = pos[rows]
+    kept = rows >= 0
+    return rows[kept], ids[kept]
+
+
+def chunk_keep(
+    rows: torch.Tensor, ids: torch.Tensor, i: int, c: int, start: int, v_local: int
+) -> torch.Tensor:
+    """``[c, v_local]`` bool: the keep mask of rows ``i : i + c`` over the vocabulary ids
+    ``[start, start + v_local)``, from CSR pairs ``(rows, ids)`` (rows non-decreasing). A
+    duplicate id sets the same entry twice: a set, the same as once.
+
+    Where values are read (CPU): the chunk's entries found by a ``searchsorted`` and set.
+    Elsewhere (no host read): every entry is tested against the chunk and the shard, those
+    outside written to one spare element (``O(nnz)`` per chunk)."""
+    keep = torch.zeros(c * v_local + 1, dtype=torch.bool, device=rows.device)
+    if values_checked(rows):
+        bounds = torch.tensor([i, i + c], dtype=torch.int64)
+        lo, hi = (int(b) for b in torch.searchsorted(rows, bounds))
+        rows, ids = rows[lo:hi], ids[lo:hi]
+    ok = (rows >= i) & (rows < i + c) & (ids >= start) & (ids < start + v_local)
+    flat = torch.where(ok, (rows - i) * v_local + (ids - start), c * v_local)
+    keep[flat] = True
+    return keep[: c * v_local].view(c, v_local)

@@ -5,8 +5,10 @@ Every rank of a vocabulary-parallel call describes what it was asked to compute 
 :class:`rlops.distributed.collectives.Call`: the operation, the number of tokens, the hidden
 size and whether a bias is given (linear op), the input dtype, the flags (``with_sum_pi_squared``
 among them: it adds a column to the statistics), the temperature, the sampler's scalar ``top_k``,
-``top_p``, ``min_p`` and ``entropy_over_support``) with checksums computed on the device,
-compared bit for bit: one of the target ids and one of each sampler parameter given per token
+``top_p``, ``min_p`` and ``entropy_over_support``, whether a row ``mask`` and a CSR support
+are given) with checksums computed on the device,
+compared bit for bit: one of the target ids, of the row mask, of the CSR support's ids and
+offsets, and one of each sampler parameter given per token
 (:func:`checksum`). The payload is its vocabulary shard size ``V_local``. One
 :func:`~rlops.distributed.collectives.exchange` then gives every rank the same
 ``[world]`` shard sizes, from which it derives its offset in the vocabulary (the sum of the
@@ -39,9 +41,15 @@ __all__ = ["ENV", "Call", "check_enabled", "checksum", "fail_together", "shard_l
 
 ENV = "RLOPS_TP_CHECK"
 _TARGET = "target ids (position-weighted checksum)"
+_MASK = "mask (position-weighted checksum)"
+_SUPPORT = "support_ids and support_offsets (checksum)"
+_PARAMS = ("top_k", "top_p", "min_p")
 # A difference in the key implies one in the values: only the key is reported.
 _IMPLIED = {
-    "tokens": (_TARGET, *(f"{p} (per-token checksum)" for p in ("top_k", "top_p", "min_p"))),
+    "tokens": (_TARGET, _MASK, _SUPPORT, *(f"{p} (per-token checksum)" for p in _PARAMS)),
+    "mask given": (_MASK,),
+    "support_ids given": ("support_ids (nnz)", _SUPPORT),
+    "support_ids (nnz)": (_SUPPORT,),
     "function": ("hidden size",),
     **{p: (f"{p} (per-token checksum)",) for p in ("top_k", "top_p", "min_p")},
 }
@@ -86,6 +94,8 @@ class Call:
     entropy_over_support: bool = False
     sum_pi_squared: bool = False
     bias: bool = False
+    row_mask: torch.Tensor | None = None
+    support: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def described(self, target: torch.Tensor) -> collectives.Call:
         """The group check's description, with the checksums of ``target`` and of the
@@ -101,8 +111,11 @@ class Call:
             "keep_mask given": self.masked,
             "temperature": self.temperature,
         }
-        params = (None, None, None) if self.sampler is None else (
-            self.sampler.top_k, self.sampler.top_p, self.sampler.min_p)
+        params = (
+            (None, None, None)
+            if self.sampler is None
+            else (self.sampler.top_k, self.sampler.top_p, self.sampler.min_p)
+        )
         for name, p in zip(("top_k", "top_p", "min_p"), params, strict=True):
             if isinstance(p, torch.Tensor):
                 fields[name] = "per token"
@@ -110,6 +123,14 @@ class Call:
             else:
                 fields[name] = p
         fields["entropy_over_support"] = self.entropy_over_support
+        fields["mask given"] = self.row_mask is not None
+        if self.row_mask is not None:
+            fields[_MASK] = checksum(self.row_mask.to(torch.int8))
+        fields["support_ids given"] = self.support is not None
+        if self.support is not None:
+            ids, offsets = self.support
+            fields["support_ids (nnz)"] = ids.numel()
+            fields[_SUPPORT] = checksum(ids.long()) + checksum(offsets.long()) * 3
         fields[_TARGET] = checksum(target)
         return collectives.Call(self.op, implied=_IMPLIED, **fields)
 

@@ -23,6 +23,7 @@ from dataclasses import replace
 from typing import Literal, overload
 
 import torch
+from typing_extensions import Unpack  # torch's own dependency (typing.Unpack: 3.11+)
 
 from rlops._checks import check_chunk_size, check_same_device
 from rlops.logprobs import _engine, _method
@@ -30,6 +31,8 @@ from rlops.logprobs._checks import (
     check_flags,
     check_keep_mask,
     check_logits,
+    check_row_mask,
+    check_support,
     check_target,
     check_temperature,
     default_chunk,
@@ -56,9 +59,13 @@ class _Logits(_engine.Producer):
 
     def __init__(self, x: torch.Tensor, plan: Plan) -> None:
         self.x, self.dtype, self.temperature = x, plan.dtype, plan.temperature
+        self.rows_of = plan.rows_of
 
     def logits(self, i: int, j: int) -> tuple[torch.Tensor, bool]:
-        return _scaled(self.x[i:j], self.dtype, self.temperature)
+        if self.rows_of is None:
+            return _scaled(self.x[i:j], self.dtype, self.temperature)
+        z, _ = _scaled(self.x.index_select(0, self.rows_of[i:j]), self.dtype, self.temperature)
+        return z, True  # the gathered rows are a fresh buffer
 
 
 def _producer(x: torch.Tensor, plan: Plan, kernels: bool) -> _engine.Producer:
@@ -73,25 +80,35 @@ def _producer(x: torch.Tensor, plan: Plan, kernels: bool) -> _engine.Producer:
 
 class _FusedLogprobsEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, keep, plan, kernels):
-        plan = plan.bound(target, keep)
+    def forward(ctx, logits, target, keep, sel, s_rows, s_ids, plan, kernels):
+        support = None if s_rows is None else (s_rows, s_ids)
+        plan = plan.bound(target, keep, sel, support)
         x = logits.reshape(-1, plan.v_local)
         ctx.kernels = kernels
-        return _engine.forward(ctx, plan, _producer(x, plan, kernels), (logits, target, keep))
+        inputs = (logits, target, keep, sel, s_rows, s_ids)
+        return _engine.forward(ctx, plan, _producer(x, plan, kernels), inputs)
 
     @staticmethod
     def backward(ctx, g_logp, g_ent, _g_squares):
+        nothing = (None,) * 8
         restored = _engine.restore(ctx, g_logp, g_ent)
         if restored is None:
-            return None, None, None, None, None
-        (logits, _, _), plan = restored
+            return nothing
+        (logits, *_), plan = restored
         x = logits.reshape(-1, plan.v_local)
         if torch.is_grad_enabled():  # create_graph=True: a differentiable backward
             grad = _engine.grad_with_graph(plan, x, _OP)
         else:
             grad = torch.empty(x.shape, dtype=x.dtype, device=x.device)
             _engine.logits_grad(plan, _producer(x, plan, ctx.kernels), grad)
-        return grad.view(logits.shape), None, None, None, None
+        return grad.view(logits.shape), *nothing[1:]
+
+
+class _Options(_engine.CommonOptions, total=False):
+    """The keyword arguments of :func:`logprobs_and_entropy` beside the two that choose its
+    outputs (for the overloads)."""
+
+    method: str
 
 
 @overload
@@ -99,142 +116,64 @@ def logprobs_and_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
     *,
-    temperature: float = ...,
-    keep_mask: torch.Tensor | None = ...,
-    top_k: int | torch.Tensor | None = ...,
-    top_p: float | torch.Tensor | None = ...,
-    min_p: float | torch.Tensor | None = ...,
-    entropy_over_support: bool = ...,
     with_entropy: Literal[True] = ...,
-    entropy_grad: bool = ...,
-    group: object = ...,
-    chunk_size: int | None = ...,
-    method: str = ...,
     with_sum_pi_squared: Literal[False] = ...,
+    **options: Unpack[_Options],
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
 @overload
 def logprobs_and_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
     *,
-    temperature: float = ...,
-    keep_mask: torch.Tensor | None = ...,
-    top_k: int | torch.Tensor | None = ...,
-    top_p: float | torch.Tensor | None = ...,
-    min_p: float | torch.Tensor | None = ...,
-    entropy_over_support: bool = ...,
     with_entropy: Literal[False],
-    entropy_grad: bool = ...,
-    group: object = ...,
-    chunk_size: int | None = ...,
-    method: str = ...,
     with_sum_pi_squared: Literal[False] = ...,
+    **options: Unpack[_Options],
 ) -> tuple[torch.Tensor, None]: ...
-
-
 @overload
 def logprobs_and_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
     *,
-    temperature: float = ...,
-    keep_mask: torch.Tensor | None = ...,
-    top_k: int | torch.Tensor | None = ...,
-    top_p: float | torch.Tensor | None = ...,
-    min_p: float | torch.Tensor | None = ...,
-    entropy_over_support: bool = ...,
     with_entropy: bool = ...,
-    entropy_grad: bool = ...,
-    group: object = ...,
-    chunk_size: int | None = ...,
-    method: str = ...,
     with_sum_pi_squared: Literal[False] = ...,
+    **options: Unpack[_Options],
 ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
-
-
 @overload
 def logprobs_and_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
     *,
-    temperature: float = ...,
-    keep_mask: torch.Tensor | None = ...,
-    top_k: int | torch.Tensor | None = ...,
-    top_p: float | torch.Tensor | None = ...,
-    min_p: float | torch.Tensor | None = ...,
-    entropy_over_support: bool = ...,
     with_entropy: Literal[True] = ...,
-    entropy_grad: bool = ...,
-    group: object = ...,
-    chunk_size: int | None = ...,
-    method: str = ...,
     with_sum_pi_squared: Literal[True],
+    **options: Unpack[_Options],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
-
-
 @overload
 def logprobs_and_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
     *,
-    temperature: float = ...,
-    keep_mask: torch.Tensor | None = ...,
-    top_k: int | torch.Tensor | None = ...,
-    top_p: float | torch.Tensor | None = ...,
-    min_p: float | torch.Tensor | None = ...,
-    entropy_over_support: bool = ...,
     with_entropy: Literal[False],
-    entropy_grad: bool = ...,
-    group: object = ...,
-    chunk_size: int | None = ...,
-    method: str = ...,
     with_sum_pi_squared: Literal[True],
+    **options: Unpack[_Options],
 ) -> tuple[torch.Tensor, None, torch.Tensor]: ...
-
-
 @overload
 def logprobs_and_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
     *,
-    temperature: float = ...,
-    keep_mask: torch.Tensor | None = ...,
-    top_k: int | torch.Tensor | None = ...,
-    top_p: float | torch.Tensor | None = ...,
-    min_p: float | torch.Tensor | None = ...,
-    entropy_over_support: bool = ...,
     with_entropy: bool = ...,
-    entropy_grad: bool = ...,
-    group: object = ...,
-    chunk_size: int | None = ...,
-    method: str = ...,
     with_sum_pi_squared: Literal[True],
+    **options: Unpack[_Options],
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]: ...
-
-
 @overload
 def logprobs_and_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
     *,
-    temperature: float = ...,
-    keep_mask: torch.Tensor | None = ...,
-    top_k: int | torch.Tensor | None = ...,
-    top_p: float | torch.Tensor | None = ...,
-    min_p: float | torch.Tensor | None = ...,
-    entropy_over_support: bool = ...,
     with_entropy: bool = ...,
-    entropy_grad: bool = ...,
-    group: object = ...,
-    chunk_size: int | None = ...,
-    method: str = ...,
     with_sum_pi_squared: bool = ...,
-) -> (
-    tuple[torch.Tensor, torch.Tensor | None]
-    | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
-): ...
+    **options: Unpack[_Options],
+) -> _engine.Outputs: ...
 
 
 def logprobs_and_entropy(
@@ -243,6 +182,9 @@ def logprobs_and_entropy(
     *,
     temperature: float = 1.0,
     keep_mask: torch.Tensor | None = None,
+    support_ids: torch.Tensor | None = None,
+    support_offsets: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
     top_k: int | torch.Tensor | None = None,
     top_p: float | torch.Tensor | None = None,
     min_p: float | torch.Tensor | None = None,
@@ -253,10 +195,7 @@ def logprobs_and_entropy(
     chunk_size: int | None = None,
     method: str = "auto",
     with_sum_pi_squared: bool = False,
-) -> (
-    tuple[torch.Tensor, torch.Tensor | None]
-    | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
-):
+) -> _engine.Outputs:
     r"""Log-probabilities of the targets and the entropy of the softmax, fused and chunked.
 
     With ``z = logits / temperature`` over the full vocabulary, for every token:
@@ -368,6 +307,27 @@ def logprobs_and_entropy(
         target: ``[...]`` integer ids in the global vocabulary ``[0, Σ_r V_local_r)``.
         temperature: ``> 0``; divides the logits before everything.
         keep_mask: ``[..., V_local]`` bool, or None (keep all). Not with the sampler filters.
+        support_ids: the kept sets as CSR (the engine's form, e.g. vLLM's): int32 / int64
+            ``[nnz]`` global vocabulary ids, with ``support_offsets`` int32 / int64
+            ``[N + 1]`` (non-decreasing, from 0 to ``nnz``; ``N = target.numel()``): row
+            ``i`` keeps ``support_ids[offsets[i]:offsets[i+1]]``. Exactly ``keep_mask`` with
+            those entries True (the target always kept; an empty set keeps only the target;
+            a repeated id counts once), without an ``[N, V]`` mask: each chunk's keep mask
+            ``[chunk, V_local]`` is set from its ids (on CPU the chunk's entries are found
+            from the offsets; elsewhere, with no host read, every entry is tested per
+            chunk). Under a ``group`` every rank gets the same global ids and uses those of
+            its shard. Not with ``keep_mask`` or the sampler filters.
+        support_offsets: see ``support_ids``.
+        mask: ``[...]`` bool like ``target``, or None: the rows the loss reads (the response
+            or action tokens). Where False the log-prob, the entropy and ``Σ π²`` are exactly
+            0 and carry no gradient (zero rows in ``logits.grad``), whatever those logits
+            hold. Where values are read (CPU tensors, not under ``torch.compile``) the valid
+            rows are found (their number read on the host) and only they are computed: time
+            follows the number of valid rows. Elsewhere (accelerators, ``torch.compile``)
+            the host never reads it: every chunk is computed, with the masked rows zeroed
+            (with ``method="triton"`` their programs skip the vocabulary work). Under a
+            ``group`` the mask must be equal on every rank (part of the consistency check);
+            the statistics still travel in one collective.
         top_k: int ``≥ 1`` or an integer tensor ``[...]`` (per token); ``≥ V`` keeps all.
         top_p: float in ``(0, 1]`` or a floating tensor ``[...]``; 1 keeps all.
         min_p: float in ``[0, 1]`` or a floating tensor ``[...]``; 0 keeps all.
@@ -414,10 +374,21 @@ def logprobs_and_entropy(
         >>> # Σ π² is 1/4 for four equal logits
         >>> logprobs_and_entropy(logits, torch.tensor([1, 0]), with_sum_pi_squared=True)[2]
         tensor([0.2500, 0.5960])
+        >>> # a row mask: row 1 (say, tool output) costs nothing and is exactly 0
+        >>> logprobs_and_entropy(logits, torch.tensor([1, 0]), mask=torch.tensor([True, False]))
+        (tensor([-1.3863,  0.0000]), tensor([1.3863, 0.0000]))
+        >>> # CSR kept sets: row 0 keeps {2} (and its target 1), row 1 keeps {1, 3} and 0
+        >>> ids, offsets = torch.tensor([2, 1, 3]), torch.tensor([0, 1, 3])
+        >>> logprobs_and_entropy(logits, torch.tensor([1, 0]), support_ids=ids,
+        ...                      support_offsets=offsets)[0]
+        tensor([-0.6931, -0.1698])
     """
     options = _engine.Options(
         temperature=temperature,
         keep_mask=keep_mask,
+        support_ids=support_ids,
+        support_offsets=support_offsets,
+        mask=mask,
         top_k=top_k,
         top_p=top_p,
         min_p=min_p,
@@ -433,14 +404,15 @@ def logprobs_and_entropy(
     def check() -> _engine.Checked:
         inputs = _checked(logits, target, options)
         chosen.append(_method.resolve(method, inputs.x))  # a rank's bad method joins the TP check
-        return inputs
+        # the kernels' programs of masked rows return at once: no compaction for them
+        return replace(inputs, compact=chosen[0] != "triton")
 
-    inputs, plan = _engine.prepare(_OP, logits, options, check)
+    inputs, plan, sel = _engine.prepare(_OP, logits, options, check)
     kernels = chosen[0] == "triton"
-    if kernels and chunk_size is None and plan.sampler is None:
+    if kernels and chunk_size is None and plan.sampler is None and plan.support_rows is None:
         plan = replace(plan, chunk=max(plan.rows, 1))  # the kernels need no [chunk, V] buffer
     logp, ent, squares = _FusedLogprobsEntropy.apply(
-        inputs.x, inputs.target, inputs.keep, plan, kernels
+        inputs.x, inputs.target, inputs.keep, *sel, plan, kernels
     )
     if with_sum_pi_squared:
         return logp, (ent if with_entropy else None), squares
@@ -463,7 +435,13 @@ def _checked(logits: object, target: object, options: _engine.Options) -> _engin
     lead = logits.shape[:-1]
     target = check_target(target, lead, "logits")
     keep_mask = check_keep_mask(options.keep_mask, logits.shape)
-    check_same_device("logits", logits, target=target, keep_mask=keep_mask)
+    mask = check_row_mask(options.mask, lead, "logits[..., 0]")
+    support = check_support(options.support_ids, options.support_offsets, target.numel())
+    s_ids, s_offsets = (None, None) if support is None else support
+    check_same_device(
+        "logits", logits, target=target, keep_mask=keep_mask, mask=mask, support_ids=s_ids,
+        support_offsets=s_offsets,
+    )  # fmt: skip
     n = target.numel()
     chunk = options.chunk_size
     return _engine.Checked(
@@ -474,4 +452,6 @@ def _checked(logits: object, target: object, options: _engine.Options) -> _engin
         temperature=temperature,
         v_local=v_local,
         chunk=chunk if chunk is not None else default_chunk(n, v_local, logits.device),
+        mask=mask,
+        support=support,
     )

@@ -24,6 +24,7 @@ from typing import Literal, overload
 
 import torch
 import torch.distributed as dist
+from typing_extensions import Unpack  # torch's own dependency (typing.Unpack: 3.11+)
 
 from rlops._checks import check_chunk_size, check_same_device, shape_error
 from rlops.distributed.groups import group_rank_size
@@ -32,6 +33,8 @@ from rlops.logprobs._checks import (
     check_flags,
     check_keep_mask,
     check_logits,
+    check_row_mask,
+    check_support,
     check_target,
     check_temperature,
     default_chunk,
@@ -96,6 +99,7 @@ def _grads_by_rows(
     for i in plan.starts:
         j = i + plan.chunk
         g = producer.grad(plan, i, j)
+        plan.zero_masked(g, i)
         if grad_b is not None:  # the sum over the rows, in the compute dtype
             grad_b += g.sum(dim=0)
         g = g.to(h2.dtype)
@@ -127,8 +131,7 @@ def _grads_by_tiles(
     ct = max(1, min(n, budget // vb))
     tiles = [(v0, min(v0 + vb, v_local)) for v0 in range(0, v_local, vb)]
     producers = [
-        _Matmul(h2, weight[v0:v1], None if bias is None else bias[v0:v1], plan)
-        for v0, v1 in tiles
+        _Matmul(h2, weight[v0:v1], None if bias is None else bias[v0:v1], plan) for v0, v1 in tiles
     ]
     plans = [plan.tile(v0, v1) for v0, v1 in tiles]
     for i in range(0, n, ct):
@@ -140,6 +143,7 @@ def _grads_by_tiles(
             acc = torch.zeros_like(dst, dtype=plan.dtype)
         for (v0, v1), producer, tile in zip(tiles, producers, plans, strict=True):
             g = producer.grad(tile, i, j)
+            tile.zero_masked(g, i)
             if grad_b is not None:  # the sum over the rows, in the compute dtype
                 grad_b[v0:v1] += g.sum(dim=0)
             g = g.to(h2.dtype)
@@ -159,30 +163,30 @@ def _grads_by_tiles(
 
 class _FusedLinearLogprobsEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, plan):
-        # ``plan``: its target and keep mask bound (no gradient; saved from it)
-        h2 = hidden.reshape(-1, hidden.shape[-1])
-        producer = _Matmul(h2, weight, bias, plan)
-        inputs = (hidden, weight, bias, plan.target, plan.keep)
+    def forward(ctx, hidden, weight, bias, target, keep, sel, s_rows, s_ids, plan):
+        plan = plan.bound(target, keep, sel, None if s_rows is None else (s_rows, s_ids))
+        producer = _Matmul(_rows(hidden, plan), weight, bias, plan)
+        inputs = (hidden, weight, bias, target, keep, sel, s_rows, s_ids)
         return _engine.forward(ctx, plan, producer, inputs)
 
     @staticmethod
     def backward(ctx, g_logp, g_ent, _g_squares):
+        nothing = (None,) * 9
         restored = _engine.restore(ctx, g_logp, g_ent)
         if restored is None:
-            return None, None, None, None
-        (hidden, weight, bias, _, _), plan = restored
+            return nothing
+        (hidden, weight, bias, *_), plan = restored
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        h2 = hidden.reshape(-1, hidden.shape[-1])
+        h2 = _rows(hidden, plan)
         if torch.is_grad_enabled():  # create_graph=True: a differentiable backward
             # The logits chunk by chunk, as in the forward: the same bits, so that the saved
             # threshold selects the same support.
             rows = [_linear(h2[i : i + plan.chunk], weight, bias) for i in plan.starts]
             logits = torch.cat(rows) if rows else _linear(h2, weight, bias)
-            g = _engine.grad_with_graph(plan, logits, _OP)
-            grad_h = (g @ weight).view(hidden.shape) if need_h else None
+            g = _engine.grad_with_graph(plan, logits, _OP, compacted=True)
+            grad_h = _scattered(g @ weight, hidden, plan) if need_h else None
             grad_b = g.sum(dim=0) if need_b else None
-            return grad_h, (g.T @ h2 if need_w else None), grad_b, None
+            return grad_h, (g.T @ h2 if need_w else None), grad_b, *nothing[3:]
         grad_h = torch.empty_like(h2, memory_format=torch.contiguous_format) if need_h else None
         # The weight and bias gradients sum over all chunks: accumulated in float32 for half
         # inputs.
@@ -194,161 +198,105 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
         by = _grads_by_tiles if plan.threshold is None else _grads_by_rows
         by(plan, h2, weight, bias, (grad_h, grad_w, grad_b))
         return (
-            None if grad_h is None else grad_h.view(hidden.shape),
+            None if grad_h is None else _scattered(grad_h, hidden, plan),
             None if grad_w is None else grad_w.to(weight.dtype),
             None if grad_b is None else grad_b.to(bias.dtype),
-            None,
+            *nothing[3:],
         )
 
 
+def _rows(hidden: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """The plan's rows of ``hidden`` as ``[N, H]``: the valid rows only when a row mask was
+    compacted (a copy of ``[n_valid, H]``, small beside the logits)."""
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    return h2 if plan.rows_of is None else h2.index_select(0, plan.rows_of)
+
+
+def _scattered(grad_h: torch.Tensor, hidden: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """The hidden gradient of the plan's rows as ``hidden``'s shape, zero on dropped rows."""
+    if plan.rows_of is not None:
+        full = grad_h.new_zeros(plan.total, grad_h.shape[1])
+        grad_h = full.index_copy(0, plan.rows_of, grad_h)
+    return grad_h.view(hidden.shape)
+
+
+class _Options(_engine.CommonOptions, total=False):
+    """The keyword arguments of :func:`linear_logprobs_and_entropy` beside the two that choose
+    its outputs (for the overloads)."""
+
+    bias: torch.Tensor | None
+
+
 @overload
 def linear_logprobs_and_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
     *,
-    bias: torch.Tensor | None = ...,
-    temperature: float = ...,
-    keep_mask: torch.Tensor | None = ...,
-    top_k: int | torch.Tensor | None = ...,
-    top_p: float | torch.Tensor | None = ...,
-    min_p: float | torch.Tensor | None = ...,
-    entropy_over_support: bool = ...,
     with_entropy: Literal[True] = ...,
-    entropy_grad: bool = ...,
-    group: object = ...,
-    chunk_size: int | None = ...,
     with_sum_pi_squared: Literal[False] = ...,
+    **options: Unpack[_Options],
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
 @overload
 def linear_logprobs_and_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
     *,
-    bias: torch.Tensor | None = ...,
-    temperature: float = ...,
-    keep_mask: torch.Tensor | None = ...,
-    top_k: int | torch.Tensor | None = ...,
-    top_p: float | torch.Tensor | None = ...,
-    min_p: float | torch.Tensor | None = ...,
-    entropy_over_support: bool = ...,
     with_entropy: Literal[False],
-    entropy_grad: bool = ...,
-    group: object = ...,
-    chunk_size: int | None = ...,
     with_sum_pi_squared: Literal[False] = ...,
+    **options: Unpack[_Options],
 ) -> tuple[torch.Tensor, None]: ...
-
-
 @overload
 def linear_logprobs_and_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
     *,
-    bias: torch.Tensor | None = ...,
-    temperature: float = ...,
-    keep_mask: torch.Tensor | None = ...,
-    top_k: int | torch.Tensor | None = ...,
-    top_p: float | torch.Tensor | None = ...,
-    min_p: float | torch.Tensor | None = ...,
-    entropy_over_support: bool = ...,
     with_entropy: bool = ...,
-    entropy_grad: bool = ...,
-    group: object = ...,
-    chunk_size: int | None = ...,
     with_sum_pi_squared: Literal[False] = ...,
+    **options: Unpack[_Options],
 ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
-
-
 @overload
 def linear_logprobs_and_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
     *,
-    bias: torch.Tensor | None = ...,
-    temperature: float = ...,
-    keep_mask: torch.Tensor | None = ...,
-    top_k: int | torch.Tensor | None = ...,
-    top_p: float | torch.Tensor | None = ...,
-    min_p: float | torch.Tensor | None = ...,
-    entropy_over_support: bool = ...,
     with_entropy: Literal[True] = ...,
-    entropy_grad: bool = ...,
-    group: object = ...,
-    chunk_size: int | None = ...,
     with_sum_pi_squared: Literal[True],
+    **options: Unpack[_Options],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
-
-
 @overload
 def linear_logprobs_and_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
     *,
-    bias: torch.Tensor | None = ...,
-    temperature: float = ...,
-    keep_mask: torch.Tensor | None = ...,
-    top_k: int | torch.Tensor | None = ...,
-    top_p: float | torch.Tensor | None = ...,
-    min_p: float | torch.Tensor | None = ...,
-    entropy_over_support: bool = ...,
     with_entropy: Literal[False],
-    entropy_grad: bool = ...,
-    group: object = ...,
-    chunk_size: int | None = ...,
     with_sum_pi_squared: Literal[True],
+    **options: Unpack[_Options],
 ) -> tuple[torch.Tensor, None, torch.Tensor]: ...
-
-
 @overload
 def linear_logprobs_and_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
     *,
-    bias: torch.Tensor | None = ...,
-    temperature: float = ...,
-    keep_mask: torch.Tensor | None = ...,
-    top_k: int | torch.Tensor | None = ...,
-    top_p: float | torch.Tensor | None = ...,
-    min_p: float | torch.Tensor | None = ...,
-    entropy_over_support: bool = ...,
     with_entropy: bool = ...,
-    entropy_grad: bool = ...,
-    group: object = ...,
-    chunk_size: int | None = ...,
     with_sum_pi_squared: Literal[True],
+    **options: Unpack[_Options],
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]: ...
-
-
 @overload
 def linear_logprobs_and_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
     *,
-    bias: torch.Tensor | None = ...,
-    temperature: float = ...,
-    keep_mask: torch.Tensor | None = ...,
-    top_k: int | torch.Tensor | None = ...,
-    top_p: float | torch.Tensor | None = ...,
-    min_p: float | torch.Tensor | None = ...,
-    entropy_over_support: bool = ...,
     with_entropy: bool = ...,
-    entropy_grad: bool = ...,
-    group: object = ...,
-    chunk_size: int | None = ...,
     with_sum_pi_squared: bool = ...,
-) -> (
-    tuple[torch.Tensor, torch.Tensor | None]
-    | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
-): ...
+    **options: Unpack[_Options],
+) -> _engine.Outputs: ...
 
 
 def linear_logprobs_and_entropy(
@@ -359,6 +307,9 @@ def linear_logprobs_and_entropy(
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     keep_mask: torch.Tensor | None = None,
+    support_ids: torch.Tensor | None = None,
+    support_offsets: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
     top_k: int | torch.Tensor | None = None,
     top_p: float | torch.Tensor | None = None,
     min_p: float | torch.Tensor | None = None,
@@ -368,10 +319,7 @@ def linear_logprobs_and_entropy(
     group: object = None,
     chunk_size: int | None = None,
     with_sum_pi_squared: bool = False,
-) -> (
-    tuple[torch.Tensor, torch.Tensor | None]
-    | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
-):
+) -> _engine.Outputs:
     r"""Log-probs and entropy of ``softmax((hidden @ weightᵀ + bias) / τ)`` without building the
     logits.
 
@@ -409,6 +357,17 @@ def linear_logprobs_and_entropy(
         keep_mask: ``[..., V_local]`` bool (the support as a mask, e.g. from the engine), read
             chunk by chunk: the log-prob over the kept logits (the target always kept), the
             entropy over all. Not with the sampler filters.
+        support_ids: the kept sets as CSR, with ``support_offsets`` ``[N + 1]``, exactly as
+            in :func:`rlops.logprobs.logprobs_and_entropy` (each chunk's keep mask set from
+            its ids; never ``[N, V]``). Not with ``keep_mask`` or the sampler filters.
+        support_offsets: see ``support_ids``.
+        mask: ``[...]`` bool like ``target``: the rows the loss reads. Where False the
+            outputs are exactly 0, ``hidden.grad`` is zero on those rows and nothing reaches
+            ``weight.grad`` or ``bias.grad`` from them. On CPU (values read, not compiling)
+            only the valid rows are multiplied by the weight, forward and backward (a copy
+            of ``hidden[mask]``, ``[n_valid, H]``); elsewhere every row is, with the masked
+            ones zeroed (no host read). Under a ``group``: equal on every rank (checked),
+            one collective.
         top_k: the sampler's top-k, with ``top_p``, ``min_p`` and ``entropy_over_support``
             its support, rebuilt per token chunk from the chunk's logits, as in
             :func:`rlops.logprobs.logprobs_and_entropy`
@@ -448,6 +407,9 @@ def linear_logprobs_and_entropy(
     options = _engine.Options(
         temperature=temperature,
         keep_mask=keep_mask,
+        support_ids=support_ids,
+        support_offsets=support_offsets,
+        mask=mask,
         top_k=top_k,
         top_p=top_p,
         min_p=min_p,
@@ -458,11 +420,11 @@ def linear_logprobs_and_entropy(
         group=group,
         chunk_size=chunk_size,
     )
-    inputs, plan = _engine.prepare(
+    inputs, plan, sel = _engine.prepare(
         _OP, hidden, options, lambda: _checked(hidden, weight, bias, target, options)
     )
     logp, ent, squares = _FusedLinearLogprobsEntropy.apply(
-        inputs.x, inputs.weight, inputs.bias, plan.bound(inputs.target, inputs.keep)
+        inputs.x, inputs.weight, inputs.bias, inputs.target, inputs.keep, *sel, plan
     )
     if with_sum_pi_squared:
         return logp, (ent if with_entropy else None), squares
@@ -500,9 +462,13 @@ def _checked(
     target = check_target(target, lead, "hidden")
     v_local = weight.shape[0]
     keep_mask = check_keep_mask(options.keep_mask, (*lead, v_local), "hidden @ weight.T")
+    mask = check_row_mask(options.mask, lead, "hidden[..., 0]")
+    support = check_support(options.support_ids, options.support_offsets, target.numel())
+    s_ids, s_offsets = (None, None) if support is None else support
     check_same_device(
-        "hidden", hidden, weight=weight, bias=bias, target=target, keep_mask=keep_mask
-    )
+        "hidden", hidden, weight=weight, bias=bias, target=target, keep_mask=keep_mask,
+        mask=mask, support_ids=s_ids, support_offsets=s_offsets,
+    )  # fmt: skip
     n, chunk = target.numel(), options.chunk_size
     return _engine.Checked(
         name="hidden",
@@ -515,6 +481,8 @@ def _checked(
         v_local=v_local,
         chunk=chunk if chunk is not None else default_chunk(n, v_local, hidden.device, linear=True),
         hidden=weight.shape[1],
+        mask=mask,
+        support=support,
     )
 
 
