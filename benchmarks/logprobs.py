@@ -26,6 +26,13 @@ call; memory: the peak resident set above the one once the inputs exist).
   thread each, spinning a small matmul loop) run, started before and killed after each
   measurement, so each variant's slow-down under contention is measured side by side.
 
+* agentic cases (``--agentic``, alone): N x V x H (by default 8192 x 32000 x 512, float32), with
+  a row ``mask`` of ``--valid`` (3%) of the rows, each variant against the same call without
+  it: the linear op forward + backward and the logits op forward (``masked / unmasked``); then
+  the kept sets of ``--ids`` (20 and 512) random ids per row given to the linear op (forward +
+  backward) as CSR (``support_ids``, ``support_offsets``), as the dense ``[N, V]`` bool
+  ``keep_mask`` and not at all (``csr / none`` and ``dense / none``, time and peak memory).
+
 Ratios are fused / baseline (and contended / quiet), computed from the measurements of this
 run: below 1, the fused variant takes less. The full grid has not been timed here; expect hours
 on 2 CPU cores (an H = 2048 case does about 1 TFLOP per output-layer matmul, a few per step,
@@ -290,6 +297,156 @@ def _sizes(name: str) -> str:
     return f"(default {text(FULL[name])}; --quick: {text(QUICK[name])})"
 
 
+# --------------------------------------------------------------------------- agentic shapes
+def _agentic_inputs(n: int, v: int, h: int, valid: float):
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, h, generator=gen).requires_grad_()
+    weight = (torch.randn(v, h, generator=gen) / h**0.5).requires_grad_()
+    target = torch.randint(0, v, (n,), generator=gen)
+    mask = torch.rand(n, generator=gen) < valid
+    grads = [torch.randn(n, generator=gen), torch.randn(n, generator=gen)]
+    return torch, gen, hidden, weight, target, mask, grads
+
+
+def setup_agentic_linear(n: int, v: int, h: int, valid: float, masked: bool) -> Callable:
+    """The linear op forward + backward, with or without the row mask."""
+    torch, _, hidden, weight, target, mask, grads = _agentic_inputs(n, v, h, valid)
+    from rlops.logprobs import linear_logprobs_and_entropy
+
+    kw = {"mask": mask} if masked else {}
+
+    def step() -> None:
+        torch.autograd.backward(list(linear_logprobs_and_entropy(hidden, weight, target, **kw)),
+                                grads)  # fmt: skip
+        hidden.grad = weight.grad = None
+
+    return step
+
+
+def setup_agentic_logits(n: int, v: int, h: int, valid: float, masked: bool) -> Callable:
+    """The logits op forward (no gradient), with or without the row mask."""
+    torch, gen, _, _, target, mask, _ = _agentic_inputs(n, v, 1, valid)
+    from rlops.logprobs import logprobs_and_entropy
+
+    logits = torch.randn(n, v, generator=gen)
+    kw = {"mask": mask} if masked else {}
+
+    def step() -> None:
+        with torch.no_grad():
+            logprobs_and_entropy(logits, target, **kw)
+
+    return step
+
+
+def setup_agentic_support(n: int, v: int, h: int, ids: int, form: str) -> Callable:
+    """The linear op forward + backward with ``ids`` kept ids per row given as CSR, as the
+    dense keep mask (built inside the step, as a trainer does from the engine's sets), or no
+    support (``form``: ``"csr"``, ``"dense"``, ``"none"``)."""
+    torch, gen, hidden, weight, target, _, grads = _agentic_inputs(n, v, h, 1.0)
+    from rlops.logprobs import linear_logprobs_and_entropy
+
+    support_ids = torch.randint(0, v, (n * ids,), generator=gen)
+    offsets = torch.arange(0, n * ids + 1, ids)
+
+    def kw() -> dict:
+        if form == "csr":
+            return {"support_ids": support_ids, "support_offsets": offsets}
+        if form == "dense":
+            keep = torch.zeros(n, v, dtype=torch.bool)
+            keep[torch.arange(n).repeat_interleave(ids), support_ids] = True
+            return {"keep_mask": keep}
+        return {}
+
+    def step() -> None:
+        outs = linear_logprobs_and_entropy(hidden, weight, target, **kw())
+        torch.autograd.backward(list(outs), grads)
+        hidden.grad = weight.grad = None
+
+    return step
+
+
+def agentic(
+    n: int,
+    v: int,
+    h: int,
+    valid: float,
+    ids: list[int],
+    repeats: int,
+    on_row: Callable[[dict], None] | None = None,
+) -> list[dict]:
+    """The agentic cases: ``[{case, variant: measurement, ratios}]``; ``on_row(row)`` as each
+    case completes."""
+    tiny = {"n": 64, "v": 512, "h": 16}
+    rows = []
+    for name, setup in (("linear fwd+bwd", setup_agentic_linear),
+                        ("logits fwd", setup_agentic_logits)):  # fmt: skip
+        got = {
+            tag: measure_in_fresh_process(
+                setup,
+                {"n": n, "v": v, "h": h, "valid": valid, "masked": masked},
+                prime_kwargs={**tiny, "valid": valid, "masked": masked},
+                repeats=repeats,
+            )
+            for tag, masked in (("unmasked", False), ("masked", True))
+        }
+        rows.append({"case": f"{name}, {valid:.0%} valid rows", **got})
+        if on_row is not None:
+            on_row(rows[-1])
+    for k in ids:
+        got = {
+            form: measure_in_fresh_process(
+                setup_agentic_support,
+                {"n": n, "v": v, "h": h, "ids": k, "form": form},
+                prime_kwargs={**tiny, "ids": min(k, 8), "form": form},
+                repeats=repeats,
+            )
+            for form in ("none", "csr", "dense")
+        }
+        rows.append({"case": f"linear fwd+bwd, {k} ids/row", **got})
+        if on_row is not None:
+            on_row(rows[-1])
+    return rows
+
+
+_HEADER = (
+    "| case | variant | time (s) | peak memory (MiB) | time / baseline | memory / baseline |\n"
+    "|---|---|---|---|---|---|"
+)
+
+
+def agentic_report(rows: list[dict]) -> str:
+    lines = []
+    for row in rows:
+        base = row.get("unmasked") or row.get("none")
+        for tag in ("unmasked", "masked", "none", "csr", "dense"):
+            if tag not in row:
+                continue
+            m = row[tag]
+            mem, bmem = m["peak_extra_bytes"] / 2**20, base["peak_extra_bytes"] / 2**20
+            mem_ratio = (mem / bmem) if mem is not None and bmem else None
+            lines.append(
+                f"| {row['case']} | {tag} | {m['time_s']:.3f} | {_fmt(mem)} | "
+                f"{m['time_s'] / base['time_s']:.3f} | {_fmt(mem_ratio)} |"
+            )
+    return "\n".join(lines)
+
+
+def _agentic_main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(description="log-probs at agentic shapes")
+    p.add_argument("--agentic", action="store_true")
+    p.add_argument("--shape", metavar="NxVxH", default="8192x32000x512")
+    p.add_argument("--valid", type=float, default=0.03, help="fraction of valid rows")
+    p.add_argument("--ids", type=positive_int, nargs="+", default=[20, 512])
+    p.add_argument("--repeats", type=positive_int, default=3)
+    args = p.parse_args(argv)
+    n, v, h = (int(x) for x in args.shape.split("x"))
+    print(_HEADER, flush=True)
+    agentic(n, v, h, args.valid, args.ids, args.repeats,
+            on_row=lambda row: print(agentic_report([row]), flush=True))  # fmt: skip
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -327,6 +484,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--agentic" in argv:
+        _agentic_main(argv)
+        return {}
     args = parser().parse_args(argv)
     sizes = QUICK if args.quick else FULL
     kw = {k: getattr(args, k) or sizes[k] for k in FULL}
