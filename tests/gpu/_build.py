@@ -12,7 +12,8 @@ are then called at production shapes; their outputs are garbage (nothing ran) an
 
 Each distinct kernel built is reported once: its case, grid, and what the cubin (built by the
 wheel's ``ptxas``; ``cuobjdump --dump-resource-usage``) and the PTX say: registers, stack
-(spills), shared memory, the widest global load, scalar 16-bit global loads, shuffles.
+(spills), shared memory (the cubin's static and the launch's dynamic), the widest global
+load, scalar 16-bit global loads, shuffles.
 
 ``python -m tests.gpu._build --docs docs/gpu.md`` builds for both targets and writes the
 build table of ``docs/gpu.md`` (``--table`` prints it).
@@ -251,7 +252,8 @@ def build(arch: int, only: str | None = None) -> list[dict]:
             widest, scalar16, loads = ptx_loads(kernel.asm["ptx"])
             rows.append({
                 "case": name, "arch": arch, "kernel": kname, "grid": grid, "dup": False,
-                **_usage(kernel.asm["cubin"]), "num_warps": kernel.metadata.num_warps,
+                **_usage(kernel.asm["cubin"]),
+                "dyn_shared": kernel.metadata.shared, "num_warps": kernel.metadata.num_warps,
                 "ld_bits": widest, "ld16_scalar": scalar16, "ld_global": loads,
                 "shfl": len(_SHFL.findall(kernel.asm["ptx"])),
                 "seconds": round(time.perf_counter() - start, 2),
@@ -298,7 +300,7 @@ def table(rows: list[dict]) -> str:
         width = f"{r['ld_bits']}-bit" if r["ld_bits"] else "—"
         lines.append(
             f"| `{r['kernel']}` | {r['case']} | sm_{r['arch']} | {r['regs']} | {r['stack']} | "
-            f"{r['shared']} | {width} | {r['ld16_scalar']} | {r['shfl']} |"
+            f"{r['shared'] + r['dyn_shared']} | {width} | {r['ld16_scalar']} | {r['shfl']} |"
         )
     return "\n".join(lines)
 
@@ -313,7 +315,7 @@ def summary(rows: list[dict]) -> str:
             f"- sm_{arch}: {len(built)} distinct kernels built, {len(failed)} failures; at most "
             f"{max(r['regs'] for r in built)} registers, "
             f"{sum(r['stack'] > 0 or r['local'] > 0 for r in built)} with spills, at most "
-            f"{max(r['shared'] for r in built)} B of shared memory"
+            f"{max(r['shared'] + r['dyn_shared'] for r in built)} B of shared memory"
         )
     return "\n".join(out)
 
