@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 import rlops
+from rlops._types import Group
 from rlops.compat._trl_loss import LOSS_TYPES, SUPPORTED_TRL, _loss_and_stats, grpo_advantages
 
 __all__ = ["GRPOMixin", "patch"]
@@ -172,7 +173,7 @@ class GRPOMixin:
         **multimodal,
     ):
         if self._rlops_use_trl:
-            return super()._get_per_token_logps_and_entropies(
+            return super()._get_per_token_logps_and_entropies(  # type: ignore[misc]
                 model,
                 input_ids,
                 attention_mask,
@@ -226,12 +227,12 @@ class GRPOMixin:
 
     # ----------------------------------------------------------------------------- advantages
     def _calculate_rewards(self, *args, **kwargs):
-        rewards = super()._calculate_rewards(*args, **kwargs)
+        rewards = super()._calculate_rewards(*args, **kwargs)  # type: ignore[misc]
         self._rlops_rewards = rewards
         return rewards
 
     def _generate_and_score_completions(self, generation_batch):
-        out = super()._generate_and_score_completions(generation_batch)
+        out = super()._generate_and_score_completions(generation_batch)  # type: ignore[misc]
         t: Any = self
         rewards = self._rlops_rewards
         assert rewards is not None
@@ -267,7 +268,7 @@ class GRPOMixin:
         params = [p for p in model.parameters() if p.requires_grad]
         grads = t.accelerator.num_processes == 1 and torch.is_grad_enabled()
         with self._rlops_as_trl():
-            ref = super()._compute_loss(model, inputs)
+            ref = super()._compute_loss(model, inputs)  # type: ignore[misc]
         ref_grads = torch.autograd.grad(ref, params, allow_unused=True) if grads else ()
         ref = ref.detach()
         for key in list(t._metrics[mode]):  # keep TRL's metrics of this step out of the logs
@@ -366,7 +367,7 @@ class GRPOMixin:
             metrics[name].append(value)
 
 
-def _group(accelerator: Any) -> object:
+def _group(accelerator: Any) -> Group:
     """The process group of the data-parallel processes, None for one process."""
     if accelerator.num_processes == 1:
         return None

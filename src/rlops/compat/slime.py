@@ -447,14 +447,14 @@ def value_loss_function(args, batch, logits, sum_of_sample_mean, *, cp_group=Non
         (tensor(5.), tensor(0.5000))
     """
     clip = check_positive("value_clip", args.value_clip)
-    values = response_values(
+    per_sample = response_values(
         logits,
         batch["total_lengths"],
         batch["response_lengths"],
         allgather_cp=bool(getattr(args, "allgather_cp", False)),
         cp_group=cp_group,
     )
-    values = torch.cat([v.flatten() for v in values])
+    values = torch.cat([v.flatten() for v in per_sample])
     old = torch.cat(list(batch["values"]))
     returns = torch.cat(list(batch["returns"]))
     check_same_shape("values read from logits", values,

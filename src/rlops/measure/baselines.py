@@ -97,7 +97,9 @@ def masked_whiten_moments(x, mask):
 def group_loop(scores, index, mask, kind, eps=1e-6):
     """Group-baseline advantages with a dict of lists per group id and a loop over samples."""
     scores = scores.clone()
-    by_id, mean, std = defaultdict(list), {}, {}
+    by_id: defaultdict = defaultdict(list)
+    mean: dict = {}
+    std: dict = {}
     for i in range(scores.shape[0]):
         by_id[index[i]].append(scores[i])
     for k, vals in by_id.items():

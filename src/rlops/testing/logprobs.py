@@ -292,7 +292,7 @@ def check_logprobs(
         pad_t = torch.zeros(16, dtype=target.dtype)
         # (label, logits, target, positions of base rows idx in the batch, idx)
         every = torch.arange(16)
-        cases = [
+        cases: list[tuple[str, torch.Tensor, torch.Tensor, object, object]] = [
             (f"row {i} alone", logits[i : i + 1], target[i : i + 1], [0], [i]) for i in (0, 7, 15)
         ]
         cases += [
@@ -340,8 +340,8 @@ def check_logprobs(
         logits = logits.masked_fill(masked, -math.inf).to(dt0)
         z = logits.to(dev).requires_grad_(True)
         out = _call(fn, z, target.to(dev), temperature)
-        refs = ([], [])
-        plains = ([], [])
+        refs: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        plains: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for i in range(rows):  # the definition on each row's finite entries
             kept = ~masked[i]
             zi = logits[i, kept][None]
@@ -358,7 +358,10 @@ def check_logprobs(
         ok, value, figure = _worst(_compare(out, ref, plain))
         live = [o for o in out if o is not None and o.requires_grad]
         if live:
-            (grad,) = torch.autograd.grad(sum(o.sum() for o in live), z, allow_unused=True)
+            total = torch.zeros((), dtype=torch.float64, device=z.device)
+            for o in live:
+                total = total + o.sum()
+            (grad,) = torch.autograd.grad(total, z, allow_unused=True)
             finite = grad is not None and bool(torch.isfinite(grad).all())
             ok = ok and finite
             figure += "; gradient finite" if finite else "; gradient not finite"
