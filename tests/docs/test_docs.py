@@ -30,7 +30,8 @@ FENCE = re.compile(r"^```\s*(?P<lang>[\w+-]*)\s*$")
 IMPORT = re.compile(r"^\s*(?:from|import)\s+(?P<mod>[A-Za-z_]\w*)", re.MULTILINE)
 #: any opening fence of Python code, also the forms the extractor does not read (indented,
 #: ``~~~``, ``py``): counted separately so that such a block fails instead of never running
-ANY_PYTHON_FENCE = re.compile(r"^\s*(```|~~~)\s*\{?\.?(python3?|py)\b", re.MULTILINE)
+#: (spaces and tabs only: a bare ``` followed by a line starting "python" is not one)
+ANY_PYTHON_FENCE = re.compile(r"^[ \t]*(```|~~~)[ \t]*\{?\.?(python3?|py)\b", re.MULTILINE)
 #: trainers whose documented call sites run against a stand-in where they are not installed
 STANDIN_PACKAGES = ("verl", "slime")
 
@@ -104,6 +105,7 @@ def test_extractor_reads_python_blocks_only(tmp_path):
         unread.write_text(text)
         assert extract_blocks(unread) == []
         assert len(ANY_PYTHON_FENCE.findall(text)) == 1  # counted: test_every_block_ran fails
+    assert ANY_PYTHON_FENCE.findall("```\npython script.py\n```\n") == []  # a shell line
 
 
 @pytest.mark.parametrize("path, line, code", CASES)
