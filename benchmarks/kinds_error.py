@@ -8,7 +8,8 @@ inputs), per kind: the largest |ℓ| of the per-token loss, the largest absolute
 ``rlops.policy_loss(..., agg=None)`` against the 40-digit definition, that of a plain loop in
 float32 (one token at a time, the formula as written in the paper), and that of the same loop in
 the input dtype (for bfloat16: what a loop kept in bfloat16 gives). Then the same for the
-``token-mean`` loss. The definitions are those of ``tests/losses/test_policy_kinds_luspo_vespo_dppo.py``.
+``token-mean`` loss. The definitions are those of
+``tests/losses/test_policy_kinds_luspo_vespo_dppo.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tests.losses.test_policy_kinds_luspo_vespo_dppo import CASES, Exact, Same, as_tensor, definition, inputs
+from tests.losses.test_policy_kinds_luspo_vespo_dppo import (
+    CASES,
+    Exact,
+    Same,
+    as_tensor,
+    definition,
+    inputs,
+)
 
 import rlops
 

@@ -51,13 +51,36 @@ __all__ = ["COLLECTIVES", "RankError", "count_collectives", "run_distributed"]
 
 # Every torch.distributed call that communicates (collectives and point-to-point).
 COLLECTIVES = (
-    "all_gather", "all_gather_coalesced", "all_gather_into_tensor", "all_gather_object",
-    "all_gather_single", "reduce_scatter_single",
-    "all_reduce", "all_reduce_coalesced", "all_to_all", "all_to_all_single", "barrier",
-    "batch_isend_irecv", "broadcast", "broadcast_object_list", "gather", "gather_object",
-    "irecv", "isend", "monitored_barrier", "recv", "recv_object_list", "reduce",
-    "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list", "send",
-    "send_object_list", "_all_gather_base", "_reduce_scatter_base",
+    "all_gather",
+    "all_gather_coalesced",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "irecv",
+    "isend",
+    "monitored_barrier",
+    "recv",
+    "recv_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "send_object_list",
+    "_all_gather_base",
+    "_reduce_scatter_base",
 )
 
 
@@ -105,16 +128,25 @@ def count_collectives() -> Iterator[Counter]:
             setattr(module, name, original)
 
 
-def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, kwargs: dict,
-           results: Any, timeout: float) -> None:
+def _child(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    results: Any,
+    timeout: float,
+) -> None:
     try:
         torch.set_num_threads(1)
         if sys.platform.startswith("linux"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         delta = datetime.timedelta(seconds=timeout)
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=delta)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=delta)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=delta
+        )
         try:
             out = fn(rank, world_size, *args, **kwargs)
             buf = io.BytesIO()
@@ -151,8 +183,9 @@ def _failures(rank: int, payload: str, results: Any, world_size: int) -> str:
     return "\n".join(msgs)
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 60.0,
-                    **kwargs: Any) -> list[Any]:
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 60.0, **kwargs: Any
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` Gloo ranks; see module doc.
 
     Returns the ranks' return values in rank order. Raises :class:`RankError` if a rank raises
@@ -163,8 +196,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     delta = datetime.timedelta(seconds=timeout)
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, timeout=delta,
-                          wait_for_workers=False)
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world_size + 1, is_master=True, timeout=delta, wait_for_workers=False
+    )
     root = _import_root()
     added = root not in sys.path
     if added:  # children inherit sys.path: let them import this module and fn's module
@@ -189,13 +223,14 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             try:
                 rank, ok, payload = results.get(timeout=0.2)
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs)
-                        if r not in out and p.exitcode is not None]
+                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
                 if dead:
                     time.sleep(0.5)  # a report may still be in flight
                     if results.empty():
-                        raise RankError(f"rank {dead[0]} exited with code "
-                                        f"{procs[dead[0]].exitcode} without reporting") from None
+                        raise RankError(
+                            f"rank {dead[0]} exited with code "
+                            f"{procs[dead[0]].exitcode} without reporting"
+                        ) from None
                     continue
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(world_size)) - set(out))

@@ -19,6 +19,7 @@ __all__ = [
     "sum_pi_squared_oracle",
 ]
 
+
 def forward_backward(
     fn: Callable, inputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], **kw
 ) -> list[torch.Tensor | None]:
@@ -26,8 +27,11 @@ def forward_backward(
     ``grads`` (one per output; None skips that output). Float inputs are leaves needing grad."""
     leaves = [x.detach().requires_grad_() if x.is_floating_point() else x for x in inputs]
     outs = fn(*leaves, **kw)
-    pairs = [(o, g.to(o.dtype)) for o, g in zip(outs, grads, strict=True)
-             if o is not None and g is not None and o.requires_grad]
+    pairs = [
+        (o, g.to(o.dtype))
+        for o, g in zip(outs, grads, strict=True)
+        if o is not None and g is not None and o.requires_grad
+    ]
     if pairs:
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
     res = [None if o is None else o.detach() for o in outs]

@@ -37,15 +37,18 @@ def vectorised_scan(self, inputs):
     while d < n:
         # element i combines with i - d; the first d lanes compute on a wrapped partner and are
         # discarded (block shapes must stay powers of two)
-        prev = [self.to_tensor(np.roll(x, d, axis=axis), dt)
-                for x, dt in zip(data, dtypes, strict=True)]
+        prev = [
+            self.to_tensor(np.roll(x, d, axis=axis), dt) for x, dt in zip(data, dtypes, strict=True)
+        ]
         cur = [self.to_tensor(x, dt) for x, dt in zip(data, dtypes, strict=True)]
         with np.errstate(all="ignore"):
             out = self.combine_fn.fn(*prev, *cur)
         out = out if isinstance(out, tuple) else (out,)
         keep = (np.arange(n) >= d).reshape([-1 if i == axis else 1 for i in range(data[0].ndim)])
-        data = [np.where(keep, np.broadcast_to(o.handle.data, x.shape), x)
-                for x, o in zip(data, out, strict=True)]
+        data = [
+            np.where(keep, np.broadcast_to(o.handle.data, x.shape), x)
+            for x, o in zip(data, out, strict=True)
+        ]
         d *= 2
     return [self.to_tensor(x, dt) for x, dt in zip(data, dtypes, strict=True)]
 

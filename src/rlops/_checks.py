@@ -260,9 +260,7 @@ def check_real(name: str, value: object) -> float:
     return v
 
 
-def check_bounds(
-    name: str, high: object, low_name: str, low: object
-) -> tuple[float | None, float]:
+def check_bounds(name: str, high: object, low_name: str, low: object) -> tuple[float | None, float]:
     """Bounds ``0 < low <= high`` (``high`` may be ``inf``; ``low=None``: no lower bound),
     returned as ``(low, high)`` floats."""
     hi = check_positive(name, high)
@@ -274,9 +272,7 @@ def check_bounds(
     return lo, hi
 
 
-def as_int(
-    name: str, value: object, minimum: int | None = None, *, tensor: bool = True
-) -> int:
+def as_int(name: str, value: object, minimum: int | None = None, *, tensor: bool = True) -> int:
     """An integer (Python, numpy, or, where ``tensor``, a 0-dim integer tensor, read on the
     host) as an ``int``, ``>= minimum``."""
     if isinstance(value, bool) or (
@@ -396,9 +392,7 @@ def check_unit_interval(name: str, value: object) -> float | torch.Tensor:
     return float(value)
 
 
-def per_row_discount(
-    name: str, value: object, b: int, ref: torch.Tensor
-) -> float | torch.Tensor:
+def per_row_discount(name: str, value: object, b: int, ref: torch.Tensor) -> float | torch.Tensor:
     """A discount in [0, 1] given as a number or a ``[B]`` (or ``[B, 1]``) tensor: returned as
     a float, or a ``[B, 1]`` tensor on ``ref``'s device. A 0-dim tensor is read as a number
     (one host read), so it gives exactly what the same Python float gives."""

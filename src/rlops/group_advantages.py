@@ -514,8 +514,7 @@ def gdpo_advantages(
         raise shape_error("scores", f"[B, K] with B = {b} like mask", scores.shape)
     k = cols.shape[1]
     if k == 0:
-        raise shape_error("scores", "[B, K] with at least one reward column (K >= 1)",
-                          scores.shape)
+        raise shape_error("scores", "[B, K] with at least one reward column (K >= 1)", scores.shape)
     if weights is None:
         w = torch.ones(k, dtype=torch.float64)
     else:
@@ -605,12 +604,22 @@ def optimal_token_baseline_advantages(
     keep = as_bool_mask("mask", mask, (b, t), "[B, T]")
     check_ids("index", index, (b,), "rewards")
     per_token = check_per_row("rewards", rewards, b, t) == 2
-    for name, x in (("logp", logp), ("sum_pi_squared", sum_pi_squared),
-                    ("rollout_is_weights", rollout_is_weights)):
+    for name, x in (
+        ("logp", logp),
+        ("sum_pi_squared", sum_pi_squared),
+        ("rollout_is_weights", rollout_is_weights),
+    ):
         if x is not None and tuple(as_float_tensor(name, x).shape) != (b, t):
             raise shape_error(name, f"[B, T] = {[b, t]} like mask", x.shape)
-    check_same_device("rewards", rewards, index=index, mask=mask, logp=logp,
-                      sum_pi_squared=sum_pi_squared, rollout_is_weights=rollout_is_weights)
+    check_same_device(
+        "rewards",
+        rewards,
+        index=index,
+        mask=mask,
+        logp=logp,
+        sum_pi_squared=sum_pi_squared,
+        rollout_is_weights=rollout_is_weights,
+    )
     dtype = compute_dtype(rewards.dtype)
     wide = _wide_dtype(keep.device)
     if per_token:

@@ -103,23 +103,42 @@ class _Batch:
     (per-sequence) action counts and sums of ``d`` over whole rows (over every rank of
     ``cp_group``), each ``[B, K]`` (``K = 1`` unless the rows are packed)."""
 
-    def __init__(self, old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
-                 cp_group: Group, cp_layout: object, seq_ids: object, seqs_per_row: object,
-                 group: Group) -> None:
+    def __init__(
+        self,
+        old_logp: torch.Tensor,
+        rollout_logp: torch.Tensor,
+        mask: torch.Tensor,
+        cp_group: Group,
+        cp_layout: object,
+        seq_ids: object,
+        seqs_per_row: object,
+        group: Group,
+    ) -> None:
         check_2d("old_logp", old_logp)
         check_same_shape("old_logp", old_logp, rollout_logp=rollout_logp)
         self.keep = as_bool_mask("mask", mask, old_logp.shape, "old_logp", old_logp)
         self.dtype = compute_dtype(torch.promote_types(old_logp.dtype, rollout_logp.dtype))
-        self.rowset = Rows(self.keep, self.dtype, cp_group=cp_group, cp_layout=cp_layout,
-                         seq_ids=seq_ids, seqs_per_row=seqs_per_row, group=group)
+        self.rowset = Rows(
+            self.keep,
+            self.dtype,
+            cp_group=cp_group,
+            cp_layout=cp_layout,
+            seq_ids=seq_ids,
+            seqs_per_row=seqs_per_row,
+            group=group,
+        )
         self.cp_group, self.group = cp_group, group
         diff = old_logp.detach().to(self.dtype) - rollout_logp.detach().to(self.dtype)
         self.d = torch.where(self.keep, diff, 0)
 
     def describe(self, op: str, **fields: object) -> Call:
         """What every rank of ``group`` and ``cp_group`` must agree on for this call."""
-        self.call = Call(op, implied=None, **fields,
-                         **{"cp_group size": self.rowset.cp_world, **self.rowset.fields()})
+        self.call = Call(
+            op,
+            implied=None,
+            **fields,
+            **{"cp_group size": self.rowset.cp_world, **self.rowset.fields()},
+        )
         self.rowset.call = self.call
         return self.call
 
@@ -193,8 +212,9 @@ class _Tally:
         :func:`rlops.distributed.collectives.gather` (which checks that every rank makes the
         same ``call``)."""
         names = [*self.sums, *self.maxes]
-        local = torch.stack([v.to(torch.float64) for v in (*self.sums.values(),
-                                                            *self.maxes.values())])
+        local = torch.stack(
+            [v.to(torch.float64) for v in (*self.sums.values(), *self.maxes.values())]
+        )
         if group is not None:
             gathered = gather(local, group, call, name)
             n = len(self.sums)
@@ -404,8 +424,14 @@ def rollout_importance_weights(
     low, threshold = check_bounds("threshold", threshold, "low", low)
     lo, hi = (-math.inf if low is None else math.log(low)), math.log(threshold)
     check_bool("batch_normalize", batch_normalize)
-    b.describe("rollout_importance_weights", level=level, mode=mode, threshold=threshold,
-                      low=low, batch_normalize=batch_normalize)
+    b.describe(
+        "rollout_importance_weights",
+        level=level,
+        mode=mode,
+        threshold=threshold,
+        low=low,
+        batch_normalize=batch_normalize,
+    )
 
     b.gather_rows()
     if level == "token":
@@ -474,8 +500,11 @@ def _rs_bounds(option: str, spec: object) -> tuple[float, float]:
 
 def _as_given(option: str, spec: object) -> float | tuple[float, ...]:
     """One option's threshold(s) as given (numbers as floats), for :class:`Call`."""
-    return tuple(as_real(option, v) for v in spec) if isinstance(spec, tuple | list) else (
-        as_real(option, spec))
+    return (
+        tuple(as_real(option, v) for v in spec)
+        if isinstance(spec, tuple | list)
+        else (as_real(option, spec))
+    )
 
 
 @fails_together()
@@ -570,13 +599,17 @@ def rollout_rejection_mask(
     row_options = [o for o in bounds if not o.startswith("token")]
     row_sums, row_maxes = b.gather_rows(
         tuple(token_stats[o[-2:]] for o in row_options if not o.startswith("seq_max")),
-        (*(token_stats[o[-2:]] for o in row_options if o.startswith("seq_max")),
-         (b.keep & ~token_passed).to(b.dtype)),
+        (
+            *(token_stats[o[-2:]] for o in row_options if o.startswith("seq_max")),
+            (b.keep & ~token_passed).to(b.dtype),
+        ),
     )
-    row_stats = dict(zip([o for o in row_options if not o.startswith("seq_max")], row_sums,
-                         strict=True))
-    row_stats.update(zip([o for o in row_options if o.startswith("seq_max")], row_maxes[:-1],
-                         strict=True))
+    row_stats = dict(
+        zip([o for o in row_options if not o.startswith("seq_max")], row_sums, strict=True)
+    )
+    row_stats.update(
+        zip([o for o in row_options if o.startswith("seq_max")], row_maxes[:-1], strict=True)
+    )
     t = _Tally(b.dtype)
     keep = b.keep
     t.add("tokens", b.keep.sum())

@@ -99,8 +99,15 @@ def _value(u: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
     return bits.to(_INT[dtype]).view(dtype)
 
 
-def _rounds(x: torch.Tensor, valid: torch.Tensor, weights: list[torch.Tensor], targets: int,
-            group: Group, call: Call, choose) -> tuple[torch.Tensor, int]:
+def _rounds(
+    x: torch.Tensor,
+    valid: torch.Tensor,
+    weights: list[torch.Tensor],
+    targets: int,
+    group: Group,
+    call: Call,
+    choose,
+) -> tuple[torch.Tensor, int]:
     """Radix select over the keys of the entries of ``x`` where ``valid`` (both flattened),
     over every rank of ``group``.
 
@@ -113,8 +120,10 @@ def _rounds(x: torch.Tensor, valid: torch.Tensor, weights: list[torch.Tensor], t
     u, width = _unsigned_key(x.reshape(-1))
     on = valid.reshape(-1)
     prefix = torch.zeros(targets, dtype=torch.int64, device=x.device)
-    cols = [on.to(torch.float64),
-            *(torch.where(on, w.reshape(-1).to(torch.float64), 0.0) for w in weights)]
+    cols = [
+        on.to(torch.float64),
+        *(torch.where(on, w.reshape(-1).to(torch.float64), 0.0) for w in weights),
+    ]
     for r in range(width // 8):
         shift = width - 8 * (r + 1)
         digit = ((u >> shift) & (_BINS - 1)).expand(targets, -1)
@@ -122,10 +131,14 @@ def _rounds(x: torch.Tensor, valid: torch.Tensor, weights: list[torch.Tensor], t
             match = torch.ones(targets, u.numel(), dtype=torch.bool, device=x.device)
         else:
             match = (u >> (shift + 8))[None, :] == (prefix >> (shift + 8))[:, None]
-        hist = torch.stack([
-            torch.zeros(targets, _BINS, dtype=torch.float64, device=x.device)
-            .scatter_add_(1, digit, torch.where(match, c, 0.0)) for c in cols
-        ])
+        hist = torch.stack(
+            [
+                torch.zeros(targets, _BINS, dtype=torch.float64, device=x.device).scatter_add_(
+                    1, digit, torch.where(match, c, 0.0)
+                )
+                for c in cols
+            ]
+        )
         hist = gather(hist, group, call.with_fields(round=r)).sum(0)
         prefix = prefix | (choose(r, hist) << shift)
     return prefix, width
@@ -269,9 +282,13 @@ def m2po_mask(
     def choose(r: int, hist: torch.Tensor) -> torch.Tensor:
         count, g = hist[0, 0], hist[1, 0]
         if r == 0:
-            state.update(n=count.sum(), total=g.sum(), below_n=count.new_zeros(()),
-                         below_g=count.new_zeros(()), found=torch.ones((), dtype=torch.bool,
-                                                                       device=count.device))
+            state.update(
+                n=count.sum(),
+                total=g.sum(),
+                below_n=count.new_zeros(()),
+                below_g=count.new_zeros(()),
+                found=torch.ones((), dtype=torch.bool, device=count.device),
+            )
         c_end = state["below_n"] + count.cumsum(0)
         g_end = state["below_g"] + g.cumsum(0)
         rising = (g_end >= 0) & (c_end > 0)
@@ -375,8 +392,12 @@ def top_entropy_mask(
             n = count[0].sum()
             p = level * (n.to(dtype) - 1).clamp_min(0)
             lo = p.floor()
-            state.update(n=n, frac=p - lo, rank=torch.stack([lo, p.ceil()]).to(torch.float64),
-                         below=count.new_zeros(2))
+            state.update(
+                n=n,
+                frac=p - lo,
+                rank=torch.stack([lo, p.ceil()]).to(torch.float64),
+                below=count.new_zeros(2),
+            )
         c_end = state["below"][:, None] + count.cumsum(-1)
         digit = (c_end <= state["rank"][:, None]).sum(-1).clamp_max(_BINS - 1)
         pick = digit[:, None]
@@ -483,8 +504,16 @@ def behavior_importance_weights(
     mode = "mask" if action == "mask" else "truncate"
 
     def weights(lvl: str, how: str, high: float, bottom: float | None = None):
-        return rollout_importance_weights(old_logp, rollout_logp, mask, level=lvl, mode=how,
-                                          threshold=high, low=bottom, cp_group=cp_group)
+        return rollout_importance_weights(
+            old_logp,
+            rollout_logp,
+            mask,
+            level=lvl,
+            mode=how,
+            threshold=high,
+            low=bottom,
+            cp_group=cp_group,
+        )
 
     if level == "token" or agg == "mean":
         lvl = "token" if level == "token" else "geometric"
@@ -513,8 +542,9 @@ def behavior_importance_weights(
     sums = torch.stack([base.sum(), n_changed, keep.sum()]).to(torch.float64)
     sums = torch.cat([sums, w.to(torch.float64).sum().reshape(1)])
     if group is not None:
-        call = Call("behavior_importance_weights", level=level, agg=agg, action=action,
-                    upper=up, lower=low)
+        call = Call(
+            "behavior_importance_weights", level=level, agg=agg, action=action, upper=up, lower=low
+        )
         sums = gather(sums, group, call).sum(0)
     metrics = {
         "behave_filtered_fraction": (sums[1] / sums[0].clamp_min(1)).to(dtype),
@@ -523,8 +553,14 @@ def behavior_importance_weights(
     return w, keep, metrics
 
 
-def _row_max_in_bounds(old_logp: torch.Tensor, rollout_logp: torch.Tensor, keep: torch.Tensor,
-                       low: float | None, up: float, cp_group: Group) -> torch.Tensor:
+def _row_max_in_bounds(
+    old_logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    keep: torch.Tensor,
+    low: float | None,
+    up: float,
+    cp_group: Group,
+) -> torch.Tensor:
     """``[B]``: whether ``log lower ≤ max_{A_b} d ≤ log upper`` (a row without action tokens
     is in bounds, as AReaL); the maximum over every rank of ``cp_group``."""
     dtype = compute_dtype(torch.promote_types(old_logp.dtype, rollout_logp.dtype))
@@ -539,4 +575,3 @@ def _row_max_in_bounds(old_logp: torch.Tensor, rollout_logp: torch.Tensor, keep:
     lo = -math.inf if low is None else math.log(low)
     empty = top == -math.inf
     return empty | ((top >= lo) & (top <= math.log(up)))
-

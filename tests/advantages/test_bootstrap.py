@@ -15,12 +15,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.oracles import (
-    EXTENDED,
-    discounted_returns_bootstrap_oracle,
-    discounted_returns_oracle,
-    gae_bootstrap_oracle,
-)
 from tests.advantages.test_gae_and_returns import (
     DTYPES,
     HALF,
@@ -30,6 +24,12 @@ from tests.advantages.test_gae_and_returns import (
 )
 from tests.advantages.test_gae_and_returns import (
     make_discounts as per_row_discounts,
+)
+from tests.oracles import (
+    EXTENDED,
+    discounted_returns_bootstrap_oracle,
+    discounted_returns_oracle,
+    gae_bootstrap_oracle,
 )
 from tests.tolerances import ALL_METHODS, for_each_method
 
@@ -193,9 +193,7 @@ def test_hand_computed_values():
     d = torch.tensor([[0, 0, 0, 1, 0]])
     boot = torch.tensor([[float("nan"), 3.0, float("nan"), 7.0, float("nan")]])
     for method in ALL_METHODS:
-        out = discounted_returns(
-            r, gamma=0.5, dones=d, bootstrap=boot, truncated=tr, method=method
-        )
+        out = discounted_returns(r, gamma=0.5, dones=d, bootstrap=boot, truncated=tr, method=method)
         torch.testing.assert_close(out, torch.tensor([[1.25, 2.5, 0.5, 1.0, 2.0]]))
     # a truncation on a mask-0 token (a cut after a tool output): the value after it reaches
     # the last action token before it, one gamma away; V = 0 here, so A = G
@@ -310,8 +308,15 @@ def test_gradients_match_reference_and_gradcheck():
             ((adv * up[0]).sum() + (ret * up[1]).sum()).backward()
             grads[method] = [x.grad for x in leaves]
             leaves = [x.clone().requires_grad_() for x in (r, boot)]
-            out = discounted_returns(leaves[0], gamma=0.9, mask=mask, dones=dones,
-                                     bootstrap=leaves[1], truncated=tr, method=method)
+            out = discounted_returns(
+                leaves[0],
+                gamma=0.9,
+                mask=mask,
+                dones=dones,
+                bootstrap=leaves[1],
+                truncated=tr,
+                method=method,
+            )
             (out * up[0]).sum().backward()
             grads[method] += [x.grad for x in leaves]
         for method in ("chunked", "auto"):
@@ -347,8 +352,9 @@ def test_bad_arguments_name_themselves():
     with pytest.raises(ValueError, match="truncated needs bootstrap="):
         gae(r, v, gamma=1.0, lam=1.0, truncated=torch.zeros(2, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"truncated needs a per-token bootstrap \[B, T\]"):
-        discounted_returns(r, gamma=1.0, bootstrap=torch.zeros(2),
-                           truncated=torch.zeros(2, 5, dtype=torch.bool))
+        discounted_returns(
+            r, gamma=1.0, bootstrap=torch.zeros(2), truncated=torch.zeros(2, 5, dtype=torch.bool)
+        )
     with pytest.raises(ValueError, match=r"a per-token bootstrap \[B, T\] needs truncated="):
         gae(r, v, gamma=1.0, lam=1.0, bootstrap=torch.zeros(2, 5))
     with pytest.raises(ValueError, match=r"truncated must have shape \[2, 5\]"):
@@ -358,8 +364,14 @@ def test_bad_arguments_name_themselves():
     with pytest.raises(ValueError, match="cp_layout must be one of"):
         gae(r, v, gamma=1.0, lam=1.0, cp_layout="ring")
     with pytest.raises(ValueError, match=r"requires grad|gradient"):
-        gae(r, v, gamma=1.0, lam=1.0, bootstrap=torch.zeros(2, requires_grad=True),
-            method="compiled")
+        gae(
+            r,
+            v,
+            gamma=1.0,
+            lam=1.0,
+            bootstrap=torch.zeros(2, requires_grad=True),
+            method="compiled",
+        )
 
 
 # --------------------------------------------------------------------------- property

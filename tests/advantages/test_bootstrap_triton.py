@@ -58,11 +58,14 @@ def _inputs(b, t, form, dt, gen):
 CASES = [
     pytest.param(b, t, form, g, lam, dt, id=f"{dt}-{form}-g{g}-l{lam}-B{b}-T{t}")
     for (b, t), form, (g, lam), dt in itertools.chain(
-        itertools.product([(1, 1), (3, 127), (2, 128), (2, 129), (1, 1000)], ["row", "token"],
-                          [(0.99, 0.95)], ["float32"]),
+        itertools.product(
+            [(1, 1), (3, 127), (2, 128), (2, 129), (1, 1000)],
+            ["row", "token"],
+            [(0.99, 0.95)],
+            ["float32"],
+        ),
         itertools.product([(2, 301)], ["row", "token"], [(0.0, 0.0), (1.0, 1.0)], ["float32"]),
-        itertools.product([(2, 301)], ["row", "token"], [(0.99, 0.95)],
-                          ["float64", "bfloat16"]),
+        itertools.product([(2, 301)], ["row", "token"], [(0.99, 0.95)], ["float64", "bfloat16"]),
     )
 ]
 

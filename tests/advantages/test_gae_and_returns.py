@@ -507,6 +507,4 @@ def test_long_sequence_gae_at_gamma_lam_one(method):
     assert_within_reference(f"T=131072 {method} returns", ret, ret_o, ret_r, chunked_out=ret_c)
     g = discounted_returns(rewards, gamma=1.0, method=method)
     g_c = discounted_returns(rewards, gamma=1.0, method="chunked")
-    assert_within_reference(
-        f"T=131072 {method} discounted returns", g, g_o, g_r, chunked_out=g_c
-    )
+    assert_within_reference(f"T=131072 {method} discounted returns", g, g_o, g_r, chunked_out=g_c)

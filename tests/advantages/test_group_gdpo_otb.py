@@ -83,7 +83,7 @@ def ref_otb(rewards, index, mask, logp, spp, isw, zero_tail, eps, tir):
             ls = sorted(lengths[i] for i in rows)
             longest = [i for i in rows if lengths[i] == ls[-1]]
             if len(longest) == 1 and ls[-1] > ls[-2]:
-                base[longest[0], ls[-2]:] = 0
+                base[longest[0], ls[-2] :] = 0
     adv_c = gv - base
     if tir:
         adv = torch.zeros(b, t, dtype=dt)
@@ -111,8 +111,15 @@ def test_otb_matches_verl_formula(tir, zero_tail, with_is):
     spp = torch.rand(b, t, generator=g, dtype=torch.float64) * 0.5 + 0.1
     isw = torch.rand(b, t, generator=g, dtype=torch.float64) + 0.5 if with_is else None
     adv, ret = optimal_token_baseline_advantages(
-        rewards, index, mask, logp, spp, rollout_is_weights=isw, handle_zero_tail=zero_tail,
-        per_action_step=tir)
+        rewards,
+        index,
+        mask,
+        logp,
+        spp,
+        rollout_is_weights=isw,
+        handle_zero_tail=zero_tail,
+        per_action_step=tir,
+    )
     r_adv, r_ret = ref_otb(rewards, index, mask, logp, spp, isw, zero_tail, 1e-8, tir)
     torch.testing.assert_close(adv, r_adv)
     torch.testing.assert_close(ret, r_ret)
@@ -126,12 +133,14 @@ def test_otb_without_gaps_tir_equals_otb_and_equal_weights_give_the_group_mean()
     logp = torch.full((6, 5), -0.5, dtype=torch.float64)
     spp = torch.full((6, 5), 0.4, dtype=torch.float64)
     a1, _ = optimal_token_baseline_advantages(r, idx, mask, logp, spp, eps=0.0)
-    a2, _ = optimal_token_baseline_advantages(r, idx, mask, logp, spp, eps=0.0,
-                                              per_action_step=True)
+    a2, _ = optimal_token_baseline_advantages(
+        r, idx, mask, logp, spp, eps=0.0, per_action_step=True
+    )
     torch.testing.assert_close(a1, a2)
     ret = r.flip(-1).cumsum(-1).flip(-1)
-    mean = torch.cat([ret[:3].mean(0, keepdim=True).expand(3, 5),
-                      ret[3:].mean(0, keepdim=True).expand(3, 5)])
+    mean = torch.cat(
+        [ret[:3].mean(0, keepdim=True).expand(3, 5), ret[3:].mean(0, keepdim=True).expand(3, 5)]
+    )
     torch.testing.assert_close(a1, ret - mean)
 
 
@@ -152,13 +161,14 @@ def test_float32_error_at_most_twice_the_float32_loops(tir):
     args64 = (rewards, index, mask, logp, spp)
     args32 = (rewards.float(), index, mask, logp.float(), spp.float())
     oracle, _ = ref_otb(rewards, index, mask, logp, spp, None, True, 1e-8, tir)
-    loop32, _ = ref_otb(rewards.float(), index, mask, logp.float(), spp.float(), None, True,
-                        1e-8, tir)
+    loop32, _ = ref_otb(
+        rewards.float(), index, mask, logp.float(), spp.float(), None, True, 1e-8, tir
+    )
     out, _ = optimal_token_baseline_advantages(*args32, per_action_step=tir)
     assert_within_reference("otb", out, oracle, loop32)
-    torch.testing.assert_close(optimal_token_baseline_advantages(*args64,
-                                                                 per_action_step=tir)[0],
-                               oracle)
+    torch.testing.assert_close(
+        optimal_token_baseline_advantages(*args64, per_action_step=tir)[0], oracle
+    )
     scores = torch.randn(b, 3, generator=g, dtype=torch.float64) * torch.tensor([1, 1e3, 1e-3])
     oracle = ref_gdpo(scores, index, mask, [1.0, 1.0, 1.0], True)
     loop32 = ref_gdpo(scores.float(), index, mask, [1.0, 1.0, 1.0], True)

@@ -159,8 +159,9 @@ def test_odd_sizes_with_random_groups(dtype, b):
     sizes[-1] -= sum(sizes) - b
     if sizes[-1] < 2:
         sizes[-2] += sizes.pop()
-    index = torch.repeat_interleave(torch.randperm(len(sizes), generator=gen) * 3 - 50,
-                                    torch.tensor(sizes))[torch.randperm(b, generator=gen)]
+    index = torch.repeat_interleave(
+        torch.randperm(len(sizes), generator=gen) * 3 - 50, torch.tensor(sizes)
+    )[torch.randperm(b, generator=gen)]
     scores = (torch.randint(-4, 5, (b,), generator=gen) / 4).to(dtype)
     mask = random_mask(b, 9, gen)
     acc = acc_dtype(dtype)
@@ -239,8 +240,9 @@ def test_passk_hand_computed():
     std0, std2 = math.sqrt(((-4 / 3) ** 2 + (5 / 3) ** 2 + (-1 / 3) ** 2) / 2), math.sqrt(18)
     expected = torch.tensor([0, 2 / std0, 0, 0, 0, 0, 6 / std2, 0], dtype=torch.float64)
     torch.testing.assert_close(adv[:, 0], expected, rtol=1e-15, atol=0)
-    equal = grpo_passk_advantages(torch.ones(4), torch.zeros(4, dtype=torch.long),
-                                  torch.ones(4, 2), eps=0.0)[0]
+    equal = grpo_passk_advantages(
+        torch.ones(4), torch.zeros(4, dtype=torch.long), torch.ones(4, 2), eps=0.0
+    )[0]
     assert (equal == 0).all()
 
 
@@ -263,7 +265,9 @@ def test_gpg_without_zero_scores_or_with_alpha_one_is_dr_grpo():
     nonzero = scores + (scores == 0).double()
     torch.testing.assert_close(
         gpg_advantages(nonzero, index, mask)[0],
-        grpo_advantages(nonzero, index, mask, norm_std=False)[0], rtol=1e-15, atol=1e-15,
+        grpo_advantages(nonzero, index, mask, norm_std=False)[0],
+        rtol=1e-15,
+        atol=1e-15,
     )
 
 
@@ -302,8 +306,10 @@ def test_no_host_read_on_meta_tensors(fn):
     """Meta tensors have no values: forward and backward succeed only without a host read."""
     scores = torch.empty(8, device="meta", requires_grad=True)
     index = torch.empty(8, dtype=torch.long, device="meta")
-    for mask in (torch.empty(8, 5, device="meta"), torch.empty(8, 5, dtype=torch.bool,
-                                                                device="meta")):
+    for mask in (
+        torch.empty(8, 5, device="meta"),
+        torch.empty(8, 5, dtype=torch.bool, device="meta"),
+    ):
         adv, _ = fn(scores, index, mask)
         assert adv.shape == (8, 5) and adv.device.type == "meta"
         adv.sum().backward()
@@ -317,7 +323,7 @@ def test_empty_batch():
 
 @pytest.mark.parametrize(("dtype", "magnitude"), [(torch.float32, 3e38), (torch.float64, 1e300)])
 def test_huge_finite_scores_stay_finite(dtype, magnitude):
-    scores = (torch.tensor([0.9, -0.7, 0.2, 0.5, -1.0, 0.3], dtype=torch.float64) * magnitude)
+    scores = torch.tensor([0.9, -0.7, 0.2, 0.5, -1.0, 0.3], dtype=torch.float64) * magnitude
     index, mask = torch.tensor([0, 0, 0, 1, 1, 1]), torch.ones(6, 4)
     mask[1, 2:] = 0
     unit = scores / magnitude

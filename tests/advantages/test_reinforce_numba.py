@@ -95,8 +95,9 @@ def test_other_routes_keep_the_two_step_construction(case, spy):
         gamma = 0.0
     else:
         gamma = torch.tensor([0.5, 0.0, 1.0], dtype=torch.float64)
-    got = rlops.reinforce_plus_plus_returns(outcome, kl, mask, kl_coef=0.1, gamma=gamma,
-                                            method=method)
+    got = rlops.reinforce_plus_plus_returns(
+        outcome, kl, mask, kl_coef=0.1, gamma=gamma, method=method
+    )
     assert spy == []
     if case == "grad":
         got.sum().backward()
@@ -127,8 +128,9 @@ def test_hand_computed_row():
     # actions at 0, 2, 3; token rewards -0.5 * kl = [-0.5, ., -1.0, -1.5], outcome 2.0 on t = 3
     kl = torch.tensor([[1.0, 9.0, 2.0, 3.0, 9.0]])
     mask = torch.tensor([[True, False, True, True, False]])
-    got = rlops.reinforce_plus_plus_returns(torch.tensor([2.0]), kl, mask, kl_coef=0.5,
-                                            gamma=0.5, method="compiled")
+    got = rlops.reinforce_plus_plus_returns(
+        torch.tensor([2.0]), kl, mask, kl_coef=0.5, gamma=0.5, method="compiled"
+    )
     # G3 = -1.5 + 2 = 0.5; G2 = -1 + 0.5 * 0.5 = -0.75; G0 = -0.5 + 0.5 * -0.75 = -0.875
     assert got.tolist() == [[-0.875, 0.0, -0.75, 0.5, 0.0]]
 

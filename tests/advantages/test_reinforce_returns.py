@@ -49,8 +49,9 @@ def test_matches_the_formula_on_compacted_actions(t_len, gamma):
     want = _formula(outcome, kl, mask, 0.05, gamma)
 
     def check(method):
-        got = rlops.reinforce_plus_plus_returns(outcome, kl, mask, kl_coef=0.05, gamma=gamma,
-                                                method=method)
+        got = rlops.reinforce_plus_plus_returns(
+            outcome, kl, mask, kl_coef=0.05, gamma=gamma, method=method
+        )
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
     for_each_method(check)
@@ -62,11 +63,13 @@ def test_float32_error_is_that_of_the_serial_reference():
     last = (mask.shape[1] - 1) - mask.flip(-1).to(torch.uint8).argmax(-1)
     token_r[1:, :].scatter_add_(1, last[1:, None], outcome[1:, None].double())
     oracle = discounted_returns_oracle(token_r, 0.99, mask=mask)
-    ref = rlops.reinforce_plus_plus_returns(outcome, kl, mask, kl_coef=0.1, gamma=0.99,
-                                            method="reference")
+    ref = rlops.reinforce_plus_plus_returns(
+        outcome, kl, mask, kl_coef=0.1, gamma=0.99, method="reference"
+    )
     for method in ALL_METHODS:
-        got = rlops.reinforce_plus_plus_returns(outcome, kl, mask, kl_coef=0.1, gamma=0.99,
-                                                method=method)
+        got = rlops.reinforce_plus_plus_returns(
+            outcome, kl, mask, kl_coef=0.1, gamma=0.99, method=method
+        )
         assert got.dtype == torch.float32
         assert_within_reference(method, got, oracle, ref)
 
@@ -74,16 +77,18 @@ def test_float32_error_is_that_of_the_serial_reference():
 def test_tool_span_is_skipped_not_reset():
     kl = torch.zeros(1, 6, dtype=torch.float64)
     mask = torch.tensor([[1, 1, 0, 0, 1, 0]])
-    got = rlops.reinforce_plus_plus_returns(torch.tensor([1.0], dtype=torch.float64), kl, mask,
-                                            kl_coef=0.1, gamma=0.5)
+    got = rlops.reinforce_plus_plus_returns(
+        torch.tensor([1.0], dtype=torch.float64), kl, mask, kl_coef=0.1, gamma=0.5
+    )
     # actions at 0, 1, 4: the outcome sits on token 4 and reaches 1 and 0 once per action step
     assert got.tolist() == [[0.25, 0.5, 0.0, 0.0, 1.0, 0.0]]
 
 
 def test_rows_without_actions_and_bf16():
     outcome, kl, mask = _inputs(3, 50, seed=3)
-    got = rlops.reinforce_plus_plus_returns(outcome.bfloat16(), kl.bfloat16(), mask,
-                                            kl_coef=0.1, gamma=1.0)
+    got = rlops.reinforce_plus_plus_returns(
+        outcome.bfloat16(), kl.bfloat16(), mask, kl_coef=0.1, gamma=1.0
+    )
     assert got.dtype == torch.bfloat16
     assert (got[0] == 0).all() and (got[~mask] == 0).all()
     want = _formula(outcome.bfloat16().double(), kl.bfloat16().double(), mask, 0.1, 1.0)
@@ -105,9 +110,11 @@ def test_rows_without_actions_and_bf16():
     ],
 )
 def test_bad_input(kwargs, error, name):
-    args = dict(rewards=torch.zeros(3), kl=torch.zeros(3, 4), mask=torch.ones(3, 4),
-                kl_coef=0.1, gamma=1.0)
+    args = dict(
+        rewards=torch.zeros(3), kl=torch.zeros(3, 4), mask=torch.ones(3, 4), kl_coef=0.1, gamma=1.0
+    )
     args.update(kwargs)
     with pytest.raises(error, match=name):
-        rlops.reinforce_plus_plus_returns(args.pop("rewards"), args.pop("kl"), args.pop("mask"),
-                                          **args)
+        rlops.reinforce_plus_plus_returns(
+            args.pop("rewards"), args.pop("kl"), args.pop("mask"), **args
+        )

@@ -55,8 +55,6 @@ TABLES = {"scan": SCAN, "returns": RETURNS, "reinforce": REINFORCE}
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
-
-
 @pytest.fixture
 def clean_failures(monkeypatch):
     """A process-wide record of failed backends that this test alone sees."""
@@ -102,8 +100,9 @@ def _check_cumsum(name, out, x, a, dim=-1):
 CUMSUM_CASES = [
     pytest.param(b, t, kind, d, dt, id=f"{dt}-{kind}-{d}-B{b}-T{t}")
     for (b, t), kind, d, dt in itertools.chain(
-        itertools.product([(1, 1), (3, 127), (2, 129), (1, 1000)], ["scalar", "row", "token"],
-                          [0.97], ["float32"]),
+        itertools.product(
+            [(1, 1), (3, 127), (2, 129), (1, 1000)], ["scalar", "row", "token"], [0.97], ["float32"]
+        ),
         itertools.product([(2, 301)], ["row", "token"], [0.97], ["float64", "bfloat16"]),
         itertools.product([(2, 301)], ["scalar", "token"], [0.0, 1.0], ["float32"]),
     )
@@ -138,8 +137,9 @@ def test_discounted_cumsum_nan_beyond_a_zero_decay_does_not_leak(kernels):
     y = rlops.discounted_cumsum(x, a, method="triton")
     assert torch.isfinite(y[:, :101]).all()
     want = rlops.discounted_cumsum(x[:, :101], a[:, :101], method="reference")
-    assert_within_reference("before the cut", y[:, :101],
-                            discounted_cumsum_oracle(x[:, :101], a[:, :101]), want)
+    assert_within_reference(
+        "before the cut", y[:, :101], discounted_cumsum_oracle(x[:, :101], a[:, :101]), want
+    )
 
 
 @pytest.mark.parametrize("kind", ["row", "token"])
@@ -174,10 +174,16 @@ def _indicators(b, t, gen, mask, dones):
 GAE_CASES = [
     pytest.param(b, t, m, d, g, lam, dt, id=f"{dt}-m{int(m)}-d{int(d)}-g{g}-l{lam}-B{b}-T{t}")
     for (b, t), m, d, (g, lam), dt in itertools.chain(
-        itertools.product([(1, 1), (3, 127), (2, 129), (1, 1000)], [False, True],
-                          [False, True], [(0.99, 0.95)], ["float32"]),
-        itertools.product([(2, 301)], [True], [True], [(0.0, 0.95), (1.0, 1.0), (0.99, 0.0)],
-                          ["float32"]),
+        itertools.product(
+            [(1, 1), (3, 127), (2, 129), (1, 1000)],
+            [False, True],
+            [False, True],
+            [(0.99, 0.95)],
+            ["float32"],
+        ),
+        itertools.product(
+            [(2, 301)], [True], [True], [(0.0, 0.95), (1.0, 1.0), (0.99, 0.0)], ["float32"]
+        ),
         itertools.product([(2, 301)], [True], [True], [(0.99, 0.95)], ["float64", "bfloat16"]),
     )
 ]
@@ -230,8 +236,9 @@ def test_gae_triton_per_row_discounts_and_empty_rows(kernels):
     o_adv, o_ret = gae_oracle(r, v, gamma, lam, m, d)
     assert_within_reference("advantages", adv, o_adv, ref_adv)
     assert_within_reference("returns", ret, o_ret, ref_ret)
-    assert_within_reference("discounted returns", out, discounted_returns_oracle(
-        r, gamma, m, d), ref_g)
+    assert_within_reference(
+        "discounted returns", out, discounted_returns_oracle(r, gamma, m, d), ref_g
+    )
     assert (adv[1] == 0).all() and (ret[1] == 0).all() and (out[1] == 0).all()
 
 
@@ -267,8 +274,14 @@ def _rpp_oracle(outcome, kl, m, kl_coef, gamma, extended=False):
 
 @pytest.mark.parametrize(
     ("dtype", "gamma"),
-    [("float32", 0.99), ("float64", 0.9), ("float32", 1.0), ("float32", 0.0),
-     ("float32", "rows"), ("bfloat16", 0.99)],
+    [
+        ("float32", 0.99),
+        ("float64", 0.9),
+        ("float32", 1.0),
+        ("float32", 0.0),
+        ("float32", "rows"),
+        ("bfloat16", 0.99),
+    ],
 )
 def test_reinforce_triton_matches_reference(kernels, dtype, gamma):
     gen = seeded("rpp", dtype, gamma)
@@ -281,8 +294,9 @@ def test_reinforce_triton_matches_reference(kernels, dtype, gamma):
     m[2, 300:] = False  # the outcome lands well before the row's end
     if gamma == "rows":
         gamma = torch.tensor([0.9, 0.99, 0.0, 1.0])
-    out = rlops.reinforce_plus_plus_returns(outcome, kl, m, kl_coef=0.05, gamma=gamma,
-                                            method="triton")
+    out = rlops.reinforce_plus_plus_returns(
+        outcome, kl, m, kl_coef=0.05, gamma=gamma, method="triton"
+    )
     assert out.dtype == dt
     tok, oracle = _rpp_oracle(outcome, kl, m, 0.05, gamma, EXTENDED and dt == torch.float64)
     if dt == torch.bfloat16:
@@ -292,8 +306,9 @@ def test_reinforce_triton_matches_reference(kernels, dtype, gamma):
         assert_half_matches("REINFORCE++ returns", out, ref32, oracle)
     else:
         assert kernels == {"reinforce_returns_triton": 1}
-        ref = rlops.reinforce_plus_plus_returns(outcome, kl, m, kl_coef=0.05, gamma=gamma,
-                                                method="reference")
+        ref = rlops.reinforce_plus_plus_returns(
+            outcome, kl, m, kl_coef=0.05, gamma=gamma, method="reference"
+        )
         assert_within_reference("REINFORCE++ returns", out, oracle, ref)
     assert (out[1] == 0).all()
 
@@ -331,8 +346,9 @@ def test_estimators_refuse_triton_under_autograd():
     with pytest.raises(ValueError, match='method="triton" has no gradient'):
         rlops.discounted_returns(r, gamma=0.9, method="triton")
     with pytest.raises(ValueError, match='method="triton" has no gradient'):
-        rlops.reinforce_plus_plus_returns(torch.ones(2), r, torch.ones(2, 9), kl_coef=0.1,
-                                          gamma=0.9, method="triton")
+        rlops.reinforce_plus_plus_returns(
+            torch.ones(2), r, torch.ones(2, 9), kl_coef=0.1, gamma=0.9, method="triton"
+        )
     adv, _ = rlops.gae(r, r.detach(), gamma=0.9, lam=0.9)  # auto: chunked, differentiable
     assert adv.requires_grad
 
@@ -357,8 +373,9 @@ def _triton_calls():
         lambda: rlops.discounted_cumsum(x, 0.9, method="triton"),
         lambda: rlops.gae(x, x, gamma=1.0, lam=1.0, method="triton"),
         lambda: rlops.discounted_returns(x, gamma=1.0, method="triton"),
-        lambda: rlops.reinforce_plus_plus_returns(torch.ones(2), x, x, kl_coef=0.1, gamma=1.0,
-                                                  method="triton"),
+        lambda: rlops.reinforce_plus_plus_returns(
+            torch.ones(2), x, x, kl_coef=0.1, gamma=1.0, method="triton"
+        ),
     ]
 
 
@@ -413,10 +430,10 @@ def _calls(name):
     if name == "scan":
         return lambda method: rlops.discounted_cumsum(x, 0.9, method=method)
     if name == "returns":
-        return lambda method: rlops.gae(x, x.flip(-1), gamma=0.99, lam=0.95, mask=m,
-                                        method=method)
+        return lambda method: rlops.gae(x, x.flip(-1), gamma=0.99, lam=0.95, mask=m, method=method)
     return lambda method: rlops.reinforce_plus_plus_returns(
-        torch.ones(2), x, m, kl_coef=0.1, gamma=0.99, method=method)
+        torch.ones(2), x, m, kl_coef=0.1, gamma=0.99, method=method
+    )
 
 
 @pytest.mark.parametrize("error", BUILD_ERRORS)
@@ -427,8 +444,9 @@ def test_a_kernel_that_fails_to_compile_warns_once_and_falls_back(
     from rlops.logprobs import _method
 
     launches: list = []
-    module, kernel = (scan_triton, "_scan_block") if table == "scan" else (
-        adv_triton, "_estimator_block")
+    module, kernel = (
+        (scan_triton, "_scan_block") if table == "scan" else (adv_triton, "_estimator_block")
+    )
     monkeypatch.setattr(module, kernel, _Unbuildable(launches, error))
     call = _calls(table)
     want = call("chunked")
@@ -525,19 +543,38 @@ def _cp_triton(rank: int, world: int):
     def full(y):
         return zigzag_unshard(y, group=group, length=t_len)
 
-    adv, ret = rlops.gae(shard(r), shard(v), gamma=0.99, lam=0.95, mask=shard(m),
-                         dones=shard(d), method="triton", cp_group=group)
+    adv, ret = rlops.gae(
+        shard(r),
+        shard(v),
+        gamma=0.99,
+        lam=0.95,
+        mask=shard(m),
+        dones=shard(d),
+        method="triton",
+        cp_group=group,
+    )
     out = {
         "adv": full(adv),
         "ret": full(ret),
-        "returns": full(rlops.discounted_returns(shard(r), gamma=0.9, mask=shard(m),
-                                                 dones=shard(d), method="triton",
-                                                 cp_group=group)),
-        "rpp": full(rlops.reinforce_plus_plus_returns(r[:, 0], shard(v), shard(m), kl_coef=0.1,
-                                                      gamma=0.95, method="triton",
-                                                      cp_group=group)),
-        "cumsum": full(rlops.discounted_cumsum(shard(r), shard(decay), method="triton",
-                                               cp_group=group)),
+        "returns": full(
+            rlops.discounted_returns(
+                shard(r), gamma=0.9, mask=shard(m), dones=shard(d), method="triton", cp_group=group
+            )
+        ),
+        "rpp": full(
+            rlops.reinforce_plus_plus_returns(
+                r[:, 0],
+                shard(v),
+                shard(m),
+                kl_coef=0.1,
+                gamma=0.95,
+                method="triton",
+                cp_group=group,
+            )
+        ),
+        "cumsum": full(
+            rlops.discounted_cumsum(shard(r), shard(decay), method="triton", cp_group=group)
+        ),
         "launched": len(launched),
     }
     return out, (r, v, m, d, decay)
@@ -554,8 +591,7 @@ def test_context_parallel_row_runs_the_local_scans_on_triton(monkeypatch):
     assert out["launched"] >= 5  # the local scans of every call ran on the kernels
     extended = EXTENDED
     o_adv, o_ret = gae_oracle(r, v, 0.99, 0.95, m, d, extended=extended)
-    ref_adv, ref_ret = rlops.gae(r, v, gamma=0.99, lam=0.95, mask=m, dones=d,
-                                 method="reference")
+    ref_adv, ref_ret = rlops.gae(r, v, gamma=0.99, lam=0.95, mask=m, dones=d, method="reference")
     assert_within_reference("cp advantages", out["adv"], o_adv, ref_adv)
     assert_within_reference("cp returns", out["ret"], o_ret, ref_ret)
     o_g = discounted_returns_oracle(r, 0.9, m, d, extended=extended)
@@ -564,7 +600,8 @@ def test_context_parallel_row_runs_the_local_scans_on_triton(monkeypatch):
     o_y = discounted_cumsum_oracle(r, decay, extended=extended)
     ref_y = rlops.discounted_cumsum(r, decay, method="reference")
     assert_within_reference("cp discounted_cumsum", out["cumsum"], o_y, ref_y)
-    ref_rpp = rlops.reinforce_plus_plus_returns(r[:, 0], v, m, kl_coef=0.1, gamma=0.95,
-                                                method="reference")
+    ref_rpp = rlops.reinforce_plus_plus_returns(
+        r[:, 0], v, m, kl_coef=0.1, gamma=0.95, method="reference"
+    )
     _, o_rpp = _rpp_oracle(r[:, 0], v, m, 0.1, 0.95, extended)
     assert_within_reference("cp REINFORCE++ returns", out["rpp"], o_rpp, ref_rpp)

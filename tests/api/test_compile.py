@@ -26,8 +26,9 @@ pytestmark = pytest.mark.slow
 
 
 @functools.cache
-def compile_inputs(b: int, t: int, v: int = 11, h: int = 6,
-                   seed: int = 0) -> dict[str, torch.Tensor]:
+def compile_inputs(
+    b: int, t: int, v: int = 11, h: int = 6, seed: int = 0
+) -> dict[str, torch.Tensor]:
     """float64 inputs; masks, dones, ids and targets as integers or booleans."""
     g = torch.Generator().manual_seed(seed)
 
@@ -39,96 +40,192 @@ def compile_inputs(b: int, t: int, v: int = 11, h: int = 6,
     dones = torch.zeros(b, t, dtype=torch.bool)
     dones[0, t // 2] = True
     return {
-        "r": rand(b, t), "v": rand(b, t), "kl": rand(b, t).abs(), "x": rand(b, t),
-        "logp": -rand(b, t).abs(), "old": -rand(b, t).abs(), "adv": rand(b, t),
+        "r": rand(b, t),
+        "v": rand(b, t),
+        "kl": rand(b, t).abs(),
+        "x": rand(b, t),
+        "logp": -rand(b, t).abs(),
+        "old": -rand(b, t).abs(),
+        "adv": rand(b, t),
         "decay": torch.rand(b, t, generator=g, dtype=torch.float64),
-        "score": rand(b), "index": torch.arange(b) // 2,
-        "mask": mask, "dones": dones,
-        "logits": rand(b, t, v) * 2, "target": torch.randint(0, v, (b, t), generator=g),
-        "hidden": rand(b * t, h), "weight": rand(v, h) / 2, "bias": rand(v),
+        "score": rand(b),
+        "index": torch.arange(b) // 2,
+        "mask": mask,
+        "dones": dones,
+        "logits": rand(b, t, v) * 2,
+        "target": torch.randint(0, v, (b, t), generator=g),
+        "hidden": rand(b * t, h),
+        "weight": rand(v, h) / 2,
+        "bias": rand(v),
     }
 
 
 # name -> (function of the inputs dict, names of the inputs the backward differentiates)
 Case = tuple[Callable[[dict], object], tuple[str, ...]]
 CASES: dict[str, Case] = {
-    "aggregate_loss": (lambda d: rlops.aggregate_loss(d["x"], d["mask"], "seq-mean-token-mean"),
-                       ("x",)),
+    "aggregate_loss": (
+        lambda d: rlops.aggregate_loss(d["x"], d["mask"], "seq-mean-token-mean"),
+        ("x",),
+    ),
     "discounted_cumsum": (lambda d: rlops.discounted_cumsum(d["x"], d["decay"]), ("x",)),
-    "discounted_returns": (lambda d: rlops.discounted_returns(
-        d["r"], gamma=0.99, mask=d["mask"], dones=d["dones"]), ("r",)),
+    "discounted_returns": (
+        lambda d: rlops.discounted_returns(d["r"], gamma=0.99, mask=d["mask"], dones=d["dones"]),
+        ("r",),
+    ),
     "entropy_loss": (lambda d: rlops.entropy_loss(d["x"], d["mask"], coef=0.01), ("x",)),
-    "gae": (lambda d: rlops.gae(d["r"], d["v"], gamma=0.99, lam=0.95, mask=d["mask"],
-                                dones=d["dones"]), ("r", "v")),
-    "gpg_advantages": (lambda d: rlops.gpg_advantages(d["score"], d["index"], d["mask"]),
-                       ("score",)),
-    "grpo_advantages": (lambda d: rlops.grpo_advantages(d["score"], d["index"], d["mask"]),
-                        ("score",)),
-    "grpo_passk_advantages": (lambda d: rlops.grpo_passk_advantages(
-        d["score"], d["index"], d["mask"]), ("score",)),
+    "gae": (
+        lambda d: rlops.gae(d["r"], d["v"], gamma=0.99, lam=0.95, mask=d["mask"], dones=d["dones"]),
+        ("r", "v"),
+    ),
+    "gpg_advantages": (
+        lambda d: rlops.gpg_advantages(d["score"], d["index"], d["mask"]),
+        ("score",),
+    ),
+    "grpo_advantages": (
+        lambda d: rlops.grpo_advantages(d["score"], d["index"], d["mask"]),
+        ("score",),
+    ),
+    "grpo_passk_advantages": (
+        lambda d: rlops.grpo_passk_advantages(d["score"], d["index"], d["mask"]),
+        ("score",),
+    ),
     "kl_penalty": (lambda d: rlops.kl_penalty(d["logp"], d["old"], "low_var_kl"), ("logp",)),
-    "linear_logprobs_and_entropy": (lambda d: rlops.linear_logprobs_and_entropy(
-        d["hidden"], d["weight"], d["target"].reshape(-1), bias=d["bias"],
-        with_sum_pi_squared=True), ("hidden", "weight", "bias")),
-    "logprobs_and_entropy": (lambda d: rlops.logprobs_and_entropy(
-        d["logits"], d["target"], with_sum_pi_squared=True), ("logits",)),
+    "linear_logprobs_and_entropy": (
+        lambda d: rlops.linear_logprobs_and_entropy(
+            d["hidden"],
+            d["weight"],
+            d["target"].reshape(-1),
+            bias=d["bias"],
+            with_sum_pi_squared=True,
+        ),
+        ("hidden", "weight", "bias"),
+    ),
+    "logprobs_and_entropy": (
+        lambda d: rlops.logprobs_and_entropy(d["logits"], d["target"], with_sum_pi_squared=True),
+        ("logits",),
+    ),
     "masked_mean": (lambda d: rlops.masked_mean(d["x"], d["mask"]), ("x",)),
     "masked_var": (lambda d: rlops.masked_var(d["x"], d["mask"]), ("x",)),
     "masked_whiten": (lambda d: rlops.masked_whiten(d["x"], d["mask"]), ("x",)),
-    "opo_advantages": (lambda d: rlops.opo_advantages(d["score"], d["index"], d["mask"]),
-                       ("score",)),
-    "policy_loss": (lambda d: rlops.policy_loss(d["logp"], d["old"], d["adv"], d["mask"],
-                                                dual_clip=3.0), ("logp",)),
+    "opo_advantages": (
+        lambda d: rlops.opo_advantages(d["score"], d["index"], d["mask"]),
+        ("score",),
+    ),
+    "policy_loss": (
+        lambda d: rlops.policy_loss(d["logp"], d["old"], d["adv"], d["mask"], dual_clip=3.0),
+        ("logp",),
+    ),
     "reinforce_plus_plus_baseline_advantages": (
-        lambda d: rlops.reinforce_plus_plus_baseline_advantages(
-            d["score"], d["index"], d["mask"]), ("score",)),
-    "reinforce_plus_plus_returns": (lambda d: rlops.reinforce_plus_plus_returns(
-        d["score"], d["kl"], d["mask"], kl_coef=0.1, gamma=1.0), ("score", "kl")),
-    "remax_advantages": (lambda d: rlops.remax_advantages(d["r"], d["score"], d["mask"]),
-                         ("r",)),
-    "rloo_advantages": (lambda d: rlops.rloo_advantages(d["score"], d["index"], d["mask"]),
-                        ("score",)),
-    "rollout_importance_weights": (lambda d: rlops.rollout_importance_weights(
-        d["old"], d["logp"], d["mask"], level="sequence", mode="mask", low=0.5), ()),
-    "rollout_mismatch_metrics": (lambda d: rlops.rollout_mismatch_metrics(
-        d["old"], d["logp"], d["mask"]), ()),
-    "rollout_rejection_mask": (lambda d: rlops.rollout_rejection_mask(
-        d["old"], d["logp"], d["mask"], {"token_k1": 2.0, "seq_mean_k3": 0.5}), ()),
-    "value_loss": (lambda d: rlops.value_loss(d["v"], d["old"], d["r"], d["mask"], clip=0.2),
-                   ("v",)),
-    "behavior_importance_weights": (lambda d: rlops.behavior_importance_weights(
-        d["old"], d["logp"], d["mask"], upper=2.0, level="sequence", agg="max"), ()),
-    "gdpo_advantages": (lambda d: rlops.gdpo_advantages(
-        torch.stack([d["score"], d["score"].square()], -1), d["index"], d["mask"]),
-        ("score",)),
+        lambda d: rlops.reinforce_plus_plus_baseline_advantages(d["score"], d["index"], d["mask"]),
+        ("score",),
+    ),
+    "reinforce_plus_plus_returns": (
+        lambda d: rlops.reinforce_plus_plus_returns(
+            d["score"], d["kl"], d["mask"], kl_coef=0.1, gamma=1.0
+        ),
+        ("score", "kl"),
+    ),
+    "remax_advantages": (lambda d: rlops.remax_advantages(d["r"], d["score"], d["mask"]), ("r",)),
+    "rloo_advantages": (
+        lambda d: rlops.rloo_advantages(d["score"], d["index"], d["mask"]),
+        ("score",),
+    ),
+    "rollout_importance_weights": (
+        lambda d: rlops.rollout_importance_weights(
+            d["old"], d["logp"], d["mask"], level="sequence", mode="mask", low=0.5
+        ),
+        (),
+    ),
+    "rollout_mismatch_metrics": (
+        lambda d: rlops.rollout_mismatch_metrics(d["old"], d["logp"], d["mask"]),
+        (),
+    ),
+    "rollout_rejection_mask": (
+        lambda d: rlops.rollout_rejection_mask(
+            d["old"], d["logp"], d["mask"], {"token_k1": 2.0, "seq_mean_k3": 0.5}
+        ),
+        (),
+    ),
+    "value_loss": (
+        lambda d: rlops.value_loss(d["v"], d["old"], d["r"], d["mask"], clip=0.2),
+        ("v",),
+    ),
+    "behavior_importance_weights": (
+        lambda d: rlops.behavior_importance_weights(
+            d["old"], d["logp"], d["mask"], upper=2.0, level="sequence", agg="max"
+        ),
+        (),
+    ),
+    "gdpo_advantages": (
+        lambda d: rlops.gdpo_advantages(
+            torch.stack([d["score"], d["score"].square()], -1), d["index"], d["mask"]
+        ),
+        ("score",),
+    ),
     "m2po_mask": (lambda d: rlops.m2po_mask(d["old"], d["logp"], d["mask"], threshold=0.5), ()),
-    "opsm_mask": (lambda d: rlops.opsm_mask(d["logp"], d["old"], d["adv"], d["mask"],
-                                            delta=0.1), ()),
-    "optimal_token_baseline_advantages": (lambda d: rlops.optimal_token_baseline_advantages(
-        d["r"], d["index"], d["mask"], d["logp"], d["decay"], per_action_step=True), ("r",)),
+    "opsm_mask": (
+        lambda d: rlops.opsm_mask(d["logp"], d["old"], d["adv"], d["mask"], delta=0.1),
+        (),
+    ),
+    "optimal_token_baseline_advantages": (
+        lambda d: rlops.optimal_token_baseline_advantages(
+            d["r"], d["index"], d["mask"], d["logp"], d["decay"], per_action_step=True
+        ),
+        ("r",),
+    ),
     "top_entropy_mask": (lambda d: rlops.top_entropy_mask(d["kl"], d["mask"], rho=0.2), ()),
     # the adapters' hot functions
     "slime.chunked_gae": (lambda d: slime.chunked_gae(d["r"], d["v"], 0.99, 0.95), ("r", "v")),
-    "slime.get_reinforce_plus_plus_returns": (lambda d: slime.get_reinforce_plus_plus_returns(
-        d["score"], list(d["kl"]), list(d["mask"].to(torch.int64)),
-        [d["kl"].shape[1]] * d["kl"].shape[0], [d["kl"].shape[1]] * d["kl"].shape[0],
-        kl_coef=0.1, gamma=1.0), ("kl",)),
-    "slime.calculate_log_probs_and_entropy": (lambda d: slime.calculate_log_probs_and_entropy(
-        d["logits"][0], d["target"][0], None, with_entropy=True), ("logits",)),
-    "verl.compute_gae_advantage_return": (lambda d: verl.compute_gae_advantage_return(
-        d["r"], d["v"], d["mask"].to(d["r"].dtype), 0.99, 0.95), ()),
-    "verl.agg_loss": (lambda d: verl.agg_loss(d["x"], d["mask"].to(d["x"].dtype),
-                                              "seq-mean-token-sum-norm"), ("x",)),
+    "slime.get_reinforce_plus_plus_returns": (
+        lambda d: slime.get_reinforce_plus_plus_returns(
+            d["score"],
+            list(d["kl"]),
+            list(d["mask"].to(torch.int64)),
+            [d["kl"].shape[1]] * d["kl"].shape[0],
+            [d["kl"].shape[1]] * d["kl"].shape[0],
+            kl_coef=0.1,
+            gamma=1.0,
+        ),
+        ("kl",),
+    ),
+    "slime.calculate_log_probs_and_entropy": (
+        lambda d: slime.calculate_log_probs_and_entropy(
+            d["logits"][0], d["target"][0], None, with_entropy=True
+        ),
+        ("logits",),
+    ),
+    "verl.compute_gae_advantage_return": (
+        lambda d: verl.compute_gae_advantage_return(
+            d["r"], d["v"], d["mask"].to(d["r"].dtype), 0.99, 0.95
+        ),
+        (),
+    ),
+    "verl.agg_loss": (
+        lambda d: verl.agg_loss(d["x"], d["mask"].to(d["x"].dtype), "seq-mean-token-sum-norm"),
+        ("x",),
+    ),
 }
-CASES.update({
-    f"verl.{name}": (lambda d, fn=fn: fn(d["old"], d["logp"], d["adv"],
-                                         d["mask"].to(d["logp"].dtype), "token-mean",
-                                         {"clip_ratio": 0.2, "policy_loss": {
-                                             "rollout_correction": {"loss_type": "ppo_clip",
-                                                                    "rollout_is": "token"}}}),
-                     ("logp",))
-    for name, fn in verl.POLICY_LOSS_REGISTRY.items()
-})
+CASES.update(
+    {
+        f"verl.{name}": (
+            lambda d, fn=fn: fn(
+                d["old"],
+                d["logp"],
+                d["adv"],
+                d["mask"].to(d["logp"].dtype),
+                "token-mean",
+                {
+                    "clip_ratio": 0.2,
+                    "policy_loss": {
+                        "rollout_correction": {"loss_type": "ppo_clip", "rollout_is": "token"}
+                    },
+                },
+            ),
+            ("logp",),
+        )
+        for name, fn in verl.POLICY_LOSS_REGISTRY.items()
+    }
+)
 
 
 def _tensors(out: object) -> list[torch.Tensor]:
@@ -141,11 +238,18 @@ def _tensors(out: object) -> list[torch.Tensor]:
     return []  # None, Python numbers
 
 
-def run_case(fn: Callable[[dict], object], d64: dict, grads: tuple[str, ...], dtype: torch.dtype,
-         compiled: bool) -> list[torch.Tensor]:
+def run_case(
+    fn: Callable[[dict], object],
+    d64: dict,
+    grads: tuple[str, ...],
+    dtype: torch.dtype,
+    compiled: bool,
+) -> list[torch.Tensor]:
     """Outputs, then the gradients of a fixed random weighting of the float outputs."""
-    d = {k: (v.to(dtype, copy=True).requires_grad_(k in grads) if v.is_floating_point() else v)
-         for k, v in d64.items()}
+    d = {
+        k: (v.to(dtype, copy=True).requires_grad_(k in grads) if v.is_floating_point() else v)
+        for k, v in d64.items()
+    }
     outs = _tensors((torch.compile(fn, fullgraph=True) if compiled else fn)(d))
     results = [o.detach() for o in outs]
     live = [o for o in outs if o.requires_grad]
@@ -183,8 +287,15 @@ def test_fullgraph_forward_and_backward_equal_eager(name):
 
 # compiled with Inductor at four lengths (the other cases' guards are counted with Dynamo's
 # eager backend below: cheaper, and the guards that make a recompile are Dynamo's)
-DYNAMIC = ["logprobs_and_entropy", "policy_loss", "aggregate_loss", "masked_whiten",
-           "discounted_cumsum", "gae", "reinforce_plus_plus_returns"]
+DYNAMIC = [
+    "logprobs_and_entropy",
+    "policy_loss",
+    "aggregate_loss",
+    "masked_whiten",
+    "discounted_cumsum",
+    "gae",
+    "reinforce_plus_plus_returns",
+]
 
 
 def _count_graphs(name: str, backend: str = "inductor") -> tuple[int, list]:
@@ -198,8 +309,10 @@ def _count_graphs(name: str, backend: str = "inductor") -> tuple[int, list]:
     compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend=backend)
     results = []
     for t in (16, 37, 64, 129):
-        d = {k: (v.detach().float() if v.is_floating_point() else v)
-             for k, v in compile_inputs(4, t).items()}
+        d = {
+            k: (v.detach().float() if v.is_floating_point() else v)
+            for k, v in compile_inputs(4, t).items()
+        }
         results.append((t, compiled(d), fn(d)))
         if t == 16:
             first = counters["stats"]["unique_graphs"]

@@ -30,7 +30,8 @@ MASK = torch.tensor([[1, 1, 0, 1], [1, 0, 1, 1]])
 N = 6  # action tokens of MASK
 # clip_cov with a covariance window no token reaches: it zeroes no token, so it is PPO here
 OPTIONS = {"clip_cov": {"clip_cov_lb": 100.0, "clip_cov_ub": 101.0}}
-# luspo scales each row by its action count (its constants: tests/losses/test_policy_kinds_luspo_vespo_dppo.py)
+# luspo scales each row by its action count (its constants:
+# tests/losses/test_policy_kinds_luspo_vespo_dppo.py)
 UNSCALED_KINDS = tuple(k for k in POLICY_KINDS if k != "luspo")
 
 
@@ -85,8 +86,9 @@ def test_policy_loss_advantages_are_constant(kind):
 def test_policy_loss_rollout_is_weights_are_constant(kind):
     # weights w = logp multiply the loss; w's own graph is cut: −A·w·m/N.
     opts = OPTIONS.get(kind, {})
-    g = _same_as_detached(lambda x, c: policy_loss(x, x, ADV, MASK, kind=kind,
-                                                   rollout_is_weights=c, **opts)[0])
+    g = _same_as_detached(
+        lambda x, c: policy_loss(x, x, ADV, MASK, kind=kind, rollout_is_weights=c, **opts)[0]
+    )
     torch.testing.assert_close(g, -ADV * LOGP * MASK / N, rtol=1e-14, atol=1e-16)
 
 
@@ -159,15 +161,19 @@ def test_kl_old_logp_is_constant(kind):
 
 
 # --------------------------------------------------------------------------- counts
-@pytest.mark.parametrize(("mode", "name", "count"), [("token-mean", "num_tokens", 12.0),
-                                                     ("seq-mean-token-sum", "num_seqs", 4.0)])
+@pytest.mark.parametrize(
+    ("mode", "name", "count"),
+    [("token-mean", "num_tokens", 12.0), ("seq-mean-token-sum", "num_seqs", 4.0)],
+)
 def test_global_counts_are_constant(mode, name, count):
     # a count tensor that requires grad gets none; ∂/∂loss_mat = m / count
     x = _leaf(LOGP)
     n = torch.tensor(count, dtype=F64, requires_grad=True)
-    for loss in (aggregate_loss(x, MASK, mode, **{name: n}),
-                 policy_loss(x, x, ADV, MASK, agg=mode, **{name: n})[0],
-                 value_loss(x, x, 2 * x, MASK, agg=mode, **{name: n})[0]):
+    for loss in (
+        aggregate_loss(x, MASK, mode, **{name: n}),
+        policy_loss(x, x, ADV, MASK, agg=mode, **{name: n})[0],
+        value_loss(x, x, 2 * x, MASK, agg=mode, **{name: n})[0],
+    ):
         assert loss.requires_grad
     (g,) = torch.autograd.grad(aggregate_loss(x, MASK, mode, **{name: n}), x)
     torch.testing.assert_close(g, MASK.to(F64) / count, rtol=1e-15, atol=0)
@@ -182,14 +188,16 @@ def test_rollout_correction_inputs_are_constant(level, mode):
     # so the policy loss built on them has gradient −A·w·m/N.
     delta = torch.tensor([[0.1, -0.2, 0.0, 0.05], [-0.1, 0.0, 0.3, -0.05]], dtype=F64)
     x = _leaf(LOGP)
-    w, keep, metrics = rlops.rollout_importance_weights(x, x - delta, MASK, level=level,
-                                                        mode=mode, threshold=1.2, low=0.9)
+    w, keep, metrics = rlops.rollout_importance_weights(
+        x, x - delta, MASK, level=level, mode=mode, threshold=1.2, low=0.9
+    )
     assert not w.requires_grad and not any(v.requires_grad for v in metrics.values())
     assert keep.dtype == torch.bool  # a mask, never a graph
     _, rs = rlops.rollout_rejection_mask(x, x - delta, MASK, {"seq_mean_k3": 0.01})
     assert not any(v.requires_grad for v in rs.values())
-    assert not any(v.requires_grad for v in rlops.rollout_mismatch_metrics(x, x - delta,
-                                                                          MASK).values())
+    assert not any(
+        v.requires_grad for v in rlops.rollout_mismatch_metrics(x, x - delta, MASK).values()
+    )
     (g,) = torch.autograd.grad(policy_loss(x, x, ADV, MASK, rollout_is_weights=w)[0], x)
     assert (g != 0).any()
     torch.testing.assert_close(g, -ADV * w * MASK / N, rtol=1e-14, atol=1e-16)

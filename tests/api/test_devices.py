@@ -130,14 +130,18 @@ def _scan_calls(d: dict, method: str) -> dict:
         "cumsum scalar": lambda: rlops.discounted_cumsum(d["x"], 0.97, method=method),
         "cumsum per-row": lambda: rlops.discounted_cumsum(d["x"], d["a_row"], method=method),
         "cumsum per-token": lambda: rlops.discounted_cumsum(d["x"], d["a"], method=method),
-        "gae": lambda: rlops.gae(d["r"], d["v"], gamma=0.99, lam=0.95, mask=d["mask"],
-                                 dones=d["dones"], method=method),
-        "gae per-row": lambda: rlops.gae(d["r"], d["v"], gamma=d["gamma_row"], lam=0.9,
-                                         method=method),
+        "gae": lambda: rlops.gae(
+            d["r"], d["v"], gamma=0.99, lam=0.95, mask=d["mask"], dones=d["dones"], method=method
+        ),
+        "gae per-row": lambda: rlops.gae(
+            d["r"], d["v"], gamma=d["gamma_row"], lam=0.9, method=method
+        ),
         "discounted_returns": lambda: rlops.discounted_returns(
-            d["r"], gamma=0.99, mask=d["mask"], dones=d["dones"], method=method),
+            d["r"], gamma=0.99, mask=d["mask"], dones=d["dones"], method=method
+        ),
         "reinforce_plus_plus_returns": lambda: rlops.reinforce_plus_plus_returns(
-            d["outcome"], d["kl"], d["mask"], kl_coef=0.05, gamma=0.99, method=method),
+            d["outcome"], d["kl"], d["mask"], kl_coef=0.05, gamma=0.99, method=method
+        ),
     }
 
 
@@ -161,12 +165,15 @@ def _other_calls(d: dict) -> dict:
         "grpo_advantages": lambda: rlops.grpo_advantages(d["outcome"], d["index"], d["mask"]),
         "rloo_advantages": lambda: rlops.rloo_advantages(d["outcome"], d["index"], d["mask"]),
         "reinforce_plus_plus_baseline_advantages": lambda: (
-            rlops.reinforce_plus_plus_baseline_advantages(d["outcome"], d["index"], d["mask"])),
+            rlops.reinforce_plus_plus_baseline_advantages(d["outcome"], d["index"], d["mask"])
+        ),
         "remax_advantages": lambda: rlops.remax_advantages(d["r"], d["outcome"], d["mask"]),
-        "policy_loss": lambda: rlops.policy_loss(d["logp"], d["old_logp"], d["adv"], d["mask"],
-                                                 clip_high=0.28, dual_clip=3.0),
+        "policy_loss": lambda: rlops.policy_loss(
+            d["logp"], d["old_logp"], d["adv"], d["mask"], clip_high=0.28, dual_clip=3.0
+        ),
         "policy_loss per-token": lambda: rlops.policy_loss(
-            d["logp"], d["old_logp"], d["adv"], d["mask"], agg=None),
+            d["logp"], d["old_logp"], d["adv"], d["mask"], agg=None
+        ),
         "value_loss": lambda: rlops.value_loss(d["v"], d["r"], d["x"], d["mask"], clip=0.5),
         "masked_mean": lambda: rlops.masked_mean(d["x"], d["mask"]),
         "masked_mean dim": lambda: rlops.masked_mean(d["x"], d["mask"], dim=-1),
@@ -174,16 +181,20 @@ def _other_calls(d: dict) -> dict:
         "masked_whiten": lambda: rlops.masked_whiten(d["x"], d["mask"]),
         "logprobs_and_entropy": lambda: rlops.logprobs_and_entropy(d["logits"], d["target"]),
         "logprobs_and_entropy tempered, top-p": lambda: rlops.logprobs_and_entropy(
-            d["logits"], d["target"], temperature=0.7, keep_mask=d["keep"] | _target_kept(d)),
+            d["logits"], d["target"], temperature=0.7, keep_mask=d["keep"] | _target_kept(d)
+        ),
         "linear_logprobs_and_entropy": lambda: rlops.linear_logprobs_and_entropy(
-            d["hidden"], d["weight"], d["target"].reshape(-1)),
+            d["hidden"], d["weight"], d["target"].reshape(-1)
+        ),
     }
     for kind in ("k1", "abs", "k2", "k3", "low_var_kl"):
         calls[f"kl_penalty {kind}"] = lambda kind=kind: rlops.kl_penalty(
-            d["logp"], d["old_logp"], kind)
+            d["logp"], d["old_logp"], kind
+        )
     for mode in rlops.losses.AGG_MODES:
         calls[f"aggregate_loss {mode}"] = lambda mode=mode: rlops.aggregate_loss(
-            d["x"], d["mask"], mode)
+            d["x"], d["mask"], mode
+        )
     return calls
 
 
@@ -207,9 +218,11 @@ def _oracles(base: dict) -> dict:
     keep = base["keep"] | _target_kept(base)
     out["logprobs_and_entropy"] = _plain_logprobs(base["logits"], base["target"])
     out["logprobs_and_entropy tempered, top-p"] = _plain_logprobs(
-        base["logits"], base["target"], 0.7, keep)
+        base["logits"], base["target"], 0.7, keep
+    )
     out["linear_logprobs_and_entropy"] = _plain_logprobs(
-        base["hidden"] @ base["weight"].T, base["target"].reshape(-1))
+        base["hidden"] @ base["weight"].T, base["target"].reshape(-1)
+    )
     return out
 
 
@@ -236,8 +249,9 @@ def test_logprob_gradients_agree_with_cpu_float64(device):
         target = d["target"]
         if fused:
             lp, ent = rlops.logprobs_and_entropy(logits, target, chunk_size=5)
-            lp2, ent2 = rlops.linear_logprobs_and_entropy(hidden, weight, target.reshape(-1),
-                                                          chunk_size=7)
+            lp2, ent2 = rlops.linear_logprobs_and_entropy(
+                hidden, weight, target.reshape(-1), chunk_size=7
+            )
         else:
             lp, ent = _plain_logprobs(logits, target)
             lp2, ent2 = _plain_logprobs(hidden @ weight.T, target.reshape(-1))
@@ -250,8 +264,9 @@ def test_logprob_gradients_agree_with_cpu_float64(device):
     oracle = grads(base, fused=False)
     cpu32 = _on(base, "cpu", F32)
     refs = [grads(cpu32, fused=True), grads(cpu32, fused=False)]
-    _agree(f"log-prob gradients ({device})", grads(_on(base, device, F32), fused=True), oracle,
-           refs)
+    _agree(
+        f"log-prob gradients ({device})", grads(_on(base, device, F32), fused=True), oracle, refs
+    )
 
 
 # --------------------------------------------------------------------------- meta: no host read
@@ -280,24 +295,30 @@ def _meta_cases(dev: str) -> dict[str, list]:
             lambda: rlops.discounted_cumsum(t(B, 9), 0.5, method="reference"),
         ],
         "gae": [
-            lambda: rlops.gae(t(B, T, grad=True), t(B, T, grad=True), gamma=0.99, lam=0.95,
-                              mask=m, dones=d),
-            lambda: rlops.gae(t(B, T), t(B, T), gamma=unit[:, 0].float(),
-                              lam=unit[:, 1:2].float(), mask=m_float),
-            lambda: rlops.gae(t(B, T, dtype=torch.float16), t(B, T), gamma=1.0, lam=1.0,
-                              method="chunked"),
-            lambda: rlops.gae(t(B, 9), t(B, 9), gamma=0.9, lam=0.9, mask=m[:, :9],
-                              method="reference"),
+            lambda: rlops.gae(
+                t(B, T, grad=True), t(B, T, grad=True), gamma=0.99, lam=0.95, mask=m, dones=d
+            ),
+            lambda: rlops.gae(
+                t(B, T), t(B, T), gamma=unit[:, 0].float(), lam=unit[:, 1:2].float(), mask=m_float
+            ),
+            lambda: rlops.gae(
+                t(B, T, dtype=torch.float16), t(B, T), gamma=1.0, lam=1.0, method="chunked"
+            ),
+            lambda: rlops.gae(
+                t(B, 9), t(B, 9), gamma=0.9, lam=0.9, mask=m[:, :9], method="reference"
+            ),
         ],
         "discounted_returns": [
             lambda: rlops.discounted_returns(t(B, T, grad=True), gamma=0.99, mask=m, dones=d),
             lambda: rlops.discounted_returns(t(B, T), gamma=unit[:, 0].float()),
         ],
         "reinforce_plus_plus_returns": [
-            lambda: rlops.reinforce_plus_plus_returns(t(B, grad=True), t(B, T, grad=True), m,
-                                                      kl_coef=0.1, gamma=1.0),
-            lambda: rlops.reinforce_plus_plus_returns(t(B), t(B, T), m_float, kl_coef=0.1,
-                                                      gamma=unit[:, 0].float()),
+            lambda: rlops.reinforce_plus_plus_returns(
+                t(B, grad=True), t(B, T, grad=True), m, kl_coef=0.1, gamma=1.0
+            ),
+            lambda: rlops.reinforce_plus_plus_returns(
+                t(B), t(B, T), m_float, kl_coef=0.1, gamma=unit[:, 0].float()
+            ),
         ],
         "grpo_advantages": [
             lambda: rlops.grpo_advantages(t(B, grad=True), ids(B, high=2), m),
@@ -305,8 +326,9 @@ def _meta_cases(dev: str) -> dict[str, list]:
         ],
         "rloo_advantages": [lambda: rlops.rloo_advantages(t(B, grad=True), ids(B, high=2), m)],
         "reinforce_plus_plus_baseline_advantages": [
-            lambda: rlops.reinforce_plus_plus_baseline_advantages(t(B, grad=True),
-                                                                  ids(B, high=2), m),
+            lambda: rlops.reinforce_plus_plus_baseline_advantages(
+                t(B, grad=True), ids(B, high=2), m
+            ),
         ],
         "remax_advantages": [
             lambda: rlops.remax_advantages(t(B, T, grad=True), t(B), m),
@@ -318,9 +340,13 @@ def _meta_cases(dev: str) -> dict[str, list]:
         ],
         "policy_loss": [
             lambda: rlops.policy_loss(t(B, T, grad=True), t(B, T), t(B, T), m, dual_clip=3.0),
-            lambda: rlops.policy_loss(t(B, T, dtype=torch.bfloat16, grad=True),
-                                      t(B, T, dtype=torch.bfloat16), t(B, T), m_float,
-                                      agg="seq-mean-token-sum-norm"),
+            lambda: rlops.policy_loss(
+                t(B, T, dtype=torch.bfloat16, grad=True),
+                t(B, T, dtype=torch.bfloat16),
+                t(B, T),
+                m_float,
+                agg="seq-mean-token-sum-norm",
+            ),
         ],
         "value_loss": [
             lambda: rlops.value_loss(t(B, T, grad=True), t(B, T), t(B, T), m, clip=0.2),
@@ -342,20 +368,26 @@ def _meta_cases(dev: str) -> dict[str, list]:
         "logprobs_and_entropy": [
             lambda: rlops.logprobs_and_entropy(t(B, 8, V, grad=True), ids(B, 8)),
             lambda: rlops.logprobs_and_entropy(
-                t(B, 8, V, dtype=torch.bfloat16, grad=True), ids(B, 8), temperature=0.7,
-                keep_mask=ones(B, 8, V), chunk_size=3),
-            lambda: rlops.logprobs_and_entropy(t(B, 8, V, grad=True), ids(B, 8),
-                                               with_entropy=False),
+                t(B, 8, V, dtype=torch.bfloat16, grad=True),
+                ids(B, 8),
+                temperature=0.7,
+                keep_mask=ones(B, 8, V),
+                chunk_size=3,
+            ),
+            lambda: rlops.logprobs_and_entropy(
+                t(B, 8, V, grad=True), ids(B, 8), with_entropy=False
+            ),
         ],
         "linear_logprobs_and_entropy": [
-            lambda: rlops.linear_logprobs_and_entropy(t(B * 8, H, grad=True),
-                                                      t(V, H, grad=True), ids(B * 8),
-                                                      chunk_size=5),
+            lambda: rlops.linear_logprobs_and_entropy(
+                t(B * 8, H, grad=True), t(V, H, grad=True), ids(B * 8), chunk_size=5
+            ),
         ],
         "entropy_loss": [
             lambda: rlops.entropy_loss(t(B, T, grad=True), m, coef=0.01),
-            lambda: rlops.entropy_loss(t(B, T, grad=True), m_float, agg="seq-mean-token-mean",
-                                       num_tokens=10, num_seqs=B),
+            lambda: rlops.entropy_loss(
+                t(B, T, grad=True), m_float, agg="seq-mean-token-mean", num_tokens=10, num_seqs=B
+            ),
         ],
         "opo_advantages": [
             lambda: rlops.opo_advantages(t(B), ids(B, high=2), m),
@@ -365,17 +397,25 @@ def _meta_cases(dev: str) -> dict[str, list]:
         ],
         "grpo_passk_advantages": [
             lambda: rlops.grpo_passk_advantages(
-                t(B), (torch.arange(B) // 2).clamp(max=(B - 2) // 2).to(dev), m),
+                t(B), (torch.arange(B) // 2).clamp(max=(B - 2) // 2).to(dev), m
+            ),
         ],
         "rollout_importance_weights": [
             lambda: rlops.rollout_importance_weights(t(B, T), t(B, T), m),
             lambda: rlops.rollout_importance_weights(
-                t(B, T), t(B, T, dtype=torch.bfloat16), m_float, level="sequence",
-                mode="mask", low=0.5, batch_normalize=True),
+                t(B, T),
+                t(B, T, dtype=torch.bfloat16),
+                m_float,
+                level="sequence",
+                mode="mask",
+                low=0.5,
+                batch_normalize=True,
+            ),
         ],
         "rollout_rejection_mask": [
-            lambda: rlops.rollout_rejection_mask(t(B, T), t(B, T), m,
-                                                 {"token_k1": 2.0, "seq_mean_k3": 0.01}),
+            lambda: rlops.rollout_rejection_mask(
+                t(B, T), t(B, T), m, {"token_k1": 2.0, "seq_mean_k3": 0.01}
+            ),
         ],
         "rollout_mismatch_metrics": [
             lambda: rlops.rollout_mismatch_metrics(t(B, T), t(B, T), m),
@@ -385,10 +425,17 @@ def _meta_cases(dev: str) -> dict[str, list]:
         ],
         "optimal_token_baseline_advantages": [
             lambda: rlops.optimal_token_baseline_advantages(
-                t(B, T, grad=True), ids(B, high=2), m, t(B, T), unit.float()),
+                t(B, T, grad=True), ids(B, high=2), m, t(B, T), unit.float()
+            ),
             lambda: rlops.optimal_token_baseline_advantages(
-                t(B), ids(B, high=2), m_float, t(B, T), unit.float(), rollout_is_weights=unit,
-                per_action_step=True),
+                t(B),
+                ids(B, high=2),
+                m_float,
+                t(B, T),
+                unit.float(),
+                rollout_is_weights=unit,
+                per_action_step=True,
+            ),
         ],
         "opsm_mask": [lambda: rlops.opsm_mask(t(B, T), t(B, T), t(B, T), m, delta=0.01)],
         "m2po_mask": [
@@ -401,9 +448,10 @@ def _meta_cases(dev: str) -> dict[str, list]:
         ],
         "behavior_importance_weights": [
             lambda agg=agg, action=action: rlops.behavior_importance_weights(
-                t(B, T), t(B, T), m, upper=2.0, lower=0.5, level="sequence", agg=agg,
-                action=action)
-            for agg in ("sum", "mean", "max") for action in ("mask", "clamp")
+                t(B, T), t(B, T), m, upper=2.0, lower=0.5, level="sequence", agg=agg, action=action
+            )
+            for agg in ("sum", "mean", "max")
+            for action in ("mask", "clamp")
         ],
     }
 
@@ -429,7 +477,8 @@ def test_runs_on_meta_without_reading_values(name, monkeypatch):
         want = _run_with_backward(on_cpu)
         got = _run_with_backward(on_meta)
         assert [(o.shape, o.dtype) for o in got] == [(o.shape, o.dtype) for o in want], (
-            f"{name} case {k}")
+            f"{name} case {k}"
+        )
         assert all(o.device.type == "meta" for o in got), f"{name} case {k}"
 
 
@@ -443,8 +492,9 @@ def test_value_checks_are_the_only_host_reads(monkeypatch):
     with pytest.raises(RuntimeError, match="meta"):
         rlops.gae(x, x, gamma=torch.empty(B, device="meta"), lam=0.9)
     with pytest.raises(RuntimeError, match="meta"):
-        rlops.logprobs_and_entropy(torch.empty(3, V, device="meta"),
-                                   torch.empty(3, dtype=torch.long, device="meta"))
+        rlops.logprobs_and_entropy(
+            torch.empty(3, V, device="meta"), torch.empty(3, dtype=torch.long, device="meta")
+        )
     # without it, the same calls run
     monkeypatch.setenv("RLOPS_CHECK_VALUES", "0")
     rlops.discounted_cumsum(x, torch.empty(B, T, device="meta"))

@@ -48,8 +48,9 @@ def _estimators(r, v, mask, dones, method, chunk_size=None):
     adv, ret = rlops.gae(
         r, v, gamma=0.9, lam=0.95, mask=mask, dones=dones, method=method, chunk_size=chunk_size
     )
-    g = rlops.discounted_returns(r, gamma=0.9, mask=mask, dones=dones, method=method,
-                                 chunk_size=chunk_size)
+    g = rlops.discounted_returns(
+        r, gamma=0.9, mask=mask, dones=dones, method=method, chunk_size=chunk_size
+    )
     return [adv, ret, g]
 
 
@@ -212,19 +213,25 @@ def _cp_worker(rank: int, world: int) -> dict:
         d[:, 3] = True
         v = torch.randn(2, t_len, generator=_gen(8), dtype=torch.float64)
         v[:, 4:] = NAN
-        adv, ret = rlops.gae(shard(x), shard(v), gamma=0.9, lam=0.95, dones=shard(d),
-                             method=method, cp_group=group)
+        adv, ret = rlops.gae(
+            shard(x), shard(v), gamma=0.9, lam=0.95, dones=shard(d), method=method, cp_group=group
+        )
         finite[f"gae adv {method}"] = zigzag_unshard(adv, group=group, length=t_len)
         finite[f"gae ret {method}"] = zigzag_unshard(ret, group=group, length=t_len)
-        g = rlops.discounted_returns(shard(x), gamma=0.9, dones=shard(d), method=method,
-                                     cp_group=group)
+        g = rlops.discounted_returns(
+            shard(x), gamma=0.9, dones=shard(d), method=method, cp_group=group
+        )
         finite[f"returns {method}"] = zigzag_unshard(g, group=group, length=t_len)
     out["nan"] = finite
     # a per-row discount of exactly 0 (row 0) and the scalar 0.0: y = x, NaN where it was
     zero = {}
     for method in ALL_METHODS:
-        y = rlops.discounted_cumsum(shard(x), torch.tensor([[0.0], [0.9]], dtype=torch.float64),
-                                    method=method, cp_group=group)
+        y = rlops.discounted_cumsum(
+            shard(x),
+            torch.tensor([[0.0], [0.9]], dtype=torch.float64),
+            method=method,
+            cp_group=group,
+        )
         zero[f"per-row 0 {method}"] = zigzag_unshard(y, group=group, length=t_len)[:1]
         y = rlops.discounted_cumsum(shard(x), 0.0, method=method, cp_group=group)
         zero[f"scalar 0 {method}"] = zigzag_unshard(y, group=group, length=t_len)
@@ -243,19 +250,23 @@ def _cp_worker(rank: int, world: int) -> dict:
         "gae gamma": lambda: rlops.gae(sr, sr, gamma=mine, lam=0.95, cp_group=group),
         "gae lam": lambda: rlops.gae(sr, sr, gamma=0.99, lam=mine, cp_group=group),
         "gae per-row gamma": lambda: rlops.gae(sr, sr, gamma=rows, lam=0.95, cp_group=group),
-        "gae gamma with mask": lambda: rlops.gae(sr, sr, gamma=mine, lam=0.95, mask=sm,
-                                                 cp_group=group),
+        "gae gamma with mask": lambda: rlops.gae(
+            sr, sr, gamma=mine, lam=0.95, mask=sm, cp_group=group
+        ),
         "returns gamma": lambda: rlops.discounted_returns(sr, gamma=mine, cp_group=group),
-        "returns per-row gamma": lambda: rlops.discounted_returns(sr, gamma=rows,
-                                                                  cp_group=group),
-        "returns gamma with mask": lambda: rlops.discounted_returns(sr, gamma=mine, mask=sm,
-                                                                    cp_group=group),
+        "returns per-row gamma": lambda: rlops.discounted_returns(sr, gamma=rows, cp_group=group),
+        "returns gamma with mask": lambda: rlops.discounted_returns(
+            sr, gamma=mine, mask=sm, cp_group=group
+        ),
         "reinforce++ gamma": lambda: rlops.reinforce_plus_plus_returns(
-            r[:, 0], skl, sm, kl_coef=0.1, gamma=mine, cp_group=group),
+            r[:, 0], skl, sm, kl_coef=0.1, gamma=mine, cp_group=group
+        ),
         "reinforce++ kl_coef": lambda: rlops.reinforce_plus_plus_returns(
-            r[:, 0], skl, sm, kl_coef=mine, gamma=1.0, cp_group=group),
-        "cumsum per-row discount": lambda: rlops.discounted_cumsum(sr, rows[:, None],
-                                                                   cp_group=group),
+            r[:, 0], skl, sm, kl_coef=mine, gamma=1.0, cp_group=group
+        ),
+        "cumsum per-row discount": lambda: rlops.discounted_cumsum(
+            sr, rows[:, None], cp_group=group
+        ),
         "cumsum scalar discount": lambda: rlops.discounted_cumsum(sr, mine, cp_group=group),
     }
     raised = {}
@@ -286,8 +297,6 @@ def test_context_parallel_nan_does_not_cross_a_cut():
         assert torch.equal(res["after"], torch.ones(1, 3))
         for name, y in res["zero"].items():
             assert _same(y, res["x"][: y.shape[0]]), (rank, name, y)
-
-
 
 
 @pytest.mark.distributed
@@ -343,11 +352,11 @@ def _call(name: str, value):
         "gae lam": lambda: rlops.gae(r, v, gamma=0.99, lam=value, mask=mask),
         "discounted_returns gamma": lambda: rlops.discounted_returns(r, gamma=value, mask=mask),
         "reinforce++ kl_coef": lambda: rlops.reinforce_plus_plus_returns(
-            r[:, 0], v, mask, kl_coef=value, gamma=0.99),
+            r[:, 0], v, mask, kl_coef=value, gamma=0.99
+        ),
         "policy_loss clip_low": lambda: rlops.policy_loss(r, old, v, mask, clip_low=value),
         "policy_loss clip_high": lambda: rlops.policy_loss(r, old, v, mask, clip_high=value),
-        "policy_loss dual_clip": lambda: rlops.policy_loss(r, old, v, mask,
-                                                           dual_clip=value + 2),
+        "policy_loss dual_clip": lambda: rlops.policy_loss(r, old, v, mask, dual_clip=value + 2),
         "value_loss clip": lambda: rlops.value_loss(r, old, v, mask, clip=value),
         "grpo_advantages eps": lambda: rlops.grpo_advantages(r[:, 0], index, mask, eps=value),
         "masked_whiten eps": lambda: rlops.masked_whiten(r, mask, eps=value),
@@ -364,9 +373,16 @@ def _flat(out) -> list[torch.Tensor]:
 
 
 SCALAR_PARAMS = [
-    "gae gamma", "gae lam", "discounted_returns gamma", "reinforce++ kl_coef",
-    "policy_loss clip_low", "policy_loss clip_high", "policy_loss dual_clip", "value_loss clip",
-    "grpo_advantages eps", "masked_whiten eps",
+    "gae gamma",
+    "gae lam",
+    "discounted_returns gamma",
+    "reinforce++ kl_coef",
+    "policy_loss clip_low",
+    "policy_loss clip_high",
+    "policy_loss dual_clip",
+    "value_loss clip",
+    "grpo_advantages eps",
+    "masked_whiten eps",
 ]
 
 
@@ -404,8 +420,9 @@ def test_policy_loss_clip_low_of_one_or_more():
 def test_reinforce_plus_plus_misshaped_kl_names_kl(shape):
     mask = torch.ones(2, 4, dtype=torch.bool)
     with pytest.raises(ValueError, match=r"\bkl\b"):
-        rlops.reinforce_plus_plus_returns(torch.ones(2), torch.zeros(shape), mask, kl_coef=0.1,
-                                          gamma=1.0)
+        rlops.reinforce_plus_plus_returns(
+            torch.ones(2), torch.zeros(shape), mask, kl_coef=0.1, gamma=1.0
+        )
 
 
 def test_policy_loss_mask_on_another_device_names_mask():
@@ -450,8 +467,10 @@ def test_float32_gae_default_path_on_long_rows(gamma, lam):
     for method in [m for m in ALL_METHODS if m in ("auto", "compiled")]:
         got = rlops.gae(r32, v32, gamma=gamma, lam=lam, method=method)
         errs = [max_abs_err(out, want) for out, want in zip(got, oracle, strict=True)]
-        print(f"gae T=131072 gamma={gamma} lam={lam}: {method} errors (adv, ret) "
-              f"{errs[0]:.3g}, {errs[1]:.3g}; chunked {budget[0]:.3g}, {budget[1]:.3g}")
+        print(
+            f"gae T=131072 gamma={gamma} lam={lam}: {method} errors (adv, ret) "
+            f"{errs[0]:.3g}, {errs[1]:.3g}; chunked {budget[0]:.3g}, {budget[1]:.3g}"
+        )
         assert errs[0] <= budget[0] and errs[1] <= budget[1], (method, errs, budget)
 
 
@@ -459,13 +478,13 @@ def test_float32_gae_default_path_on_long_rows(gamma, lam):
 def test_float32_discounted_returns_default_path_on_long_rows():
     r = torch.randn(2, 32768, generator=_gen(13), dtype=torch.float64)
     oracle = discounted_returns_oracle(r, 0.999)
-    budget = max_abs_err(rlops.discounted_returns(r.float(), gamma=0.999, method="chunked"),
-                         oracle)
+    budget = max_abs_err(rlops.discounted_returns(r.float(), gamma=0.999, method="chunked"), oracle)
     for method in [m for m in ALL_METHODS if m in ("auto", "compiled")]:
-        err = max_abs_err(rlops.discounted_returns(r.float(), gamma=0.999, method=method),
-                          oracle)
-        print(f"discounted_returns T=32768 gamma=0.999: {method} error {err:.3g}; "
-              f"chunked {budget:.3g}")
+        err = max_abs_err(rlops.discounted_returns(r.float(), gamma=0.999, method=method), oracle)
+        print(
+            f"discounted_returns T=32768 gamma=0.999: {method} error {err:.3g}; "
+            f"chunked {budget:.3g}"
+        )
         assert err <= budget, (method, err, budget)
 
 
@@ -494,14 +513,12 @@ def test_infinities_and_nan_reach_the_steps_the_loop_reaches(discount, t_len):
     one infinity makes it that infinity), and the finite steps within the float32 rule."""
     g = _gen(t_len)
     x = torch.randn(3, t_len, generator=g)
-    for row, (k, v) in enumerate([(t_len - 1, NAN), (t_len // 2, INF),
-                                  (min(64, t_len - 1), -INF)]):
+    for row, (k, v) in enumerate([(t_len - 1, NAN), (t_len // 2, INF), (min(64, t_len - 1), -INF)]):
         x[row, k] = v
     x[2, 0] = INF  # row 2: both infinities when t_len > 1
     a = 0.9 if discount == "scalar" else torch.tensor([[0.9], [0.5], [1.0]])
     want = scan_reference(x.double(), a if discount == "scalar" else a.double().expand(3, t_len))
-    got = rlops.discounted_cumsum(x, a,
-                                  method="chunked")
+    got = rlops.discounted_cumsum(x, a, method="chunked")
     for pattern in (torch.isnan, torch.isposinf, torch.isneginf):
         assert torch.equal(pattern(got), pattern(want)), pattern.__name__
     # finite steps: within twice the float32 loop's error plus a few ulps (the tests' rule)

@@ -11,19 +11,22 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.skipif(not (ROOT / "benchmarks").is_dir(),
-                                reason="benchmarks/ is not shipped here")
+pytestmark = pytest.mark.skipif(
+    not (ROOT / "benchmarks").is_dir(), reason="benchmarks/ is not shipped here"
+)
 
 
 def _run(*args: str) -> str:
-    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300, check=True)
+    out = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True
+    )
     return out.stdout
 
 
 def test_threads_prints_a_ratio_per_function_and_shape():
-    out = _run("benchmarks/threads.py", "--shapes", "2x64", "--rounds", "1", "--calls", "2",
-               "--no-busy")
+    out = _run(
+        "benchmarks/threads.py", "--shapes", "2x64", "--rounds", "1", "--calls", "2", "--no-busy"
+    )
     lines = [line.split() for line in out.splitlines()[2:]]
     assert [(w[0], w[1]) for w in lines] == [("gae", "2x64"), ("discounted_cumsum", "2x64")]
     assert all(float(w[-1]) > 0 for w in lines)

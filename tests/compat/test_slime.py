@@ -112,8 +112,10 @@ def test_gae_and_returns_match_the_serial_definition(t_len):
             torch.testing.assert_close(got, exp, rtol=0, atol=1e-12)
     for disc in (0.0, 0.5, 0.99, 1.0):
         torch.testing.assert_close(
-            slime.chunked_discounted_returns(r, disc, chunk_size=16), ref_returns(r, disc),
-            rtol=0, atol=1e-12,
+            slime.chunked_discounted_returns(r, disc, chunk_size=16),
+            ref_returns(r, disc),
+            rtol=0,
+            atol=1e-12,
         )
 
 
@@ -160,8 +162,9 @@ def test_reinforce_plus_plus_skips_tool_spans_where_slime_counts_them():
     masks = _masks(LENGTHS, gen, interior=True)
     rewards = torch.randn(len(LENGTHS), generator=gen, dtype=torch.float64)
     for gamma in (1.0, 0.9):
-        got = slime.get_reinforce_plus_plus_returns(rewards, kl, masks, LENGTHS, LENGTHS, 0.05,
-                                                    gamma)
+        got = slime.get_reinforce_plus_plus_returns(
+            rewards, kl, masks, LENGTHS, LENGTHS, 0.05, gamma
+        )
         for i, g in enumerate(got):
             m = masks[i]
             r_tok = -0.05 * kl[i] * m
@@ -192,7 +195,8 @@ def test_reinforce_baseline_and_grpo_broadcast():
         torch.testing.assert_close(adv[i], torch.ones_like(k) * rewards[i] - 0.1 * k)
         torch.testing.assert_close(ret[i], torch.ones_like(k) * rewards[i])
     by_name = slime.get_reinforce_plus_plus_baseline_advantages(
-        rewards=rewards, kl=kl, loss_masks=masks, kl_coef=0.1)
+        rewards=rewards, kl=kl, loss_masks=masks, kl_coef=0.1
+    )
     assert all(torch.equal(a, b) for a, b in zip(adv, by_name))
 
 
@@ -263,8 +267,7 @@ def test_whitening_matches_on_spread_values_and_is_finite_on_constants():
 
 
 # --------------------------------------------------------------------------- log-probs
-def ref_logp_entropy(logits: torch.Tensor, tokens: torch.Tensor, keep=None,
-                     dtype=torch.float64):
+def ref_logp_entropy(logits: torch.Tensor, tokens: torch.Tensor, keep=None, dtype=torch.float64):
     z = logits.to(dtype)
     masked = z if keep is None else z.masked_fill(~keep, -math.inf)
     logp = masked.log_softmax(-1).gather(-1, tokens[:, None])
@@ -281,24 +284,30 @@ def test_log_probs_and_entropy(chunk_size):
     keep[torch.arange(11), tokens] = True  # slime keeps the sampled token
     for mask in (None, keep):
         logp, ent = slime.calculate_log_probs_and_entropy(
-            logits, tokens, None, with_entropy=True, chunk_size=chunk_size,
-            log_prob_keep_mask=mask)
+            logits, tokens, None, with_entropy=True, chunk_size=chunk_size, log_prob_keep_mask=mask
+        )
         assert logp.shape == (11, 1) and ent.shape == (11,) and logp.dtype == torch.float32
         w = torch.randn(11, generator=gen)
-        g, = torch.autograd.grad((logp[:, 0] * w).sum() + (ent * w).sum(), logits)
+        (g,) = torch.autograd.grad((logp[:, 0] * w).sum() + (ent * w).sum(), logits)
         exact, ref32 = ({}, {})
         for out, dtype in ((exact, torch.float64), (ref32, torch.float32)):
             z = logits.detach().to(dtype).requires_grad_()
             out["logp"], out["ent"] = ref_logp_entropy(z, tokens, mask, dtype)
-            out["grad"], = torch.autograd.grad(
-                (out["logp"][:, 0] * w).sum() + (out["ent"] * w).sum(), z)
+            (out["grad"],) = torch.autograd.grad(
+                (out["logp"][:, 0] * w).sum() + (out["ent"] * w).sum(), z
+            )
         for name, got in (("logp", logp), ("ent", ent), ("grad", g)):
-            assert_within_reference(f"{name} chunk_size={chunk_size}", got.detach(),
-                                    exact[name].detach(), ref32[name].detach())
+            assert_within_reference(
+                f"{name} chunk_size={chunk_size}",
+                got.detach(),
+                exact[name].detach(),
+                ref32[name].detach(),
+            )
     logp, ent = slime.calculate_log_probs_and_entropy(logits, tokens, None)
     assert ent is None and logp.shape == (11, 1)
-    logp, ent = slime.calculate_log_probs_and_entropy(torch.zeros(0, 17), tokens[:0], None,
-                                                      with_entropy=True)
+    logp, ent = slime.calculate_log_probs_and_entropy(
+        torch.zeros(0, 17), tokens[:0], None, with_entropy=True
+    )
     assert logp.shape == (0,) and ent.shape == (0,)
 
 
@@ -316,8 +325,9 @@ def test_bad_lists_are_rejected():
     with pytest.raises(ValueError, match="1-D"):
         slime.get_grpo_returns(torch.ones(1), [torch.zeros(2, 3)])
     with pytest.raises(ValueError, match="loss_masks"):
-        slime.get_reinforce_plus_plus_returns(torch.ones(1), [torch.zeros(3)],
-                                              [torch.ones(2)], [3], [5], 0.1, 1.0)
+        slime.get_reinforce_plus_plus_returns(
+            torch.ones(1), [torch.zeros(3)], [torch.ones(2)], [3], [5], 0.1, 1.0
+        )
 
 
 # --------------------------------------------------------------------------- value loss
@@ -373,21 +383,25 @@ def test_value_loss_function_bad_input_names_slimes_arguments():
 
     logits, batch = _value_batch()
     with pytest.raises(ValueError, match="value_clip"):
-        slime.value_loss_function(Namespace(value_clip=-0.5, allgather_cp=False), batch, logits,
-                                  torch.mean)
+        slime.value_loss_function(
+            Namespace(value_clip=-0.5, allgather_cp=False), batch, logits, torch.mean
+        )
     short = dict(batch, returns=[torch.zeros(2)])
     with pytest.raises(ValueError, match="returns"):
-        slime.value_loss_function(Namespace(value_clip=0.5, allgather_cp=False), short, logits,
-                                  torch.mean)
+        slime.value_loss_function(
+            Namespace(value_clip=0.5, allgather_cp=False), short, logits, torch.mean
+        )
     with pytest.raises(ValueError, match="logits"):
-        slime.value_loss_function(Namespace(value_clip=0.5, allgather_cp=False), batch,
-                                  logits[:, :5], torch.mean)
+        slime.value_loss_function(
+            Namespace(value_clip=0.5, allgather_cp=False), batch, logits[:, :5], torch.mean
+        )
     # a response filling its sequence: no position holds the value of response token 0
     # (slime reads logits[-1] for it)
     whole = dict(batch, total_lengths=[2, 3], values=[torch.ones(2), torch.ones(1)])
     with pytest.raises(ValueError, match=r"response_lengths\[0\] = total_lengths\[0\]"):
-        slime.value_loss_function(Namespace(value_clip=0.5, allgather_cp=False), whole, logits,
-                                  torch.mean)
+        slime.value_loss_function(
+            Namespace(value_clip=0.5, allgather_cp=False), whole, logits, torch.mean
+        )
 
 
 # --------------------------------------------------------------------------- argument handling
@@ -404,15 +418,19 @@ def test_numpy_and_0d_tensor_scalars_are_accepted():
         assert all(isinstance(g, torch.Tensor) for g in got)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w)
-        got = slime.get_reinforce_plus_plus_returns(rewards, kl, masks, [3, 2], [5, 5], coef,
-                                                    np.float32(0.9))
+        got = slime.get_reinforce_plus_plus_returns(
+            rewards, kl, masks, [3, 2], [5, 5], coef, np.float32(0.9)
+        )
         torch.testing.assert_close(
-            got[0], slime.get_reinforce_plus_plus_returns(rewards, kl, masks, [3, 2], [5, 5],
-                                                          0.1, 0.9)[0])
+            got[0],
+            slime.get_reinforce_plus_plus_returns(rewards, kl, masks, [3, 2], [5, 5], 0.1, 0.9)[0],
+        )
     r, v = torch.randn(2, 5, generator=gen), torch.randn(2, 5, generator=gen)
     want = slime.vanilla_gae(r, v, 0.9, 0.95)
-    for gamma, lam in ((np.float32(0.9), np.float32(0.95)),
-                       (torch.tensor(0.9), torch.tensor(0.95))):
+    for gamma, lam in (
+        (np.float32(0.9), np.float32(0.95)),
+        (torch.tensor(0.9), torch.tensor(0.95)),
+    ):
         for got, w in zip(slime.chunked_gae(r, v, gamma, lam), want):
             torch.testing.assert_close(got, w)
     ppo_kl, adv = torch.randn(7, generator=gen) * 0.3, torch.randn(7, generator=gen)
@@ -437,47 +455,113 @@ def test_eps_clip_of_one_or_more_means_no_lower_clip_as_in_slime():
 
 BAD_SLIME_CALLS = [
     # (call, error type, the argument the message must name)
-    (lambda: slime.compute_policy_loss(torch.zeros(3), torch.ones(3), -0.1, 0.2),
-     ValueError, "eps_clip"),
-    (lambda: slime.compute_policy_loss(torch.zeros(3), torch.ones(3), 0.2, -0.2),
-     ValueError, "eps_clip_high"),
-    (lambda: slime.compute_policy_loss(torch.zeros(3), torch.ones(3), 0.0, 0.2),
-     ValueError, "eps_clip"),
-    (lambda: slime.compute_policy_loss(torch.zeros(3), torch.ones(4), 0.2, 0.2),
-     ValueError, "advantages"),
-    (lambda: slime.compute_policy_loss(torch.zeros(3), torch.ones(3), 0.2, 0.2, 1.0),
-     ValueError, "eps_clip_c"),
-    (lambda: slime.get_advantages_and_returns_batch(
-        [9], [3], [torch.ones(3)], [torch.ones(2)], 1.0, 1.0), ValueError, r"rewards_list\[0\]"),
-    (lambda: slime.get_advantages_and_returns_batch(
-        [9], [3], [torch.ones(1)], [torch.ones(3)], 1.0, 1.0), ValueError, r"values_list\[0\]"),
-    (lambda: slime.get_advantages_and_returns_batch(
-        [2], [3], [torch.ones(3)], [torch.ones(3)], 1.0, 1.0), ValueError, "total_lengths"),
-    (lambda: slime.get_advantages_and_returns_batch(
-        [9, 9], [3], [torch.ones(3)], [torch.ones(3)], 1.0, 1.0), ValueError, "total_lengths"),
-    (lambda: slime.get_advantages_and_returns_batch(
-        [9], [3], [torch.ones(3)], [torch.ones(3)], 1.0, 1.5), ValueError, "lambd"),
-    (lambda: slime.get_reinforce_plus_plus_returns(
-        torch.ones(2), [torch.zeros(3)], [torch.ones(3)], [3], [5], 0.1, 1.0),
-     ValueError, "rewards"),
-    (lambda: slime.get_reinforce_plus_plus_returns(
-        torch.ones(1), [torch.zeros(3)], [torch.ones(3)], [3], [2], 0.1, 1.0),
-     ValueError, "total_lengths"),
-    (lambda: slime.get_reinforce_plus_plus_returns(
-        torch.ones(1), [torch.zeros(3)], [torch.ones(3)], [3], [5], "0.1", 1.0),
-     TypeError, "kl_coef"),
-    (lambda: slime.get_reinforce_plus_plus_baseline_advantages(
-        torch.ones(3), [torch.zeros(2)] * 2, [torch.ones(2)] * 2, 0.1), ValueError, "rewards"),
+    (
+        lambda: slime.compute_policy_loss(torch.zeros(3), torch.ones(3), -0.1, 0.2),
+        ValueError,
+        "eps_clip",
+    ),
+    (
+        lambda: slime.compute_policy_loss(torch.zeros(3), torch.ones(3), 0.2, -0.2),
+        ValueError,
+        "eps_clip_high",
+    ),
+    (
+        lambda: slime.compute_policy_loss(torch.zeros(3), torch.ones(3), 0.0, 0.2),
+        ValueError,
+        "eps_clip",
+    ),
+    (
+        lambda: slime.compute_policy_loss(torch.zeros(3), torch.ones(4), 0.2, 0.2),
+        ValueError,
+        "advantages",
+    ),
+    (
+        lambda: slime.compute_policy_loss(torch.zeros(3), torch.ones(3), 0.2, 0.2, 1.0),
+        ValueError,
+        "eps_clip_c",
+    ),
+    (
+        lambda: slime.get_advantages_and_returns_batch(
+            [9], [3], [torch.ones(3)], [torch.ones(2)], 1.0, 1.0
+        ),
+        ValueError,
+        r"rewards_list\[0\]",
+    ),
+    (
+        lambda: slime.get_advantages_and_returns_batch(
+            [9], [3], [torch.ones(1)], [torch.ones(3)], 1.0, 1.0
+        ),
+        ValueError,
+        r"values_list\[0\]",
+    ),
+    (
+        lambda: slime.get_advantages_and_returns_batch(
+            [2], [3], [torch.ones(3)], [torch.ones(3)], 1.0, 1.0
+        ),
+        ValueError,
+        "total_lengths",
+    ),
+    (
+        lambda: slime.get_advantages_and_returns_batch(
+            [9, 9], [3], [torch.ones(3)], [torch.ones(3)], 1.0, 1.0
+        ),
+        ValueError,
+        "total_lengths",
+    ),
+    (
+        lambda: slime.get_advantages_and_returns_batch(
+            [9], [3], [torch.ones(3)], [torch.ones(3)], 1.0, 1.5
+        ),
+        ValueError,
+        "lambd",
+    ),
+    (
+        lambda: slime.get_reinforce_plus_plus_returns(
+            torch.ones(2), [torch.zeros(3)], [torch.ones(3)], [3], [5], 0.1, 1.0
+        ),
+        ValueError,
+        "rewards",
+    ),
+    (
+        lambda: slime.get_reinforce_plus_plus_returns(
+            torch.ones(1), [torch.zeros(3)], [torch.ones(3)], [3], [2], 0.1, 1.0
+        ),
+        ValueError,
+        "total_lengths",
+    ),
+    (
+        lambda: slime.get_reinforce_plus_plus_returns(
+            torch.ones(1), [torch.zeros(3)], [torch.ones(3)], [3], [5], "0.1", 1.0
+        ),
+        TypeError,
+        "kl_coef",
+    ),
+    (
+        lambda: slime.get_reinforce_plus_plus_baseline_advantages(
+            torch.ones(3), [torch.zeros(2)] * 2, [torch.ones(2)] * 2, 0.1
+        ),
+        ValueError,
+        "rewards",
+    ),
     (lambda: slime.get_grpo_returns(torch.ones(3), [torch.zeros(2)] * 2), ValueError, "rewards"),
-    (lambda: slime.add_outcome_rewards([torch.zeros(3)], [1.0, 2.0], [5], [3]),
-     ValueError, "rewards"),
+    (
+        lambda: slime.add_outcome_rewards([torch.zeros(3)], [1.0, 2.0], [5], [3]),
+        ValueError,
+        "rewards",
+    ),
     (lambda: slime.all_gather_with_cp(torch.zeros(4), 3, 4), ValueError, "response_length"),
     (lambda: slime.slice_log_prob_with_cp(torch.zeros(4), 3, 4), ValueError, "response_length"),
-    (lambda: slime.slice_log_prob_with_cp(torch.zeros(4), 9, 4, qkv_format="sbhd"),
-     ValueError, "qkv_format"),
+    (
+        lambda: slime.slice_log_prob_with_cp(torch.zeros(4), 9, 4, qkv_format="sbhd"),
+        ValueError,
+        "qkv_format",
+    ),
     (lambda: slime.vanilla_gae([[0.0, 1.0]], torch.zeros(1, 2), 1.0, 1.0), TypeError, "rewards"),
-    (lambda: slime.vanilla_gae(torch.zeros(1, 2), torch.zeros(1, 3), 1.0, 1.0),
-     ValueError, "values"),
+    (
+        lambda: slime.vanilla_gae(torch.zeros(1, 2), torch.zeros(1, 3), 1.0, 1.0),
+        ValueError,
+        "values",
+    ),
     (lambda: slime.chunked_discounted_returns(torch.zeros(1, 2), -0.5), ValueError, "discount"),
 ]
 
@@ -492,12 +576,24 @@ def test_bad_input_names_slimes_argument(i):
 def test_exports_are_pinned_and_documented():
     assert slime.__all__ == sorted(slime.__all__)
     assert slime.__all__ == [
-        "add_outcome_rewards", "all_gather_with_cp", "calculate_log_probs_and_entropy",
-        "chunked_discounted_returns", "chunked_gae", "compute_approx_kl", "compute_cispo_loss",
-        "compute_opsm_mask", "compute_policy_loss",
-        "distributed_masked_whiten", "get_advantages_and_returns_batch", "get_grpo_returns",
-        "get_reinforce_plus_plus_baseline_advantages", "get_reinforce_plus_plus_returns",
-        "icepop_function", "slice_log_prob_with_cp", "value_loss_function", "vanilla_gae",
+        "add_outcome_rewards",
+        "all_gather_with_cp",
+        "calculate_log_probs_and_entropy",
+        "chunked_discounted_returns",
+        "chunked_gae",
+        "compute_approx_kl",
+        "compute_cispo_loss",
+        "compute_opsm_mask",
+        "compute_policy_loss",
+        "distributed_masked_whiten",
+        "get_advantages_and_returns_batch",
+        "get_grpo_returns",
+        "get_reinforce_plus_plus_baseline_advantages",
+        "get_reinforce_plus_plus_returns",
+        "icepop_function",
+        "slice_log_prob_with_cp",
+        "value_loss_function",
+        "vanilla_gae",
         "vanilla_tis_function",
     ]
     for name in slime.__all__:

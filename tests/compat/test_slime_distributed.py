@@ -75,31 +75,42 @@ def _max_err(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
 
 def _context_parallel(group, cp: int, rank: int) -> dict:
     totals, responses, d = _samples()
-    local = {k: [slime_slice(x, t, r, cp, rank) for x, t, r in zip(v, totals, responses)]
-             for k, v in d.items() if k != "outcome"}
+    local = {
+        k: [slime_slice(x, t, r, cp, rank) for x, t, r in zip(v, totals, responses)]
+        for k, v in d.items()
+        if k != "outcome"
+    }
     out = {}
     # GAE, batched
-    want = slime.get_advantages_and_returns_batch(totals, responses, d["values"], d["rewards"],
-                                                  0.99, 0.95)
-    got = slime.get_advantages_and_returns_batch(totals, responses, local["values"],
-                                                 local["rewards"], 0.99, 0.95, cp_group=group)
-    out["gae"] = max(_max_err(g, [slime_slice(x, t, r, cp, rank)
-                                  for x, t, r in zip(w, totals, responses)])
-                     for g, w in zip(got, want))
+    want = slime.get_advantages_and_returns_batch(
+        totals, responses, d["values"], d["rewards"], 0.99, 0.95
+    )
+    got = slime.get_advantages_and_returns_batch(
+        totals, responses, local["values"], local["rewards"], 0.99, 0.95, cp_group=group
+    )
+    out["gae"] = max(
+        _max_err(g, [slime_slice(x, t, r, cp, rank) for x, t, r in zip(w, totals, responses)])
+        for g, w in zip(got, want)
+    )
     # REINFORCE++
-    want = slime.get_reinforce_plus_plus_returns(d["outcome"], d["kl"], d["masks"], responses,
-                                                 totals, 0.05, 0.9)
-    got = slime.get_reinforce_plus_plus_returns(d["outcome"], local["kl"], d["masks"], responses,
-                                                totals, 0.05, 0.9, cp_group=group)
-    out["reinforce"] = _max_err(got, [slime_slice(x, t, r, cp, rank)
-                                      for x, t, r in zip(want, totals, responses)])
+    want = slime.get_reinforce_plus_plus_returns(
+        d["outcome"], d["kl"], d["masks"], responses, totals, 0.05, 0.9
+    )
+    got = slime.get_reinforce_plus_plus_returns(
+        d["outcome"], local["kl"], d["masks"], responses, totals, 0.05, 0.9, cp_group=group
+    )
+    out["reinforce"] = _max_err(
+        got, [slime_slice(x, t, r, cp, rank) for x, t, r in zip(want, totals, responses)]
+    )
     # the outcome reward on the last response token
     zeros = [torch.zeros_like(x) for x in local["rewards"]]
     got = slime.add_outcome_rewards(zeros, d["outcome"], totals, responses, cp_group=group)
-    full = slime.add_outcome_rewards([torch.zeros(r, dtype=torch.float64) for r in responses],
-                                     d["outcome"], totals, responses)
-    out["outcome"] = _max_err(got, [slime_slice(x, t, r, cp, rank)
-                                    for x, t, r in zip(full, totals, responses)])
+    full = slime.add_outcome_rewards(
+        [torch.zeros(r, dtype=torch.float64) for r in responses], d["outcome"], totals, responses
+    )
+    out["outcome"] = _max_err(
+        got, [slime_slice(x, t, r, cp, rank) for x, t, r in zip(full, totals, responses)]
+    )
     slime_wrong = 0
     for z, o, g in zip(zeros, d["outcome"], got):
         try:
@@ -123,8 +134,9 @@ def _context_parallel(group, cp: int, rank: int) -> dict:
             grad_err = max(grad_err, (piece.grad - expect).abs().max().item())
         as_list = slime.slice_log_prob_with_cp(d["values"][i].tolist(), t, r, cp_group=group)
         back = torch.tensor(as_list, dtype=torch.float64).reshape(-1)
-        slice_err = max(slice_err, (back - local["values"][i]).abs().max().item()
-                        if back.numel() else 0.0)
+        slice_err = max(
+            slice_err, (back - local["values"][i]).abs().max().item() if back.numel() else 0.0
+        )
         bshd = slime.slice_log_prob_with_cp(d["values"][i], t, r, "bshd", 48, cp_group=group)
         ranges, shift = slime_offsets_bshd(t, r, cp, rank, 48)
         want_b = torch.cat([d["values"][i][lo - shift : hi - shift] for lo, hi in ranges])
@@ -167,12 +179,20 @@ def _value_loss(group, cp: int, rank: int) -> dict:
     w = [torch.rand(r, generator=gen, dtype=torch.float64) for r in responses]
 
     def run(logits, pieces, weights, group, allgather=False):
-        batch = {"values": pieces[0], "returns": pieces[1], "total_lengths": totals,
-                 "response_lengths": responses}
+        batch = {
+            "values": pieces[0],
+            "returns": pieces[1],
+            "total_lengths": totals,
+            "response_lengths": responses,
+        }
         flat_w = torch.cat(weights)
-        return slime.value_loss_function(Namespace(value_clip=0.3, allgather_cp=allgather),
-                                         batch, logits, lambda x: (x * flat_w).sum(),
-                                         cp_group=group)[0]
+        return slime.value_loss_function(
+            Namespace(value_clip=0.3, allgather_cp=allgather),
+            batch,
+            logits,
+            lambda x: (x * flat_w).sum(),
+            cp_group=group,
+        )[0]
 
     full = run(torch.cat(heads).reshape(1, -1, 1), (old, ret), w, None)
 
@@ -185,8 +205,9 @@ def _value_loss(group, cp: int, rank: int) -> dict:
     part = -(-packed.numel() // cp)
     packed = torch.cat([packed, packed.new_zeros(part * cp - packed.numel())])
     split = packed[rank * part : (rank + 1) * part]
-    mine_ag = run(split.reshape(1, -1, 1), (local(old), local(ret)), local(w), group,
-                  allgather=True)
+    mine_ag = run(
+        split.reshape(1, -1, 1), (local(old), local(ret)), local(w), group, allgather=True
+    )
     total = mine.clone()
     dist.all_reduce(total, group=group)
     return {"sum_err": (total - full).abs().item(), "allgather_err": (mine_ag - mine).abs().item()}
@@ -203,17 +224,22 @@ def _tensor_parallel(group, tp: int, rank: int) -> float:
     cols = slice(rank * v // tp, (rank + 1) * v // tp)
     shard = logits[:, cols].clone().requires_grad_()
     logp, ent = slime.calculate_log_probs_and_entropy(
-        shard, tokens, group, with_entropy=True, chunk_size=4, log_prob_keep_mask=keep[:, cols])
+        shard, tokens, group, with_entropy=True, chunk_size=4, log_prob_keep_mask=keep[:, cols]
+    )
     ((logp[:, 0] + ent) * w).sum().backward()
     z = logits.clone().requires_grad_()
     ref_logp = z.masked_fill(~keep, float("-inf")).log_softmax(-1).gather(-1, tokens[:, None])
     ref_ent = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
     ((ref_logp[:, 0] + ref_ent) * w).sum().backward()
-    err = max((logp - ref_logp).abs().max().item(), (ent - ref_ent).abs().max().item(),
-              (shard.grad - z.grad[:, cols]).abs().max().item())
+    err = max(
+        (logp - ref_logp).abs().max().item(),
+        (ent - ref_ent).abs().max().item(),
+        (shard.grad - z.grad[:, cols]).abs().max().item(),
+    )
     if group is dist.group.WORLD:  # slime: tp_group=None is the default (world) group
-        logp, ent = slime.calculate_log_probs_and_entropy(shard.detach(), tokens, None,
-                                                          with_entropy=True)
+        logp, ent = slime.calculate_log_probs_and_entropy(
+            shard.detach(), tokens, None, with_entropy=True
+        )
         unmasked = logits.log_softmax(-1).gather(-1, tokens[:, None])
         err = max(err, (logp - unmasked).abs().max().item(), (ent - ref_ent).abs().max().item())
     return err
@@ -237,8 +263,7 @@ def _work(rank: int, world: int) -> dict:
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pair = pairs[rank // 2]
     res = {}
-    for name, group, size, r in (("cp4", dist.group.WORLD, 4, rank),
-                                 ("cp2", pair, 2, rank % 2)):
+    for name, group, size, r in (("cp4", dist.group.WORLD, 4, rank), ("cp2", pair, 2, rank % 2)):
         res[name] = _context_parallel(group, size, r)
         res[name]["tp"] = _tensor_parallel(group, size, r)
         res[name]["whiten"] = _whiten(group, size, r)

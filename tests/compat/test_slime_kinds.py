@@ -44,8 +44,9 @@ def test_cispo_matches_slime_formula(eps_clip, eps_clip_high):
     torch.testing.assert_close(loss, ref)
     torch.testing.assert_close(frac, ref_frac)
     g = torch.randn_like(adv)
-    torch.testing.assert_close(torch.autograd.grad(loss, new, g)[0],
-                               torch.autograd.grad(ref, new, g)[0])
+    torch.testing.assert_close(
+        torch.autograd.grad(loss, new, g)[0], torch.autograd.grad(ref, new, g)[0]
+    )
     if eps_clip >= 1:  # no lower clip: only ratios above 1 + eps_clip_high are clipped
         r = torch.exp(-ppo_kl)
         assert torch.equal(frac.bool(), r > 1 + eps_clip_high)
@@ -83,9 +84,15 @@ def _samples(seed=3):
 def test_tis_and_icepop_match_slime(fn, low):
     pg, train, rollout, masks = _samples()
     args = Namespace(tis_clip=1.5, tis_clip_low=low)
-    out, out_masks, m = getattr(slime, fn)(args, pg_loss=pg, train_log_probs=train,
-                                           rollout_log_probs=rollout, loss_masks=masks,
-                                           total_lengths=[9] * 4, response_lengths=[1] * 4)
+    out, out_masks, m = getattr(slime, fn)(
+        args,
+        pg_loss=pg,
+        train_log_probs=train,
+        rollout_log_probs=rollout,
+        loss_masks=masks,
+        total_lengths=[9] * 4,
+        response_lengths=[1] * 4,
+    )
     assert out_masks is masks
     ratios = [math.exp(float(a - b)) for x, y in zip(train, rollout) for a, b in zip(x, y)]
     ref, clip = [], []
@@ -99,8 +106,9 @@ def test_tis_and_icepop_match_slime(fn, low):
     torch.testing.assert_close(out, pg * torch.tensor(ref, dtype=torch.float64))
     torch.testing.assert_close(m["tis"], torch.tensor(ratios, dtype=torch.float64))
     torch.testing.assert_close(m["tis_clipfrac"], torch.tensor(clip, dtype=torch.float64))
-    torch.testing.assert_close(m["tis_abs"],
-                               torch.tensor([abs(r - 1) for r in ratios], dtype=torch.float64))
+    torch.testing.assert_close(
+        m["tis_abs"], torch.tensor([abs(r - 1) for r in ratios], dtype=torch.float64)
+    )
     assert 0 < sum(clip) < len(clip)
 
 
@@ -108,20 +116,34 @@ def test_tis_hand_computed():
     args = Namespace(tis_clip=2.0, tis_clip_low=0.5)
     train = [torch.tensor([math.log(3.0), math.log(0.25), 0.0])]
     rollout = [torch.zeros(3)]
-    out, _, _ = slime.vanilla_tis_function(args, pg_loss=torch.ones(3), train_log_probs=train,
-                                           rollout_log_probs=rollout, loss_masks=None)
+    out, _, _ = slime.vanilla_tis_function(
+        args,
+        pg_loss=torch.ones(3),
+        train_log_probs=train,
+        rollout_log_probs=rollout,
+        loss_masks=None,
+    )
     torch.testing.assert_close(out, torch.tensor([2.0, 0.5, 1.0]))
-    out, _, _ = slime.icepop_function(args, pg_loss=torch.ones(3), train_log_probs=train,
-                                      rollout_log_probs=rollout, loss_masks=None)
+    out, _, _ = slime.icepop_function(
+        args,
+        pg_loss=torch.ones(3),
+        train_log_probs=train,
+        rollout_log_probs=rollout,
+        loss_masks=None,
+    )
     torch.testing.assert_close(out, torch.tensor([0.0, 0.0, 1.0]))
 
 
 def test_tis_keeps_the_gradient_of_pg_loss_only():
     pg, train, rollout, masks = _samples(4)
     pg.requires_grad_()
-    out, _, m = slime.vanilla_tis_function(Namespace(tis_clip=2.0, tis_clip_low=0.0), pg_loss=pg,
-                                           train_log_probs=train, rollout_log_probs=rollout,
-                                           loss_masks=masks)
+    out, _, m = slime.vanilla_tis_function(
+        Namespace(tis_clip=2.0, tis_clip_low=0.0),
+        pg_loss=pg,
+        train_log_probs=train,
+        rollout_log_probs=rollout,
+        loss_masks=masks,
+    )
     (g,) = torch.autograd.grad(out.sum(), pg)
     torch.testing.assert_close(g, torch.clamp(m["tis"], max=2.0))
     assert not any(v.requires_grad for v in m.values())
@@ -133,8 +155,9 @@ def ref_opsm(delta, full_new, full_old, adv, masks):
     kl > delta are masked; clipfrac = Σ_i (masked tokens) / max(Σ m_i, 1)."""
     out, frac = [], 0.0
     for new, old, a, m in zip(full_new, full_old, adv, masks):
-        kl = sum(float(m[t]) * float(old[t] - new[t]) for t in range(len(m))) / max(float(m.sum()),
-                                                                                    1.0)
+        kl = sum(float(m[t]) * float(old[t] - new[t]) for t in range(len(m))) / max(
+            float(m.sum()), 1.0
+        )
         mask = [1.0 if (float(x) < 0 and kl > delta) else 0.0 for x in a]
         frac += sum(mask) / max(float(m.sum()), 1.0)
         out += [1.0 - x for x in mask]
@@ -145,8 +168,10 @@ def _opsm_batch(seed=5):
     g = torch.Generator().manual_seed(seed)
     lengths = [6, 3, 8, 1, 5]
     old = [-torch.rand(n, generator=g) * 2 for n in lengths]
-    new = [x + 0.05 * torch.randn(n, generator=g) - 0.02 * i for i, (x, n) in
-           enumerate(zip(old, lengths))]
+    new = [
+        x + 0.05 * torch.randn(n, generator=g) - 0.02 * i
+        for i, (x, n) in enumerate(zip(old, lengths))
+    ]
     masks = [(torch.rand(n, generator=g) > 0.3).float() for n in lengths]
     masks[3] = torch.zeros(1)  # a sample with no loss-mask token
     adv = [torch.randn(n, generator=g) for n in lengths]
@@ -212,14 +237,30 @@ def test_signatures_are_slimes():
     def names(fn):
         return list(inspect.signature(fn).parameters)
 
-    assert names(slime.compute_cispo_loss) == ["ppo_kl", "log_probs", "advantages", "eps_clip",
-                                               "eps_clip_high"]
-    assert names(slime.compute_opsm_mask) == ["args", "full_log_probs", "full_old_log_probs",
-                                              "advantages", "loss_masks"]
+    assert names(slime.compute_cispo_loss) == [
+        "ppo_kl",
+        "log_probs",
+        "advantages",
+        "eps_clip",
+        "eps_clip_high",
+    ]
+    assert names(slime.compute_opsm_mask) == [
+        "args",
+        "full_log_probs",
+        "full_old_log_probs",
+        "advantages",
+        "loss_masks",
+    ]
     for fn in (slime.vanilla_tis_function, slime.icepop_function):
         params = inspect.signature(fn).parameters
-        assert list(params) == ["args", "pg_loss", "train_log_probs", "rollout_log_probs",
-                                "loss_masks", "kwargs"]
+        assert list(params) == [
+            "args",
+            "pg_loss",
+            "train_log_probs",
+            "rollout_log_probs",
+            "loss_masks",
+            "kwargs",
+        ]
         assert all(params[k].kind is inspect.Parameter.KEYWORD_ONLY for k in list(params)[1:5])
 
 
@@ -229,37 +270,61 @@ _L = [torch.zeros(3)]
 
 
 def _tis(args=_A, pg=_X, train=_L, rollout=_L, fn="vanilla_tis_function"):
-    return getattr(slime, fn)(args, pg_loss=pg, train_log_probs=train, rollout_log_probs=rollout,
-                              loss_masks=None)
+    return getattr(slime, fn)(
+        args, pg_loss=pg, train_log_probs=train, rollout_log_probs=rollout, loss_masks=None
+    )
 
 
 BAD = [
     (lambda: slime.compute_cispo_loss(_X, torch.zeros(4), _X, 0.2, 0.2), ValueError, "log_probs"),
-    (lambda: slime.compute_cispo_loss(_X, _X, torch.zeros(2), 0.2, 0.2), ValueError,
-     "advantages"),
+    (lambda: slime.compute_cispo_loss(_X, _X, torch.zeros(2), 0.2, 0.2), ValueError, "advantages"),
     (lambda: slime.compute_cispo_loss(_X, _X, _X, 0.0, 0.2), ValueError, "eps_clip"),
     (lambda: slime.compute_cispo_loss(_X, _X, _X, 0.2, -0.1), ValueError, "eps_clip_high"),
     (lambda: _tis(args=Namespace(tis_clip=0.0, tis_clip_low=0.0)), ValueError, "tis_clip"),
-    (lambda: _tis(args=Namespace(tis_clip=1.0, tis_clip_low=2.0), fn="icepop_function"),
-     ValueError, "tis_clip_low"),
+    (
+        lambda: _tis(args=Namespace(tis_clip=1.0, tis_clip_low=2.0), fn="icepop_function"),
+        ValueError,
+        "tis_clip_low",
+    ),
     (lambda: _tis(pg=torch.zeros(4)), ValueError, "pg_loss"),
     (lambda: _tis(rollout=[torch.zeros(2)]), ValueError, "rollout_log_probs"),
     (lambda: _tis(train=torch.zeros(3)), TypeError, "train_log_probs"),
     # 2 samples against 1 with the same 3 tokens in all: the counts are named
-    (lambda: _tis(train=[torch.zeros(2), torch.zeros(1)]), ValueError,
-     "train_log_probs has 2, rollout_log_probs has 1"),
-    (lambda: _tis(rollout=[torch.zeros(2), torch.zeros(1)], fn="icepop_function"), ValueError,
-     "train_log_probs has 1, rollout_log_probs has 2"),
+    (
+        lambda: _tis(train=[torch.zeros(2), torch.zeros(1)]),
+        ValueError,
+        "train_log_probs has 2, rollout_log_probs has 1",
+    ),
+    (
+        lambda: _tis(rollout=[torch.zeros(2), torch.zeros(1)], fn="icepop_function"),
+        ValueError,
+        "train_log_probs has 1, rollout_log_probs has 2",
+    ),
     # as many samples, same total, different lengths: sample 0 is named
-    (lambda: _tis(train=[torch.zeros(2), torch.zeros(1)], rollout=[torch.zeros(1), torch.zeros(2)],
-                  fn="icepop_function"), ValueError,
-     r"train_log_probs\[0\] has 2 entries but rollout_log_probs\[0\] has 1"),
-    (lambda: slime.compute_opsm_mask(_A, _L, _L, _L, [torch.ones(3)] * 2), ValueError,
-     "loss_masks"),
-    (lambda: slime.compute_opsm_mask(_A, _L, [torch.zeros(2)], _L, [torch.ones(3)]), ValueError,
-     "full_old_log_probs"),
-    (lambda: slime.compute_opsm_mask(Namespace(opsm_delta="x"), _L, _L, _L, [torch.ones(3)]),
-     (TypeError, ValueError), "opsm_delta"),
+    (
+        lambda: _tis(
+            train=[torch.zeros(2), torch.zeros(1)],
+            rollout=[torch.zeros(1), torch.zeros(2)],
+            fn="icepop_function",
+        ),
+        ValueError,
+        r"train_log_probs\[0\] has 2 entries but rollout_log_probs\[0\] has 1",
+    ),
+    (
+        lambda: slime.compute_opsm_mask(_A, _L, _L, _L, [torch.ones(3)] * 2),
+        ValueError,
+        "loss_masks",
+    ),
+    (
+        lambda: slime.compute_opsm_mask(_A, _L, [torch.zeros(2)], _L, [torch.ones(3)]),
+        ValueError,
+        "full_old_log_probs",
+    ),
+    (
+        lambda: slime.compute_opsm_mask(Namespace(opsm_delta="x"), _L, _L, _L, [torch.ones(3)]),
+        (TypeError, ValueError),
+        "opsm_delta",
+    ),
 ]
 
 
@@ -273,21 +338,29 @@ def test_bad_input_names_slimes_argument(i):
 # --------------------------------------------------------------------------- deliberate differences
 def test_difference_ratios_are_finite_beyond_e20():
     ppo_kl = torch.tensor([-100.0])  # log-ratio 100: slime's e^100 is inf in float32
-    loss, frac = slime.compute_cispo_loss(ppo_kl, torch.tensor([-1.0]), torch.tensor([1.0]),
-                                          0.2, 0.2)
+    loss, frac = slime.compute_cispo_loss(
+        ppo_kl, torch.tensor([-1.0]), torch.tensor([1.0]), 0.2, 0.2
+    )
     assert torch.isfinite(loss).all() and frac.item() == 1.0
-    out, _, m = slime.vanilla_tis_function(Namespace(tis_clip=2.0, tis_clip_low=0.0),
-                                           pg_loss=torch.ones(1),
-                                           train_log_probs=[torch.tensor([100.0])],
-                                           rollout_log_probs=[torch.zeros(1)], loss_masks=None)
+    out, _, m = slime.vanilla_tis_function(
+        Namespace(tis_clip=2.0, tis_clip_low=0.0),
+        pg_loss=torch.ones(1),
+        train_log_probs=[torch.tensor([100.0])],
+        rollout_log_probs=[torch.zeros(1)],
+        loss_masks=None,
+    )
     assert out.item() == 2.0 and m["tis"].item() == pytest.approx(math.exp(20.0), rel=1e-6)
 
 
 def test_opsm_masks_a_sample_without_loss_tokens_as_slime():
     # slime: kl = 0 / max(0, 1) = 0 > delta = −1 masks the A < 0 tokens of the empty sample;
     # clipfrac 1 / max(0, 1)
-    mask, frac = slime.compute_opsm_mask(Namespace(opsm_delta=-1.0), [torch.zeros(2)],
-                                         [torch.zeros(2)], [torch.tensor([-1.0, 1.0])],
-                                         [torch.zeros(2)])
+    mask, frac = slime.compute_opsm_mask(
+        Namespace(opsm_delta=-1.0),
+        [torch.zeros(2)],
+        [torch.zeros(2)],
+        [torch.tensor([-1.0, 1.0])],
+        [torch.zeros(2)],
+    )
     torch.testing.assert_close(mask, torch.tensor([0.0, 1.0]))
     assert frac.item() == 1.0

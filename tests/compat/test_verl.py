@@ -151,8 +151,12 @@ def ref_policy_loss(old, new, adv, m, low, high, c, mode, weights=None, agg_kw=(
     def mean(x):
         return (x * md).sum() / md.sum()
 
-    return (ref_agg(losses, m, mode, *agg_kw), mean((l2 > l1).double()), mean(-nkl),
-            mean(((c1 > l3) & (adv < 0)).double()))
+    return (
+        ref_agg(losses, m, mode, *agg_kw),
+        mean((l2 > l1).double()),
+        mean(-nkl),
+        mean(((c1 > l3) & (adv < 0)).double()),
+    )
 
 
 def ref_kl(lp, ref, kind):
@@ -181,8 +185,12 @@ def test_gae_matches_on_action_tokens_and_is_zero_elsewhere():
     assert adv[~act].eq(0).all() and ret[~act].eq(0).all()
     assert want_adv[~act].abs().max() > 0  # verl leaves values on observation tokens
     g = torch.tensor(0.9, dtype=torch.float64)  # verl types gamma and lam as tensors
-    torch.testing.assert_close(verl.compute_gae_advantage_return(r, v, m, g, g)[0][act],
-                               ref_gae(r, v, m, 0.9, 0.9)[0][act], rtol=0, atol=1e-10)
+    torch.testing.assert_close(
+        verl.compute_gae_advantage_return(r, v, m, g, g)[0][act],
+        ref_gae(r, v, m, 0.9, 0.9)[0][act],
+        rtol=0,
+        atol=1e-10,
+    )
 
 
 @pytest.mark.parametrize("norm", [True, False])
@@ -201,8 +209,10 @@ def test_grpo_rloo_and_baseline_with_string_uids(norm):
     centred = ref_group_scores(scores, index, "mean")[:, None].expand(B, T) * m
     torch.testing.assert_close(adv, ref_whiten(centred, m) * m)
     ids = torch.tensor([7, 3, 7, 9, 3, 7])  # integer ids work the same
-    torch.testing.assert_close(verl.compute_rloo_outcome_advantage(r, m, ids)[0],
-                               ref_group_scores(scores, index, "rloo")[:, None] * m)
+    torch.testing.assert_close(
+        verl.compute_rloo_outcome_advantage(r, m, ids)[0],
+        ref_group_scores(scores, index, "rloo")[:, None] * m,
+    )
 
 
 def test_reinforce_plus_plus_matches_without_tool_spans():
@@ -210,8 +220,11 @@ def test_reinforce_plus_plus_matches_without_tool_spans():
     m = _prefix_mask(gen)
     r = torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.1 * m
     cfg = SimpleNamespace(gamma=0.9)
-    for got, want, old in zip(verl.compute_reinforce_plus_plus_outcome_advantage(r, m, cfg),
-                              ref_reinforce(r, m, 0.9), ref_reinforce_reset(r, m, 0.9)):
+    for got, want, old in zip(
+        verl.compute_reinforce_plus_plus_outcome_advantage(r, m, cfg),
+        ref_reinforce(r, m, 0.9),
+        ref_reinforce_reset(r, m, 0.9),
+    ):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
         torch.testing.assert_close(got, old, rtol=0, atol=1e-10)  # no span: all versions agree
     with pytest.raises(ValueError, match="gamma"):
@@ -224,8 +237,10 @@ def test_reinforce_plus_plus_matches_across_tool_spans(gamma):
     gen = _gen(30)
     m = _with_tool_spans(_prefix_mask(gen))
     r = torch.randn(B, T, generator=gen, dtype=torch.float64)  # rewards on mask-0 tokens too
-    for got, want in zip(verl.compute_reinforce_plus_plus_outcome_advantage(r, m, {"gamma": gamma}),
-                         ref_reinforce(r, m, gamma)):
+    for got, want in zip(
+        verl.compute_reinforce_plus_plus_outcome_advantage(r, m, {"gamma": gamma}),
+        ref_reinforce(r, m, gamma),
+    ):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
 
 
@@ -249,7 +264,8 @@ def test_reinforce_plus_plus_keeps_the_outcome_across_tool_spans():
             g = r[i, t] + 0.5 * g
             want[t] = g
         torch.testing.assert_close(
-            verl.compute_reinforce_plus_plus_outcome_advantage(r, m, {"gamma": 0.5})[1][i], want)
+            verl.compute_reinforce_plus_plus_outcome_advantage(r, m, {"gamma": 0.5})[1][i], want
+        )
 
 
 def test_remax():
@@ -274,7 +290,7 @@ def test_kl_penalty(kind):
     lp[0, :4] = torch.tensor([-60.0, 60.0, -25.0, 25.0])  # beyond verl's ±20 clamp
     torch.testing.assert_close(verl.kl_penalty(lp, ref, kind), ref_kl(lp, ref, kind))
     plus = verl.kl_penalty(lp.requires_grad_(), ref, kind + "+")
-    g, = torch.autograd.grad(plus.sum(), lp)
+    (g,) = torch.autograd.grad(plus.sum(), lp)
     torch.testing.assert_close(plus.detach(), ref_kl(lp.detach(), ref, kind))
     torch.testing.assert_close(g, (lp - ref).detach())  # straight-through: k2's gradient
     with pytest.raises(NotImplementedError):
@@ -316,13 +332,16 @@ def test_agg_loss_by_hand():
     kw = dict(dp_size=2, batch_num_tokens=8, global_batch_size=4)
     torch.testing.assert_close(verl.agg_loss(loss, m, "token-mean", **kw), torch.tensor(2.5))
     torch.testing.assert_close(verl.agg_loss(loss, m, "token-sum", **kw), torch.tensor(20.0))
-    torch.testing.assert_close(verl.agg_loss(loss, m, "seq-mean-token-sum", **kw),
-                               torch.tensor(5.0))
-    torch.testing.assert_close(verl.agg_loss(loss, m, "seq-mean-token-mean", **kw),
-                               torch.tensor(3.0))
+    torch.testing.assert_close(
+        verl.agg_loss(loss, m, "seq-mean-token-sum", **kw), torch.tensor(5.0)
+    )
+    torch.testing.assert_close(
+        verl.agg_loss(loss, m, "seq-mean-token-mean", **kw), torch.tensor(3.0)
+    )
     torch.testing.assert_close(
         verl.agg_loss(loss, m, "seq-mean-token-sum-norm", loss_scale_factor=5, **kw),
-        torch.tensor(1.0))
+        torch.tensor(1.0),
+    )
 
 
 @pytest.mark.parametrize("mode", [*MODES, "token-sum"])
@@ -333,13 +352,22 @@ def test_agg_loss(mode):
     m[1] = 0  # a row with no token
     torch.testing.assert_close(verl.agg_loss(loss, m, mode), ref_agg(loss, m, mode))
     kw = dict(dp_size=4, batch_num_tokens=200, global_batch_size=20, loss_scale_factor=64)
-    torch.testing.assert_close(verl.agg_loss(loss, m, mode, **kw),
-                               ref_agg(loss, m, mode, 4, 200, 20, 64))
+    torch.testing.assert_close(
+        verl.agg_loss(loss, m, mode, **kw), ref_agg(loss, m, mode, 4, 200, 20, 64)
+    )
     for n in (np.int64(200), torch.tensor(200)):  # counts arrive as numpy or 0-dim tensors
         torch.testing.assert_close(
-            verl.agg_loss(loss, m, mode, dp_size=np.int64(4), batch_num_tokens=n,
-                          global_batch_size=torch.tensor(20), loss_scale_factor=np.float32(64)),
-            ref_agg(loss, m, mode, 4, 200, 20, 64))
+            verl.agg_loss(
+                loss,
+                m,
+                mode,
+                dp_size=np.int64(4),
+                batch_num_tokens=n,
+                global_batch_size=torch.tensor(20),
+                loss_scale_factor=np.float32(64),
+            ),
+            ref_agg(loss, m, mode, 4, 200, 20, 64),
+        )
     if mode != "token-sum":  # token-sum needs no global count
         with pytest.raises(ValueError, match="required when dp_size"):
             verl.agg_loss(loss, m, mode, dp_size=2)
@@ -360,8 +388,9 @@ def test_policy_loss(mode):
     new = old + torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.4
     adv = torch.randn(B, T, generator=gen, dtype=torch.float64)
     m = _with_tool_spans(_prefix_mask(gen))
-    got = verl.compute_policy_loss(old, new, adv, m, cliprange=0.2, cliprange_high=0.28,
-                                   clip_ratio_c=3.0, loss_agg_mode=mode)
+    got = verl.compute_policy_loss(
+        old, new, adv, m, cliprange=0.2, cliprange_high=0.28, clip_ratio_c=3.0, loss_agg_mode=mode
+    )
     want = ref_policy_loss(old, new, adv, m, 0.2, 0.28, 3.0, mode)
     for g, w in zip(got, want):  # verl's seq-mean-token-mean adds 1e-8 to each count
         torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-12)
@@ -380,31 +409,50 @@ def test_registered_vanilla_policy_loss(mode):
     adv = torch.randn(B, T, generator=gen, dtype=torch.float64)
     w = torch.rand(B, T, generator=gen, dtype=torch.float64) * 2
     m = _with_tool_spans(_prefix_mask(gen))
-    cfg = SimpleNamespace(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=0.28,
-                          clip_ratio_c=3.0, global_batch_info={})
+    cfg = SimpleNamespace(
+        clip_ratio=0.2,
+        clip_ratio_low=None,
+        clip_ratio_high=0.28,
+        clip_ratio_c=3.0,
+        global_batch_info={},
+    )
     loss, metrics = verl.compute_policy_loss_vanilla(old, new, adv, m, mode, cfg)
     want = ref_policy_loss(old, new, adv, m, 0.2, 0.28, 3.0, mode)
     torch.testing.assert_close(loss, want[0], rtol=1e-8, atol=1e-12)
     assert set(metrics) == {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}
-    for key, value in zip(("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"),
-                          want[1:]):
+    for key, value in zip(
+        ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"), want[1:]
+    ):
         assert isinstance(metrics[key], float)
         assert metrics[key] == pytest.approx(float(value), rel=1e-12, abs=1e-12)
     # rollout_is_weights multiplies the per-token loss; the metrics do not change
-    loss_w, metrics_w = verl.compute_policy_loss_vanilla(old, new, adv, m, mode, cfg,
-                                                         rollout_is_weights=w)
-    torch.testing.assert_close(loss_w, ref_policy_loss(old, new, adv, m, 0.2, 0.28, 3.0, mode,
-                                                       weights=w)[0], rtol=1e-8, atol=1e-12)
+    loss_w, metrics_w = verl.compute_policy_loss_vanilla(
+        old, new, adv, m, mode, cfg, rollout_is_weights=w
+    )
+    torch.testing.assert_close(
+        loss_w,
+        ref_policy_loss(old, new, adv, m, 0.2, 0.28, 3.0, mode, weights=w)[0],
+        rtol=1e-8,
+        atol=1e-12,
+    )
     assert metrics_w == metrics
-    cfg.global_batch_info = {"dp_size": 2, "batch_num_tokens": 300, "global_batch_size": 12,
-                             "loss_scale_factor": 40}
+    cfg.global_batch_info = {
+        "dp_size": 2,
+        "batch_num_tokens": 300,
+        "global_batch_size": 12,
+        "loss_scale_factor": 40,
+    }
     loss_g, _ = verl.compute_policy_loss_vanilla(old, new, adv, m, mode, cfg)
-    torch.testing.assert_close(loss_g, ref_policy_loss(old, new, adv, m, 0.2, 0.28, 3.0, mode,
-                                                       agg_kw=(2, 300, 12, 40))[0],
-                               rtol=1e-8, atol=1e-12)
+    torch.testing.assert_close(
+        loss_g,
+        ref_policy_loss(old, new, adv, m, 0.2, 0.28, 3.0, mode, agg_kw=(2, 300, 12, 40))[0],
+        rtol=1e-8,
+        atol=1e-12,
+    )
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        verl.compute_policy_loss_vanilla(old, new, adv, m, mode,
-                                         SimpleNamespace(clip_ratio=0.2, clip_ratio_c=1.0))
+        verl.compute_policy_loss_vanilla(
+            old, new, adv, m, mode, SimpleNamespace(clip_ratio=0.2, clip_ratio_c=1.0)
+        )
 
 
 def test_policy_loss_clamps_only_the_exp_side():
@@ -424,8 +472,9 @@ def test_policy_loss_clamps_only_the_exp_side():
 @pytest.mark.parametrize("mode", MODES)
 def test_value_loss(mode):
     gen = _gen(9)
-    vpreds, values, returns = (torch.randn(B, T, generator=gen, dtype=torch.float64)
-                               for _ in range(3))
+    vpreds, values, returns = (
+        torch.randn(B, T, generator=gen, dtype=torch.float64) for _ in range(3)
+    )
     m = _prefix_mask(gen)
     loss, frac = verl.compute_value_loss(vpreds, returns, values, m, 0.5, mode)
     clipped = torch.maximum(torch.minimum(vpreds, values + 0.5), values - 0.5)
@@ -433,11 +482,19 @@ def test_value_loss(mode):
     torch.testing.assert_close(loss, 0.5 * ref_agg(torch.maximum(l1, l2), m, mode))
     torch.testing.assert_close(frac, ((l2 > l1).double() * m).sum() / m.sum())
     # verl's current signature: the global normalisers are passed on to agg_loss
-    loss, frac2 = verl.compute_value_loss(vpreds, returns, values, m, 0.5, mode, dp_size=2,
-                                          batch_num_tokens=300, global_batch_size=12,
-                                          loss_scale_factor=40)
-    torch.testing.assert_close(loss, 0.5 * ref_agg(torch.maximum(l1, l2), m, mode, 2, 300, 12,
-                                                   40))
+    loss, frac2 = verl.compute_value_loss(
+        vpreds,
+        returns,
+        values,
+        m,
+        0.5,
+        mode,
+        dp_size=2,
+        batch_num_tokens=300,
+        global_batch_size=12,
+        loss_scale_factor=40,
+    )
+    torch.testing.assert_close(loss, 0.5 * ref_agg(torch.maximum(l1, l2), m, mode, 2, 300, 12, 40))
     assert frac2 == frac
 
 
@@ -457,8 +514,13 @@ def test_masked_whiten_matches_and_raises_as_verl():
     # sum of the mask is one, which can cause a division by zero.", both ValueError.
     one = torch.zeros_like(m)
     one[0, 0] = 1
-    for mask, match in ((one, "single"), (one.bool(), "single"), (one.float(), "single"),
-                        (torch.zeros_like(m), "no entry"), (torch.zeros(B, T), "no entry")):
+    for mask, match in (
+        (one, "single"),
+        (one.bool(), "single"),
+        (one.float(), "single"),
+        (torch.zeros_like(m), "no entry"),
+        (torch.zeros(B, T), "no entry"),
+    ):
         with pytest.raises(ValueError, match=match):
             verl.masked_whiten(x, mask)
     const = torch.full((B, T), 0.3, dtype=torch.float32)
@@ -480,8 +542,7 @@ def test_estimators_give_zero_advantages_where_verls_whitening_raises():
         assert adv.eq(0).all()
         assert torch.equal(ret, r * m)  # the one action's return is its own reward
         assert verl.compute_gae_advantage_return(r, v, m, 0.9, 0.9)[0].eq(0).all()
-        adv, _ = verl.compute_reinforce_plus_plus_baseline_outcome_advantage(
-            r, m, list(range(B)))
+        adv, _ = verl.compute_reinforce_plus_plus_baseline_outcome_advantage(r, m, list(range(B)))
         assert adv.eq(0).all()
 
 
@@ -490,15 +551,14 @@ def test_logprobs_and_entropy_from_logits():
     logits = torch.randn(2, 5, 33, generator=gen) * 3
     labels = torch.randint(0, 33, (2, 5), generator=gen)
     leaf = logits.clone().requires_grad_()
-    got = {"logp": verl.logprobs_from_logits(logits, labels),
-           "ent": verl.entropy_from_logits(leaf)}
-    got["grad"], = torch.autograd.grad(got["ent"].sum(), leaf)
+    got = {"logp": verl.logprobs_from_logits(logits, labels), "ent": verl.entropy_from_logits(leaf)}
+    (got["grad"],) = torch.autograd.grad(got["ent"].sum(), leaf)
     exact, ref32 = ({}, {})
     for out, dtype in ((exact, torch.float64), (ref32, torch.float32)):
         z = logits.to(dtype).requires_grad_()
         out["logp"] = z.log_softmax(-1).gather(-1, labels[..., None])[..., 0]
         out["ent"] = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
-        out["grad"], = torch.autograd.grad(out["ent"].sum(), z)
+        (out["grad"],) = torch.autograd.grad(out["ent"].sum(), z)
     for name, value in got.items():
         assert_within_reference(name, value.detach(), exact[name].detach(), ref32[name].detach())
     half = verl.logprobs_from_logits(logits.bfloat16(), labels)
@@ -530,49 +590,95 @@ def test_numpy_and_0d_tensor_scalars_are_accepted():
         for g, w in zip(got, verl.compute_value_loss(new, r, old, m, 0.5)):
             torch.testing.assert_close(g, w)
     cfg = {"clip_ratio": f32(0.2), "clip_ratio_c": f32(3.0)}
-    torch.testing.assert_close(verl.compute_policy_loss_vanilla(old, new, r, m, config=cfg)[0],
-                               want[0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        verl.compute_policy_loss_vanilla(old, new, r, m, config=cfg)[0],
+        want[0],
+        rtol=1e-6,
+        atol=1e-7,
+    )
 
 
 _X = torch.zeros(2, 3)
 _M = torch.ones(2, 3)
 BAD_VERL_CALLS = [
     # (call, error type, the verl argument the message must name)
-    (lambda: verl.compute_policy_loss(_X, _X, _X, _M, cliprange=0.2, clip_ratio_c=1.0),
-     ValueError, "clip_ratio_c"),
+    (
+        lambda: verl.compute_policy_loss(_X, _X, _X, _M, cliprange=0.2, clip_ratio_c=1.0),
+        ValueError,
+        "clip_ratio_c",
+    ),
     (lambda: verl.compute_policy_loss(_X, _X, _X, _M, cliprange=-0.2), ValueError, "cliprange"),
-    (lambda: verl.compute_policy_loss(_X, _X, _X, _M, cliprange=0.2, cliprange_high=-1.0),
-     ValueError, "cliprange_high"),
-    (lambda: verl.compute_policy_loss(_X, _X, _X, _M, cliprange=0.2, cliprange_low="a"),
-     TypeError, "cliprange_low"),
-    (lambda: verl.compute_policy_loss(_X, torch.zeros(2, 4), _X, _M, cliprange=0.2),
-     ValueError, "log_prob"),
-    (lambda: verl.compute_policy_loss(_X, _X, _X, torch.ones(2, 4), cliprange=0.2),
-     ValueError, "response_mask"),
-    (lambda: verl.compute_policy_loss(_X, _X, _X, _M, cliprange=0.2, loss_agg_mode="mean"),
-     ValueError, "loss_agg_mode"),
-    (lambda: verl.compute_value_loss(_X, _X, _X, _M, cliprange_value=-0.5),
-     ValueError, "cliprange_value"),
+    (
+        lambda: verl.compute_policy_loss(_X, _X, _X, _M, cliprange=0.2, cliprange_high=-1.0),
+        ValueError,
+        "cliprange_high",
+    ),
+    (
+        lambda: verl.compute_policy_loss(_X, _X, _X, _M, cliprange=0.2, cliprange_low="a"),
+        TypeError,
+        "cliprange_low",
+    ),
+    (
+        lambda: verl.compute_policy_loss(_X, torch.zeros(2, 4), _X, _M, cliprange=0.2),
+        ValueError,
+        "log_prob",
+    ),
+    (
+        lambda: verl.compute_policy_loss(_X, _X, _X, torch.ones(2, 4), cliprange=0.2),
+        ValueError,
+        "response_mask",
+    ),
+    (
+        lambda: verl.compute_policy_loss(_X, _X, _X, _M, cliprange=0.2, loss_agg_mode="mean"),
+        ValueError,
+        "loss_agg_mode",
+    ),
+    (
+        lambda: verl.compute_value_loss(_X, _X, _X, _M, cliprange_value=-0.5),
+        ValueError,
+        "cliprange_value",
+    ),
     (lambda: verl.compute_value_loss(_X, torch.zeros(3), _X, _M, 0.5), ValueError, "returns"),
     (lambda: verl.compute_value_loss(_X, _X, _X, _M, 0.5, "sum"), ValueError, "loss_agg_mode"),
     (lambda: verl.agg_loss(_X, _M, "sum"), ValueError, "loss_agg_mode"),
     (lambda: verl.agg_loss(_X, torch.ones(3), "token-mean"), ValueError, "loss_mask"),
-    (lambda: verl.agg_loss(_X, _M, "seq-mean-token-sum-norm", loss_scale_factor=0),
-     ValueError, "loss_scale_factor"),
+    (
+        lambda: verl.agg_loss(_X, _M, "seq-mean-token-sum-norm", loss_scale_factor=0),
+        ValueError,
+        "loss_scale_factor",
+    ),
     (lambda: verl.compute_gae_advantage_return(_X, _X, _M, 1.5, 0.9), ValueError, "gamma"),
     (lambda: verl.compute_gae_advantage_return(_X, _X, _M, 0.9, -1.0), ValueError, "lam"),
-    (lambda: verl.compute_gae_advantage_return(_X, torch.zeros(2, 4), _M, 0.9, 0.9),
-     ValueError, "values"),
-    (lambda: verl.compute_gae_advantage_return(_X, _X, torch.ones(2, 4), 0.9, 0.9),
-     ValueError, "response_mask"),
-    (lambda: verl.compute_reinforce_plus_plus_outcome_advantage(_X, _M, {"gamma": 2.0}),
-     ValueError, "gamma"),
-    (lambda: verl.compute_grpo_outcome_advantage(_X, _M, [0, 0], epsilon=-1.0),
-     ValueError, "epsilon"),
-    (lambda: verl.compute_grpo_outcome_advantage(_X, torch.ones(2, 4), [0, 0]),
-     ValueError, "response_mask"),
-    (lambda: verl.compute_remax_outcome_advantage(_X, torch.zeros(3), _M),
-     ValueError, "reward_baselines"),
+    (
+        lambda: verl.compute_gae_advantage_return(_X, torch.zeros(2, 4), _M, 0.9, 0.9),
+        ValueError,
+        "values",
+    ),
+    (
+        lambda: verl.compute_gae_advantage_return(_X, _X, torch.ones(2, 4), 0.9, 0.9),
+        ValueError,
+        "response_mask",
+    ),
+    (
+        lambda: verl.compute_reinforce_plus_plus_outcome_advantage(_X, _M, {"gamma": 2.0}),
+        ValueError,
+        "gamma",
+    ),
+    (
+        lambda: verl.compute_grpo_outcome_advantage(_X, _M, [0, 0], epsilon=-1.0),
+        ValueError,
+        "epsilon",
+    ),
+    (
+        lambda: verl.compute_grpo_outcome_advantage(_X, torch.ones(2, 4), [0, 0]),
+        ValueError,
+        "response_mask",
+    ),
+    (
+        lambda: verl.compute_remax_outcome_advantage(_X, torch.zeros(3), _M),
+        ValueError,
+        "reward_baselines",
+    ),
     (lambda: verl.kl_penalty(_X, _X, "k9"), ValueError, "kl_penalty"),
     (lambda: verl.kl_penalty(_X, torch.zeros(2, 4), "k1"), ValueError, "ref_logprob"),
     (lambda: verl.masked_whiten(_X, torch.ones(2, 4)), ValueError, "mask"),
@@ -589,25 +695,44 @@ def test_bad_input_names_verls_argument(i):
 def test_exports_are_pinned_and_documented():
     assert verl.__all__ == sorted(verl.__all__)
     assert verl.__all__ == [
-        "POLICY_LOSS_REGISTRY", "agg_loss", "compute_gae_advantage_return",
-        "compute_gdpo_outcome_advantage", "compute_gpg_outcome_advantage",
-        "compute_grpo_outcome_advantage", "compute_grpo_passk_outcome_advantage",
-        "compute_is_metrics", "compute_multi_turn_optimal_token_baseline_advantage",
-        "compute_offpolicy_metrics", "compute_opo_outcome_advantage",
-        "compute_optimal_token_baseline_advantage", "compute_policy_loss",
-        "compute_policy_loss_bypass_mode", "compute_policy_loss_cispo",
-        "compute_policy_loss_clip_cov", "compute_policy_loss_dppo_kl",
-        "compute_policy_loss_dppo_tv", "compute_policy_loss_geo_mean",
-        "compute_policy_loss_gpg", "compute_policy_loss_gspo",
-        "compute_policy_loss_kl_cov", "compute_policy_loss_sapo",
+        "POLICY_LOSS_REGISTRY",
+        "agg_loss",
+        "compute_gae_advantage_return",
+        "compute_gdpo_outcome_advantage",
+        "compute_gpg_outcome_advantage",
+        "compute_grpo_outcome_advantage",
+        "compute_grpo_passk_outcome_advantage",
+        "compute_is_metrics",
+        "compute_multi_turn_optimal_token_baseline_advantage",
+        "compute_offpolicy_metrics",
+        "compute_opo_outcome_advantage",
+        "compute_optimal_token_baseline_advantage",
+        "compute_policy_loss",
+        "compute_policy_loss_bypass_mode",
+        "compute_policy_loss_cispo",
+        "compute_policy_loss_clip_cov",
+        "compute_policy_loss_dppo_kl",
+        "compute_policy_loss_dppo_tv",
+        "compute_policy_loss_geo_mean",
+        "compute_policy_loss_gpg",
+        "compute_policy_loss_gspo",
+        "compute_policy_loss_kl_cov",
+        "compute_policy_loss_sapo",
         "compute_policy_loss_vanilla",
         "compute_reinforce_plus_plus_baseline_outcome_advantage",
         "compute_reinforce_plus_plus_outcome_advantage",
-        "compute_remax_outcome_advantage", "compute_rloo_outcome_advantage",
+        "compute_remax_outcome_advantage",
+        "compute_rloo_outcome_advantage",
         "compute_rollout_correction_and_rejection_mask",
-        "compute_rollout_correction_weights", "compute_rollout_rejection_mask",
-        "compute_rs_metrics", "compute_value_loss", "entropy_from_logits",
-        "get_policy_loss_fn", "kl_penalty", "logprobs_from_logits", "masked_whiten",
+        "compute_rollout_correction_weights",
+        "compute_rollout_rejection_mask",
+        "compute_rs_metrics",
+        "compute_value_loss",
+        "entropy_from_logits",
+        "get_policy_loss_fn",
+        "kl_penalty",
+        "logprobs_from_logits",
+        "masked_whiten",
     ]
     for name in verl.__all__:
         if name == "POLICY_LOSS_REGISTRY":  # data: verl's name -> adapter

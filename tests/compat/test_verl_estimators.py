@@ -37,8 +37,11 @@ def verl_opo(rewards, mask, uids):
     length = mask.sum(-1).double()
     base = {}
     for u, rows in _groups(uids).items():
-        base[u] = 0.0 if len(rows) == 1 else float((length[rows] * scores[rows]).sum()
-                                                    / length[rows].sum())
+        base[u] = (
+            0.0
+            if len(rows) == 1
+            else float((length[rows] * scores[rows]).sum() / length[rows].sum())
+        )
     for i, u in enumerate(uids):
         scores[i] -= base[u]
     return scores[:, None] * mask
@@ -47,10 +50,11 @@ def verl_opo(rewards, mask, uids):
 def verl_gpg(rewards, mask, uids, f_norm):
     scores = rewards.sum(-1).clone()
     alpha = len(scores) / max(int((scores != 0).sum()), 1)
-    mean = {u: (0.0 if len(r) == 1 else float(scores[r].mean()))
-            for u, r in _groups(uids).items()}
-    out = torch.tensor([alpha * (float(scores[i]) - mean[u]) / f_norm
-                        for i, u in enumerate(uids)], dtype=torch.float64)
+    mean = {u: (0.0 if len(r) == 1 else float(scores[r].mean())) for u, r in _groups(uids).items()}
+    out = torch.tensor(
+        [alpha * (float(scores[i]) - mean[u]) / f_norm for i, u in enumerate(uids)],
+        dtype=torch.float64,
+    )
     return out[:, None] * mask
 
 
@@ -74,17 +78,20 @@ def test_opo_gpg_passk_match_verl():
     torch.testing.assert_close(adv, verl_opo(rewards, mask, uids))
     assert ret is adv
     for f_norm in (1.0, 2.5):
-        adv, _ = verl.compute_gpg_outcome_advantage(rewards, mask, uids, f_norm=f_norm,
-                                                    alpha=123.0)  # verl ignores alpha
+        adv, _ = verl.compute_gpg_outcome_advantage(
+            rewards, mask, uids, f_norm=f_norm, alpha=123.0
+        )  # verl ignores alpha
         torch.testing.assert_close(adv, verl_gpg(rewards, mask, uids, f_norm))
     uids = np.array(["p", "p", "p", "q", "q", "q", "s", "s", "s", "s"], dtype=object)  # n >= 2
     for norm in (True, False):
         adv, _ = verl.compute_grpo_passk_outcome_advantage(
-            rewards, mask, uids, config={"norm_adv_by_std_in_grpo": norm})
+            rewards, mask, uids, config={"norm_adv_by_std_in_grpo": norm}
+        )
         torch.testing.assert_close(adv, verl_passk(rewards, mask, uids, norm))
         # without a config the argument decides
-        adv2, _ = verl.compute_grpo_passk_outcome_advantage(rewards, mask, uids,
-                                                            norm_adv_by_std_in_grpo=norm)
+        adv2, _ = verl.compute_grpo_passk_outcome_advantage(
+            rewards, mask, uids, norm_adv_by_std_in_grpo=norm
+        )
         torch.testing.assert_close(adv2, adv)
 
 
@@ -111,13 +118,18 @@ def test_gdpo_matches_verl_with_reward_keys(norm):
     config = {"gdpo_reward_keys": ["format", "accuracy"], "gdpo_reward_weights": [1.0, 0.5]}
     ntb = {"format": fmt.numpy(), "accuracy": acc.numpy()}
     adv, _ = verl.compute_gdpo_outcome_advantage(
-        rewards, mask, uids, norm_adv_by_std_in_grpo=norm, config=config, non_tensor_batch=ntb,
-        batch={"prompts": None})
+        rewards,
+        mask,
+        uids,
+        norm_adv_by_std_in_grpo=norm,
+        config=config,
+        non_tensor_batch=ntb,
+        batch={"prompts": None},
+    )
     ref = verl_gdpo([fmt.float().double(), acc.float().double()], mask, uids, [1.0, 0.5], norm)
     torch.testing.assert_close(adv.double(), ref, rtol=1e-5, atol=1e-6)  # float32 scores
     # without reward keys: the one component is the row sum of the token rewards
-    adv, _ = verl.compute_gdpo_outcome_advantage(rewards, mask, uids,
-                                                 norm_adv_by_std_in_grpo=norm)
+    adv, _ = verl.compute_gdpo_outcome_advantage(rewards, mask, uids, norm_adv_by_std_in_grpo=norm)
     torch.testing.assert_close(adv, verl_gdpo([rewards.sum(-1)], mask, uids, [1.0], norm))
 
 
@@ -130,8 +142,11 @@ def test_optimal_token_baseline_matches_verl(tir):
     logp = -torch.rand(mask.shape, generator=g, dtype=torch.float64)
     spp = torch.rand(mask.shape, generator=g, dtype=torch.float64) * 0.3 + 0.1
     isw = torch.rand(mask.shape, generator=g, dtype=torch.float64) + 0.5
-    fn = (verl.compute_multi_turn_optimal_token_baseline_advantage if tir
-          else verl.compute_optimal_token_baseline_advantage)
+    fn = (
+        verl.compute_multi_turn_optimal_token_baseline_advantage
+        if tir
+        else verl.compute_optimal_token_baseline_advantage
+    )
     adv, ret = fn(rewards, mask, uids, logp, spp, rollout_is_weights=isw)
     ids = torch.as_tensor(np.unique(uids, return_inverse=True)[1])
     r_adv, r_ret = ref_otb(rewards, ids, mask, logp, spp, isw, True, 1e-8, tir)
@@ -231,11 +246,20 @@ def test_compute_rs_metrics_matches_verl(level, apply_lo, per_seq):
     x = torch.rand(6, 8, generator=g, dtype=torch.float64) * 2 - 0.5
     valid = mask.any(-1)
     seq = torch.randn(6, 1, generator=g, dtype=torch.float64) if per_seq else None
-    got = verl.compute_rs_metrics("opt", x, mask, valid, level=level, per_sequence_values=seq,
-                                  rollout_rs_threshold=1.0, rollout_rs_threshold_lower=0.1,
-                                  apply_lower_threshold=apply_lo)
-    ref = verl_rs_metrics("opt", x, mask, valid, level,
-                          None if seq is None else seq[:, 0], 1.0, 0.1, apply_lo)
+    got = verl.compute_rs_metrics(
+        "opt",
+        x,
+        mask,
+        valid,
+        level=level,
+        per_sequence_values=seq,
+        rollout_rs_threshold=1.0,
+        rollout_rs_threshold_lower=0.1,
+        apply_lower_threshold=apply_lo,
+    )
+    ref = verl_rs_metrics(
+        "opt", x, mask, valid, level, None if seq is None else seq[:, 0], 1.0, 0.1, apply_lo
+    )
     assert sorted(got) == sorted(ref)
     for k in ref:
         assert got[k] == pytest.approx(ref[k], rel=1e-6, abs=1e-9), k

@@ -34,14 +34,24 @@ def _batch(seed: int = 0, per_row_adv: bool = False):
 
 
 def _config(**kw):
-    policy_loss = SimpleNamespace(clip_cov_ratio=kw.pop("clip_cov_ratio", None),
-                                  clip_cov_lb=kw.pop("clip_cov_lb", None),
-                                  clip_cov_ub=kw.pop("clip_cov_ub", None),
-                                  kl_cov_ratio=kw.pop("kl_cov_ratio", None),
-                                  ppo_kl_coef=kw.pop("ppo_kl_coef", None),
-                                  rollout_correction={"rollout_is": "token"})
-    base = dict(clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0,
-                tau_pos=1.0, tau_neg=1.05, global_batch_info={}, policy_loss=policy_loss)
+    policy_loss = SimpleNamespace(
+        clip_cov_ratio=kw.pop("clip_cov_ratio", None),
+        clip_cov_lb=kw.pop("clip_cov_lb", None),
+        clip_cov_ub=kw.pop("clip_cov_ub", None),
+        kl_cov_ratio=kw.pop("kl_cov_ratio", None),
+        ppo_kl_coef=kw.pop("ppo_kl_coef", None),
+        rollout_correction={"rollout_is": "token"},
+    )
+    base = dict(
+        clip_ratio=0.2,
+        clip_ratio_low=None,
+        clip_ratio_high=None,
+        clip_ratio_c=3.0,
+        tau_pos=1.0,
+        tau_neg=1.05,
+        global_batch_info={},
+        policy_loss=policy_loss,
+    )
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -186,8 +196,16 @@ def test_sapo_matches_verl_formula():
     assert m["actor/pg_clipfrac"] == 0.0 and m["actor/pg_clipfrac_lower"] == 0.0
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                                  "seq-mean-token-sum-norm", "token-sum"])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "token-mean",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+        "token-sum",
+    ],
+)
 def test_gpg_and_cispo_follow_loss_agg_mode(mode):
     old, new, adv, mask, _ = _batch(3)
     loss, m = _call("gpg", old, new, adv, mask, _config(), mode=mode)
@@ -207,8 +225,9 @@ def test_rollout_is_weights_multiply_each_token_before_aggregation():
     loss, _ = _call("gpg", old, new, adv, mask, _config(), "token-sum", w)
     torch.testing.assert_close(loss, ref_agg(-new * adv * w, mask, "token-sum"))
     loss, _ = _call("sapo", old, new, adv, mask, _config(), "token-sum", w)
-    torch.testing.assert_close(loss, ref_agg(_sapo_mat(old, new, adv) * w, mask,
-                                             "seq-mean-token-mean"))
+    torch.testing.assert_close(
+        loss, ref_agg(_sapo_mat(old, new, adv) * w, mask, "seq-mean-token-mean")
+    )
     cfg = _config(clip_ratio_low=0.1, clip_ratio_high=0.3)
     loss, _ = _call("cispo", old, new, adv, mask, cfg, "token-mean", w)
     ref = ref_agg(_cispo_mat(old, new, adv, 0.1, 0.3) * w, mask, "token-mean")
@@ -293,7 +312,8 @@ def test_geo_mean_matches_verl_formula(weights):
     out = (lr < -0.4) | (lr > 0.3)
     assert m["actor/pg_clipfrac"] == pytest.approx(float(masked_mean_loop(out & (adv > 0), mask)))
     assert m["actor/pg_clipfrac_lower"] == pytest.approx(
-        float(masked_mean_loop(out & (adv < 0), mask)))
+        float(masked_mean_loop(out & (adv < 0), mask))
+    )
 
 
 def test_geo_mean_value_is_verls_with_per_token_advantages():
@@ -305,30 +325,44 @@ def test_geo_mean_value_is_verls_with_per_token_advantages():
 def test_hand_computed_cases():
     one = torch.ones(1, 2)
     # gspo: log-ratios 0.2 and 0 -> s = e^0.1 = 1.10517 > 1 + 4e-4: clipped, A = 1
-    loss, m = verl.compute_policy_loss_gspo(torch.zeros(1, 2), torch.tensor([[0.2, 0.0]]), one,
-                                            one, config=_config(clip_ratio_low=3e-4,
-                                                                clip_ratio_high=4e-4))
+    loss, m = verl.compute_policy_loss_gspo(
+        torch.zeros(1, 2),
+        torch.tensor([[0.2, 0.0]]),
+        one,
+        one,
+        config=_config(clip_ratio_low=3e-4, clip_ratio_high=4e-4),
+    )
     assert loss.item() == pytest.approx(-1.0004) and m["actor/pg_clipfrac"] == 1.0
     # sapo at r = 1: gate σ(0)·4/τ = 2/τ; A = +1 -> −2/τ_pos, A = −1 -> +2/τ_neg
-    loss, _ = verl.compute_policy_loss_sapo(torch.zeros(1, 2), torch.zeros(1, 2),
-                                            torch.tensor([[1.0, -1.0]]), one,
-                                            config=_config(tau_pos=2.0, tau_neg=4.0))
+    loss, _ = verl.compute_policy_loss_sapo(
+        torch.zeros(1, 2),
+        torch.zeros(1, 2),
+        torch.tensor([[1.0, -1.0]]),
+        one,
+        config=_config(tau_pos=2.0, tau_neg=4.0),
+    )
     assert loss.item() == pytest.approx((-1.0 + 0.5) / 2)
     # cispo: r = e^0.5 = 1.6487 -> weight 1.2; loss −1.2·A·log π = −1.2·1·0.5
-    loss, m = verl.compute_policy_loss_cispo(torch.zeros(1, 1), torch.tensor([[0.5]]),
-                                             torch.ones(1, 1), torch.ones(1, 1),
-                                             config=_config())
+    loss, m = verl.compute_policy_loss_cispo(
+        torch.zeros(1, 1),
+        torch.tensor([[0.5]]),
+        torch.ones(1, 1),
+        torch.ones(1, 1),
+        config=_config(),
+    )
     assert loss.item() == pytest.approx(-0.6) and m["actor/pg_clipfrac"] == 1.0
     # geo_mean: log-ratios 0.5 and 0.1, A = 1, clip_high 0.4 -> mean(0.4, 0.1) = 0.25
-    loss, m = verl.compute_policy_loss_geo_mean(torch.zeros(1, 2), torch.tensor([[0.5, 0.1]]),
-                                                one, one, config=_config(clip_ratio=0.4))
+    loss, m = verl.compute_policy_loss_geo_mean(
+        torch.zeros(1, 2), torch.tensor([[0.5, 0.1]]), one, one, config=_config(clip_ratio=0.4)
+    )
     assert loss.item() == pytest.approx(-math.exp(0.25), rel=1e-6)
     assert m["actor/pg_clipfrac"] == 0.5
     # kl_cov: one token chosen (quota 1), the one of largest cov
     adv = torch.tensor([[1.0, -1.0]])
     new = torch.tensor([[0.0, -1.0]])  # cov: (1)(0.5)=0.5 and (−1)(−0.5)=0.5 -> tie, first
-    loss, m = verl.compute_policy_loss_kl_cov(torch.zeros(1, 2), new, adv, one,
-                                              config=_config(ppo_kl_coef=2.0))
+    loss, m = verl.compute_policy_loss_kl_cov(
+        torch.zeros(1, 2), new, adv, one, config=_config(ppo_kl_coef=2.0)
+    )
     assert loss.item() == pytest.approx((-1.0 + math.exp(-1.0) + 0.0) / 2)
     assert m["actor/ppo_kl"] == pytest.approx(0.5)
 
@@ -337,19 +371,30 @@ def test_global_batch_info_reaches_agg_loss():
     old, new, adv, mask, _ = _batch(10)
     info = {"dp_size": 4, "batch_num_tokens": 100, "global_batch_size": 16}
     loss, _ = _call("gpg", old, new, adv, mask, _config(global_batch_info=info))
-    total = sum(float(-new[i, t].detach() * adv[i, t]) for i in range(B) for t in range(T)
-                if mask[i, t])
+    total = sum(
+        float(-new[i, t].detach() * adv[i, t]) for i in range(B) for t in range(T) if mask[i, t]
+    )
     assert loss.item() == pytest.approx(total / 100 * 4)
     loss, _ = _call("sapo", old, new, adv, mask, _config(global_batch_info=info))
     mat = _sapo_mat(old, new, adv)
-    rows = [sum(float(mat[i, t].detach()) for t in range(T) if mask[i, t]) / int(mask[i].sum())
-            for i in range(B) if mask[i].any()]
+    rows = [
+        sum(float(mat[i, t].detach()) for t in range(T) if mask[i, t]) / int(mask[i].sum())
+        for i in range(B)
+        if mask[i].any()
+    ]
     assert loss.item() == pytest.approx(sum(rows) / 16 * 4)
 
 
 # --------------------------------------------------------------------------- signature, registry
-VERL_PARAMS = ["old_log_prob", "log_prob", "advantages", "response_mask", "loss_agg_mode",
-               "config", "rollout_is_weights"]
+VERL_PARAMS = [
+    "old_log_prob",
+    "log_prob",
+    "advantages",
+    "response_mask",
+    "loss_agg_mode",
+    "config",
+    "rollout_is_weights",
+]
 
 
 @pytest.mark.parametrize("name", sorted(verl.POLICY_LOSS_REGISTRY))
@@ -362,8 +407,15 @@ def test_signature_is_verls(name):
     assert params["config"].default is None and params["rollout_is_weights"].default is None
     old, new, adv, mask, w = _batch(11)
     cfg = _config()
-    by_keyword = fn(old_log_prob=old, log_prob=new, advantages=adv, response_mask=mask,
-                    loss_agg_mode="token-mean", config=cfg, rollout_is_weights=w)
+    by_keyword = fn(
+        old_log_prob=old,
+        log_prob=new,
+        advantages=adv,
+        response_mask=mask,
+        loss_agg_mode="token-mean",
+        config=cfg,
+        rollout_is_weights=w,
+    )
     positional = fn(old, new, adv, mask, "token-mean", cfg, w)
     if name != "clip_cov":  # clip_cov draws a random subset
         torch.testing.assert_close(by_keyword[0], positional[0])
@@ -371,9 +423,19 @@ def test_signature_is_verls(name):
 
 
 def test_registry_lists_verls_names_that_rlops_has():
-    assert sorted(verl.POLICY_LOSS_REGISTRY) == ["bypass_mode", "cispo", "clip_cov", "dppo_kl",
-                                                 "dppo_tv", "geo_mean", "gpg", "gspo",
-                                                 "kl_cov", "sapo", "vanilla"]
+    assert sorted(verl.POLICY_LOSS_REGISTRY) == [
+        "bypass_mode",
+        "cispo",
+        "clip_cov",
+        "dppo_kl",
+        "dppo_tv",
+        "geo_mean",
+        "gpg",
+        "gspo",
+        "kl_cov",
+        "sapo",
+        "vanilla",
+    ]
     for name in ("dro", "nope"):
         with pytest.raises(ValueError, match="Unsupported loss mode"):
             verl.get_policy_loss_fn(name)
@@ -400,8 +462,13 @@ def test_a_key_set_to_none_reads_as_verl_reads_it():
     for name in ("vanilla", "gspo", "cispo", "geo_mean"):
         fn = verl.get_policy_loss_fn(name)
         unset = fn(old, new, adv, mask, config=_config(clip_ratio=0.3))
-        given = fn(old, new, adv, mask,
-                   config=_config(clip_ratio=0.3, clip_ratio_low=0.3, clip_ratio_high=0.3))
+        given = fn(
+            old,
+            new,
+            adv,
+            mask,
+            config=_config(clip_ratio=0.3, clip_ratio_low=0.3, clip_ratio_high=0.3),
+        )
         torch.testing.assert_close(unset[0], given[0], rtol=0, atol=0)
     # policy_loss.* = None -> verl's fallbacks (2e-4, 1, 5; 2e-4, 1)
     unset = _call("kl_cov", old, new, adv, mask, _config())
@@ -413,8 +480,12 @@ def test_a_key_set_to_none_reads_as_verl_reads_it():
     torch.testing.assert_close(absent[0], given[0], rtol=0, atol=0)
     absent = verl.compute_policy_loss_vanilla(old, new, adv, mask, config={"clip_ratio": 0.2})
     given = verl.compute_policy_loss_vanilla(
-        old, new, adv, mask, config={"clip_ratio": 0.2, "clip_ratio_c": 3.0,
-                                     "global_batch_info": {}})
+        old,
+        new,
+        adv,
+        mask,
+        config={"clip_ratio": 0.2, "clip_ratio_c": 3.0, "global_batch_info": {}},
+    )
     torch.testing.assert_close(absent[0], given[0], rtol=0, atol=0)
     # None where verl has no fallback: an error naming the key, in both adapters
     with pytest.raises(TypeError, match="tau_pos"):
@@ -423,8 +494,9 @@ def test_a_key_set_to_none_reads_as_verl_reads_it():
         verl.compute_policy_loss_vanilla(old, new, adv, mask, config=_config(clip_ratio_c=None))
     for name in ("vanilla", "gpg", "sapo"):
         with pytest.raises(TypeError, match="global_batch_info"):
-            verl.get_policy_loss_fn(name)(old, new, adv, mask,
-                                          config=_config(global_batch_info=None))
+            verl.get_policy_loss_fn(name)(
+                old, new, adv, mask, config=_config(global_batch_info=None)
+            )
     with pytest.raises(ValueError, match="policy_loss"):
         _call("kl_cov", old, new, adv, mask, _config(policy_loss=None))
 
@@ -439,8 +511,7 @@ BAD = [
     ("sapo", dict(config=_config(tau_pos=0.0)), ValueError, "tau_pos"),
     ("sapo", dict(config=_config(tau_neg=-1.0)), ValueError, "tau_neg"),
     ("clip_cov", dict(config=_config(clip_cov_ratio=2.0)), ValueError, "clip_cov_ratio"),
-    ("clip_cov", dict(config=_config(clip_cov_lb=5.0, clip_cov_ub=1.0)), ValueError,
-     "clip_cov_lb"),
+    ("clip_cov", dict(config=_config(clip_cov_lb=5.0, clip_cov_ub=1.0)), ValueError, "clip_cov_lb"),
     ("kl_cov", dict(config=_config(kl_cov_ratio=-1.0)), ValueError, "kl_cov_ratio"),
     ("kl_cov", dict(config=_config(ppo_kl_coef=-1.0)), ValueError, "ppo_kl_coef"),
     ("gpg", dict(log_prob=torch.zeros(2, 4)), ValueError, "log_prob"),
@@ -454,8 +525,15 @@ BAD = [
 @pytest.mark.parametrize("i", range(len(BAD)))
 def test_bad_input_names_verls_argument(i):
     name, override, err, word = BAD[i]
-    args = dict(old_log_prob=_O, log_prob=_O, advantages=_O, response_mask=_M,
-                loss_agg_mode="token-mean", config=_config(), rollout_is_weights=None)
+    args = dict(
+        old_log_prob=_O,
+        log_prob=_O,
+        advantages=_O,
+        response_mask=_M,
+        loss_agg_mode="token-mean",
+        config=_config(),
+        rollout_is_weights=None,
+    )
     args.update(override)
     with pytest.raises(err, match=word):
         verl.get_policy_loss_fn(name)(**args)
@@ -465,16 +543,18 @@ def test_bad_input_names_verls_argument(i):
 def test_difference_gspo_clamps_the_log_ratio_at_20_not_10():
     one = torch.ones(1, 1)
     cfg = _config(clip_ratio_low=0.2, clip_ratio_high=1e9)  # upper clip out of the way
-    loss, _ = verl.compute_policy_loss_gspo(torch.zeros(1, 1), torch.full((1, 1), 15.0), one,
-                                            one, config=cfg)
+    loss, _ = verl.compute_policy_loss_gspo(
+        torch.zeros(1, 1), torch.full((1, 1), 15.0), one, one, config=cfg
+    )
     assert loss.item() == pytest.approx(-math.exp(15.0))  # verl: −e^10
 
 
 def test_difference_sapo_and_cispo_clamp_only_above():
     one = torch.ones(1, 1)
     lp = torch.full((1, 1), -30.0, dtype=torch.float64)
-    loss, m = verl.compute_policy_loss_sapo(torch.zeros(1, 1, dtype=torch.float64), lp, one, one,
-                                            config=_config())
+    loss, m = verl.compute_policy_loss_sapo(
+        torch.zeros(1, 1, dtype=torch.float64), lp, one, one, config=_config()
+    )
     # r = e^−30 (verl: e^−20); both gates are σ(−1)·4 to 1e-8
     assert loss.item() == pytest.approx(-4 / (1 + math.e), rel=1e-8)
     assert m["actor/ppo_kl"] == pytest.approx(30.0)  # verl: 20 (clamped)

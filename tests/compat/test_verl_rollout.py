@@ -47,8 +47,9 @@ def ref_weights(log_ratio, mask, level, upper, lower):
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("spec,upper,lower", [(2.0, 2.0, None), ("1.5", 1.5, None),
-                                              ("0.5_2.0", 2.0, 0.5)])
+@pytest.mark.parametrize(
+    "spec,upper,lower", [(2.0, 2.0, None), ("1.5", 1.5, None), ("0.5_2.0", 2.0, 0.5)]
+)
 def test_weights_match_verls_tis_and_icepop(level, spec, upper, lower):
     old, rollout, mask = _batch(1, scale=0.4 if level == "token" else 0.3)
     lr = old - rollout
@@ -66,9 +67,11 @@ def test_weights_match_verls_tis_and_icepop(level, spec, upper, lower):
         assert m["rollout_is_min"] == pytest.approx(math.exp(min(sums)))
         floor = 1 / upper if lower is None else lower
         assert m["rollout_is_ratio_fraction_high"] == pytest.approx(
-            sum(s > math.log(upper) for s in sums) / B)
+            sum(s > math.log(upper) for s in sums) / B
+        )
         assert m["rollout_is_ratio_fraction_low"] == pytest.approx(
-            sum(s < math.log(floor) for s in sums) / B)
+            sum(s < math.log(floor) for s in sums) / B
+        )
     mean = sum(float(ref[p]) for p in toks) / len(toks)
     sq = sum(float(ref[p]) ** 2 for p in toks) / len(toks)
     assert m["rollout_is_eff_sample_size"] == pytest.approx(mean**2 / sq)
@@ -113,8 +116,9 @@ def test_hand_computed_weights():
     assert m["rollout_is_mean"] == pytest.approx(1.25)
     assert m["rollout_is_ratio_fraction_high"] == pytest.approx(0.5)
     # sequence: 3·0.5 = 1.5 -> inside [0.5, 2]; IcePop keeps it
-    w, _ = verl.compute_rollout_correction_weights(lr, torch.tensor([[1, 1, 0]]), "sequence",
-                                                   "0.5_2")
+    w, _ = verl.compute_rollout_correction_weights(
+        lr, torch.tensor([[1, 1, 0]]), "sequence", "0.5_2"
+    )
     torch.testing.assert_close(w, torch.tensor([[1.5, 1.5, 0.0]]))
 
 
@@ -143,26 +147,36 @@ def ref_reject(lr, mask, criteria):
                         keep[i, t] = 0
             elif idx:
                 vals = [stat(t) for t in idx]
-                agg = {"seq_sum": sum(vals), "seq_mean": sum(vals) / len(vals),
-                       "seq_max": max(vals)}[option[:-3]]
+                agg = {
+                    "seq_sum": sum(vals),
+                    "seq_mean": sum(vals) / len(vals),
+                    "seq_max": max(vals),
+                }[option[:-3]]
                 if not ok(agg):
                     keep[i] = 0
     return keep * mask
 
 
-@pytest.mark.parametrize("rollout_rs,threshold,criteria", [
-    ("token_k1", "0.8_1.25", {"token_k1": (0.8, 1.25)}),
-    ("token_k1", 1.25, {"token_k1": (0.8, 1.25)}),
-    ("token_k2,seq_mean_k3", "0.05,0.02", {"token_k2": 0.05, "seq_mean_k3": 0.02}),
-    ("seq_sum_k1, seq_max_k2", "0.5_2.0,0.1", {"seq_sum_k1": (0.5, 2.0), "seq_max_k2": 0.1}),
-    ("seq_sum_k3,token_k3,seq_mean_k1", "0.3", {"seq_sum_k3": 0.3, "token_k3": 0.3,
-                                                "seq_mean_k1": (1 / 0.3, 0.3)}),
-])
+@pytest.mark.parametrize(
+    "rollout_rs,threshold,criteria",
+    [
+        ("token_k1", "0.8_1.25", {"token_k1": (0.8, 1.25)}),
+        ("token_k1", 1.25, {"token_k1": (0.8, 1.25)}),
+        ("token_k2,seq_mean_k3", "0.05,0.02", {"token_k2": 0.05, "seq_mean_k3": 0.02}),
+        ("seq_sum_k1, seq_max_k2", "0.5_2.0,0.1", {"seq_sum_k1": (0.5, 2.0), "seq_max_k2": 0.1}),
+        (
+            "seq_sum_k3,token_k3,seq_mean_k1",
+            "0.3",
+            {"seq_sum_k3": 0.3, "token_k3": 0.3, "seq_mean_k1": (1 / 0.3, 0.3)},
+        ),
+    ],
+)
 def test_rejection_matches_verls_options(rollout_rs, threshold, criteria):
     if rollout_rs.endswith("seq_mean_k1"):  # lower = 1/upper > upper: verl rejects the spec
         with pytest.raises(ValueError, match="rollout_rs_threshold"):
-            verl.compute_rollout_rejection_mask(torch.zeros(2, 2), torch.ones(2, 2), rollout_rs,
-                                                threshold)
+            verl.compute_rollout_rejection_mask(
+                torch.zeros(2, 2), torch.ones(2, 2), rollout_rs, threshold
+            )
         return
     old, rollout, mask = _batch(3, scale=0.3)
     lr = old - rollout
@@ -193,11 +207,18 @@ def test_rejection_hand_computed():
 def test_combined_entry_point():
     old, rollout, mask = _batch(4, scale=0.3)
     proto, out, m = verl.compute_rollout_correction_and_rejection_mask(
-        old, rollout, mask, rollout_is="token", rollout_is_threshold=2.0,
-        rollout_rs="token_k2", rollout_rs_threshold=0.05)
+        old,
+        rollout,
+        mask,
+        rollout_is="token",
+        rollout_is_threshold=2.0,
+        rollout_rs="token_k2",
+        rollout_rs_threshold=0.05,
+    )
     lr = old - rollout
-    torch.testing.assert_close(proto.batch["rollout_is_weights"],
-                               ref_weights(lr, mask, "token", 2.0, None))
+    torch.testing.assert_close(
+        proto.batch["rollout_is_weights"], ref_weights(lr, mask, "token", 2.0, None)
+    )
     torch.testing.assert_close(out.double(), ref_reject(lr, mask, {"token_k2": 0.05}))
     assert all(k.startswith("rollout_corr/") for k in m)
     toks = _tokens(mask)
@@ -210,10 +231,24 @@ def test_combined_entry_point():
     # everything off: no weights, the mask unchanged (a copy), mismatch metrics only
     proto, out, m = verl.compute_rollout_correction_and_rejection_mask(old, rollout, mask)
     assert proto is None and torch.equal(out, mask) and out is not mask
-    assert set(m) == {f"rollout_corr/{k}" for k in (
-        "chi2_seq", "chi2_token", "k3_kl", "kl", "log_ppl_abs_diff", "log_ppl_diff",
-        "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "rollout_log_ppl", "rollout_ppl",
-        "training_log_ppl", "training_ppl")}
+    assert set(m) == {
+        f"rollout_corr/{k}"
+        for k in (
+            "chi2_seq",
+            "chi2_token",
+            "k3_kl",
+            "kl",
+            "log_ppl_abs_diff",
+            "log_ppl_diff",
+            "log_ppl_diff_max",
+            "log_ppl_diff_min",
+            "ppl_ratio",
+            "rollout_log_ppl",
+            "rollout_ppl",
+            "training_log_ppl",
+            "training_ppl",
+        )
+    }
 
 
 def test_signatures_are_verls():
@@ -221,52 +256,116 @@ def test_signatures_are_verls():
         return list(inspect.signature(fn).parameters)
 
     assert names(verl.compute_rollout_correction_weights) == [
-        "log_ratio", "response_mask", "rollout_is", "rollout_is_threshold",
-        "rollout_is_batch_normalize"]
+        "log_ratio",
+        "response_mask",
+        "rollout_is",
+        "rollout_is_threshold",
+        "rollout_is_batch_normalize",
+    ]
     assert names(verl.compute_rollout_rejection_mask) == [
-        "log_ratio", "response_mask", "rollout_rs", "rollout_rs_threshold"]
+        "log_ratio",
+        "response_mask",
+        "rollout_rs",
+        "rollout_rs_threshold",
+    ]
     assert names(verl.compute_rollout_correction_and_rejection_mask) == [
-        "old_log_prob", "rollout_log_prob", "response_mask", "rollout_is",
-        "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
-        "rollout_rs_threshold"]
+        "old_log_prob",
+        "rollout_log_prob",
+        "response_mask",
+        "rollout_is",
+        "rollout_is_threshold",
+        "rollout_is_batch_normalize",
+        "rollout_rs",
+        "rollout_rs_threshold",
+    ]
     assert names(verl.compute_offpolicy_metrics) == [
-        "old_log_prob", "rollout_log_prob", "response_mask"]
+        "old_log_prob",
+        "rollout_log_prob",
+        "response_mask",
+    ]
 
 
 _L = torch.zeros(2, 3)
 _M = torch.ones(2, 3)
 BAD = [
-    (lambda: verl.compute_rollout_correction_weights(_L, _M, "geometric"), ValueError,
-     "rollout_is"),
-    (lambda: verl.compute_rollout_correction_weights(_L, _M, "token", -1.0), ValueError,
-     "rollout_is_threshold"),
-    (lambda: verl.compute_rollout_correction_weights(_L, _M, "token", "2_1"), ValueError,
-     "rollout_is_threshold"),
-    (lambda: verl.compute_rollout_correction_weights(_L, _M, "token", "x"), ValueError,
-     "rollout_is_threshold"),
-    (lambda: verl.compute_rollout_correction_weights(_L, _M, "token", True), TypeError,
-     "rollout_is_threshold"),
-    (lambda: verl.compute_rollout_correction_weights(_L, _M, "token", 2.0, "yes"), TypeError,
-     "rollout_is_batch_normalize"),
-    (lambda: verl.compute_rollout_correction_weights(_L, torch.ones(2, 4)), ValueError,
-     "response_mask"),
-    (lambda: verl.compute_rollout_correction_weights(_L, torch.zeros(2, 3)), ValueError,
-     "response_mask"),
-    (lambda: verl.compute_rollout_correction_weights(torch.zeros(3), torch.ones(3)), ValueError,
-     "log_ratio"),
-    (lambda: verl.compute_rollout_rejection_mask(_L, _M, "token_k4", 1.0), ValueError,
-     "rollout_rs"),
-    (lambda: verl.compute_rollout_rejection_mask(_L, _M, "token_k1", None), ValueError,
-     "rollout_rs_threshold"),
-    (lambda: verl.compute_rollout_rejection_mask(_L, _M, "token_k2", "0.1_0.2"), ValueError,
-     "rollout_rs_threshold"),
-    (lambda: verl.compute_rollout_rejection_mask(_L, _M, "token_k2,seq_max_k3", "1,2,3"),
-     ValueError, "rollout_rs_threshold"),
+    (
+        lambda: verl.compute_rollout_correction_weights(_L, _M, "geometric"),
+        ValueError,
+        "rollout_is",
+    ),
+    (
+        lambda: verl.compute_rollout_correction_weights(_L, _M, "token", -1.0),
+        ValueError,
+        "rollout_is_threshold",
+    ),
+    (
+        lambda: verl.compute_rollout_correction_weights(_L, _M, "token", "2_1"),
+        ValueError,
+        "rollout_is_threshold",
+    ),
+    (
+        lambda: verl.compute_rollout_correction_weights(_L, _M, "token", "x"),
+        ValueError,
+        "rollout_is_threshold",
+    ),
+    (
+        lambda: verl.compute_rollout_correction_weights(_L, _M, "token", True),
+        TypeError,
+        "rollout_is_threshold",
+    ),
+    (
+        lambda: verl.compute_rollout_correction_weights(_L, _M, "token", 2.0, "yes"),
+        TypeError,
+        "rollout_is_batch_normalize",
+    ),
+    (
+        lambda: verl.compute_rollout_correction_weights(_L, torch.ones(2, 4)),
+        ValueError,
+        "response_mask",
+    ),
+    (
+        lambda: verl.compute_rollout_correction_weights(_L, torch.zeros(2, 3)),
+        ValueError,
+        "response_mask",
+    ),
+    (
+        lambda: verl.compute_rollout_correction_weights(torch.zeros(3), torch.ones(3)),
+        ValueError,
+        "log_ratio",
+    ),
+    (
+        lambda: verl.compute_rollout_rejection_mask(_L, _M, "token_k4", 1.0),
+        ValueError,
+        "rollout_rs",
+    ),
+    (
+        lambda: verl.compute_rollout_rejection_mask(_L, _M, "token_k1", None),
+        ValueError,
+        "rollout_rs_threshold",
+    ),
+    (
+        lambda: verl.compute_rollout_rejection_mask(_L, _M, "token_k2", "0.1_0.2"),
+        ValueError,
+        "rollout_rs_threshold",
+    ),
+    (
+        lambda: verl.compute_rollout_rejection_mask(_L, _M, "token_k2,seq_max_k3", "1,2,3"),
+        ValueError,
+        "rollout_rs_threshold",
+    ),
     (lambda: verl.compute_rollout_rejection_mask(_L, _M, 3, 1.0), ValueError, "rollout_rs"),
-    (lambda: verl.compute_rollout_correction_and_rejection_mask(_L, torch.zeros(2, 4), _M),
-     ValueError, "rollout_log_prob"),
-    (lambda: verl.compute_rollout_correction_and_rejection_mask(_L, _L, _M, rollout_rs="token_k2"),
-     ValueError, "rollout_rs_threshold"),
+    (
+        lambda: verl.compute_rollout_correction_and_rejection_mask(_L, torch.zeros(2, 4), _M),
+        ValueError,
+        "rollout_log_prob",
+    ),
+    (
+        lambda: verl.compute_rollout_correction_and_rejection_mask(
+            _L, _L, _M, rollout_rs="token_k2"
+        ),
+        ValueError,
+        "rollout_rs_threshold",
+    ),
 ]
 
 
@@ -279,8 +378,10 @@ def test_bad_input_names_verls_argument(i):
 
 # --------------------------------------------------------------------------- deliberate differences
 def test_metrics_over_rows_and_the_differences():
-    lr = torch.tensor([[math.log(0.25), 0.0, 0.0], [math.log(4.0), 0.0, 0.0],
-                       [0.0, 0.0, 0.0]], dtype=torch.float64)
+    lr = torch.tensor(
+        [[math.log(0.25), 0.0, 0.0], [math.log(4.0), 0.0, 0.0], [0.0, 0.0, 0.0]],
+        dtype=torch.float64,
+    )
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
     # TIS: verl's fraction_low counts ratios below 1/threshold (0.25 < 0.5): 1 of 4 tokens
     _, m = verl.compute_rollout_correction_weights(lr, mask, "token", 2.0)
@@ -304,8 +405,9 @@ def test_difference_log_ratio_not_clamped_before_the_bounds():
     lr = torch.tensor([[25.0, 0.0]], dtype=torch.float64)
     # IcePop with an upper bound above e^20: verl compares e^20 (clamped) and keeps the token
     # only if e^20 <= upper; here the log-weight 25 > log(e^22) is compared unclamped
-    w, _ = verl.compute_rollout_correction_weights(lr, torch.ones(1, 2), "token",
-                                                   f"0.5_{math.exp(22.0)}")
+    w, _ = verl.compute_rollout_correction_weights(
+        lr, torch.ones(1, 2), "token", f"0.5_{math.exp(22.0)}"
+    )
     assert w[0, 0] == 0.0  # verl: e^20
 
 

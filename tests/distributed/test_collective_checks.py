@@ -52,14 +52,16 @@ def _agg_mode(rank, g):
 
 def _policy_agg(rank, g):
     logp, old, _, adv, mask = _batch(rank)
-    rlops.policy_loss(logp, old, adv, mask, agg=_pick(rank, "token-mean", "seq-mean-token-sum"),
-                      group=g)
+    rlops.policy_loss(
+        logp, old, adv, mask, agg=_pick(rank, "token-mean", "seq-mean-token-sum"), group=g
+    )
 
 
 def _policy_kind(other):
     def case(rank, g):
         logp, old, _, adv, mask = _batch(rank)
         rlops.policy_loss(logp, old, adv, mask, kind=_pick(rank, "ppo", other), group=g)
+
     return case
 
 
@@ -135,8 +137,9 @@ def _cp_group_on_one_rank(rank, g):
 
 def _cp_level(rank, g):
     _, old, rollout, _, mask = _batch(0)
-    rlops.rollout_importance_weights(old, rollout, mask, level=_pick(rank, "sequence", "token"),
-                                     group=g, cp_group=g)
+    rlops.rollout_importance_weights(
+        old, rollout, mask, level=_pick(rank, "sequence", "token"), group=g, cp_group=g
+    )
 
 
 def _cp_rows(rank, g):  # a [B, k] payload that fits the first exchange on one rank only
@@ -169,31 +172,42 @@ MISMATCHES = {
     "policy_loss kind ppo vs cispo": (_policy_kind("cispo"), ["`kind`: ['ppo', 'cispo']"]),
     "policy_loss kind ppo vs gspo": (_policy_kind("gspo"), ["`kind`: ['ppo', 'gspo']"]),
     "policy_loss clip_low": (_policy_clip, ["`options`", "clip_low: 0.2", "clip_low: 0.25"]),
-    "policy_loss seq-mean-token-sum-norm T": (_norm_length, ["`loss_scale_factor (or T)`",
-                                                             "[5.0, 6.0]"]),
+    "policy_loss seq-mean-token-sum-norm T": (
+        _norm_length,
+        ["`loss_scale_factor (or T)`", "[5.0, 6.0]"],
+    ),
     "value_loss clip": (_value_clip, ["`clip`: [None, 0.5]"]),
-    "entropy_loss vs aggregate_loss": (_entropy_vs_aggregate,
-                                       ["`function`: ['entropy_loss', 'aggregate_loss']"]),
+    "entropy_loss vs aggregate_loss": (
+        _entropy_vs_aggregate,
+        ["`function`: ['entropy_loss', 'aggregate_loss']"],
+    ),
     "rollout_importance_weights level": (_is_level, ["`level`: ['token', 'sequence']"]),
-    "rollout_importance_weights batch_normalize": (_is_batch_normalize,
-                                                   ["`batch_normalize`: [True, False]"]),
+    "rollout_importance_weights batch_normalize": (
+        _is_batch_normalize,
+        ["`batch_normalize`: [True, False]"],
+    ),
     "rollout_importance_weights threshold": (_is_threshold, ["`threshold`: [2.0, 3.0]"]),
     "rollout_importance_weights low": (_is_low, ["`low`: [None, 0.5]"]),
     "rollout_rejection_mask criteria (1 vs 2 options)": (
-        _rs_criteria, ["`criteria`: [{token_k1: 2.0}, {token_k1: 2.0, seq_max_k2: 0.5}]"]),
+        _rs_criteria,
+        ["`criteria`: [{token_k1: 2.0}, {token_k1: 2.0, seq_max_k2: 0.5}]"],
+    ),
     "rollout_rejection_mask threshold": (_rs_threshold, ["seq_mean_k3: 0.01", "seq_mean_k3: 0.02"]),
     "rollout_mismatch_metrics vs rollout_importance_weights": (
         _one_function_each,
-        ["`function`: ['rollout_mismatch_metrics', 'rollout_importance_weights']"]),
+        ["`function`: ['rollout_mismatch_metrics', 'rollout_importance_weights']"],
+    ),
     "rollout_mismatch_metrics cp_group on one rank": (
-        _cp_group_on_one_rank, ["`cp_group size`: [2, 1]",
-                                "`collective over`: ['cp_group', 'group']"]),
-    "rollout_importance_weights(cp_group=) level": (_cp_level,
-                                                    ["`level`: ['sequence', 'token']"]),
+        _cp_group_on_one_rank,
+        ["`cp_group size`: [2, 1]", "`collective over`: ['cp_group', 'group']"],
+    ),
+    "rollout_importance_weights(cp_group=) level": (_cp_level, ["`level`: ['sequence', 'token']"]),
     "rollout_mismatch_metrics(cp_group=) rows": (_cp_rows, ["`payload shape`: [(2, 2), (40, 2)]"]),
     "masked_var unbiased": (_stats_unbiased, ["`unbiased`: [True, False]"]),
-    "masked_mean vs masked_whiten": (_stats_function,
-                                     ["`function`: ['masked_mean', 'masked_whiten']"]),
+    "masked_mean vs masked_whiten": (
+        _stats_function,
+        ["`function`: ['masked_mean', 'masked_whiten']"],
+    ),
     "a checksum computed on the device": (_device_checksum, ["`checksum`: [1000, 1001]"]),
 }
 
@@ -211,8 +225,9 @@ def _mismatch_work(rank, world):
     # equal device values pass (bit for bit), with the payload in the same exchange
     with count_collectives() as calls:
         checksum = torch.tensor(-(2**62) - 7, dtype=torch.int64)  # not exact in float64
-        out["probe"] = collectives.gather(torch.arange(3.0) + rank, g,
-                                          Call("probe", checksum=checksum, x=-0.0))
+        out["probe"] = collectives.gather(
+            torch.arange(3.0) + rank, g, Call("probe", checksum=checksum, x=-0.0)
+        )
     out["probe calls"] = dict(calls)
     # the group is still in step: a matching call afterwards gives the full batch's metrics
     _, old, rollout, _, mask = _batch(rank)
@@ -253,32 +268,39 @@ def _calls(rank, g):
     criteria = {"token_k1": 2.0, "seq_max_k2": 0.5}
     return {
         "aggregate_loss token-mean": lambda: rlops.aggregate_loss(logp, mask, group=g),
-        "aggregate_loss token-sum": lambda: rlops.aggregate_loss(logp, mask, "token-sum",
-                                                                 group=g),
+        "aggregate_loss token-sum": lambda: rlops.aggregate_loss(logp, mask, "token-sum", group=g),
         "entropy_loss": lambda: rlops.entropy_loss(-logp, mask, group=g),
         "policy_loss ppo": lambda: rlops.policy_loss(logp, old, adv, mask, group=g),
-        "policy_loss kl_cov": lambda: rlops.policy_loss(logp, old, adv, mask, kind="kl_cov",
-                                                        group=g),
+        "policy_loss kl_cov": lambda: rlops.policy_loss(
+            logp, old, adv, mask, kind="kl_cov", group=g
+        ),
         "value_loss": lambda: rlops.value_loss(logp, old, adv, mask, clip=0.2, group=g),
         "masked_mean": lambda: rlops.masked_mean(logp, mask, group=g),
         "masked_var": lambda: rlops.masked_var(logp, mask, group=g),
         "masked_whiten": lambda: rlops.masked_whiten(logp, mask, group=g),
         "rollout_importance_weights": lambda: rlops.rollout_importance_weights(
-            old, rollout, mask, level="sequence", batch_normalize=True, group=g),
+            old, rollout, mask, level="sequence", batch_normalize=True, group=g
+        ),
         "rollout_rejection_mask": lambda: rlops.rollout_rejection_mask(
-            old, rollout, mask, criteria, group=g),
+            old, rollout, mask, criteria, group=g
+        ),
         "rollout_rejection_mask, all 11 options": lambda: rlops.rollout_rejection_mask(
-            old, rollout, mask, dict.fromkeys(rlops.rollout_correction.RS_OPTIONS, 5.0),
-            group=g),
-        "rollout_mismatch_metrics": lambda: rlops.rollout_mismatch_metrics(old, rollout, mask,
-                                                                           group=g),
+            old, rollout, mask, dict.fromkeys(rlops.rollout_correction.RS_OPTIONS, 5.0), group=g
+        ),
+        "rollout_mismatch_metrics": lambda: rlops.rollout_mismatch_metrics(
+            old, rollout, mask, group=g
+        ),
         "rollout_mismatch_metrics cp_group, [2, 2] rows": lambda: rlops.rollout_mismatch_metrics(
-            cp_old, cp_rollout, cp_mask, group=g, cp_group=g),
+            cp_old, cp_rollout, cp_mask, group=g, cp_group=g
+        ),
         "rollout_rejection_mask cp_group, [2, 5] rows": lambda: rlops.rollout_rejection_mask(
-            cp_old, cp_rollout, cp_mask, criteria, group=g, cp_group=g),
+            cp_old, cp_rollout, cp_mask, criteria, group=g, cp_group=g
+        ),
         "rollout_importance_weights cp_group, [40, 2] rows": lambda: (
-            rlops.rollout_importance_weights(big_old, big_rollout, big_mask, level="geometric",
-                                             group=g, cp_group=g)),
+            rlops.rollout_importance_weights(
+                big_old, big_rollout, big_mask, level="geometric", group=g, cp_group=g
+            )
+        ),
     }
 
 
@@ -317,8 +339,8 @@ def test_the_check_rides_on_the_data_collective_and_changes_no_bit():
         for rank in (0, 1):
             a, b = _flat(on[rank][name][1]), _flat(off[rank][name][1])
             assert len(a) == len(b) and all(
-                x.dtype == y.dtype and torch.equal(x.view(-1).view(torch.uint8),
-                                                   y.view(-1).view(torch.uint8))
+                x.dtype == y.dtype
+                and torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8))
                 for x, y in zip(a, b, strict=True)
             ), name
 
@@ -330,12 +352,14 @@ def test_digest_is_exact_in_float64_and_sees_every_bit():
     for d in a.digest():
         assert 0 <= d < 2**52 and float(d) == d
     nudged = math.nextafter(0.1, 1.0)
-    for other in (Call("g", x=0.1, mode="token-mean", flags=(True, None), n=3),
-                  Call("f", x=nudged, mode="token-mean", flags=(True, None), n=3),
-                  Call("f", x=0.1, mode="token-sum", flags=(True, None), n=3),
-                  Call("f", x=0.1, mode="token-mean", flags=(False, None), n=3),
-                  Call("f", x=0.1, mode="token-mean", flags=(True, None), n=3.0),
-                  Call("f", x=0.1, mode="token-mean", flags=(True, None))):
+    for other in (
+        Call("g", x=0.1, mode="token-mean", flags=(True, None), n=3),
+        Call("f", x=nudged, mode="token-mean", flags=(True, None), n=3),
+        Call("f", x=0.1, mode="token-sum", flags=(True, None), n=3),
+        Call("f", x=0.1, mode="token-mean", flags=(False, None), n=3),
+        Call("f", x=0.1, mode="token-mean", flags=(True, None), n=3.0),
+        Call("f", x=0.1, mode="token-mean", flags=(True, None)),
+    ):
         assert other.digest() != a.digest()
     with pytest.raises(TypeError, match="described by"):
         Call("f", x=object())

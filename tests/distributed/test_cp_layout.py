@@ -158,8 +158,14 @@ def test_both_layouts_and_the_bootstrap_equal_one_process(world):
     lengths = (1, 5, 8, 130) if world == 2 else (37,)
     methods = ("reference", "chunked", "compiled") if world == 2 else ("auto",)
     results = run_distributed(_work, world, lengths, methods, timeout=240)
-    fits = {("zigzag", 6, False): 1, ("zigzag", 7, False): 2, ("zigzag", 5, True): 1,
-            ("zigzag", 6, True): 2, ("contiguous", 12, False): 1, ("contiguous", 13, False): 2}
+    fits = {
+        ("zigzag", 6, False): 1,
+        ("zigzag", 7, False): 2,
+        ("zigzag", 5, True): 1,
+        ("zigzag", 6, True): 2,
+        ("contiguous", 12, False): 1,
+        ("contiguous", 13, False): 2,
+    }
     for errors, counts, _, collectives in results:
         assert collectives == fits, collectives
         bad = {k: e for k, e in errors.items() if not e <= 1e-12}

@@ -31,8 +31,12 @@ from rlops.losses import AGG_MODES, POLICY_KINDS
 EXACT_KINDS = ("ppo", "reinforce", "gpg", "gspo", "cispo", "sapo", "geo_mean")
 assert set(EXACT_KINDS) <= set(POLICY_KINDS)
 ROW_KINDS = ("gspo", "geo_mean")  # the kinds with a per-row ratio
-OPTIONS = {"ppo": {"dual_clip": 3.0}, "gspo": {"clip_low": 0.05, "clip_high": 0.08},
-           "cispo": {"clip_low": 0.1, "clip_high": 0.15}, "geo_mean": {"clip_low": 0.2}}
+OPTIONS = {
+    "ppo": {"dual_clip": 3.0},
+    "gspo": {"clip_low": 0.05, "clip_high": 0.08},
+    "cispo": {"clip_low": 0.1, "clip_high": 0.15},
+    "geo_mean": {"clip_low": 0.2},
+}
 AGGS = (*AGG_MODES, None)
 L_NORM = 40.0  # loss_scale_factor of seq-mean-token-sum-norm (required under cp_group)
 B, T, K = 3, 23, 3  # rows, whole length (not a multiple of 2·cp: padded), packed slots
@@ -78,9 +82,18 @@ def _data(seed: int, empty_rank0: int = 0):
     returns = torch.randn(B, T, generator=g, dtype=torch.float64)
     entropy = torch.rand(B, T, generator=g, dtype=torch.float64) * 3
     isw = torch.rand(B, T, generator=g, dtype=torch.float64) + 0.5
-    return dict(logp=logp, old=old, adv=adv, mask=mask, ids=ids, values=values,
-                old_values=values + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64),
-                returns=returns, entropy=entropy, isw=isw)
+    return dict(
+        logp=logp,
+        old=old,
+        adv=adv,
+        mask=mask,
+        ids=ids,
+        values=values,
+        old_values=values + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64),
+        returns=returns,
+        entropy=entropy,
+        isw=isw,
+    )
 
 
 # --------------------------------------------------------------------------- the calls
@@ -92,11 +105,21 @@ def _call(fn: str, d: dict, kind: str | None, agg, grad_of: torch.Tensor, **kw):
     if packed:
         kw.update(seq_ids=d["ids"], seqs_per_row=K)
     if fn == "policy_loss":
-        return rlops.policy_loss(grad_of, d["old"], d["adv"], d["mask"], kind=kind, agg=agg,
-                                 rollout_is_weights=d["isw"], **OPTIONS.get(kind, {}), **kw)
+        return rlops.policy_loss(
+            grad_of,
+            d["old"],
+            d["adv"],
+            d["mask"],
+            kind=kind,
+            agg=agg,
+            rollout_is_weights=d["isw"],
+            **OPTIONS.get(kind, {}),
+            **kw,
+        )
     if fn == "value_loss":
-        return rlops.value_loss(grad_of, d["old_values"], d["returns"], d["mask"], clip=0.2,
-                                agg=agg, **kw)
+        return rlops.value_loss(
+            grad_of, d["old_values"], d["returns"], d["mask"], clip=0.2, agg=agg, **kw
+        )
     if fn == "entropy_loss":
         return rlops.entropy_loss(grad_of, d["mask"], agg=agg, coef=0.01, **kw)
     return rlops.aggregate_loss(grad_of, d["mask"], agg, **kw), {}
@@ -105,9 +128,12 @@ def _call(fn: str, d: dict, kind: str | None, agg, grad_of: torch.Tensor, **kw):
 def _cases(full: bool = True):
     """Every function × kind × aggregation mode × layout × packed or not; not ``full``: every
     kind × mode × layout of policy_loss, one layout of the others, nothing packed."""
-    for fn, kinds, aggs in (("policy_loss", EXACT_KINDS, AGGS), ("value_loss", (None,), AGGS),
-                            ("entropy_loss", (None,), AGG_MODES),
-                            ("aggregate_loss", (None,), AGG_MODES)):
+    for fn, kinds, aggs in (
+        ("policy_loss", EXACT_KINDS, AGGS),
+        ("value_loss", (None,), AGGS),
+        ("entropy_loss", (None,), AGG_MODES),
+        ("aggregate_loss", (None,), AGG_MODES),
+    ):
         for kind in kinds:
             for agg in aggs:
                 for layout in ("zigzag", "contiguous"):
@@ -116,15 +142,24 @@ def _cases(full: bool = True):
                             yield fn, kind, agg, layout, packed
 
 
-RS_CRITERIA = ({"token_k1": (0.9, 1.1), "seq_mean_k3": 0.003, "seq_max_k2": 0.01,
-                "seq_sum_k1": (0.5, 2.0)}, {"seq_mean_k3": 0.003}, {"seq_sum_k1": (0.7, 1.5)})
-IS_ARGS = (dict(level="sequence", mode="mask", threshold=1.5, low=0.5, batch_normalize=True),
-           dict(level="geometric", threshold=1.02, low=0.98), dict(level="token", threshold=1.1))
+RS_CRITERIA = (
+    {"token_k1": (0.9, 1.1), "seq_mean_k3": 0.003, "seq_max_k2": 0.01, "seq_sum_k1": (0.5, 2.0)},
+    {"seq_mean_k3": 0.003},
+    {"seq_sum_k1": (0.7, 1.5)},
+)
+IS_ARGS = (
+    dict(level="sequence", mode="mask", threshold=1.5, low=0.5, batch_normalize=True),
+    dict(level="geometric", threshold=1.02, low=0.98),
+    dict(level="token", threshold=1.1),
+)
 
 
 def _rollout_cases(full: bool = True):
-    for fn, args in (("rollout_importance_weights", IS_ARGS),
-                     ("rollout_rejection_mask", RS_CRITERIA), ("rollout_mismatch_metrics", ({},))):
+    for fn, args in (
+        ("rollout_importance_weights", IS_ARGS),
+        ("rollout_rejection_mask", RS_CRITERIA),
+        ("rollout_mismatch_metrics", ({},)),
+    ):
         for i in range(len(args)):
             for layout in ("zigzag", "contiguous"):
                 for packed in (False, True) if full else (False,):
@@ -136,19 +171,23 @@ def _rollout_call(fn: str, i: int, d: dict, packed: bool, **kw):
     if packed:
         kw.update(seq_ids=d["ids"], seqs_per_row=K)
     if fn == "rollout_importance_weights":
-        w, keep, m = rlops.rollout_importance_weights(d["old"], d["logp"], d["mask"],
-                                                      **IS_ARGS[i], **kw)
+        w, keep, m = rlops.rollout_importance_weights(
+            d["old"], d["logp"], d["mask"], **IS_ARGS[i], **kw
+        )
         return [w, keep], m
     if fn == "rollout_rejection_mask":
-        keep, m = rlops.rollout_rejection_mask(d["old"], d["logp"], d["mask"], RS_CRITERIA[i],
-                                               **kw)
+        keep, m = rlops.rollout_rejection_mask(d["old"], d["logp"], d["mask"], RS_CRITERIA[i], **kw)
         return [keep], m
     return [], rlops.rollout_mismatch_metrics(d["old"], d["logp"], d["mask"], **kw)
 
 
 def _live(fn: str) -> str:
-    return {"policy_loss": "logp", "value_loss": "values", "entropy_loss": "entropy",
-            "aggregate_loss": "logp"}[fn]
+    return {
+        "policy_loss": "logp",
+        "value_loss": "values",
+        "entropy_loss": "entropy",
+        "aggregate_loss": "logp",
+    }[fn]
 
 
 def _expected_calls(fn: str, kind, agg, dp: bool, check: bool, counts: bool = False) -> int:
@@ -194,42 +233,74 @@ def _cases_on_ranks(rank: int, configs: list[tuple], full: bool = True) -> list[
                 x = local[name].clone().requires_grad_(True)
                 counts = {}
                 if given:  # the whole batch's counts instead of a group (rows or sequences)
-                    seqs = (torch.stack([whole["ids"] == k for k in range(K)], 1)
-                            & whole["mask"][:, None]).any(-1) if packed else whole["mask"].any(-1)
-                    counts = {"num_tokens": float(whole["mask"].sum()),
-                              "num_seqs": float(seqs.sum())}
+                    seqs = (
+                        (
+                            torch.stack([whole["ids"] == k for k in range(K)], 1)
+                            & whole["mask"][:, None]
+                        ).any(-1)
+                        if packed
+                        else whole["mask"].any(-1)
+                    )
+                    counts = {
+                        "num_tokens": float(whole["mask"].sum()),
+                        "num_seqs": float(seqs.sum()),
+                    }
                 with count_collectives() as calls:
-                    loss, metrics = _call(fn, local, kind, agg, x, packed=packed,
-                                          cp_group=cp_group, cp_layout=layout, group=group,
-                                          **counts)
+                    loss, metrics = _call(
+                        fn,
+                        local,
+                        kind,
+                        agg,
+                        x,
+                        packed=packed,
+                        cp_group=cp_group,
+                        cp_layout=layout,
+                        group=group,
+                        **counts,
+                    )
                 (loss if agg is not None else (loss * local["adv"]).sum()).backward()
                 xw = whole[name].clone().requires_grad_(True)
                 wl, wm = _call(fn, whole, kind, agg, xw, packed=packed)
                 (wl if agg is not None else (wl * whole["adv"]).sum()).backward()
                 rows = slice(replica * B, (replica + 1) * B)
-                out.append(dict(
-                    case=(cp, dp, seed, check, fn, kind, agg, layout, packed),
-                    loss=loss.detach(), grad=x.grad, metrics=metrics, calls=dict(calls),
-                    want_loss=wl.detach(), want_metrics=wm,
-                    want_grad=_shard(xw.grad[rows], layout, cp, cp_rank),
-                    want_matrix=(_shard(wl.detach()[rows], layout, cp, cp_rank)
-                                 if agg is None else None),
-                    expected_calls=_expected_calls(fn, kind, agg, with_group, check,
-                                                   bool(given)),
-                ))
+                out.append(
+                    dict(
+                        case=(cp, dp, seed, check, fn, kind, agg, layout, packed),
+                        loss=loss.detach(),
+                        grad=x.grad,
+                        metrics=metrics,
+                        calls=dict(calls),
+                        want_loss=wl.detach(),
+                        want_metrics=wm,
+                        want_grad=_shard(xw.grad[rows], layout, cp, cp_rank),
+                        want_matrix=(
+                            _shard(wl.detach()[rows], layout, cp, cp_rank) if agg is None else None
+                        ),
+                        expected_calls=_expected_calls(
+                            fn, kind, agg, with_group, check, bool(given)
+                        ),
+                    )
+                )
         os.environ["RLOPS_GROUP_CHECK"] = "1"
         rows = slice(replica * B, (replica + 1) * B)
         for fn, i, layout, packed in _rollout_cases(full):
             local = {k: _shard(v, layout, cp, cp_rank) for k, v in mine.items()}
             with count_collectives() as calls:
-                got, metrics = _rollout_call(fn, i, local, packed, cp_group=cp_group,
-                                             cp_layout=layout, group=group)
+                got, metrics = _rollout_call(
+                    fn, i, local, packed, cp_group=cp_group, cp_layout=layout, group=group
+                )
             want, wm = _rollout_call(fn, i, whole, packed)
-            out.append(dict(
-                case=(cp, dp, seed, fn, i, layout, packed), tensors=got, metrics=metrics,
-                want_tensors=[_shard(w[rows], layout, cp, cp_rank) for w in want],
-                want_metrics=wm, calls=dict(calls), expected_calls=2,  # rows, then metrics
-            ))
+            out.append(
+                dict(
+                    case=(cp, dp, seed, fn, i, layout, packed),
+                    tensors=got,
+                    metrics=metrics,
+                    want_tensors=[_shard(w[rows], layout, cp, cp_rank) for w in want],
+                    want_metrics=wm,
+                    calls=dict(calls),
+                    expected_calls=2,  # rows, then metrics
+                )
+            )
     os.environ["RLOPS_GROUP_CHECK"] = "1"
     return out
 
@@ -251,8 +322,11 @@ def _dtype_work(rank: int, world: int) -> list[dict]:
                 for layout in ("zigzag", "contiguous"):
                     local = {k: _shard(v, layout, world, rank) for k, v in d.items()}
                     res = {}
-                    for name, data, kw in (("cp", local, {"cp_group": g, "cp_layout": layout}),
-                                           ("same", d, {}), ("f64", d64, {})):
+                    for name, data, kw in (
+                        ("cp", local, {"cp_group": g, "cp_layout": layout}),
+                        ("same", d, {}),
+                        ("f64", d64, {}),
+                    ):
                         x = data["logp"].clone().requires_grad_(True)
                         loss, _ = _call("policy_loss", data, kind, agg, x, packed=False, **kw)
                         loss.backward()
@@ -266,13 +340,18 @@ def _two_ranks(rank: int, world: int) -> dict:
     """Everything that runs on 2 ranks, in one spawn."""
     cases = _cases_on_ranks(rank, [(2, 1, 0, True, False), (2, 1, 1, False, True)])
     given = _cases_on_ranks(rank, [(2, 1, 4, False, True, "counts")], full=False)
-    return {"cases": cases + given, "bad": _bad_work(rank, world),
-            "hand": _hand_work(rank, world), "dtypes": _dtype_work(rank, world)}
+    return {
+        "cases": cases + given,
+        "bad": _bad_work(rank, world),
+        "hand": _hand_work(rank, world),
+        "dtypes": _dtype_work(rank, world),
+    }
 
 
 def _four_ranks(rank: int, world: int) -> dict:
-    return {"cases": _cases_on_ranks(rank, [(4, 1, 1, False, True), (2, 2, 2, True, True)],
-                                      full=False)}
+    return {
+        "cases": _cases_on_ranks(rank, [(4, 1, 1, False, True), (2, 2, 2, True, True)], full=False)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -301,8 +380,9 @@ def _verify(results: list[list[dict]]) -> int:
         fn, agg = case[4], case[6]
         for r in per_rank:
             assert r["case"] == case
-            assert r["calls"] == ({"all_gather": r["expected_calls"]}
-                                  if r["expected_calls"] else {}), (case, r["calls"])
+            assert r["calls"] == (
+                {"all_gather": r["expected_calls"]} if r["expected_calls"] else {}
+            ), (case, r["calls"])
             _close(r["grad"], r["want_grad"], case)
             if agg is None:
                 _close(r["loss"], r["want_matrix"], case)
@@ -366,26 +446,58 @@ def _bad_work(rank: int, world: int):
             errors[name] = None
 
     for kind in ("clip_cov", "kl_cov"):
-        attempt(kind, lambda kind=kind: rlops.policy_loss(local["logp"], local["old"],
-                                                          local["adv"], local["mask"],
-                                                          kind=kind, cp_group=g))
-    attempt("norm without L", lambda: rlops.aggregate_loss(
-        local["logp"], local["mask"], "seq-mean-token-sum-norm", cp_group=g))
+        attempt(
+            kind,
+            lambda kind=kind: rlops.policy_loss(
+                local["logp"], local["old"], local["adv"], local["mask"], kind=kind, cp_group=g
+            ),
+        )
+    attempt(
+        "norm without L",
+        lambda: rlops.aggregate_loss(
+            local["logp"], local["mask"], "seq-mean-token-sum-norm", cp_group=g
+        ),
+    )
     odd = dist.new_group([0]) if world > 1 else None
     # a group that does not hold cp_group's other ranks (rank 1 is not even in it): each rank
     # raises, and fails its cp_group together with the other
-    attempt("group without cp_group", lambda: rlops.aggregate_loss(
-        local["logp"], local["mask"], group=odd, cp_group=g))
+    attempt(
+        "group without cp_group",
+        lambda: rlops.aggregate_loss(local["logp"], local["mask"], group=odd, cp_group=g),
+    )
     # mismatched calls over cp_group: the same error on every rank, no hang
-    attempt("kind", lambda: rlops.policy_loss(local["logp"], local["old"], local["adv"],
-                                              local["mask"], kind="gspo" if rank else "ppo",
-                                              cp_group=g))
-    attempt("layout", lambda: rlops.aggregate_loss(
-        local["logp"], local["mask"], "seq-mean-token-mean", cp_group=g,
-        cp_layout="zigzag" if rank else "contiguous"))
-    attempt("packed on one rank", lambda: rlops.value_loss(
-        local["values"], local["values"], local["returns"], local["mask"], cp_group=g,
-        **({"seq_ids": local["ids"], "seqs_per_row": K} if rank else {})))
+    attempt(
+        "kind",
+        lambda: rlops.policy_loss(
+            local["logp"],
+            local["old"],
+            local["adv"],
+            local["mask"],
+            kind="gspo" if rank else "ppo",
+            cp_group=g,
+        ),
+    )
+    attempt(
+        "layout",
+        lambda: rlops.aggregate_loss(
+            local["logp"],
+            local["mask"],
+            "seq-mean-token-mean",
+            cp_group=g,
+            cp_layout="zigzag" if rank else "contiguous",
+        ),
+    )
+    attempt(
+        "packed on one rank",
+        lambda: rlops.value_loss(
+            local["values"],
+            local["values"],
+            local["returns"],
+            local["mask"],
+            cp_group=g,
+            **({"seq_ids": local["ids"], "seqs_per_row": K} if rank else {}),
+        ),
+    )
     # still in step afterwards
     x = local["logp"]
     errors["after"] = rlops.aggregate_loss(x, local["mask"], "seq-mean-token-mean", cp_group=g)
@@ -399,12 +511,15 @@ def test_inexact_kinds_and_modes_raise_and_mismatches_raise_everywhere(two_ranks
         for kind in ("clip_cov", "kl_cov"):
             assert "cannot be exact with cp_group" in r[kind], r[kind]
         assert "needs loss_scale_factor" in r["norm without L"]
-    assert "must be the data-parallel × context-parallel group" in ranks[0][
-        "group without cp_group"]
+    assert (
+        "must be the data-parallel × context-parallel group" in ranks[0]["group without cp_group"]
+    )
     assert ranks[1]["group without cp_group"] is not None
-    for name, field in (("kind", "`kind`: ['ppo', 'gspo']"),
-                        ("layout", "`cp_layout`: ['contiguous', 'zigzag']"),
-                        ("packed on one rank", "`seqs_per_row`: [<absent>, 3]")):
+    for name, field in (
+        ("kind", "`kind`: ['ppo', 'gspo']"),
+        ("layout", "`cp_layout`: ['contiguous', 'zigzag']"),
+        ("packed on one rank", "`seqs_per_row`: [<absent>, 3]"),
+    ):
         assert ranks[0][name] == ranks[1][name], name
         assert ranks[0][name] is not None and field in ranks[0][name], (name, ranks[0][name])
     d = _data(5)
@@ -419,12 +534,25 @@ def _hand_work(rank: int, world: int):
     lr = [[0.1, 0.3], [0.2, 0.0]][rank]
     mask = torch.tensor([[1, 1], [1, 0]][rank])[None]
     logp = torch.tensor([lr], dtype=torch.float64, requires_grad=True)
-    loss, m = rlops.policy_loss(logp, torch.zeros(1, 2, dtype=torch.float64),
-                                torch.ones(1, 2, dtype=torch.float64), mask, kind="gspo",
-                                clip_low=0.5, clip_high=0.5, cp_group=g, cp_layout="contiguous")
+    loss, m = rlops.policy_loss(
+        logp,
+        torch.zeros(1, 2, dtype=torch.float64),
+        torch.ones(1, 2, dtype=torch.float64),
+        mask,
+        kind="gspo",
+        clip_low=0.5,
+        clip_high=0.5,
+        cp_group=g,
+        cp_layout="contiguous",
+    )
     loss.backward()
-    agg = rlops.aggregate_loss(torch.tensor([[1.0, 2.0], [3.0, 4.0]][rank])[None], mask,
-                               "seq-mean-token-mean", cp_group=g, cp_layout="contiguous")
+    agg = rlops.aggregate_loss(
+        torch.tensor([[1.0, 2.0], [3.0, 4.0]][rank])[None],
+        mask,
+        "seq-mean-token-mean",
+        cp_group=g,
+        cp_layout="contiguous",
+    )
     return loss.detach(), logp.grad, m["seq_ratio_mean"], agg
 
 
@@ -461,12 +589,29 @@ def test_packed_rows_equal_the_sequences_as_rows(kind):
     for agg in AGGS:
         kw = {"loss_scale_factor": L_NORM} if agg == "seq-mean-token-sum-norm" else {}
         x = d["logp"].clone().requires_grad_(True)
-        loss, m = rlops.policy_loss(x, d["old"], d["adv"], d["mask"], kind=kind, agg=agg,
-                                    seq_ids=d["ids"], seqs_per_row=K, **OPTIONS.get(kind, {}),
-                                    **kw)
+        loss, m = rlops.policy_loss(
+            x,
+            d["old"],
+            d["adv"],
+            d["mask"],
+            kind=kind,
+            agg=agg,
+            seq_ids=d["ids"],
+            seqs_per_row=K,
+            **OPTIONS.get(kind, {}),
+            **kw,
+        )
         xu = unpacked["logp"].clone().requires_grad_(True)
-        lu, mu = rlops.policy_loss(xu, unpacked["old"], unpacked["adv"], unpacked["mask"],
-                                   kind=kind, agg=agg, **OPTIONS.get(kind, {}), **kw)
+        lu, mu = rlops.policy_loss(
+            xu,
+            unpacked["old"],
+            unpacked["adv"],
+            unpacked["mask"],
+            kind=kind,
+            agg=agg,
+            **OPTIONS.get(kind, {}),
+            **kw,
+        )
         if agg is None:  # each token's loss is in exactly one of the K copies of its row
             lu = lu.reshape(B, K, T).sum(1)
             loss.sum().backward()
@@ -489,8 +634,10 @@ def test_packed_aggregation_by_hand_and_bad_ids():
     for mode, v in want.items():
         assert rlops.aggregate_loss(loss, mask, mode, seq_ids=ids, seqs_per_row=2).item() == v
     # an empty slot (K = 3) is not a sequence
-    assert rlops.aggregate_loss(loss, mask, "seq-mean-token-mean", seq_ids=ids,
-                                seqs_per_row=3).item() == 2.25
+    assert (
+        rlops.aggregate_loss(loss, mask, "seq-mean-token-mean", seq_ids=ids, seqs_per_row=3).item()
+        == 2.25
+    )
     with pytest.raises(ValueError, match="seq_ids needs seqs_per_row"):
         rlops.aggregate_loss(loss, mask, seq_ids=ids)
     with pytest.raises(ValueError, match="seqs_per_row is given without seq_ids"):
@@ -499,8 +646,11 @@ def test_packed_aggregation_by_hand_and_bad_ids():
         rlops.aggregate_loss(loss, mask, seq_ids=ids.double(), seqs_per_row=2)
     with pytest.raises(ValueError, match="seq_ids must have shape"):
         rlops.aggregate_loss(loss, mask, seq_ids=ids[:, :3], seqs_per_row=2)
-    with pytest.raises(ValueError, match=r"must lie in \[0, seqs_per_row\) = \[0, 2\), "
-                       r"got values in \[1, 2\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"must lie in \[0, seqs_per_row\) = \[0, 2\), "
+        r"got values in \[1, 2\]",
+    ):
         rlops.aggregate_loss(loss, mask, seq_ids=ids + 1, seqs_per_row=2)
     with pytest.raises(ValueError, match="seqs_per_row must be >= 1"):
         rlops.aggregate_loss(loss, mask, seq_ids=ids, seqs_per_row=0)
@@ -513,17 +663,23 @@ def test_packed_aggregation_by_hand_and_bad_ids():
     # the id of a mask-0 token is ignored
     odd = ids.clone()
     odd[0, 3] = 99
-    assert rlops.aggregate_loss(loss, mask, "seq-mean-token-mean", seq_ids=odd,
-                                seqs_per_row=2).item() == 2.25
+    assert (
+        rlops.aggregate_loss(loss, mask, "seq-mean-token-mean", seq_ids=odd, seqs_per_row=2).item()
+        == 2.25
+    )
 
 
-@pytest.mark.parametrize("fn", ["rollout_importance_weights", "rollout_rejection_mask",
-                                "rollout_mismatch_metrics"])
+@pytest.mark.parametrize(
+    "fn", ["rollout_importance_weights", "rollout_rejection_mask", "rollout_mismatch_metrics"]
+)
 def test_packed_rollout_correction_equals_the_sequences_as_rows(fn):
     d = _data(12)
     unpacked, _ = _unpack(d)
-    n = len(IS_ARGS) if fn == "rollout_importance_weights" else (
-        len(RS_CRITERIA) if fn == "rollout_rejection_mask" else 1)
+    n = (
+        len(IS_ARGS)
+        if fn == "rollout_importance_weights"
+        else (len(RS_CRITERIA) if fn == "rollout_rejection_mask" else 1)
+    )
     for i in range(n):
         got, m = _rollout_call(fn, i, d, True)
         want, wm = _rollout_call(fn, i, unpacked, False)

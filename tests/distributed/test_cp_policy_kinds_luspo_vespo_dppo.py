@@ -1,7 +1,7 @@
 """The newer policy-loss kinds under ``cp_group=`` on 2 Gloo ranks (one spawn): the sequence
 levels of cispo and sapo, gspo's dual clip, luspo and vespo (per-row quantities), and the
-per-token dppo_tv, dppo_kl and dro. Exact means as in tests/distributed/test_cp_losses.py: the ranks'
-losses sum to the one-process loss on the whole rows, each rank's gradient is the whole rows'
+per-token dppo_tv, dppo_kl and dro. Exact means as in tests/distributed/test_cp_losses.py: the
+ranks' losses sum to the one-process loss on the whole rows, each rank's gradient is the whole rows'
 gradient on its tokens, the metrics are the whole rows'; both layouts, packed rows, with and
 without a DP×CP ``group=``, a rank whose shard holds no action token; collectives counted."""
 
@@ -30,8 +30,8 @@ ROW_CASES = ("gspo_dual", "cispo_seq", "sapo_seq", "luspo", "vespo")  # a per-ro
 
 
 def _cp_data(seed, empty=False):
-    """tests/distributed/test_cp_losses.py's rows with the log-ratios mirrored (sequence ratios above 1:
-    the dual clip binds) and π_old < 1 (DPPO reads it as a probability)."""
+    """tests/distributed/test_cp_losses.py's rows with the log-ratios mirrored (sequence ratios
+    above 1: the dual clip binds) and π_old < 1 (DPPO reads it as a probability)."""
     d = _data(seed, empty_rank0=2 if empty else 0)
     d["old"] = (2 * d["logp"] - d["old"]).clamp_max(-0.01)
     return d
@@ -43,8 +43,17 @@ def _call(case, d, agg, x, packed, **kw):
         kw["loss_scale_factor"] = L_NORM
     if packed:
         kw.update(seq_ids=d["ids"], seqs_per_row=K)
-    return rlops.policy_loss(x, d["old"], d["adv"], d["mask"], kind=kind, agg=agg,
-                             rollout_is_weights=d["isw"], **opts, **kw)
+    return rlops.policy_loss(
+        x,
+        d["old"],
+        d["adv"],
+        d["mask"],
+        kind=kind,
+        agg=agg,
+        rollout_is_weights=d["isw"],
+        **opts,
+        **kw,
+    )
 
 
 def _expected_calls(case, agg, with_group):
@@ -68,20 +77,36 @@ def _work(rank, world):
                         local = {k: _shard(v, layout, 2, rank) for k, v in whole.items()}
                         x = local["logp"].clone().requires_grad_(True)
                         with count_collectives() as calls:
-                            loss, metrics = _call(case, local, agg, x, packed, cp_group=cp_group,
-                                                  cp_layout=layout, group=group)
+                            loss, metrics = _call(
+                                case,
+                                local,
+                                agg,
+                                x,
+                                packed,
+                                cp_group=cp_group,
+                                cp_layout=layout,
+                                group=group,
+                            )
                         (loss if agg is not None else (loss * local["adv"]).sum()).backward()
                         xw = whole["logp"].clone().requires_grad_(True)
                         wl, wm = _call(case, whole, agg, xw, packed)
                         (wl if agg is not None else (wl * whole["adv"]).sum()).backward()
-                        out.append(dict(
-                            case=(seed, case, agg, layout, packed), loss=loss.detach(),
-                            grad=x.grad, metrics=metrics, calls=dict(calls),
-                            want_loss=wl.detach(), want_metrics=wm,
-                            want_grad=_shard(xw.grad, layout, 2, rank),
-                            want_matrix=(_shard(wl.detach(), layout, 2, rank)
-                                         if agg is None else None),
-                            expected=_expected_calls(case, agg, with_group)))
+                        out.append(
+                            dict(
+                                case=(seed, case, agg, layout, packed),
+                                loss=loss.detach(),
+                                grad=x.grad,
+                                metrics=metrics,
+                                calls=dict(calls),
+                                want_loss=wl.detach(),
+                                want_metrics=wm,
+                                want_grad=_shard(xw.grad, layout, 2, rank),
+                                want_matrix=(
+                                    _shard(wl.detach(), layout, 2, rank) if agg is None else None
+                                ),
+                                expected=_expected_calls(case, agg, with_group),
+                            )
+                        )
     return out
 
 
@@ -110,8 +135,12 @@ def test_new_kinds_on_two_cp_ranks_equal_the_whole_rows():
 def test_the_cp_data_exercise_the_branches():
     """The one-process calls above clip, dual-clip and drop tokens somewhere."""
     d = _cp_data(0)
-    for case, key in (("gspo_dual", "pg_clipfrac_lower"), ("cispo_seq", "pg_clipfrac"),
-                      ("dppo_tv", "pg_clipfrac"), ("dppo_kl", "pg_clipfrac"),
-                      ("dppo_tv", "pg_clipfrac_lower")):
+    for case, key in (
+        ("gspo_dual", "pg_clipfrac_lower"),
+        ("cispo_seq", "pg_clipfrac"),
+        ("dppo_tv", "pg_clipfrac"),
+        ("dppo_kl", "pg_clipfrac"),
+        ("dppo_tv", "pg_clipfrac_lower"),
+    ):
         _, m = _call(case, d, "token-mean", d["logp"], False)
         assert 0 < m[key] < 1, (case, key)

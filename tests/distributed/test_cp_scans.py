@@ -50,33 +50,62 @@ def _every_function(rank: int, world: int, methods: tuple[str, ...]) -> float:
             pairs = []
             want = rlops.gae(r, v, gamma=0.99, lam=0.9, mask=m, dones=d, method="reference")
             got = rlops.gae(
-                shard(r), shard(v), gamma=0.99, lam=0.9, mask=shard(m), dones=shard(d),
-                method=method, cp_group=group,
+                shard(r),
+                shard(v),
+                gamma=0.99,
+                lam=0.9,
+                mask=shard(m),
+                dones=shard(d),
+                method=method,
+                cp_group=group,
             )
             pairs += list(zip(want, got, strict=True))
             want = rlops.gae(r, v, gamma=g_rows, lam=0.95, method="reference")
-            got = rlops.gae(shard(r), shard(v), gamma=g_rows, lam=0.95, method=method,
-                            cp_group=group)
+            got = rlops.gae(
+                shard(r), shard(v), gamma=g_rows, lam=0.95, method=method, cp_group=group
+            )
             pairs += list(zip(want, got, strict=True))
-            pairs.append((
-                rlops.discounted_returns(r, gamma=0.9, mask=m, dones=d, method="reference"),
-                rlops.discounted_returns(shard(r), gamma=0.9, mask=shard(m), dones=shard(d),
-                                         method=method, cp_group=group),
-            ))
-            pairs.append((
-                rlops.reinforce_plus_plus_returns(outcome, kl, m, kl_coef=0.1, gamma=0.95,
-                                                  method="reference"),
-                rlops.reinforce_plus_plus_returns(outcome, shard(kl), shard(m), kl_coef=0.1,
-                                                  gamma=0.95, method=method, cp_group=group),
-            ))
-            for disc in (0.97, decay, g_rows[:, None], 0.0, 1.0):
-                pairs.append((
-                    rlops.discounted_cumsum(r, disc, method="reference"),
-                    rlops.discounted_cumsum(
-                        shard(r), shard(disc) if disc is decay else disc, method=method,
+            pairs.append(
+                (
+                    rlops.discounted_returns(r, gamma=0.9, mask=m, dones=d, method="reference"),
+                    rlops.discounted_returns(
+                        shard(r),
+                        gamma=0.9,
+                        mask=shard(m),
+                        dones=shard(d),
+                        method=method,
                         cp_group=group,
                     ),
-                ))
+                )
+            )
+            pairs.append(
+                (
+                    rlops.reinforce_plus_plus_returns(
+                        outcome, kl, m, kl_coef=0.1, gamma=0.95, method="reference"
+                    ),
+                    rlops.reinforce_plus_plus_returns(
+                        outcome,
+                        shard(kl),
+                        shard(m),
+                        kl_coef=0.1,
+                        gamma=0.95,
+                        method=method,
+                        cp_group=group,
+                    ),
+                )
+            )
+            for disc in (0.97, decay, g_rows[:, None], 0.0, 1.0):
+                pairs.append(
+                    (
+                        rlops.discounted_cumsum(r, disc, method="reference"),
+                        rlops.discounted_cumsum(
+                            shard(r),
+                            shard(disc) if disc is decay else disc,
+                            method=method,
+                            cp_group=group,
+                        ),
+                    )
+                )
             for want, got in pairs:
                 full = zigzag_unshard(got, group=group, length=t_len)
                 worst = max(worst, (full - want).abs().max().item())
@@ -104,10 +133,12 @@ def _response_form(rank: int, world: int) -> list[tuple[int, int, float]]:
             kw = dict(total_length=total, response_length=response, cp_size=world, cp_rank=rank)
             r_loc, mask = zigzag_shard_response(r, **kw)
             v_loc, _ = zigzag_shard_response(v, **kw)
-            adv, _ = rlops.gae(r_loc, v_loc, gamma=1.0, lam=0.95,
-                               mask=mask.expand_as(r_loc), cp_group=group)
-            back = zigzag_unshard_response(adv, group=group, total_length=total,
-                                           response_length=response)
+            adv, _ = rlops.gae(
+                r_loc, v_loc, gamma=1.0, lam=0.95, mask=mask.expand_as(r_loc), cp_group=group
+            )
+            back = zigzag_unshard_response(
+                adv, group=group, total_length=total, response_length=response
+            )
             err = (back - want_adv).abs().max().item()
             if err > 1e-12:
                 bad.append((total, response, err))
@@ -130,14 +161,16 @@ def _cp_calls(rank: int, world: int, t_len: int, b: int = 3):
     shard = lambda x: zigzag_shard(x, cp_size=world, cp_rank=rank)  # noqa: E731
     w = dist.group.WORLD
     return {
-        "gae": lambda: rlops.gae(shard(r), shard(v), gamma=1.0, lam=0.95, mask=shard(m),
-                                 dones=shard(d), cp_group=w),
-        "gae float32": lambda: rlops.gae(shard(r).float(), shard(v).float(), gamma=g_rows,
-                                         lam=0.9, mask=shard(m), cp_group=w),
-        "returns": lambda: rlops.discounted_returns(shard(r), gamma=0.9, mask=shard(m),
-                                                   cp_group=w),
+        "gae": lambda: rlops.gae(
+            shard(r), shard(v), gamma=1.0, lam=0.95, mask=shard(m), dones=shard(d), cp_group=w
+        ),
+        "gae float32": lambda: rlops.gae(
+            shard(r).float(), shard(v).float(), gamma=g_rows, lam=0.9, mask=shard(m), cp_group=w
+        ),
+        "returns": lambda: rlops.discounted_returns(shard(r), gamma=0.9, mask=shard(m), cp_group=w),
         "reinforce++": lambda: rlops.reinforce_plus_plus_returns(
-            outcome, shard(kl), shard(m), kl_coef=0.1, gamma=0.95, cp_group=w),
+            outcome, shard(kl), shard(m), kl_coef=0.1, gamma=0.95, cp_group=w
+        ),
         "cumsum": lambda: rlops.discounted_cumsum(shard(r), 0.9, cp_group=w),
         "cumsum per-row": lambda: rlops.discounted_cumsum(shard(r), g_rows[:, None], cp_group=w),
     }
@@ -185,8 +218,11 @@ def test_one_collective_whose_size_does_not_grow_with_t():
     assert long["gae"][1] == [2 * 3 * 5 * 8]
 
 
-SWITCHES = {"on": {}, "RLOPS_CP_CHECK=0": {"RLOPS_CP_CHECK": "0"},
-            "RLOPS_GROUP_CHECK=0": {"RLOPS_GROUP_CHECK": "0"}}
+SWITCHES = {
+    "on": {},
+    "RLOPS_CP_CHECK=0": {"RLOPS_CP_CHECK": "0"},
+    "RLOPS_GROUP_CHECK=0": {"RLOPS_GROUP_CHECK": "0"},
+}
 
 
 def _count_switches(rank: int, world: int):
@@ -236,8 +272,9 @@ def _gae(rank, w, b=3, **kw):
 
 def _reinforce(rank, w, **kw):
     r, _, m = _rows(3)
-    return rlops.reinforce_plus_plus_returns(r[:, 0], r, m, **{"kl_coef": 0.1, "gamma": 0.9,
-                                                               "cp_group": w, **kw})
+    return rlops.reinforce_plus_plus_returns(
+        r[:, 0], r, m, **{"kl_coef": 0.1, "gamma": 0.9, "cp_group": w, **kw}
+    )
 
 
 def _cumsum(rank, w, discount, t_len=8):
@@ -259,47 +296,95 @@ def _cp_group_on_one_rank(rank, w):
 
 # name -> (case, what the message must contain, what it must not)
 MISMATCHES = {
-    "gae gamma": (lambda k, w: _gae(k, w, gamma=_pick(k, 0.99, 0.98)),
-                  ["`gamma (per-row checksum)`: [", "`gamma * lam (per-row checksum)`"], []),
-    "gae lam": (lambda k, w: _gae(k, w, lam=_pick(k, 0.95, 0.9)),
-                ["`gamma * lam (per-row checksum)`: ["], ["`gamma (per-row"]),
+    "gae gamma": (
+        lambda k, w: _gae(k, w, gamma=_pick(k, 0.99, 0.98)),
+        ["`gamma (per-row checksum)`: [", "`gamma * lam (per-row checksum)`"],
+        [],
+    ),
+    "gae lam": (
+        lambda k, w: _gae(k, w, lam=_pick(k, 0.95, 0.9)),
+        ["`gamma * lam (per-row checksum)`: ["],
+        ["`gamma (per-row"],
+    ),
     "gae per-row gamma, rows permuted": (
-        lambda k, w: _gae(k, w, gamma=torch.tensor(_pick(k, [0.9, 0.8, 0.7], [0.9, 0.7, 0.8]),
-                                                   dtype=torch.float64)),
-        ["`gamma (per-row checksum)`: ["], []),
-    "gae rows": (lambda k, w: _gae(k, w, b=_pick(k, 2, 3)), ["`rows`: [2, 3]"],
-                 ["payload", "checksum"]),
+        lambda k, w: _gae(
+            k,
+            w,
+            gamma=torch.tensor(_pick(k, [0.9, 0.8, 0.7], [0.9, 0.7, 0.8]), dtype=torch.float64),
+        ),
+        ["`gamma (per-row checksum)`: ["],
+        [],
+    ),
+    "gae rows": (
+        lambda k, w: _gae(k, w, b=_pick(k, 2, 3)),
+        ["`rows`: [2, 3]"],
+        ["payload", "checksum"],
+    ),
     "gae rows, one rank's summaries beyond the first exchange": (
-        lambda k, w: _gae(k, w, b=_pick(k, 2, 40)), ["`rows`: [2, 40]"], []),
-    "gae dtype": (lambda k, w: _gae(k, w, dtype=_pick(k, torch.float32, torch.float64)),
-                  ["`dtype`: [torch.float32, torch.float64]"], ["checksum"]),
-    "gae method": (lambda k, w: _gae(k, w, method=_pick(k, "chunked", "reference")),
-                   ["`method`: ['chunked', 'reference']"], []),
+        lambda k, w: _gae(k, w, b=_pick(k, 2, 40)),
+        ["`rows`: [2, 40]"],
+        [],
+    ),
+    "gae dtype": (
+        lambda k, w: _gae(k, w, dtype=_pick(k, torch.float32, torch.float64)),
+        ["`dtype`: [torch.float32, torch.float64]"],
+        ["checksum"],
+    ),
+    "gae method": (
+        lambda k, w: _gae(k, w, method=_pick(k, "chunked", "reference")),
+        ["`method`: ['chunked', 'reference']"],
+        [],
+    ),
     "gae vs reinforce_plus_plus_returns": (
         lambda k, w: (_gae if k == 0 else _reinforce)(k, w),
-        ["`function`: ['gae', 'reinforce_plus_plus_returns']"], ["rows", "kl_coef"]),
+        ["`function`: ['gae', 'reinforce_plus_plus_returns']"],
+        ["rows", "kl_coef"],
+    ),
     "discounted_returns vs discounted_cumsum": (
         lambda k, w: _returns(k, w) if k == 0 else _cumsum(k, w, 0.9),
-        ["`function`: ['discounted_returns', 'discounted_cumsum']"], []),
-    "discounted_returns gamma": (lambda k, w: _returns(k, w, gamma=_pick(k, 0.9, 0.8)),
-                                 ["`gamma`: [0.9, 0.8]"], []),
+        ["`function`: ['discounted_returns', 'discounted_cumsum']"],
+        [],
+    ),
+    "discounted_returns gamma": (
+        lambda k, w: _returns(k, w, gamma=_pick(k, 0.9, 0.8)),
+        ["`gamma`: [0.9, 0.8]"],
+        [],
+    ),
     "reinforce_plus_plus_returns kl_coef": (
-        lambda k, w: _reinforce(k, w, kl_coef=_pick(k, 0.1, 0.2)), ["`kl_coef`: [0.1, 0.2]"], []),
+        lambda k, w: _reinforce(k, w, kl_coef=_pick(k, 0.1, 0.2)),
+        ["`kl_coef`: [0.1, 0.2]"],
+        [],
+    ),
     "reinforce_plus_plus_returns gamma": (
         lambda k, w: _reinforce(k, w, gamma=_pick(k, 0.9, 1.0)),
-        ["`gamma (per-row checksum)`: ["], []),
-    "discounted_cumsum discount": (lambda k, w: _cumsum(k, w, _pick(k, 0.9, 0.8)),
-                                   ["`discount`: [0.9, 0.8]"], []),
+        ["`gamma (per-row checksum)`: ["],
+        [],
+    ),
+    "discounted_cumsum discount": (
+        lambda k, w: _cumsum(k, w, _pick(k, 0.9, 0.8)),
+        ["`discount`: [0.9, 0.8]"],
+        [],
+    ),
     "discounted_cumsum per-row discount": (
         lambda k, w: _cumsum(k, w, torch.full((3, 1), _pick(k, 0.9, 0.8))),
-        ["`discount (per-row checksum)`: ["], []),
+        ["`discount (per-row checksum)`: ["],
+        [],
+    ),
     "discounted_cumsum scalar vs per-token discount": (
         lambda k, w: _cumsum(k, w, _pick(k, 0.9, torch.full((3, 8), 0.9))),
-        ["`discount form`: ['scalar', 'per token']"], ["`discount`"]),
-    "discounted_cumsum local length": (lambda k, w: _cumsum(k, w, 0.9, t_len=_pick(k, 16, 24)),
-                                       ["`local length`: [16, 24]"], []),
-    "cp_group on one rank only": (_cp_group_on_one_rank,
-                                  ["`function`: ['gae', 'discounted_cumsum']"], []),
+        ["`discount form`: ['scalar', 'per token']"],
+        ["`discount`"],
+    ),
+    "discounted_cumsum local length": (
+        lambda k, w: _cumsum(k, w, 0.9, t_len=_pick(k, 16, 24)),
+        ["`local length`: [16, 24]"],
+        [],
+    ),
+    "cp_group on one rank only": (
+        _cp_group_on_one_rank,
+        ["`function`: ['gae', 'discounted_cumsum']"],
+        [],
+    ),
 }
 
 

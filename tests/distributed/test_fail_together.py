@@ -39,24 +39,38 @@ def _work(rank, world):
     bad_mask = torch.ones(b, t + 1, dtype=torch.bool)
     out = {}
     # 1. DP only: rank 1's mask has the wrong shape
-    out["policy_dp"] = _outcome(lambda: rlops.policy_loss(
-        logp, old, adv, bad_mask if rank == 1 else mask, group=dp))
+    out["policy_dp"] = _outcome(
+        lambda: rlops.policy_loss(logp, old, adv, bad_mask if rank == 1 else mask, group=dp)
+    )
     # 2. CP and DP: rank 0 rejects; its CP peer and the other CP group fail with it
-    out["policy_cp_dp"] = _outcome(lambda: rlops.policy_loss(
-        logp, old, adv, bad_mask if rank == 0 else mask, kind="gspo", cp_group=cp, group=dp))
+    out["policy_cp_dp"] = _outcome(
+        lambda: rlops.policy_loss(
+            logp, old, adv, bad_mask if rank == 0 else mask, kind="gspo", cp_group=cp, group=dp
+        )
+    )
     # 3. statistics over DP: rank 2 gives an integer x
     x = torch.arange(b * t).reshape(b, t) if rank == 2 else logp
     out["whiten"] = _outcome(lambda: rlops.masked_whiten(x, mask, group=dp))
     # 4. a CP scan: rank 1's gamma is out of range; only its CP group is concerned
-    out["gae"] = _outcome(lambda: rlops.gae(
-        logp, old, gamma=1.5 if rank == 1 else 0.9, lam=0.95, cp_group=cp))
+    out["gae"] = _outcome(
+        lambda: rlops.gae(logp, old, gamma=1.5 if rank == 1 else 0.9, lam=0.95, cp_group=cp)
+    )
     # 5. rollout correction over CP and DP: rank 3's threshold is negative
-    out["rollout"] = _outcome(lambda: rlops.rollout_importance_weights(
-        old, logp, mask, level="sequence", threshold=-1.0 if rank == 3 else 2.0,
-        cp_group=cp, group=dp))
+    out["rollout"] = _outcome(
+        lambda: rlops.rollout_importance_weights(
+            old,
+            logp,
+            mask,
+            level="sequence",
+            threshold=-1.0 if rank == 3 else 2.0,
+            cp_group=cp,
+            group=dp,
+        )
+    )
     # 6. a batch-wide selection: rank 0's threshold is negative
-    out["m2po"] = _outcome(lambda: rlops.m2po_mask(
-        old, logp, mask, threshold=-0.1 if rank == 0 else 0.04, group=dp))
+    out["m2po"] = _outcome(
+        lambda: rlops.m2po_mask(old, logp, mask, threshold=-0.1 if rank == 0 else 0.04, group=dp)
+    )
     # 7. the groups are still usable: a correct call after all that
     loss = rlops.aggregate_loss(logp, mask, "token-mean", group=dp)
     out["after"] = (float(loss), float(logp.sum()), int(mask.sum()))

@@ -21,8 +21,9 @@ EXAMPLES = sorted(p for p in (ROOT / "examples").glob("*.py") if not p.name.star
 
 
 def _load_standins():
-    spec = importlib.util.spec_from_file_location("_rlops_standins", ROOT / "examples" /
-                                                  "_standins.py")
+    spec = importlib.util.spec_from_file_location(
+        "_rlops_standins", ROOT / "examples" / "_standins.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -53,8 +54,14 @@ def test_example_runs(path):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     # a generous guard against a hang, not a speed test: each takes seconds
-    proc = subprocess.run([sys.executable, str(path), "--small"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(path), "--small"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, f"{path.name} failed:\n{proc.stdout}\n{proc.stderr}"
     assert len(proc.stdout.splitlines()) >= 2, proc.stdout
 
@@ -81,9 +88,13 @@ def test_verl_standin_gae_hand_computed():
     t=0: δ = 0.9·0.25 − 0.5 = −0.275, A = −0.275 + 0.45·0.75 = 0.0625. returns = A + V.
     Whitened over the two action tokens (unbiased variance 2·0.34375²): ∓1/√2."""
     gae = standins.compute_gae_advantage_return
-    adv, ret = gae(torch.tensor([[0.0, 0.0, 1.0]], dtype=torch.float64),
-                   torch.tensor([[0.5, 9.0, 0.25]], dtype=torch.float64),
-                   torch.tensor([[1.0, 0.0, 1.0]], dtype=torch.float64), 0.9, 0.5)
+    adv, ret = gae(
+        torch.tensor([[0.0, 0.0, 1.0]], dtype=torch.float64),
+        torch.tensor([[0.5, 9.0, 0.25]], dtype=torch.float64),
+        torch.tensor([[1.0, 0.0, 1.0]], dtype=torch.float64),
+        0.9,
+        0.5,
+    )
     assert ret[0].tolist() == pytest.approx([0.5625, 9.75, 1.0], abs=1e-15)
     assert adv[0, [0, 2]].tolist() == pytest.approx([-(0.5**0.5), 0.5**0.5], abs=1e-7)
 
@@ -94,7 +105,8 @@ def test_verl_standin_grpo_hand_computed():
     adv, ret = standins.compute_grpo_outcome_advantage(
         torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.0, 1.0], [1.0, 0.0], [7.0, 0.0]]),
         torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [1.0, 0.0], [1.0, 1.0]]),
-        ["a", "a", "b", "b", "c"])
+        ["a", "a", "b", "b", "c"],
+    )
     r = 0.5**0.5
     expected = torch.tensor([[r, r], [-r, -r], [0, 0], [0, 0], [7 / (1 + 1e-6)] * 2])
     torch.testing.assert_close(adv, expected)
@@ -108,8 +120,12 @@ def test_verl_standin_vanilla_loss_hand_computed():
     old = torch.zeros(1, 3)
     logp = torch.tensor([[0.5, 2.0, 5.0]])
     loss, m = standins.compute_policy_loss_vanilla(
-        old, logp, torch.tensor([[1.0, -1.0, 1.0]]), torch.tensor([[1.0, 1.0, 0.0]]),
-        config={"clip_ratio": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0})
+        old,
+        logp,
+        torch.tensor([[1.0, -1.0, 1.0]]),
+        torch.tensor([[1.0, 1.0, 0.0]]),
+        config={"clip_ratio": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0},
+    )
     assert loss.item() == pytest.approx((-1.28 + 3.0) / 2, rel=1e-6)
     assert m["actor/pg_clipfrac"] == pytest.approx(0.5, rel=1e-7)
     assert m["actor/pg_clipfrac_lower"] == pytest.approx(0.5, rel=1e-7)
@@ -119,9 +135,12 @@ def test_verl_standin_vanilla_loss_hand_computed():
 def test_slime_standin_tis_and_icepop_hand_computed():
     """ρ = e^1, e^0, e^−1 = 2.718, 1, 0.368: TIS in [0, 2] -> 2, 1, 0.368; IcePop in [0.5, 2]
     keeps only the middle one."""
-    kwargs = {"pg_loss": torch.ones(3), "train_log_probs": [torch.tensor([1.0, 0.0]),
-                                                             torch.tensor([-1.0])],
-              "rollout_log_probs": [torch.zeros(2), torch.zeros(1)], "loss_masks": None}
+    kwargs = {
+        "pg_loss": torch.ones(3),
+        "train_log_probs": [torch.tensor([1.0, 0.0]), torch.tensor([-1.0])],
+        "rollout_log_probs": [torch.zeros(2), torch.zeros(1)],
+        "loss_masks": None,
+    }
     w, _, m = standins.vanilla_tis_function(Namespace(tis_clip=2.0, tis_clip_low=0.0), **kwargs)
     assert w.tolist() == pytest.approx([2.0, 1.0, math.exp(-1)], rel=1e-6)
     assert m["tis_clipfrac"].tolist() == [1.0, 0.0, 0.0]

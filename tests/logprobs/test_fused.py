@@ -63,8 +63,9 @@ def test_float32_accuracy_large_vocab(scale, offset):
     logits, target, _, grads = _data((48,), 3001, scale=scale, seed=1)
     logits = logits + offset
     _check_against_reference(logits, target, grads)
-    _check_against_reference(logits, target, grads, temperature=0.5,
-                             keep_mask=torch.rand(logits.shape) < 0.3)
+    _check_against_reference(
+        logits, target, grads, temperature=0.5, keep_mask=torch.rand(logits.shape) < 0.3
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -187,8 +188,9 @@ def test_extreme_logits_are_finite():
             exact = forward_backward(reference, (logits.double(), target), grads, **kw)
             for k, what in enumerate(["logp", "entropy", "grad"]):
                 assert torch.isfinite(fast[k]).all(), (name, what)
-                torch.testing.assert_close(fast[k].double(), exact[k], rtol=1e-5, atol=1e-4,
-                                           msg=f"{name} {what}")
+                torch.testing.assert_close(
+                    fast[k].double(), exact[k], rtol=1e-5, atol=1e-4, msg=f"{name} {what}"
+                )
     lp, ent = logprobs_and_entropy(torch.full((2, v), 3.0), target[:2])
     torch.testing.assert_close(lp, torch.full((2,), -math.log(v)))
     torch.testing.assert_close(ent, torch.full((2,), math.log(v)))
@@ -278,8 +280,11 @@ def test_with_entropy_overloads():
         assert returns[bool, t] == tuple[tensor, maybe, tensor]
         assert returns[bool, bool] == tuple[tensor, maybe] | tuple[tensor, maybe, tensor]
         x = torch.zeros(2, 3)
-        args = (x, torch.zeros(2, dtype=torch.long)) if fn is logprobs_and_entropy else (
-            x, torch.zeros(4, 3), torch.zeros(2, dtype=torch.long))
+        args = (
+            (x, torch.zeros(2, dtype=torch.long))
+            if fn is logprobs_and_entropy
+            else (x, torch.zeros(4, 3), torch.zeros(2, dtype=torch.long))
+        )
         assert fn(*args, with_entropy=False)[1] is None
         assert isinstance(fn(*args)[1], torch.Tensor)
         assert len(fn(*args)) == 2

@@ -133,8 +133,9 @@ def test_backward_with_graph_equals_the_fused_backward(dtype):
         for create_graph in (False, True):
             x = logits.clone().requires_grad_()
             logp, ent = logprobs_and_entropy(x, target, **kw)
-            (g,) = torch.autograd.grad((logp, ent), x, [t.to(logp.dtype) for t in grads],
-                                       create_graph=create_graph)
+            (g,) = torch.autograd.grad(
+                (logp, ent), x, [t.to(logp.dtype) for t in grads], create_graph=create_graph
+            )
             assert g.dtype == dtype and g.requires_grad == create_graph
             got.append(g.detach())
         tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]

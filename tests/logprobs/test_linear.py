@@ -26,8 +26,7 @@ def _data(n, v, h, *, seed=0, dtype=torch.float32):
 def _as_accurate(fast, ref32, exact):
     """Values within 2x, gradients within 3x the float32 reference's own error."""
     for k, name in enumerate(NAMES):
-        assert_as_accurate(fast[k], ref32[k], exact[k], FACTOR_FWD if k < 2 else FACTOR_GRAD,
-                           name)
+        assert_as_accurate(fast[k], ref32[k], exact[k], FACTOR_FWD if k < 2 else FACTOR_GRAD, name)
 
 
 def _fn(**kw):
@@ -39,11 +38,13 @@ def _fn(**kw):
 def test_matches_reference(chunk_size, temperature):
     hidden, weight, target, grads = _data(39, 97, 16)
     with nan_filled_empty():
-        fast = forward_backward(_fn(temperature=temperature, chunk_size=chunk_size),
-                                (hidden, weight, target), grads)
+        fast = forward_backward(
+            _fn(temperature=temperature, chunk_size=chunk_size), (hidden, weight, target), grads
+        )
     ref32 = forward_backward(reference, (hidden, weight, target), grads, temperature=temperature)
-    exact = forward_backward(reference, (hidden.double(), weight.double(), target), grads,
-                             temperature=temperature)
+    exact = forward_backward(
+        reference, (hidden.double(), weight.double(), target), grads, temperature=temperature
+    )
     _as_accurate(fast, ref32, exact)
 
 
@@ -53,7 +54,8 @@ def test_equals_fused_on_materialised_logits():
     fast = forward_backward(_fn(chunk_size=6), (hidden, weight, target), grads)
     two_step = forward_backward(
         lambda h, w, y: logprobs_and_entropy(h @ w.T, y, chunk_size=6),
-        (hidden, weight, target), grads,
+        (hidden, weight, target),
+        grads,
     )
     for a, b, name in zip(fast, two_step, NAMES, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
@@ -79,8 +81,11 @@ def test_bfloat16():
 
 def test_leading_dims_and_empty():
     hidden, weight, target, grads = _data(12, 9, 4, seed=3)
-    a = forward_backward(_fn(chunk_size=5), (hidden.view(3, 4, 4), weight, target.view(3, 4)),
-                         [g.view(3, 4) for g in grads])
+    a = forward_backward(
+        _fn(chunk_size=5),
+        (hidden.view(3, 4, 4), weight, target.view(3, 4)),
+        [g.view(3, 4) for g in grads],
+    )
     b = forward_backward(_fn(chunk_size=5), (hidden, weight, target), grads)
     for x, y in zip(a, b, strict=True):
         torch.testing.assert_close(x.reshape(y.shape), y, rtol=0, atol=0)
@@ -94,8 +99,9 @@ def test_leading_dims_and_empty():
 def test_without_entropy_and_one_input_grad():
     hidden, weight, target, grads = _data(10, 13, 4, seed=4)
     full = forward_backward(_fn(), (hidden, weight, target), [grads[0], None])
-    lp, ent, gh, gw = forward_backward(_fn(with_entropy=False), (hidden, weight, target),
-                                       [grads[0], None])
+    lp, ent, gh, gw = forward_backward(
+        _fn(with_entropy=False), (hidden, weight, target), [grads[0], None]
+    )
     assert ent is None
     for a, b in zip((lp, gh, gw), (full[0], full[2], full[3]), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -120,22 +126,33 @@ BAD = [
     ({"target": torch.tensor([[0, 1]])}, ValueError, "target must have shape"),
     ({"temperature": 0}, ValueError, "temperature must be"),
     ({"chunk_size": 0}, ValueError, "chunk_size must be >= 1"),
-    ({"keep_mask": torch.ones(2, 4, dtype=torch.bool)}, ValueError,
-     r"keep_mask must have shape \[..., V_local\] like hidden @ weight.T \[2, 5\]"),
+    (
+        {"keep_mask": torch.ones(2, 4, dtype=torch.bool)},
+        ValueError,
+        r"keep_mask must have shape \[..., V_local\] like hidden @ weight.T \[2, 5\]",
+    ),
     ({"keep_mask": torch.ones(2, 5)}, TypeError, "keep_mask must be a bool tensor"),
-    ({"keep_mask": torch.ones(2, 5, dtype=torch.bool), "top_p": 0.5}, ValueError,
-     "keep_mask and top_k / top_p / min_p are exclusive"),
+    (
+        {"keep_mask": torch.ones(2, 5, dtype=torch.bool), "top_p": 0.5},
+        ValueError,
+        "keep_mask and top_k / top_p / min_p are exclusive",
+    ),
     ({"entropy_grad": 1}, TypeError, "entropy_grad must be a bool"),
 ]
 
 
 @pytest.mark.parametrize("change,error,match", BAD)
 def test_bad_inputs(change, error, match):
-    args = {"hidden": torch.zeros(2, 4), "weight": torch.zeros(5, 4),
-            "target": torch.tensor([0, 4]), **change}
+    args = {
+        "hidden": torch.zeros(2, 4),
+        "weight": torch.zeros(5, 4),
+        "target": torch.tensor([0, 4]),
+        **change,
+    }
     with pytest.raises(error, match=match):
-        linear_logprobs_and_entropy(args.pop("hidden"), args.pop("weight"), args.pop("target"),
-                                    **args)
+        linear_logprobs_and_entropy(
+            args.pop("hidden"), args.pop("weight"), args.pop("target"), **args
+        )
 
 
 def _keep(n, v, target, seed):
@@ -151,11 +168,13 @@ def test_keep_mask_matches_the_definition(chunk_size):
     from the mask chunk by chunk: as the reference on materialised logits, in float64 too."""
     hidden, weight, target, grads = _data(41, 53, 8, seed=7)
     keep = _keep(41, 53, target, 8)
-    fast = forward_backward(_fn(keep_mask=keep, chunk_size=chunk_size),
-                            (hidden, weight, target), grads)
+    fast = forward_backward(
+        _fn(keep_mask=keep, chunk_size=chunk_size), (hidden, weight, target), grads
+    )
     ref32 = forward_backward(reference, (hidden, weight, target), grads, keep_mask=keep)
-    exact = forward_backward(reference, (hidden.double(), weight.double(), target), grads,
-                             keep_mask=keep)
+    exact = forward_backward(
+        reference, (hidden.double(), weight.double(), target), grads, keep_mask=keep
+    )
     _as_accurate(fast, ref32, exact)
     # hand-checked rows: only the target kept -> log-prob 0
     assert (fast[0][: 41 // 4] == 0).all()

@@ -124,7 +124,8 @@ def test_gradgradcheck():
     hidden, weight, bias, target, _ = _data(4, 11, 3, seed=3, dtype=torch.float64)
     leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
     assert torch.autograd.gradgradcheck(
-        lambda h, w, b: linear_logprobs_and_entropy(h, w, target, bias=b, chunk_size=3), leaves,
+        lambda h, w, b: linear_logprobs_and_entropy(h, w, target, bias=b, chunk_size=3),
+        leaves,
         fast_mode=True,
     )
 

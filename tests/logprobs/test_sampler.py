@@ -140,8 +140,15 @@ CASES = {
 @pytest.mark.parametrize("chunk_size", [1, 7, None])
 def test_matches_reference(case, temperature, over_support, chunk_size):
     logits, target, grads = _data((3, 13), 97)
-    _check(logits, target, grads, **CASES[case], temperature=temperature,
-           entropy_over_support=over_support, chunk_size=chunk_size)
+    _check(
+        logits,
+        target,
+        grads,
+        **CASES[case],
+        temperature=temperature,
+        entropy_over_support=over_support,
+        chunk_size=chunk_size,
+    )
 
 
 @pytest.mark.parametrize("over_support", [False, True])
@@ -153,10 +160,22 @@ def test_per_token_parameters(over_support):
     top_p[0, :3] = 1.0
     min_p = torch.rand(4, 10, generator=gen) * 0.05
     min_p[1] = 0.0
-    for kw in ({"top_k": top_k}, {"top_p": top_p}, {"min_p": min_p},
-               {"top_k": top_k, "top_p": top_p, "min_p": min_p}, {"top_k": 7, "top_p": top_p}):
-        _check(logits, target, grads, **kw, temperature=0.9, chunk_size=6,
-               entropy_over_support=over_support)
+    for kw in (
+        {"top_k": top_k},
+        {"top_p": top_p},
+        {"min_p": min_p},
+        {"top_k": top_k, "top_p": top_p, "min_p": min_p},
+        {"top_k": 7, "top_p": top_p},
+    ):
+        _check(
+            logits,
+            target,
+            grads,
+            **kw,
+            temperature=0.9,
+            chunk_size=6,
+            entropy_over_support=over_support,
+        )
 
 
 def test_ties_keep_every_tied_logit():
@@ -170,8 +189,9 @@ def test_ties_keep_every_tied_logit():
     p = float(w[0]) + 1e-3
     assert support_row(z[0].tolist(), top_p=p) == [True, False, True, True, False, True, False]
     for kw in ({"top_k": 2}, {"top_p": p}, {"top_k": 3, "top_p": 0.99}):
-        sup = _support.support_chunk(z, *_support.Sampler(
-            kw.get("top_k"), kw.get("top_p"), None).rows(0, 1))
+        sup = _support.support_chunk(
+            z, *_support.Sampler(kw.get("top_k"), kw.get("top_p"), None).rows(0, 1)
+        )
         assert torch.equal(sup, reference_support(z, **kw))
         lp, _ = logprobs_and_entropy(z, y, **kw)
         kept = z[0][reference_support(z, **kw)[0]]
@@ -228,12 +248,15 @@ def test_half_inputs(dtype):
     logits = logits.to(dtype)
     kw = {"top_k": 40, "top_p": 0.85, "temperature": 0.8}
     support = reference_support(logits, 0.8, top_k=40, top_p=0.85)
-    fast = forward_backward(lambda x, y: logprobs_and_entropy(x, y, **kw, chunk_size=4),
-                            (logits, target), grads)
-    ref32 = forward_backward(lambda x, y: reference(x, y, support, temperature=0.8),
-                             (logits.float(), target), grads)
-    exact = forward_backward(lambda x, y: reference(x, y, support, temperature=0.8),
-                             (logits.double(), target), grads)
+    fast = forward_backward(
+        lambda x, y: logprobs_and_entropy(x, y, **kw, chunk_size=4), (logits, target), grads
+    )
+    ref32 = forward_backward(
+        lambda x, y: reference(x, y, support, temperature=0.8), (logits.float(), target), grads
+    )
+    exact = forward_backward(
+        lambda x, y: reference(x, y, support, temperature=0.8), (logits.double(), target), grads
+    )
     assert fast[0].dtype == fast[1].dtype == torch.float32 and fast[2].dtype == dtype
     assert_as_accurate(fast[0], ref32[0], exact[0], FACTOR_FWD, "logp")
     assert_as_accurate(fast[1], ref32[1], exact[1], FACTOR_FWD, "entropy")
@@ -245,10 +268,14 @@ def test_same_as_the_replayed_keep_mask():
     logits, target, grads = _data((30,), 64, seed=6)
     kw = {"top_k": 12, "top_p": 0.75, "temperature": 0.6}
     support = _support.support_chunk(logits / 0.6, 12, 0.75, None)
-    a = forward_backward(lambda x, y: logprobs_and_entropy(x, y, **kw, chunk_size=7),
-                         (logits, target), grads)
-    b = forward_backward(lambda x, y: logprobs_and_entropy(
-        x, y, temperature=0.6, keep_mask=support, chunk_size=7), (logits, target), grads)
+    a = forward_backward(
+        lambda x, y: logprobs_and_entropy(x, y, **kw, chunk_size=7), (logits, target), grads
+    )
+    b = forward_backward(
+        lambda x, y: logprobs_and_entropy(x, y, temperature=0.6, keep_mask=support, chunk_size=7),
+        (logits, target),
+        grads,
+    )
     for u, w in zip(a, b, strict=True):
         torch.testing.assert_close(u, w, rtol=0, atol=0)
 
@@ -264,8 +291,14 @@ def test_chunk_sizes_agree_and_the_support_is_per_chunk(monkeypatch):
 
     monkeypatch.setattr(_support, "threshold_chunk", spy)
     kw = {"top_k": 9, "top_p": 0.8}
-    runs = [forward_backward(lambda x, y, c=c: logprobs_and_entropy(x, y, **kw, chunk_size=c),
-                             (logits, target), grads) for c in (1, 7, 64)]
+    runs = [
+        forward_backward(
+            lambda x, y, c=c: logprobs_and_entropy(x, y, **kw, chunk_size=c),
+            (logits, target),
+            grads,
+        )
+        for c in (1, 7, 64)
+    ]
     for other in runs[1:]:
         for a, b in zip(runs[0], other, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -278,8 +311,12 @@ def test_gradcheck_float64():
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(6, 9, generator=gen, dtype=torch.float64, requires_grad=True)
     y = torch.randint(0, 9, (6,), generator=gen)
-    for kw in ({"top_k": 3}, {"top_p": 0.6, "entropy_over_support": True},
-               {"top_k": 5, "min_p": 0.05, "temperature": 0.7}):
+    for kw in (
+        {"top_k": 3},
+        {"top_p": 0.6, "entropy_over_support": True},
+        {"top_k": 5, "min_p": 0.05, "temperature": 0.7},
+    ):
+
         def fn(t, kw=kw):
             return logprobs_and_entropy(t, y, **kw, chunk_size=4)
 
@@ -290,17 +327,19 @@ def test_gradcheck_float64():
 def test_without_entropy_and_entropy_grad_off():
     logits, target, grads = _data((9,), 21, seed=9)
     kw = {"top_k": 6, "top_p": 0.9}
-    full = forward_backward(lambda x, y: logprobs_and_entropy(x, y, **kw), (logits, target),
-                            [grads[0], None])
+    full = forward_backward(
+        lambda x, y: logprobs_and_entropy(x, y, **kw), (logits, target), [grads[0], None]
+    )
     lp, ent, g = forward_backward(
-        lambda x, y: logprobs_and_entropy(x, y, **kw, with_entropy=False), (logits, target),
-        [grads[0], None])
+        lambda x, y: logprobs_and_entropy(x, y, **kw, with_entropy=False),
+        (logits, target),
+        [grads[0], None],
+    )
     assert ent is None
     torch.testing.assert_close(lp, full[0], rtol=0, atol=0)
     torch.testing.assert_close(g, full[2], rtol=0, atol=0)
     x = logits.clone().requires_grad_()
-    lp, ent = logprobs_and_entropy(x, target, **kw, entropy_grad=False,
-                                   entropy_over_support=True)
+    lp, ent = logprobs_and_entropy(x, target, **kw, entropy_grad=False, entropy_over_support=True)
     assert lp.requires_grad and not ent.requires_grad
 
 
@@ -322,8 +361,10 @@ def test_linear_matches_reference(kw, over_support):
     weight = torch.randn(v, h, generator=gen) * 0.7
     target = torch.randint(0, v, (n,), generator=gen)
     grads = [torch.randn(n, generator=gen), torch.randn(n, generator=gen)]
-    per_token = {"top_k": torch.randint(1, 100, (n,), generator=gen),
-                 "top_p": torch.rand(n, generator=gen) * 0.9 + 0.05}
+    per_token = {
+        "top_k": torch.randint(1, 100, (n,), generator=gen),
+        "top_p": torch.rand(n, generator=gen) * 0.9 + 0.05,
+    }
     kw = {k: (per_token[k] if val == "t" else val) for k, val in kw.items()}
     tau = kw.get("temperature", 1.0)
     sampler = {k: kw[k] for k in SAMPLER_KEYS if k in kw}
@@ -336,8 +377,11 @@ def test_linear_matches_reference(kw, over_support):
     with nan_filled_empty():
         fast = forward_backward(
             lambda x, w, y: linear_logprobs_and_entropy(
-                x, w, y, **kw, entropy_over_support=over_support, chunk_size=10),
-            (hidden, weight, target), grads)
+                x, w, y, **kw, entropy_over_support=over_support, chunk_size=10
+            ),
+            (hidden, weight, target),
+            grads,
+        )
     ref32 = forward_backward(ref, (hidden, weight, target), grads)
     exact = forward_backward(ref, (hidden.double(), weight.double(), target), grads)
     for k, what in enumerate(["logp", "entropy", "grad hidden", "grad weight"]):
@@ -352,6 +396,7 @@ def test_linear_gradcheck_float64():
     w = torch.randn(9, 4, generator=gen, dtype=torch.float64, requires_grad=True)
     y = torch.randint(0, 9, (5,), generator=gen)
     for kw in ({"top_k": 3}, {"top_p": 0.6, "entropy_over_support": True}):
+
         def fn(a, b, kw=kw):
             return linear_logprobs_and_entropy(a, b, y, **kw, chunk_size=2)
 
@@ -391,8 +436,11 @@ BAD = [
     ({"min_p": torch.tensor([0.1, 2.0])}, ValueError, r"min_p must lie in \[0, 1\]"),
     ({"entropy_over_support": True}, ValueError, "entropy_over_support=True needs top_k"),
     ({"entropy_over_support": 1, "top_k": 2}, TypeError, "entropy_over_support must be a bool"),
-    ({"top_k": 2, "keep_mask": torch.ones(2, 5, dtype=torch.bool)}, ValueError,
-     "keep_mask and top_k / top_p / min_p are exclusive"),
+    (
+        {"top_k": 2, "keep_mask": torch.ones(2, 5, dtype=torch.bool)},
+        ValueError,
+        "keep_mask and top_k / top_p / min_p are exclusive",
+    ),
     ({"top_k": torch.tensor([2, 2], device="meta")}, ValueError, "top_k is on meta"),
 ]
 
@@ -409,10 +457,14 @@ def test_meta_tensors_no_host_sync(monkeypatch):
     monkeypatch.delenv("RLOPS_CHECK_VALUES", raising=False)
     n, v = (3, 8), 37
     for dtype in (torch.float32, torch.bfloat16):
-        for kw in ({"top_k": 5}, {"top_p": 0.7, "entropy_over_support": True},
-                   {"top_k": "t", "top_p": "t", "min_p": "t", "temperature": 0.7}):
+        for kw in (
+            {"top_k": 5},
+            {"top_p": 0.7, "entropy_over_support": True},
+            {"top_k": "t", "top_p": "t", "min_p": "t", "temperature": 0.7},
+        ):
             outs = []
             for device in ("cpu", "meta"):
+
                 def per_token(name, device=device):
                     if name == "top_k":
                         return torch.full(n, 4, dtype=torch.long, device=device)
@@ -425,20 +477,26 @@ def test_meta_tensors_no_host_sync(monkeypatch):
                 (lp.sum() + ent.sum()).backward()
                 h = torch.zeros(n[0] * n[1], 6, dtype=dtype, device=device, requires_grad=True)
                 w = torch.zeros(v, 6, dtype=dtype, device=device, requires_grad=True)
-                flat = {k: (a.reshape(-1) if isinstance(a, torch.Tensor) else a)
-                        for k, a in args.items()}
+                flat = {
+                    k: (a.reshape(-1) if isinstance(a, torch.Tensor) else a)
+                    for k, a in args.items()
+                }
                 lp2, ent2 = linear_logprobs_and_entropy(h, w, y.reshape(-1), **flat, chunk_size=5)
                 (lp2.sum() + ent2.sum()).backward()
-                outs.append([(t.shape, t.dtype) for t in (lp, ent, x.grad, lp2, ent2, h.grad,
-                                                          w.grad)])
+                outs.append(
+                    [(t.shape, t.dtype) for t in (lp, ent, x.grad, lp2, ent2, h.grad, w.grad)]
+                )
             assert outs[0] == outs[1]
 
 
 def test_saved_state_is_per_token():
     """Only per-token numbers are saved besides the inputs (the threshold among them)."""
     logits, target, _ = _data((40,), 100, seed=14)
-    for kw, count in (({"top_k": 5}, 6), ({"top_p": 0.5, "entropy_over_support": True}, 4),
-                      ({"top_k": 5, "with_entropy": False}, 3)):
+    for kw, count in (
+        ({"top_k": 5}, 6),
+        ({"top_p": 0.5, "entropy_over_support": True}, 4),
+        ({"top_k": 5, "with_entropy": False}, 3),
+    ):
         x = logits.clone().requires_grad_()
         inputs = {x.data_ptr(), target.data_ptr()}
         sizes = []
@@ -459,8 +517,12 @@ TP_CASES = {
     "top_k": {"top_k": 5},
     "top_k top_p": {"top_k": 7, "top_p": 0.8, "temperature": 0.7, "chunk_size": 5},
     "min_p": {"min_p": 0.05, "chunk_size": 4},
-    "all, per token, over support": {"top_k": 10, "top_p": "t", "min_p": 0.01,
-                                     "entropy_over_support": True},
+    "all, per token, over support": {
+        "top_k": 10,
+        "top_p": "t",
+        "min_p": 0.01,
+        "entropy_over_support": True,
+    },
     "ties": {"top_k": 4, "top_p": 0.6, "ints": True},
     "k > V_local": {"top_k": 30, "top_p": 0.95},
 }
@@ -511,8 +573,12 @@ def _tensor_parallel_sampler(rank, world):
                                                **kw)  # fmt: skip
         with count_collectives() as bwd:
             torch.autograd.backward([lp, ent], grads)
-        out[name] = {"outs": (lp.detach(), ent.detach(), sq), "grad": x.grad,
-                     "fwd": sum(dict(fwd).values()), "bwd": sum(dict(bwd).values())}
+        out[name] = {
+            "outs": (lp.detach(), ent.detach(), sq),
+            "grad": x.grad,
+            "fwd": sum(dict(fwd).values()),
+            "bwd": sum(dict(bwd).values()),
+        }
     hidden, weight, bias, target, grads, kw = _tp_linear()
     w = weight[cols].clone().requires_grad_()
     b = bias[cols].clone().requires_grad_()
@@ -528,15 +594,19 @@ def _tensor_parallel_sampler(rank, world):
     with count_collectives() as fwd:
         lp, ent = logprobs_and_entropy(xs, target, group=group, **kw)
     torch.autograd.backward([lp, ent], grads)
-    out["unchecked"] = {"outs": (lp.detach(), ent.detach()), "grad": xs.grad,
-                        "fwd": sum(dict(fwd).values())}
+    out["unchecked"] = {
+        "outs": (lp.detach(), ent.detach()),
+        "grad": xs.grad,
+        "fwd": sum(dict(fwd).values()),
+    }
     del os.environ["RLOPS_TP_CHECK"]
     out["per-token top_k"] = logprobs_and_entropy(  # all tied: top-k = 1 keeps them all
-        x, y, group=group, top_k=torch.ones(3, dtype=torch.long))[0]
-    out["top_p on rank 1"] = _raised(lambda: logprobs_and_entropy(
-        x, y, group=group, **({"top_p": 0.5} if rank else {})))
-    out["top_k differs"] = _raised(lambda: logprobs_and_entropy(
-        x, y, group=group, top_k=4 + rank))
+        x, y, group=group, top_k=torch.ones(3, dtype=torch.long)
+    )[0]
+    out["top_p on rank 1"] = _raised(
+        lambda: logprobs_and_entropy(x, y, group=group, **({"top_p": 0.5} if rank else {}))
+    )
+    out["top_k differs"] = _raised(lambda: logprobs_and_entropy(x, y, group=group, top_k=4 + rank))
     return out
 
 
@@ -568,22 +638,26 @@ def test_tensor_parallel_matches_one_process():
         cols = slice(sum(TP_SIZES[:r]), sum(TP_SIZES[: r + 1]))
         for a, b in zip(rank_res["linear"]["outs"], full[:2], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(rank_res["linear"]["grad"], full[3][cols],
-                                   rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(rank_res["linear"]["grad bias"], full[4][cols],
-                                   rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(
+            rank_res["linear"]["grad"], full[3][cols], rtol=1e-12, atol=1e-12
+        )
+        torch.testing.assert_close(
+            rank_res["linear"]["grad bias"], full[4][cols], rtol=1e-12, atol=1e-12
+        )
     logits, target, grads, kw = _tp_case("top_k top_p")
     full = forward_backward(lambda x, y: logprobs_and_entropy(x, y, **kw), (logits, target), grads)
     for r, rank_res in enumerate(res):
         got, half = rank_res["unchecked"], TP_V // len(res)
         for a, b in zip(got["outs"], full[:2], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(got["grad"], full[2][:, r * half : (r + 1) * half],
-                                   rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(
+            got["grad"], full[2][:, r * half : (r + 1) * half], rtol=1e-12, atol=1e-12
+        )
         assert got["fwd"] == 2
     for r in res:
-        torch.testing.assert_close(r["per-token top_k"], torch.full((3,), -math.log(TP_V)),
-                                   check_dtype=False)
+        torch.testing.assert_close(
+            r["per-token top_k"], torch.full((3,), -math.log(TP_V)), check_dtype=False
+        )
         assert r["top_k differs"][0] == "ValueError"
         assert "`top_k`: [4, 5]" in r["top_k differs"][1]
         # top_p without top_k is supported: only rank 1 giving it is a mismatch of the check
@@ -623,8 +697,11 @@ def test_vocab_layout_leaves_the_callers_sampler_as_it_is():
     assert (capped.top_k, capped.top_p, capped.min_p) == (10, 0.9, None)
     assert (sampler.top_k, sampler.top_p, sampler.min_p) == (100, 0.9, None)
     per_token = _support.Sampler(torch.tensor([3, 200]), None, None)
-    assert _engine.vocab_layout(
-        None, target, per_token, group=None, rank=0, world=1, v_local=10
-    )[1] is per_token
+    assert (
+        _engine.vocab_layout(None, target, per_token, group=None, rank=0, world=1, v_local=10)[1]
+        is per_token
+    )
     assert _engine.vocab_layout(None, target, None, group=None, rank=0, world=1, v_local=10) == (
-        0, None)
+        0,
+        None,
+    )

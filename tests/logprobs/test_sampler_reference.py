@@ -127,8 +127,11 @@ def test_logits_op_matches_reference(n, case, dtype):
 
     with nan_filled_empty():
         fast = forward_backward(fast_fn, (logits, target), grads)
-    assert fast[0].dtype == fast[1].dtype == (torch.float64 if dtype == torch.float64 else
-                                              torch.float32)
+    assert (
+        fast[0].dtype
+        == fast[1].dtype
+        == (torch.float64 if dtype == torch.float64 else torch.float32)
+    )
     assert fast[2].dtype == dtype
     whats = [("logp", FACTOR_FWD), ("entropy", FACTOR_FWD), ("grad", FACTOR_GRAD)]
     if dtype == torch.float64:
@@ -185,8 +188,12 @@ def test_linear_op_matches_reference(n, case, dtype):
 
     with nan_filled_empty():
         fast = forward_backward(fast_fn, (hidden, weight, target), grads)
-    whats = [("logp", FACTOR_FWD), ("entropy", FACTOR_FWD), ("grad hidden", FACTOR_GRAD),
-             ("grad weight", FACTOR_GRAD)]
+    whats = [
+        ("logp", FACTOR_FWD),
+        ("entropy", FACTOR_FWD),
+        ("grad hidden", FACTOR_GRAD),
+        ("grad weight", FACTOR_GRAD),
+    ]
     if dtype == torch.float64:
         ref64 = forward_backward(ref, (hidden, weight, target), grads)
         # the oracle on the float64 logits; the input gradients by the chain rule, in longdouble

@@ -90,8 +90,9 @@ PARAMS = [
 ]
 
 
-@pytest.mark.parametrize(("name", "v", "dtype"), PARAMS,
-                         ids=[f"{n}-{v}-{str(d)[6:]}" for n, v, d in PARAMS])
+@pytest.mark.parametrize(
+    ("name", "v", "dtype"), PARAMS, ids=[f"{n}-{v}-{str(d)[6:]}" for n, v, d in PARAMS]
+)
 def test_matches_the_definition(name, v, dtype):
     logits, target, gen = _data(ROWS, v, seed=v + len(name), dtype=dtype)
     kw = _keywords(name, logits, target, gen)
@@ -118,16 +119,23 @@ def test_matches_the_definition(name, v, dtype):
 def test_hand_computed():
     """Four equal logits: 1/4; one of them kept with the target: 1/2; logits (log 3, 0, −∞):
     π = (3/4, 1/4, 0), 9/16 + 1/16 = 5/8."""
-    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0],
-                           [float(np.log(3.0)), 0.0, float("-inf"), float("-inf")]])
+    logits = torch.tensor(
+        [
+            [0.0, 0.0, 0.0, 0.0],
+            [0.0, 0.0, 0.0, 0.0],
+            [float(np.log(3.0)), 0.0, float("-inf"), float("-inf")],
+        ]
+    )
     keep = torch.tensor([[True] * 4, [False, True, False, False], [True] * 4])
     sq = logprobs_and_entropy(logits, torch.tensor([0, 0, 1]), keep_mask=keep,
                               with_sum_pi_squared=True)[2]  # fmt: skip
     torch.testing.assert_close(sq, torch.tensor([0.25, 0.5, 0.625]))
 
 
-@pytest.mark.parametrize("kw", [{}, {"temperature": 0.6, "chunk_size": 4},
-                                {"keep": 0.4}, {"top_p": 0.7, "temperature": 1.4}])
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"temperature": 0.6, "chunk_size": 4}, {"keep": 0.4}, {"top_p": 0.7, "temperature": 1.4}],
+)
 def test_squared_norm_of_the_logprob_gradient(kw):
     """``‖∂logp/∂z‖² = ‖onehot − π‖² = 1 − 2π_y + Σπ²``, ``z = logits / τ``: the gradient of
     ``logp`` w.r.t. the logits, times τ, from the op's own backward (float64)."""
@@ -187,8 +195,13 @@ def test_large_logits_do_not_overflow():
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 6), v=st.integers(1, 70), scale=st.floats(0.0, 30.0),
-       keep_frac=st.sampled_from([None, 0.0, 0.3]), seed=st.integers(0, 2**16))
+@given(
+    n=st.integers(1, 6),
+    v=st.integers(1, 70),
+    scale=st.floats(0.0, 30.0),
+    keep_frac=st.sampled_from([None, 0.0, 0.3]),
+    seed=st.integers(0, 2**16),
+)
 def test_bounds(n, v, scale, keep_frac, seed):
     """For any distribution over ``K`` (``|K|`` tokens): ``1/|K| ≤ Σπ² ≤ 1`` (Cauchy-Schwarz),
     ``Σπ² ≥ π_y²`` and ``Σπ² ≥ max_v π_v²``."""

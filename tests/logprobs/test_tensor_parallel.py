@@ -46,10 +46,11 @@ CASES = {
     "entropy detached": (torch.float64, {"entropy_grad": False, "mask": True}),
     "float32": (torch.float32, {"temperature": 0.5, "chunk_size": 5}),
     "empty": (torch.float64, {"n": 0}),
-    "sum_pi_squared masked": (torch.float64, {"mask": True, "temperature": 1.3, "chunk_size": 5,
-                                              "with_sum_pi_squared": True}),
-    "sum_pi_squared float32": (torch.float32, {"with_sum_pi_squared": True,
-                                               "with_entropy": False}),
+    "sum_pi_squared masked": (
+        torch.float64,
+        {"mask": True, "temperature": 1.3, "chunk_size": 5, "with_sum_pi_squared": True},
+    ),
+    "sum_pi_squared float32": (torch.float32, {"with_sum_pi_squared": True, "with_entropy": False}),
 }
 LINEAR_CASES = {
     "linear": (torch.float64, {"temperature": 1.7, "chunk_size": 5}),
@@ -57,13 +58,21 @@ LINEAR_CASES = {
     "linear masked": (torch.float64, {"mask": True, "chunk_size": 6}),
     "linear entropy detached": (torch.float64, {"mask": True, "entropy_grad": False}),
     # "bias": the output layer's bias, split with the weight's rows
-    "linear bias": (torch.float64, {"bias": True, "with_sum_pi_squared": True,
-                                    "temperature": 1.7, "chunk_size": 5}),
+    "linear bias": (
+        torch.float64,
+        {"bias": True, "with_sum_pi_squared": True, "temperature": 1.7, "chunk_size": 5},
+    ),
     "linear bias masked": (torch.float64, {"bias": True, "mask": True, "chunk_size": 6}),
 }
 # Run again on shards of unequal size, and again with the check off (equal shards).
-UNEQUAL_CASES = ("masked", "no entropy", "linear", "linear masked", "sum_pi_squared masked",
-                 "linear bias")
+UNEQUAL_CASES = (
+    "masked",
+    "no entropy",
+    "linear",
+    "linear masked",
+    "sum_pi_squared masked",
+    "linear bias",
+)
 UNCHECKED_CASES = ("masked", "linear", "linear masked", "sum_pi_squared masked", "linear bias")
 
 
@@ -108,8 +117,9 @@ def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
 def _backward(outs, grads):
     """Upstream gradients into (logp, entropy); a third output (Σπ²) has no gradient."""
     assert len(outs) < 3 or not outs[2].requires_grad
-    pairs = [(o, g) for o, g in zip(outs[:2], grads, strict=True)
-             if o is not None and o.requires_grad]
+    pairs = [
+        (o, g) for o, g in zip(outs[:2], grads, strict=True) if o is not None and o.requires_grad
+    ]
     torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 
@@ -151,9 +161,14 @@ def _run_case(name: str, group, cols: slice) -> dict:
         )  # fmt: skip
         with count_collectives() as bwd_layer:
             _backward(outs_full, grads)
-        return {"outs": outs, "grads": [h.grad, w.grad, None if b is None else b.grad],
-                "fwd": dict(fwd), "bwd": dict(bwd), "bwd_layer": dict(bwd_layer),
-                "h_full": h_full.grad}
+        return {
+            "outs": outs,
+            "grads": [h.grad, w.grad, None if b is None else b.grad],
+            "fwd": dict(fwd),
+            "bwd": dict(bwd),
+            "bwd_layer": dict(bwd_layer),
+            "h_full": h_full.grad,
+        }
     logits, target, grads, kw = _case(name, *CASES[name])
     if "keep_mask" in kw:
         kw["keep_mask"] = kw["keep_mask"][:, cols]
@@ -190,8 +205,10 @@ def _mismatches(r: int) -> dict:
         "dtype": fused(x=x.float() if odd else x),
         "target ids": fused(t=other_target if odd else target),
         "operation": linear() if odd else fused(),
-        "hidden size": linear(h=torch.randn(N, H + odd, dtype=torch.float64),
-                              w=torch.randn(13, H + odd, dtype=torch.float64)),
+        "hidden size": linear(
+            h=torch.randn(N, H + odd, dtype=torch.float64),
+            w=torch.randn(13, H + odd, dtype=torch.float64),
+        ),
         "linear with_entropy": linear(with_entropy=not odd),
         "with_sum_pi_squared": fused(with_sum_pi_squared=odd),
         "bias given": linear(b=torch.zeros(13, dtype=torch.float64) if odd else None),
@@ -232,12 +249,15 @@ def _run_tp(group, r: int, tp: int) -> dict:
         return {name: _run_case(name, group, _columns(r, sizes)) for name in names}
 
     with _tp_check("1"):
-        res = {"checked": _attempt(lambda: run((*CASES, *LINEAR_CASES), equal)),
-               "unequal": _attempt(lambda: run(UNEQUAL_CASES, UNEQUAL[tp])),
-               "mismatch": {name: _raised(lambda fn=fn: fn(group))
-                            for name, fn in _mismatches(r).items()},
-               "double backward": _double_backward(group, _columns(r, equal)),
-               "after": _attempt(lambda: run(("plain",), equal))}  # still in step
+        res = {
+            "checked": _attempt(lambda: run((*CASES, *LINEAR_CASES), equal)),
+            "unequal": _attempt(lambda: run(UNEQUAL_CASES, UNEQUAL[tp])),
+            "mismatch": {
+                name: _raised(lambda fn=fn: fn(group)) for name, fn in _mismatches(r).items()
+            },
+            "double backward": _double_backward(group, _columns(r, equal)),
+            "after": _attempt(lambda: run(("plain",), equal)),
+        }  # still in step
     with _tp_check("0"):
         res["unchecked"] = _attempt(lambda: run(UNCHECKED_CASES, equal))
     return res
@@ -283,13 +303,17 @@ def _close(a, b, msg):
     if a is None or b is None:
         assert a is None and b is None, msg
         return
-    torch.testing.assert_close(a.detach(), b.detach(), msg=msg,
-                               **({"rtol": 1e-12, "atol": 1e-12} if a.dtype == torch.float64
-                                  else {}))
+    torch.testing.assert_close(
+        a.detach(),
+        b.detach(),
+        msg=msg,
+        **({"rtol": 1e-12, "atol": 1e-12} if a.dtype == torch.float64 else {}),
+    )
 
 
-def _check_values(results: list[dict], tp: int, part: str, sizes: tuple[int, ...],
-                  expected: dict, n_forward: int) -> None:
+def _check_values(
+    results: list[dict], tp: int, part: str, sizes: tuple[int, ...], expected: dict, n_forward: int
+) -> None:
     for rank, per_tp in enumerate(results):
         res, r = per_tp[tp][part], rank % tp
         assert "failed" not in res, f"{part} tp={tp} rank={rank}:\n{res.get('failed')}"
@@ -334,16 +358,21 @@ def test_shards_of_unequal_size(results, expected, tp):
 
 def _expected_mismatch(name: str, tp: int, r: int) -> tuple[str, str]:
     """(exception type, a regex of its message) on group rank ``r`` for :func:`_mismatches`."""
+
     def per_rank(usual, odd):
         return re.escape(str([odd if q == 1 else usual for q in range(tp)]))
 
     if name.startswith("bad "):
         arg = name[4:]
         if r == 1:
-            return ("TypeError" if arg in ("temperature", "hidden") else "ValueError",
-                    f"^{arg} must ")
-        return "ValueError", (r"^the ranks of a process group disagree on `argument rejected "
-                              rf"by the rank's own checks`: {per_rank(None, arg)}")
+            return (
+                "TypeError" if arg in ("temperature", "hidden") else "ValueError",
+                f"^{arg} must ",
+            )
+        return "ValueError", (
+            r"^the ranks of a process group disagree on `argument rejected "
+            rf"by the rank's own checks`: {per_rank(None, arg)}"
+        )
     field, values = {
         "tokens": ("tokens", per_rank(N, N - 1)),
         "with_entropy": ("with_entropy", per_rank(True, False)),
@@ -352,8 +381,7 @@ def _expected_mismatch(name: str, tp: int, r: int) -> tuple[str, str]:
         "temperature": ("temperature", per_rank(1.0, 1.5)),
         "dtype": ("dtype", per_rank(torch.float64, torch.float32)),
         "target ids": (r"target ids \(position-weighted checksum\)", r"\["),
-        "operation": ("function", per_rank("logprobs_and_entropy",
-                                           "linear_logprobs_and_entropy")),
+        "operation": ("function", per_rank("logprobs_and_entropy", "linear_logprobs_and_entropy")),
         "hidden size": ("hidden size", per_rank(H, H + 1)),
         "linear with_entropy": ("with_entropy", per_rank(True, False)),
         "with_sum_pi_squared": ("with_sum_pi_squared", per_rank(False, True)),

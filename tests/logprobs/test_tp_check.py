@@ -102,8 +102,9 @@ def _worker(rank: int, world: int) -> dict:
     x = logits[:, cols].contiguous()
     res: dict = {"mismatch": {}, "same": {}}
     for name, kw in _mismatches(rank).items():
-        res["mismatch"][name] = _raised(lambda kw=kw: logprobs_and_entropy(
-            x, target, group=group, **kw))
+        res["mismatch"][name] = _raised(
+            lambda kw=kw: logprobs_and_entropy(x, target, group=group, **kw)
+        )
     # Matching per-token calls: the check changes no bit and adds exactly one collective.
     gen = torch.Generator().manual_seed(3)
     hidden = torch.randn(N, H, generator=gen, dtype=torch.float64)
@@ -112,19 +113,28 @@ def _worker(rank: int, world: int) -> dict:
         "top_k": ({"top_k": per_token["top_k"]}, None),
         "top_p": ({"top_p": per_token["top_p"]}, None),
         "all three": (per_token, None),
-        "all three, float32": ({k: v.float() if v.is_floating_point() else v
-                                for k, v in per_token.items()}, None),
-        "linear, top_p and min_p": ({"top_p": per_token["top_p"],
-                                     "min_p": per_token["min_p"]}, weight[cols]),
+        "all three, float32": (
+            {k: v.float() if v.is_floating_point() else v for k, v in per_token.items()},
+            None,
+        ),
+        "linear, top_p and min_p": (
+            {"top_p": per_token["top_p"], "min_p": per_token["min_p"]},
+            weight[cols],
+        ),
     }
     equal = slice(rank * V // 2, (rank + 1) * V // 2)  # equal shards for the unchecked runs
     for name, (kw, w) in calls.items():
         xx = hidden if w is not None else (x.float() if "float32" in name else x)
-        xe = hidden if w is not None else (
-            logits[:, equal].float() if "float32" in name else logits[:, equal])
+        xe = (
+            hidden
+            if w is not None
+            else (logits[:, equal].float() if "float32" in name else logits[:, equal])
+        )
         we = None if w is None else weight[equal]
-        got = {"checked": _forward(xx, target, group, kw, w),
-               "checked, equal shards": _forward(xe, target, group, kw, we)}
+        got = {
+            "checked": _forward(xx, target, group, kw, w),
+            "checked, equal shards": _forward(xe, target, group, kw, we),
+        }
         with _env(RLOPS_TP_CHECK="0"):
             got["RLOPS_TP_CHECK=0"] = _forward(xe, target, group, kw, we)
         with _env(RLOPS_GROUP_CHECK="0"):
@@ -132,8 +142,11 @@ def _worker(rank: int, world: int) -> dict:
         res["same"][name] = got
     # Off, a mismatch is not seen: every rank returns (the wrong answer the check prevents).
     with _env(RLOPS_TP_CHECK="0"):
-        res["unchecked mismatch"] = _raised(lambda: logprobs_and_entropy(
-            logits[:, equal], target, group=group, **_mismatches(rank)["top_p per token"]))
+        res["unchecked mismatch"] = _raised(
+            lambda: logprobs_and_entropy(
+                logits[:, equal], target, group=group, **_mismatches(rank)["top_p per token"]
+            )
+        )
     res["after"] = _forward(x, target, group, {"top_p": per_token["top_p"]})[1]
     return res
 
@@ -175,19 +188,24 @@ def test_matching_per_token_calls_change_no_bit_and_count_collectives(results):
             outs, n = got["checked"]  # unequal shards: the same numbers, to rounding
             assert n == n_c, (rank, name)
             for a, b in zip(outs, outs_c, strict=True):
-                torch.testing.assert_close(a, b, rtol=1e-12 if a.dtype == torch.float64
-                                           else 1e-5, atol=1e-12 if a.dtype == torch.float64
-                                           else 1e-5)
+                torch.testing.assert_close(
+                    a,
+                    b,
+                    rtol=1e-12 if a.dtype == torch.float64 else 1e-5,
+                    atol=1e-12 if a.dtype == torch.float64 else 1e-5,
+                )
         assert res["unchecked mismatch"] is None
         assert res["after"] == results[0]["same"]["top_p"]["checked"][1]  # still in step
 
 
 def test_checksum_is_exact_and_sees_one_position():
     gen = torch.Generator().manual_seed(0)
-    for t in (torch.rand(1000, generator=gen, dtype=torch.float64),
-              torch.rand(129, generator=gen).float(),
-              torch.rand(127, generator=gen).bfloat16(),
-              torch.randint(1, 10**9, (128,), generator=gen)):
+    for t in (
+        torch.rand(1000, generator=gen, dtype=torch.float64),
+        torch.rand(129, generator=gen).float(),
+        torch.rand(127, generator=gen).bfloat16(),
+        torch.randint(1, 10**9, (128,), generator=gen),
+    ):
         c = _tp.checksum(t)
         assert c.dim() == 0 and c.dtype == torch.int64
         # the definition: Σ (2i + 1)·bits[i] modulo 2**64, in Python integers

@@ -287,8 +287,11 @@ SQUARE_PARAMS = [
 ]
 
 
-@pytest.mark.parametrize(("case", "v", "dtype"), SQUARE_PARAMS,
-                         ids=[f"{c}-{v}-{str(d)[6:]}" for c, v, d in SQUARE_PARAMS])
+@pytest.mark.parametrize(
+    ("case", "v", "dtype"),
+    SQUARE_PARAMS,
+    ids=[f"{c}-{v}-{str(d)[6:]}" for c, v, d in SQUARE_PARAMS],
+)
 def test_sum_pi_squared(case, v, dtype):
     """``Σπ²`` of the log-prob's distribution from the kernel's float64 sums, against the
     definition (float64 reference, longdouble for float64 logits) by the same-dtype

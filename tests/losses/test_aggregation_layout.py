@@ -45,8 +45,13 @@ def make_batch(dtype, seed=0):
     logp = old + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)
     adv = torch.randn(B, T, generator=gen, dtype=torch.float64)
     weights = 0.5 + torch.rand(B, T, generator=gen, dtype=torch.float64)
-    return {"logp": logp.to(dtype), "old": old.to(dtype), "adv": adv.to(dtype),
-            "weights": weights.to(dtype), "mask": mask}
+    return {
+        "logp": logp.to(dtype),
+        "old": old.to(dtype),
+        "adv": adv.to(dtype),
+        "weights": weights.to(dtype),
+        "mask": mask,
+    }
 
 
 def global_counts(mask):
@@ -60,8 +65,15 @@ def call(kind, mode, batch, rows, logp, with_metrics=False, **norm):
     """The policy loss of ``rows`` of ``batch`` (``logp``: the full leaf, sliced)."""
     r = slice(*rows)
     loss, metrics = rlops.policy_loss(
-        logp[r], batch["old"][r], batch["adv"][r], batch["mask"][r], kind=kind, agg=mode,
-        rollout_is_weights=batch["weights"][r], **norm)
+        logp[r],
+        batch["old"][r],
+        batch["adv"][r],
+        batch["mask"][r],
+        kind=kind,
+        agg=mode,
+        rollout_is_weights=batch["weights"][r],
+        **norm,
+    )
     return (loss, metrics) if with_metrics else loss
 
 
@@ -70,7 +82,8 @@ def full_batch(kind, mode, batch):
     loss = call(kind, mode, batch, (0, B), logp)
     (grad,) = torch.autograd.grad(loss, logp)
     abs_loss = rlops.aggregate_loss(
-        call(kind, None, batch, (0, B), batch["logp"]).abs(), batch["mask"], mode)
+        call(kind, None, batch, (0, B), batch["logp"]).abs(), batch["mask"], mode
+    )
     return loss.detach(), grad, abs_loss
 
 
@@ -94,8 +107,10 @@ def test_micro_batches_sum_to_the_full_batch(kind, mode, dtype):
     tokens, seqs = global_counts(batch["mask"])
     cuts = [0, 1, 4, 5, 8, 10]  # a micro-batch holding only the empty row 0; uneven sizes
     logp = batch["logp"].clone().requires_grad_(True)
-    total = sum(call(kind, mode, batch, rows, logp, num_tokens=tokens, num_seqs=seqs)
-                for rows in itertools.pairwise(cuts))
+    total = sum(
+        call(kind, mode, batch, rows, logp, num_tokens=tokens, num_seqs=seqs)
+        for rows in itertools.pairwise(cuts)
+    )
     total.backward()  # each micro-batch's gradient accumulates into its rows of logp
     assert_same(kind, mode, total.detach(), logp.grad, batch, len(cuts) - 1)
 
@@ -113,8 +128,9 @@ def test_value_loss_and_aggregate_loss_micro_batches_sum(mode):
     total = 0
     for a, b in itertools.pairwise(cuts):
         norm = {"num_tokens": tokens, "num_seqs": torch.tensor(seqs)}  # a count may be a tensor
-        lv, _ = rlops.value_loss(v2[a:b], batch["old"][a:b], batch["adv"][a:b], m[a:b],
-                                 clip=0.2, agg=mode, **norm)
+        lv, _ = rlops.value_loss(
+            v2[a:b], batch["old"][a:b], batch["adv"][a:b], m[a:b], clip=0.2, agg=mode, **norm
+        )
         total = total + lv + rlops.aggregate_loss(v2[a:b], m[a:b], mode, **norm)
     (g_split,) = torch.autograd.grad(total, v2)
     eps = torch.finfo(torch.float64).eps
@@ -127,7 +143,8 @@ def test_without_normaliser_each_call_is_its_own_mean():
     m, x = batch["mask"], batch["adv"]
     part = rlops.aggregate_loss(x[4:], m[4:])
     by_hand = sum(float(x[i, j]) for i in range(4, B) for j in range(T) if m[i, j]) / float(
-        m[4:].sum())
+        m[4:].sum()
+    )
     assert abs(float(part) - by_hand) <= 1e-15 * T * B
 
 
@@ -163,8 +180,15 @@ def _rank_work(rank, world_size, batch):
             for mode in AGG_MODES:
                 v = batch["logp"].clone().requires_grad_(True)
                 with count_collectives() as calls:
-                    vl, vm = rlops.value_loss(v[a:b], batch["old"][a:b], batch["adv"][a:b],
-                                              m[a:b], clip=0.2, agg=mode, group=dist.group.WORLD)
+                    vl, vm = rlops.value_loss(
+                        v[a:b],
+                        batch["old"][a:b],
+                        batch["adv"][a:b],
+                        m[a:b],
+                        clip=0.2,
+                        agg=mode,
+                        group=dist.group.WORLD,
+                    )
                     al = rlops.aggregate_loss(v[a:b], m[a:b], mode, group=dist.group.WORLD)
                 (vl + al).backward()
                 out[split, "value+aggregate", mode] = (vl + al, v.grad, dict(calls), vm)

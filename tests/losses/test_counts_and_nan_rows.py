@@ -59,8 +59,18 @@ def test_zero_count_without_action_tokens_is_a_zero_loss_with_zero_gradient(mode
 
 # --------------------------------------------------------------------------- bad counts
 @pytest.mark.parametrize("mode", COUNTED)
-@pytest.mark.parametrize("bad", [-1, -0.5, math.nan, math.inf, torch.tensor(-3),
-                                 torch.tensor(math.nan), torch.tensor(-math.inf, dtype=F64)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        -1,
+        -0.5,
+        math.nan,
+        math.inf,
+        torch.tensor(-3),
+        torch.tensor(math.nan),
+        torch.tensor(-math.inf, dtype=F64),
+    ],
+)
 def test_negative_nan_or_infinite_count_raises_naming_it(mode, bad):
     for call in _calls(X, MASK, mode, bad):
         with pytest.raises(ValueError, match=_name(mode)):
@@ -103,11 +113,11 @@ def test_counts_that_are_not_read_give_a_non_finite_loss_not_a_rescaled_one(monk
 def test_nan_action_token_does_not_fill_mask_0_entries(kind):
     # The row's sequence ratio is NaN; the mask-0 entry stays 0 (as ppo's), the other row is
     # untouched, and no gradient reaches a mask-0 entry.
-    logp = torch.tensor([[math.nan, -1.0, -1.0], [-0.5, -0.2, -3.0]], dtype=F64,
-                        requires_grad=True)
+    logp = torch.tensor([[math.nan, -1.0, -1.0], [-0.5, -0.2, -3.0]], dtype=F64, requires_grad=True)
     mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
-    loss, _ = policy_loss(logp, torch.zeros(2, 3, dtype=F64), torch.ones(2, 3, dtype=F64), mask,
-                          kind=kind, agg=None)
+    loss, _ = policy_loss(
+        logp, torch.zeros(2, 3, dtype=F64), torch.ones(2, 3, dtype=F64), mask, kind=kind, agg=None
+    )
     assert loss[0, 2] == 0 and loss[1, 2] == 0
     assert torch.isfinite(loss[1]).all()
     loss.sum().backward()
@@ -115,8 +125,14 @@ def test_nan_action_token_does_not_fill_mask_0_entries(kind):
 
 
 def test_nan_action_token_reproducer_of_gspo():
-    loss, _ = policy_loss(torch.tensor([[math.nan, -1.0, -1.0]]), torch.zeros(1, 3),
-                          torch.ones(1, 3), torch.tensor([[1, 1, 0]]), kind="gspo", agg=None)
+    loss, _ = policy_loss(
+        torch.tensor([[math.nan, -1.0, -1.0]]),
+        torch.zeros(1, 3),
+        torch.ones(1, 3),
+        torch.tensor([[1, 1, 0]]),
+        kind="gspo",
+        agg=None,
+    )
     assert loss[0, 2] == 0
 
 
@@ -127,8 +143,9 @@ def test_mask_mode_drops_a_nan_log_weight(level):
     old = torch.tensor([[math.nan, -1.0, -1.0], [-1.0, -1.2, -0.9]], dtype=F64)
     rollout = torch.full((2, 3), -1.0, dtype=F64)
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    w, keep, _ = rlops.rollout_importance_weights(old, rollout, mask, level=level, mode="mask",
-                                                  threshold=2.0, low=0.5)
+    w, keep, _ = rlops.rollout_importance_weights(
+        old, rollout, mask, level=level, mode="mask", threshold=2.0, low=0.5
+    )
     assert not w.isnan().any()
     dropped = [[True, False, False]] if level == "token" else [[True, True, True]]
     assert torch.equal(keep[0], ~torch.tensor(dropped[0]))

@@ -20,8 +20,9 @@ NAN, INF = float("nan"), float("inf")
 def hand_case():
     """Row 0: four tokens summing to 5; row 1: tokens 3 and 7 (NaN, inf padding between);
     row 2: no action token. N = 6 tokens, S = 2 rows, T = 4."""
-    h = torch.tensor([[0.5, 1.0, 1.5, 2.0], [3.0, NAN, INF, 7.0], [2.0, 2.0, 2.0, 2.0]],
-                     dtype=torch.float64)
+    h = torch.tensor(
+        [[0.5, 1.0, 1.5, 2.0], [3.0, NAN, INF, 7.0], [2.0, 2.0, 2.0, 2.0]], dtype=torch.float64
+    )
     m = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 1], [0, 0, 0, 0]])
     return h, m
 
@@ -127,8 +128,9 @@ def test_micro_batches_with_global_counts_sum_to_the_full_batch(mode):
     parts, metric, grads = 0, 0, []
     for a, b in ((0, 2), (2, 3), (3, 9)):
         hp = h.detach()[a:b].clone().requires_grad_(True)
-        loss, metrics = entropy_loss(hp, m[a:b], agg=mode, coef=0.05, num_tokens=n_tokens,
-                                     num_seqs=n_seqs)
+        loss, metrics = entropy_loss(
+            hp, m[a:b], agg=mode, coef=0.05, num_tokens=n_tokens, num_seqs=n_seqs
+        )
         parts, metric = parts + loss, metric + metrics["entropy"]
         grads.append(torch.autograd.grad(loss, hp)[0])
     torch.testing.assert_close(parts, full, rtol=1e-14, atol=0)
@@ -141,8 +143,9 @@ def _rank_work(rank, world_size, h, m):
     out = {}
     for mode in AGG_MODES:
         with count_collectives() as calls:
-            loss, metrics = entropy_loss(h[rows], m[rows], agg=mode, coef=0.2,
-                                         group=dist.group.WORLD)
+            loss, metrics = entropy_loss(
+                h[rows], m[rows], agg=mode, coef=0.2, group=dist.group.WORLD
+            )
         out[mode] = (loss, metrics["entropy"], sum(calls.values()))
     return out
 
@@ -156,8 +159,9 @@ def test_group_shares_sum_to_the_full_batch():
     for mode in AGG_MODES:
         full, metrics = entropy_loss(h, m, agg=mode, coef=0.2)
         torch.testing.assert_close(sum(r[mode][0] for r in ranks), full, rtol=1e-14, atol=0)
-        torch.testing.assert_close(sum(r[mode][1] for r in ranks), metrics["entropy"],
-                                   rtol=1e-14, atol=0)
+        torch.testing.assert_close(
+            sum(r[mode][1] for r in ranks), metrics["entropy"], rtol=1e-14, atol=0
+        )
         # one collective (token-sum needs no count, but its call is checked all the same)
         assert all(r[mode][2] == 1 for r in ranks)
 

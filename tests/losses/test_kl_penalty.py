@@ -128,8 +128,9 @@ def test_low_var_kl_gradient_in_and_out_of_saturation(dtype):
     (g,) = torch.autograd.grad(out.sum(), lp)
     want = [math.log(2) - 0.5, math.e - 2, 10, 10, 10, 10]
     torch.testing.assert_close(out.double(), torch.tensor(want, dtype=torch.float64))
-    torch.testing.assert_close(g.double(), torch.tensor([0.5, 1 - math.e, 0, 0, 0, 0],
-                                                        dtype=torch.float64))
+    torch.testing.assert_close(
+        g.double(), torch.tensor([0.5, 1 - math.e, 0, 0, 0, 0], dtype=torch.float64)
+    )
     assert (g.double() * d >= 0).all()  # never directed away from the reference
 
 

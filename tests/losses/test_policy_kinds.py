@@ -26,8 +26,13 @@ OPTIONS = {
     "gspo": {"clip_low": 3e-4, "clip_high": 4e-4},
     "cispo": {"clip_low": 0.2, "clip_high": 0.5},
     "sapo": {"tau_pos": 1.0, "tau_neg": 1.05},
-    "clip_cov": {"clip_low": 0.2, "clip_high": 0.28, "clip_cov_ratio": 0.05, "clip_cov_lb": 0.1,
-                 "clip_cov_ub": 2.0},
+    "clip_cov": {
+        "clip_low": 0.2,
+        "clip_high": 0.28,
+        "clip_cov_ratio": 0.05,
+        "clip_cov_lb": 0.1,
+        "clip_cov_ub": 2.0,
+    },
     "kl_cov": {"kl_cov_ratio": 0.1, "ppo_kl_coef": 0.7},
     "geo_mean": {"clip_low": 0.3, "clip_high": 0.4},
 }
@@ -107,9 +112,11 @@ def ref_token_losses(kind, logp, old, adv, mask, opts, num, chosen=None):
             elif kind == "kl_cov":
                 quota = max(int(opts["kl_cov_ratio"] * len(acts)), 1)
                 top = sorted(acts, key=lambda q: (-cov[q], q))[:quota]
-                loss = -a[k] * ratio[k] + (c(opts["ppo_kl_coef"]) * abs(d[k]) if k in top
-                                           else num.zero)
+                loss = -a[k] * ratio[k] + (
+                    c(opts["ppo_kl_coef"]) * abs(d[k]) if k in top else num.zero
+                )
             elif kind == "geo_mean":  # R_i = (Π_t clipped r_t)^(1/|y_i|)
+
                 def clipped_log(q):
                     if a[q] > 0:
                         return min(d[q], c(high))
@@ -147,8 +154,11 @@ def run(kind, logp, old, adv, mask, agg="token-mean", **kw):
 def chosen_by_clip_cov(logp, old, adv, mask):
     """The tokens clip_cov zeroed (same generator seed as :func:`run`)."""
     mat, _ = run("clip_cov", logp, old, adv, mask, agg=None)
-    ppo = as_tensor(ref_token_losses("ppo", logp, old, adv, mask,
-                                     {**OPTIONS["clip_cov"], "dual_clip": math.inf}, Exact))
+    ppo = as_tensor(
+        ref_token_losses(
+            "ppo", logp, old, adv, mask, {**OPTIONS["clip_cov"], "dual_clip": math.inf}, Exact
+        )
+    )
     return {tuple(k) for k in ((mat == 0) & (ppo != 0) & mask.bool()).nonzero().tolist()}
 
 
@@ -162,12 +172,21 @@ HAND = {  # 2x3 inputs below; worked in the comments of test_hand_computed_value
     "sapo": [[-2.105074084571, 1.516795332859, -4.0], [3.809523809524, -1.173166679407, 0.0]],
     "clip_cov": [[-1.105170918076, 0.8, 0.0], [2.0, -0.6, 0.0]],
     "kl_cov": [[-1.005170918076, 0.6065306597126, -2.0], [2.0, -0.674929403788, 0.0]],
-    "geo_mean": [[-0.904837418036, 0.904837418036, -1.809674836072],
-                 [2.323668485457, -0.5809171213641, 0.0]],
+    "geo_mean": [
+        [-0.904837418036, 0.904837418036, -1.809674836072],
+        [2.323668485457, -0.5809171213641, 0.0],
+    ],
 }
 HAND_OPTIONS = {
-    "ppo": {}, "reinforce": {}, "gpg": {}, "gspo": {}, "cispo": {}, "sapo": {}, "geo_mean": {},
-    "clip_cov": {"clip_cov_lb": 0.5, "clip_cov_ub": 1.0}, "kl_cov": {"kl_cov_ratio": 0.6},
+    "ppo": {},
+    "reinforce": {},
+    "gpg": {},
+    "gspo": {},
+    "cispo": {},
+    "sapo": {},
+    "geo_mean": {},
+    "clip_cov": {"clip_cov_lb": 0.5, "clip_cov_ub": 1.0},
+    "kl_cov": {"kl_cov_ratio": 0.6},
 }
 
 
@@ -191,14 +210,17 @@ def test_hand_computed_values():
     adv = torch.tensor([[1.0, -1.0, 2.0], [-2.0, 0.5, 1.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     for kind in KINDS:
-        mat, metrics = rlops.policy_loss(logp, old, adv, mask, kind=kind, agg=None,
-                                         **HAND_OPTIONS[kind])
+        mat, metrics = rlops.policy_loss(
+            logp, old, adv, mask, kind=kind, agg=None, **HAND_OPTIONS[kind]
+        )
         # pinned to 13 significant digits: 1e-12 relative covers their rounding
-        torch.testing.assert_close(mat, torch.tensor(HAND[kind], dtype=torch.float64),
-                                   rtol=1e-12, atol=1e-12, msg=kind)
+        torch.testing.assert_close(
+            mat, torch.tensor(HAND[kind], dtype=torch.float64), rtol=1e-12, atol=1e-12, msg=kind
+        )
         torch.testing.assert_close(metrics["ppo_kl"], torch.tensor(0.1 / 5, dtype=torch.float64))
-    _, m = rlops.policy_loss(logp, old, adv, mask, kind="clip_cov", clip_cov_lb=0.5,
-                             clip_cov_ub=1.0)
+    _, m = rlops.policy_loss(
+        logp, old, adv, mask, kind="clip_cov", clip_cov_lb=0.5, clip_cov_ub=1.0
+    )
     assert m["clip_cov_frac"] == 0.2 and m["pg_clipfrac"] == 0.4
     _, m = rlops.policy_loss(logp, old, adv, mask, kind="kl_cov", kl_cov_ratio=0.6)
     assert m["kl_cov_frac"] == 0.6
@@ -222,16 +244,22 @@ def test_kind_matches_its_formula(kind, dtype):
     mat, metrics = run(kind, logp, old, adv, mask, agg=None)
     exact = as_tensor(ref_token_losses(kind, logp, old, adv, mask, OPTIONS[kind], Exact, chosen))
     same = as_tensor(
-        ref_token_losses(kind, logp, old, adv, mask, OPTIONS[kind], Same(acc), chosen), acc)
+        ref_token_losses(kind, logp, old, adv, mask, OPTIONS[kind], Same(acc), chosen), acc
+    )
     assert mat.dtype == acc and mat.shape == logp.shape
     assert_within_ref_error(mat, exact, same)
     for mode in ("token-mean", "seq-mean-token-mean"):
         loss, _ = run(kind, logp, old, adv, mask, agg=mode)
-        ex = ref_aggregate([[mpmath.mpf(float(v)) for v in row] for row in exact.tolist()],
-                           mask, mode)
+        ex = ref_aggregate(
+            [[mpmath.mpf(float(v)) for v in row] for row in exact.tolist()], mask, mode
+        )
         scale = ref_aggregate(exact.abs(), mask, mode)
-        assert_within_ref_error(loss, torch.tensor(float(ex), dtype=torch.float64),
-                                ref_aggregate(same, mask, mode), scale)
+        assert_within_ref_error(
+            loss,
+            torch.tensor(float(ex), dtype=torch.float64),
+            ref_aggregate(same, mask, mode),
+            scale,
+        )
     for name, value in metrics.items():
         assert value.shape == () and value.dtype == acc and not value.requires_grad, name
         assert torch.isfinite(value), name
@@ -256,8 +284,9 @@ def test_metrics_of_each_kind():
     _, m = run("gspo", logp, old, adv, mask)
     rows = [i for i in range(mask.shape[0]) if keep[i].any()]
     s = [math.exp(float(d[i][keep[i]].mean())) for i in rows]
-    torch.testing.assert_close(m["seq_ratio_mean"], torch.tensor(sum(s) / len(s),
-                                                                 dtype=torch.float64))
+    torch.testing.assert_close(
+        m["seq_ratio_mean"], torch.tensor(sum(s) / len(s), dtype=torch.float64)
+    )
     for kind in ("reinforce", "sapo", "kl_cov"):
         _, m = run(kind, logp, old, adv, mask)
         assert m["pg_clipfrac"] == 0 and m["pg_clipfrac_lower"] == 0
@@ -280,6 +309,7 @@ def analytic_grad(kind, logp, old, adv, mask, opts, chosen=None):
             elif kind == "cispo":
                 g[i, j] = -clip(r, 1 - low, 1 + high) * a
             elif kind == "geo_mean":  # ∂/∂lr_t of sg(R_i)·exp(l_t − sg l_t): R_i, 0 if clipped
+
                 def cl(q, i=i, low=low, high=high):
                     dq, aq = float(logp[i, q] - old[i, q]), float(adv[i, q])
                     return min(dq, high) if aq > 0 else max(dq, -low) if aq < 0 else 0.0
@@ -293,8 +323,9 @@ def analytic_grad(kind, logp, old, adv, mask, opts, chosen=None):
 @pytest.mark.parametrize("kind", ["gspo", "cispo", "geo_mean"])
 def test_stop_gradient_forms_have_the_formulas_gradient(kind):
     logp, old, adv, mask = make_inputs(torch.float64, 7, b=5, t=33, spread=0.5)
-    w = 0.5 + torch.rand(logp.shape, generator=torch.Generator().manual_seed(1),
-                         dtype=torch.float64)
+    w = 0.5 + torch.rand(
+        logp.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64
+    )
     lp = logp.clone().requires_grad_(True)
     mat, _ = run(kind, lp, old, adv, mask, agg=None, rollout_is_weights=w)
     (g,) = torch.autograd.grad(mat.sum(), lp)
@@ -312,11 +343,14 @@ def test_gspo_is_gspo_at_the_sequence_level():
     adv = adv[:, :1].expand_as(adv).contiguous()
     keep = mask.bool()
     rows = keep.any(-1)
-    for kind, opts in (("gspo", {"clip_low": 0.01, "clip_high": 0.012}),
-                       ("geo_mean", {"clip_low": 0.02, "clip_high": 0.03})):
+    for kind, opts in (
+        ("gspo", {"clip_low": 0.01, "clip_high": 0.012}),
+        ("geo_mean", {"clip_low": 0.02, "clip_high": 0.03}),
+    ):
         lp = logp.clone().requires_grad_(True)
-        loss, _ = rlops.policy_loss(lp, old, adv, mask, kind=kind, agg="seq-mean-token-mean",
-                                    **opts)
+        loss, _ = rlops.policy_loss(
+            lp, old, adv, mask, kind=kind, agg="seq-mean-token-mean", **opts
+        )
         (g,) = torch.autograd.grad(loss, lp)
         lp2 = logp.clone().requires_grad_(True)
         lr = torch.where(keep, lp2 - old, 0)
@@ -326,8 +360,9 @@ def test_gspo_is_gspo_at_the_sequence_level():
             s = torch.exp(lr.sum(-1) / n)
             seq = torch.max(-a * s, -a * s.clamp(1 - opts["clip_low"], 1 + opts["clip_high"]))
         else:
-            lr_c = torch.where(a[:, None] > 0, lr.clamp_max(opts["clip_high"]),
-                               lr.clamp_min(-opts["clip_low"]))
+            lr_c = torch.where(
+                a[:, None] > 0, lr.clamp_max(opts["clip_high"]), lr.clamp_min(-opts["clip_low"])
+            )
             seq = -a * torch.exp(torch.where(keep, lr_c, 0).sum(-1) / n)
         (g_ref,) = torch.autograd.grad(seq[rows].mean(), lp2)
         torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=1e-15)
@@ -352,8 +387,9 @@ def test_gspo_with_one_token_per_row_is_token_level_ppo():
         outs = []
         for kind in ("gspo", "ppo"):
             lp = logp.clone().requires_grad_(True)
-            mat, m = rlops.policy_loss(lp, old, adv, mask, kind=kind, clip_low=low,
-                                       clip_high=high, agg=None)
+            mat, m = rlops.policy_loss(
+                lp, old, adv, mask, kind=kind, clip_low=low, clip_high=high, agg=None
+            )
             outs.append((mat, torch.autograd.grad(mat.sum(), lp)[0], m["pg_clipfrac"]))
         for x, y in zip(*outs, strict=True):
             torch.testing.assert_close(x, y, rtol=0, atol=0)
@@ -366,9 +402,11 @@ def test_cispo_with_infinite_clip_is_reinforce_weighted_by_the_ratio():
     logp, old, adv, mask = make_inputs(torch.float64, 13, spread=0.8)
     ratio = torch.exp(logp - old)
     grads = []
-    for kind, kw in (("cispo", {"clip_low": math.inf, "clip_high": math.inf}),
-                     ("reinforce", {"rollout_is_weights": ratio}),
-                     ("ppo", {"clip_low": math.inf})):
+    for kind, kw in (
+        ("cispo", {"clip_low": math.inf, "clip_high": math.inf}),
+        ("reinforce", {"rollout_is_weights": ratio}),
+        ("ppo", {"clip_low": math.inf}),
+    ):
         lp = logp.clone().requires_grad_(True)
         loss, _ = rlops.policy_loss(lp, old, adv, mask, kind=kind, **kw)
         grads.append((loss, torch.autograd.grad(loss, lp)[0]))
@@ -382,8 +420,16 @@ def test_cispo_with_infinite_clip_is_reinforce_weighted_by_the_ratio():
 def test_geo_mean_with_one_token_per_row_is_ppo_with_log_space_clips():
     logp, old, adv, _ = make_inputs(torch.float64, 14, b=60, t=1, spread=0.4)
     mask = torch.ones(60, 1)
-    geo, _ = rlops.policy_loss(logp, old, adv, mask, kind="geo_mean", agg=None,
-                               clip_low=-math.log(1 - 0.2), clip_high=math.log(1 + 0.28))
+    geo, _ = rlops.policy_loss(
+        logp,
+        old,
+        adv,
+        mask,
+        kind="geo_mean",
+        agg=None,
+        clip_low=-math.log(1 - 0.2),
+        clip_high=math.log(1 + 0.28),
+    )
     ppo, _ = rlops.policy_loss(logp, old, adv, mask, agg=None, clip_low=0.2, clip_high=0.28)
     torch.testing.assert_close(geo, ppo, rtol=4 * torch.finfo(torch.float64).eps, atol=0)
 
@@ -394,8 +440,9 @@ def test_degenerate_options_reduce_to_simpler_kinds():
     kl0, _ = rlops.policy_loss(logp, old, adv, mask, kind="kl_cov", ppo_kl_coef=0.0, agg=None)
     torch.testing.assert_close(kl0, plain, rtol=0, atol=0)
     ppo, _ = rlops.policy_loss(logp, old, adv, mask, agg=None)
-    none, _ = rlops.policy_loss(logp, old, adv, mask, kind="clip_cov", clip_cov_lb=1e6,
-                                clip_cov_ub=1e7, agg=None)
+    none, _ = rlops.policy_loss(
+        logp, old, adv, mask, kind="clip_cov", clip_cov_lb=1e6, clip_cov_ub=1e7, agg=None
+    )
     torch.testing.assert_close(none, ppo, rtol=0, atol=0)
     gpg, _ = rlops.policy_loss(logp, old, adv, mask, kind="gpg", agg=None)
     rf, _ = rlops.policy_loss(logp, old, adv, mask, kind="reinforce", agg=None)
@@ -411,23 +458,30 @@ def test_degenerate_options_reduce_to_simpler_kinds():
 
 def test_clip_defaults_and_clip_high_following_clip_low():
     logp, old, adv, mask = make_inputs(torch.float64, 18, spread=0.3)
-    for kind, low, high in (("ppo", 0.2, 0.2), ("gspo", 3e-4, 4e-4), ("cispo", 0.2, 0.2),
-                            ("geo_mean", 0.4, 0.4)):
+    for kind, low, high in (
+        ("ppo", 0.2, 0.2),
+        ("gspo", 3e-4, 4e-4),
+        ("cispo", 0.2, 0.2),
+        ("geo_mean", 0.4, 0.4),
+    ):
         default, _ = rlops.policy_loss(logp, old, adv, mask, kind=kind, agg=None)
-        given, _ = rlops.policy_loss(logp, old, adv, mask, kind=kind, agg=None, clip_low=low,
-                                     clip_high=high)
+        given, _ = rlops.policy_loss(
+            logp, old, adv, mask, kind=kind, agg=None, clip_low=low, clip_high=high
+        )
         assert torch.equal(default, given), kind
         one, _ = rlops.policy_loss(logp, old, adv, mask, kind=kind, agg=None, clip_low=0.1)
-        both, _ = rlops.policy_loss(logp, old, adv, mask, kind=kind, agg=None, clip_low=0.1,
-                                    clip_high=0.1)
+        both, _ = rlops.policy_loss(
+            logp, old, adv, mask, kind=kind, agg=None, clip_low=0.1, clip_high=0.1
+        )
         assert torch.equal(one, both), kind
 
 
 def test_sapo_gate_has_ppos_gradient_at_ratio_one():
     adv = torch.tensor([[1.5, -2.0, 0.3]], dtype=torch.float64)
     logp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64, requires_grad=True)
-    loss, _ = rlops.policy_loss(logp, logp.detach(), adv, torch.ones(1, 3), kind="sapo",
-                                agg="token-sum")
+    loss, _ = rlops.policy_loss(
+        logp, logp.detach(), adv, torch.ones(1, 3), kind="sapo", agg="token-sum"
+    )
     (g,) = torch.autograd.grad(loss, logp)
     torch.testing.assert_close(g, -adv, rtol=2 * torch.finfo(torch.float64).eps, atol=0)
 
@@ -441,8 +495,9 @@ def test_clip_cov_draws_with_the_generator_uniformly():
 
     def draw(seed):
         gen = torch.Generator().manual_seed(seed)
-        mat, _ = rlops.policy_loss(logp, old, adv, mask, kind="clip_cov", agg=None,
-                                   generator=gen, **opts)
+        mat, _ = rlops.policy_loss(
+            logp, old, adv, mask, kind="clip_cov", agg=None, generator=gen, **opts
+        )
         return {k for k in cands if mat[k] == 0}
 
     assert draw(3) == draw(3)
@@ -463,14 +518,32 @@ def test_clip_cov_draws_with_the_generator_uniformly():
 @pytest.mark.parametrize("kind", KINDS)
 def test_extreme_inputs_are_finite(kind, dtype):
     """log-ratios ±50, an all-masked row, one-action rows, a 32K-token row of log-ratio 0.01."""
-    old = torch.tensor([[0.0, -50.0, -5.0, 0.0], [-50.0, 0.0, -3.0, -3.0], [-1, -1, -1, -1],
-                        [-2.0, -2.0, -2.0, -2.0]], dtype=dtype)
-    logp = torch.tensor([[-50.0, 0.0, -5.0, 0.0], [0.0, -50.0, -3.0, -3.0], [-1, -1, -1, -1],
-                         [-1.5, -2.0, -2.0, -2.0]], dtype=dtype)
-    adv = torch.tensor([[1.0, -1.0, 2.0, 2.0], [-3.0, 3.0, 2.0, 2.0], [1, 1, 1, 1],
-                        [-1.0, 0.0, 0.0, 0.0]], dtype=dtype)
-    masks = [torch.ones(4, 4), torch.tensor([[0, 0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0],
-                                             [1, 0, 0, 0]])]
+    old = torch.tensor(
+        [
+            [0.0, -50.0, -5.0, 0.0],
+            [-50.0, 0.0, -3.0, -3.0],
+            [-1, -1, -1, -1],
+            [-2.0, -2.0, -2.0, -2.0],
+        ],
+        dtype=dtype,
+    )
+    logp = torch.tensor(
+        [
+            [-50.0, 0.0, -5.0, 0.0],
+            [0.0, -50.0, -3.0, -3.0],
+            [-1, -1, -1, -1],
+            [-1.5, -2.0, -2.0, -2.0],
+        ],
+        dtype=dtype,
+    )
+    adv = torch.tensor(
+        [[1.0, -1.0, 2.0, 2.0], [-3.0, 3.0, 2.0, 2.0], [1, 1, 1, 1], [-1.0, 0.0, 0.0, 0.0]],
+        dtype=dtype,
+    )
+    masks = [
+        torch.ones(4, 4),
+        torch.tensor([[0, 0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]]),
+    ]
     for mask in masks:
         for mode in AGG_MODES:
             lp = logp.clone().requires_grad_(True)
@@ -508,6 +581,7 @@ def test_all_masked_batch_gives_zero_loss_and_gradient():
 @pytest.mark.parametrize("kind", KINDS)
 def test_meta_tensors_need_no_host_read(kind):
     """On meta tensors any host read raises: every kind, with weights, forward and backward."""
+
     def t(*shape, grad=False, dtype=torch.float32):
         return torch.empty(*shape, device="meta", dtype=dtype, requires_grad=grad)
 
@@ -515,16 +589,31 @@ def test_meta_tensors_need_no_host_read(kind):
     for dtype in (torch.float32, torch.bfloat16):
         lp = t(3, 7, grad=True, dtype=dtype)
         mask = torch.empty(3, 7, device="meta", dtype=torch.bool)
-        loss, metrics = rlops.policy_loss(lp, t(3, 7, dtype=dtype), t(3, 7), mask, kind=kind,
-                                          rollout_is_weights=t(3, 7), **opts)
+        loss, metrics = rlops.policy_loss(
+            lp, t(3, 7, dtype=dtype), t(3, 7), mask, kind=kind, rollout_is_weights=t(3, 7), **opts
+        )
         loss.backward()
         count = torch.empty((), device="meta")
         for mode in AGG_MODES:  # global counts as device tensors are not read either
-            rlops.policy_loss(lp, t(3, 7, dtype=dtype), t(3, 7), mask, kind=kind, agg=mode,
-                              num_tokens=count, num_seqs=count, **opts)[0].backward()
-        cpu, cpu_metrics = rlops.policy_loss(torch.zeros(3, 7, dtype=dtype), torch.zeros(3, 7),
-                                             torch.zeros(3, 7), torch.ones(3, 7), kind=kind,
-                                             **opts)
+            rlops.policy_loss(
+                lp,
+                t(3, 7, dtype=dtype),
+                t(3, 7),
+                mask,
+                kind=kind,
+                agg=mode,
+                num_tokens=count,
+                num_seqs=count,
+                **opts,
+            )[0].backward()
+        cpu, cpu_metrics = rlops.policy_loss(
+            torch.zeros(3, 7, dtype=dtype),
+            torch.zeros(3, 7),
+            torch.zeros(3, 7),
+            torch.ones(3, 7),
+            kind=kind,
+            **opts,
+        )
         assert loss.shape == cpu.shape and loss.dtype == cpu.dtype
         assert sorted(metrics) == sorted(cpu_metrics)
         assert lp.grad.shape == lp.shape

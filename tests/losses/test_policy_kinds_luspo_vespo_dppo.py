@@ -3,7 +3,8 @@ luspo, vespo, dppo_tv, dppo_kl and dro: each against a loop written from its pap
 (40-digit and same-dtype), against its peer's own code (TRL, Liger, AReaL, verl, Tinker: their
 tensor formulas written out below as their code computes them), and gradients (gradcheck where
 the loss's value carries its gradient, the formula's gradient for the stop-gradient forms).
-Their exactness under ``cp_group`` is in tests/distributed/test_cp_policy_kinds_luspo_vespo_dppo.py."""
+Their exactness under ``cp_group`` is in
+tests/distributed/test_cp_policy_kinds_luspo_vespo_dppo.py."""
 
 from __future__ import annotations
 
@@ -96,8 +97,9 @@ def definition(case, logp, old, adv, mask, num):
                 log_w = sum((clip(d[q], c(-20.0), c(20.0)) for q in row), num.zero)
                 log_w = clip(log_w, c(math.log(1e-8)), c(20.0))
                 w = num.exp(log_w)
-                k, lam = ((o["k_pos"], o["lambda_pos"]) if a[j] >= 0
-                          else (o["k_neg"], o["lambda_neg"]))
+                k, lam = (
+                    (o["k_pos"], o["lambda_pos"]) if a[j] >= 0 else (o["k_neg"], o["lambda_neg"])
+                )
                 phi = w ** c(k) * num.exp(c(lam) * (1 - w))
                 loss = -phi * a[j] * lp[j]
             elif kind in ("dppo_tv", "dppo_kl"):  # DPPO: a binary trust region on π vs π_old
@@ -108,8 +110,11 @@ def definition(case, logp, old, adv, mask, num):
                     keep = p - q >= -c(o["clip_low"])
                 else:
                     kl = q * num.log(q / p) + (1 - q) * num.log((1 - q) / (1 - p))
-                    keep = ((kl <= c(o["clip_high"])) | (p <= q) if a[j] > 0
-                            else (kl <= c(o["clip_low"])) | (p >= q))
+                    keep = (
+                        (kl <= c(o["clip_high"])) | (p <= q)
+                        if a[j] > 0
+                        else (kl <= c(o["clip_low"])) | (p >= q)
+                    )
                 r = num.exp(min(d[j], c(20.0)))
                 loss = -a[j] * min(r, c(o["clip_ratio_c"])) * lp[j] if keep else num.zero
             elif kind == "dro":  # DRO: −(A·log π − β/2·(log π − log π_old)²)
@@ -209,8 +214,9 @@ def test_hand_computed_values():
         "dppo_tv": (mat("dppo_tv", clip_low=0.2), [math.exp(0.2), 2 * math.exp(-0.1), 0.0]),
     }
     for kind, (got, exp) in want.items():
-        torch.testing.assert_close(got, torch.tensor([exp], dtype=F64), rtol=1e-12, atol=1e-12,
-                                   msg=kind)
+        torch.testing.assert_close(
+            got, torch.tensor([exp], dtype=F64), rtol=1e-12, atol=1e-12, msg=kind
+        )
 
 
 # --------------------------------------------------------------------------- against the peers
@@ -261,11 +267,27 @@ def test_trl_sequence_level_cispo_and_sapo(seed):
         return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
 
     a = adv.expand_as(logp)
-    _both(trl_cispo, lambda x: rlops.policy_loss(
-        x, old, a, mask, kind="cispo", level="sequence", clip_low=math.inf,
-        clip_high=eps_high - 1)[0], logp)
-    _both(trl_sapo, lambda x: rlops.policy_loss(
-        x, old, a, mask, kind="sapo", level="sequence", agg="seq-mean-token-mean")[0], logp)
+    _both(
+        trl_cispo,
+        lambda x: rlops.policy_loss(
+            x,
+            old,
+            a,
+            mask,
+            kind="cispo",
+            level="sequence",
+            clip_low=math.inf,
+            clip_high=eps_high - 1,
+        )[0],
+        logp,
+    )
+    _both(
+        trl_sapo,
+        lambda x: rlops.policy_loss(
+            x, old, a, mask, kind="sapo", level="sequence", agg="seq-mean-token-mean"
+        )[0],
+        logp,
+    )
 
 
 def test_areal_sequence_level_sapo_and_gspo_dual_clip():
@@ -280,13 +302,16 @@ def test_areal_sequence_level_sapo_and_gspo_dual_clip():
     def seq(x):
         lr = torch.where(keep, x - old, 0.0)
         ratio = torch.exp(lr.sum(1) / keep.sum(1).clamp(min=1)).unsqueeze(1).expand_as(x)
-        advs = (torch.where(keep, a, 0.0).sum(-1, keepdim=True) / keep.sum(-1, keepdim=True))
+        advs = torch.where(keep, a, 0.0).sum(-1, keepdim=True) / keep.sum(-1, keepdim=True)
         return torch.where(keep, ratio, 0.0), advs.expand_as(x)
 
     def areal_sapo(x):
         ratio, advs = seq(x)
-        gate = torch.where(advs > 0, torch.sigmoid(1.0 * (ratio - 1.0)) * 4.0,
-                           torch.sigmoid(1.05 * (ratio - 1.0)) * (4.0 / 1.05))
+        gate = torch.where(
+            advs > 0,
+            torch.sigmoid(1.0 * (ratio - 1.0)) * 4.0,
+            torch.sigmoid(1.05 * (ratio - 1.0)) * (4.0 / 1.05),
+        )
         return torch.where(keep, -gate * advs, 0).sum() / keep.count_nonzero()
 
     def areal_gspo(x):
@@ -295,10 +320,16 @@ def test_areal_sequence_level_sapo_and_gspo_dual_clip():
         loss = torch.min(loss, torch.sign(advs) * c * advs)
         return torch.where(keep, loss, 0).sum() / keep.count_nonzero()
 
-    _both(areal_sapo, lambda x: rlops.policy_loss(x, old, a, mask, kind="sapo",
-                                                  level="sequence")[0], logp)
-    _both(areal_gspo, lambda x: rlops.policy_loss(x, old, a, mask, kind="gspo", clip_low=eps,
-                                                  dual_clip=c)[0], logp)
+    _both(
+        areal_sapo,
+        lambda x: rlops.policy_loss(x, old, a, mask, kind="sapo", level="sequence")[0],
+        logp,
+    )
+    _both(
+        areal_gspo,
+        lambda x: rlops.policy_loss(x, old, a, mask, kind="gspo", clip_low=eps, dual_clip=c)[0],
+        logp,
+    )
     _, m = rlops.policy_loss(logp, old, a, mask, kind="gspo", clip_low=eps, dual_clip=c)
     assert m["pg_clipfrac_lower"] > 0  # the dual clip binds on some row
 
@@ -325,10 +356,20 @@ def test_trl_and_liger_luspo():
 
     a = adv.expand_as(logp)
     for peer in (trl_luspo, liger_luspo):
-        _both(peer, lambda x: rlops.policy_loss(x, old, a, mask, kind="luspo",
-                                                agg="seq-mean-token-mean")[0], logp)
-        _both(peer, lambda x: rlops.policy_loss(x, old, a, mask, kind="gspo", clip_low=lo,
-                                                clip_high=hi, agg="seq-mean-token-sum")[0], logp)
+        _both(
+            peer,
+            lambda x: rlops.policy_loss(x, old, a, mask, kind="luspo", agg="seq-mean-token-mean")[
+                0
+            ],
+            logp,
+        )
+        _both(
+            peer,
+            lambda x: rlops.policy_loss(
+                x, old, a, mask, kind="gspo", clip_low=lo, clip_high=hi, agg="seq-mean-token-sum"
+            )[0],
+            logp,
+        )
     _, m = rlops.policy_loss(logp, old, a, mask, kind="luspo")
     assert 0 < m["pg_clipfrac"] < 1
 
@@ -349,8 +390,7 @@ def test_trl_and_liger_vespo(spread):
             nonneg = adv >= 0
             k = torch.where(nonneg, 2.0, 3.0)
             lam = torch.where(nonneg, 3.0, 2.0).clamp(min=1e-4)
-            phi = torch.exp(lam + k * log_w - lam * w).nan_to_num(nan=0.0, posinf=0.0,
-                                                                  neginf=0.0)
+            phi = torch.exp(lam + k * log_w - lam * w).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
         return (-phi * adv * x * mask).sum() / mask.sum()
 
     a = adv.expand_as(logp)
@@ -371,7 +411,8 @@ def _verl_dppo(x, old, adv, mask, kind, low, high, c):
         neg = (prob - old_prob) >= -low
     else:
         binary_kl = old_prob * (old - x) + (1 - old_prob) * torch.log(
-            (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+            (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)
+        )
         pos = (binary_kl <= high) | (prob <= old_prob)
         neg = (binary_kl <= low) | (prob >= old_prob)
     valid = torch.where(adv > 0, pos, neg).detach().float()
@@ -389,12 +430,17 @@ def test_verl_dppo(kind):
     adv = torch.randn(6, 13, generator=g, dtype=F64)
     mask = (torch.rand(6, 13, generator=g) > 0.2).to(F64)
     low, high, c = (0.05, 0.04, 1.3) if kind == "dppo_tv" else (0.01, 0.008, 1.3)
-    _both(lambda x: _verl_dppo(x, old, adv, mask, kind, low, high, c)[0],
-          lambda x: rlops.policy_loss(x, old, adv, mask, kind=kind, clip_low=low,
-                                      clip_high=high, clip_ratio_c=c)[0], logp)
+    _both(
+        lambda x: _verl_dppo(x, old, adv, mask, kind, low, high, c)[0],
+        lambda x: rlops.policy_loss(
+            x, old, adv, mask, kind=kind, clip_low=low, clip_high=high, clip_ratio_c=c
+        )[0],
+        logp,
+    )
     _, frac, lower = _verl_dppo(logp, old, adv, mask, kind, low, high, c)
-    _, m = rlops.policy_loss(logp, old, adv, mask, kind=kind, clip_low=low, clip_high=high,
-                             clip_ratio_c=c)
+    _, m = rlops.policy_loss(
+        logp, old, adv, mask, kind=kind, clip_low=low, clip_high=high, clip_ratio_c=c
+    )
     assert 0 < frac < 1 and 0 < lower < 1
     torch.testing.assert_close(m["pg_clipfrac"], frac, rtol=1e-15, atol=0)
     torch.testing.assert_close(m["pg_clipfrac_lower"], lower, rtol=1e-15, atol=0)
@@ -410,8 +456,11 @@ def test_tinker_dro():
         quad = (x[keep] - old[keep]) ** 2
         return -(x[keep] * a[keep] - 0.5 * 0.4 * quad).sum()
 
-    _both(tinker, lambda x: rlops.policy_loss(x, old, a, mask, kind="dro", dro_beta=0.4,
-                                              agg="token-sum")[0], logp)
+    _both(
+        tinker,
+        lambda x: rlops.policy_loss(x, old, a, mask, kind="dro", dro_beta=0.4, agg="token-sum")[0],
+        logp,
+    )
 
 
 # --------------------------------------------------------------------------- gradients
@@ -474,18 +523,24 @@ def test_levels_and_limits():
     logp, old, adv, mask = inputs("dppo_tv", F64, 14)
 
     def mat(kind, lp=logp, m=mask, **o):
-        return rlops.policy_loss(lp, old[:, : lp.shape[1]], adv[:, : lp.shape[1]], m,
-                                 kind=kind, agg=None, **o)[0]
+        return rlops.policy_loss(
+            lp, old[:, : lp.shape[1]], adv[:, : lp.shape[1]], m, kind=kind, agg=None, **o
+        )[0]
 
     for kind in ("cispo", "sapo"):
         assert torch.equal(mat(kind), mat(kind, level="token"))
         one = mask[:, :1]
-        assert torch.equal(mat(kind, logp[:, :1], one), mat(kind, logp[:, :1], one,
-                                                            level="sequence"))
+        assert torch.equal(
+            mat(kind, logp[:, :1], one), mat(kind, logp[:, :1], one, level="sequence")
+        )
     assert torch.equal(mat("dro", dro_beta=0.0), mat("reinforce"))
     assert torch.equal(mat("gspo", dual_clip=math.inf), mat("gspo"))
-    torch.testing.assert_close(mat("vespo", k_pos=0.0, k_neg=0.0, lambda_pos=1e-300,
-                                   lambda_neg=1e-300), mat("reinforce"), rtol=0, atol=0)
+    torch.testing.assert_close(
+        mat("vespo", k_pos=0.0, k_neg=0.0, lambda_pos=1e-300, lambda_neg=1e-300),
+        mat("reinforce"),
+        rtol=0,
+        atol=0,
+    )
     r = torch.where(mask.bool(), torch.exp(logp - old), 0)
     for kind in ("dppo_tv", "dppo_kl"):
         got = mat(kind, clip_low=math.inf, clip_high=math.inf, clip_ratio_c=math.inf)
@@ -497,14 +552,32 @@ def test_levels_and_limits():
 def test_extreme_inputs_are_finite(case, dtype):
     """log-ratios ±50, log π = 0 (a certain token: DPPO-KL's 1 − π = 0), an all-masked row, one
     action, a 32K-token row."""
-    old = torch.tensor([[0.0, -50.0, -5.0, 0.0], [-50.0, 0.0, -3.0, -3.0], [-1, -1, -1, -1],
-                        [-2.0, -2.0, -2.0, -2.0]], dtype=dtype)
-    logp = torch.tensor([[-50.0, 0.0, -5.0, 0.0], [0.0, -50.0, -3.0, -3.0], [-1, -1, -1, -1],
-                         [-1.5, -2.0, -2.0, -2.0]], dtype=dtype)
-    adv = torch.tensor([[1.0, -1.0, 2.0, 2.0], [-3.0, 3.0, 2.0, 2.0], [1, 1, 1, 1],
-                        [-1.0, 0.0, 0.0, 0.0]], dtype=dtype)
-    for mask in (torch.ones(4, 4), torch.tensor([[0, 0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0],
-                                                 [1, 0, 0, 0]])):
+    old = torch.tensor(
+        [
+            [0.0, -50.0, -5.0, 0.0],
+            [-50.0, 0.0, -3.0, -3.0],
+            [-1, -1, -1, -1],
+            [-2.0, -2.0, -2.0, -2.0],
+        ],
+        dtype=dtype,
+    )
+    logp = torch.tensor(
+        [
+            [-50.0, 0.0, -5.0, 0.0],
+            [0.0, -50.0, -3.0, -3.0],
+            [-1, -1, -1, -1],
+            [-1.5, -2.0, -2.0, -2.0],
+        ],
+        dtype=dtype,
+    )
+    adv = torch.tensor(
+        [[1.0, -1.0, 2.0, 2.0], [-3.0, 3.0, 2.0, 2.0], [1, 1, 1, 1], [-1.0, 0.0, 0.0, 0.0]],
+        dtype=dtype,
+    )
+    for mask in (
+        torch.ones(4, 4),
+        torch.tensor([[0, 0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]]),
+    ):
         for mode in AGG_MODES:
             lp = logp.clone().requires_grad_(True)
             loss, metrics = run(case, lp, old, adv, mask, agg=mode)
@@ -528,8 +601,14 @@ def test_all_masked_gives_zero_and_meta_needs_no_host_read():
             assert loss == 0 and (g == 0).all(), (case, mode)
         m = torch.empty(3, 7, device="meta", dtype=torch.bool)
         x = torch.empty(3, 7, device="meta", requires_grad=True)
-        loss, _ = run(case, x, torch.empty(3, 7, device="meta"),
-                      torch.empty(3, 7, device="meta"), m, agg="seq-mean-token-mean")
+        loss, _ = run(
+            case,
+            x,
+            torch.empty(3, 7, device="meta"),
+            torch.empty(3, 7, device="meta"),
+            m,
+            agg="seq-mean-token-mean",
+        )
         loss.backward()
 
 
@@ -575,18 +654,33 @@ def test_verl_registry_dppo_and_bypass_mode():
     adv = torch.randn(5, 9, generator=g, dtype=F64)
     mask = (torch.rand(5, 9, generator=g) > 0.2).to(F64)
     for kind, low, high in (("dppo_tv", 0.05, 0.04), ("dppo_kl", 0.01, 0.008)):
-        cfg = {"clip_ratio": 0.3, "clip_ratio_low": low, "clip_ratio_high": high,
-               "clip_ratio_c": 1.3}
+        cfg = {
+            "clip_ratio": 0.3,
+            "clip_ratio_low": low,
+            "clip_ratio_high": high,
+            "clip_ratio_c": 1.3,
+        }
         fn = verl.get_policy_loss_fn(kind)
-        _both(lambda x, k=kind, lo=low, hi=high: _verl_dppo(x, old, adv, mask, k, lo, hi, 1.3)[0],
-              lambda x, f=fn, c=cfg: f(old, x, adv, mask, "token-mean", c)[0], logp)
+        _both(
+            lambda x, k=kind, lo=low, hi=high: _verl_dppo(x, old, adv, mask, k, lo, hi, 1.3)[0],
+            lambda x, f=fn, c=cfg: f(old, x, adv, mask, "token-mean", c)[0],
+            logp,
+        )
         _, frac, lower = _verl_dppo(logp, old, adv, mask, kind, low, high, 1.3)
         _, m = fn(old, logp, adv, mask, "token-mean", cfg)
         assert m["actor/pg_clipfrac"] == pytest.approx(float(frac), rel=1e-15)
         assert m["actor/pg_clipfrac_lower"] == pytest.approx(float(lower), rel=1e-15)
     fn = verl.get_policy_loss_fn("bypass_mode")
-    cfg = {"clip_ratio": 0.2, "policy_loss": {"rollout_correction": {
-        "loss_type": "reinforce", "rollout_is": "token", "rollout_is_threshold": 2.0}}}
+    cfg = {
+        "clip_ratio": 0.2,
+        "policy_loss": {
+            "rollout_correction": {
+                "loss_type": "reinforce",
+                "rollout_is": "token",
+                "rollout_is_threshold": 2.0,
+            }
+        },
+    }
 
     def verl_reinforce(x):
         w = torch.clamp(torch.exp(x.detach() - old), max=2.0)

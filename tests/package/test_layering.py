@@ -204,14 +204,18 @@ def test_log_prob_ops_share_the_engine_not_each_other():
     """``linear.py`` and ``fused.py`` are siblings on ``_engine``: the op on logits exports only
     itself, and the linear op takes no private name (nor any engine name) from it."""
     linear = _imports(LOGPROBS / "linear.py", "rlops.logprobs.linear")
-    from_fused = [(names, line) for target, names, line in linear
-                  if target == "rlops.logprobs.fused" or "fused" in names]
+    from_fused = [
+        (names, line)
+        for target, names, line in linear
+        if target == "rlops.logprobs.fused" or "fused" in names
+    ]
     assert not from_fused, f"logprobs/linear.py imports from fused.py: {from_fused}"
     tree = ast.parse((LOGPROBS / "fused.py").read_text())
     exported = [
-        ast.literal_eval(node.value) for node in tree.body
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
     ]
     assert exported == [["logprobs_and_entropy"]], exported
 

@@ -24,8 +24,16 @@ import pytest
 import rlops
 
 ROOT = Path(__file__).resolve().parents[2]
-SKIP = {".git", ".venv", "__pycache__", ".hypothesis", ".pytest_cache", ".ruff_cache", "build",
-        "dist"}
+SKIP = {
+    ".git",
+    ".venv",
+    "__pycache__",
+    ".hypothesis",
+    ".pytest_cache",
+    ".ruff_cache",
+    "build",
+    "dist",
+}
 
 
 def _toml() -> dict:
@@ -58,8 +66,9 @@ def test_version_is_written_once():
     assert "version" not in data["project"]
     assert "version" in data["project"]["dynamic"]
     assert data["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "rlops.__version__"}
-    written = re.findall(r'^__version__ = "([^"]+)"',
-                         (ROOT / "src" / "rlops" / "__init__.py").read_text(), re.M)
+    written = re.findall(
+        r'^__version__ = "([^"]+)"', (ROOT / "src" / "rlops" / "__init__.py").read_text(), re.M
+    )
     assert written == [rlops.__version__]
     changelog = (ROOT / "CHANGELOG.md").read_text()
     assert f"## {rlops.__version__}" in changelog, "no CHANGELOG entry for this version"
@@ -96,12 +105,26 @@ def _needs_build() -> None:
 def _build(tmp_path: Path, kind: str) -> Path:
     _needs_build()
     src = tmp_path / "src-tree"
-    shutil.copytree(ROOT, src, ignore=lambda d, names: [
-        n for n in names if n in SKIP or n.endswith(".egg-info")])
+    shutil.copytree(
+        ROOT,
+        src,
+        ignore=lambda d, names: [n for n in names if n in SKIP or n.endswith(".egg-info")],
+    )
     out = tmp_path / "dist"
     run = subprocess.run(
-        [sys.executable, "-m", "build", f"--{kind}", "--no-isolation", "--outdir", str(out),
-         str(src)], capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "build",
+            f"--{kind}",
+            "--no-isolation",
+            "--outdir",
+            str(out),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (built,) = out.iterdir()
@@ -110,8 +133,12 @@ def _build(tmp_path: Path, kind: str) -> Path:
 
 def _tree_files(*patterns: str) -> set[str]:
     """Files of the source tree that match ``patterns`` (relative paths), caches left out."""
-    return {p.relative_to(ROOT).as_posix() for pattern in patterns for p in ROOT.glob(pattern)
-            if p.is_file() and not SKIP.intersection(p.relative_to(ROOT).parts)}
+    return {
+        p.relative_to(ROOT).as_posix()
+        for pattern in patterns
+        for p in ROOT.glob(pattern)
+        if p.is_file() and not SKIP.intersection(p.relative_to(ROOT).parts)
+    }
 
 
 @pytest.mark.slow
@@ -120,12 +147,24 @@ def test_sdist_carries_what_the_tests_read(tmp_path):
     assert sdist.name == f"rlops-{rlops.__version__}.tar.gz"
     with tarfile.open(sdist) as tar:
         top = f"rlops-{rlops.__version__}/"
-        names = {m.name[len(top):] for m in tar.getmembers() if m.isfile()}
+        names = {m.name[len(top) :] for m in tar.getmembers() if m.isfile()}
         pkg_info = email.message_from_bytes(tar.extractfile(top + "PKG-INFO").read())
-    needed = _tree_files("tests/**/*.py", "src/rlops/**/*.py", "benchmarks/*.py", "examples/*.py",
-                         "docs/**/*.md", "docs/**/*.png")
-    needed |= {"README.md", "LICENSE", "CHANGELOG.md", "pyproject.toml", ".ci/run",
-               "src/rlops/py.typed"}
+    needed = _tree_files(
+        "tests/**/*.py",
+        "src/rlops/**/*.py",
+        "benchmarks/*.py",
+        "examples/*.py",
+        "docs/**/*.md",
+        "docs/**/*.png",
+    )
+    needed |= {
+        "README.md",
+        "LICENSE",
+        "CHANGELOG.md",
+        "pyproject.toml",
+        ".ci/run",
+        "src/rlops/py.typed",
+    }
     missing = sorted(needed - names)
     assert not missing, f"the sdist lacks {missing}"
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
@@ -144,6 +183,9 @@ def test_wheel_holds_the_package_and_the_license_only(tmp_path):
     assert tops == {"rlops", f"rlops-{rlops.__version__}.dist-info"}, tops
     assert "rlops/py.typed" in names
     assert f"rlops-{rlops.__version__}.dist-info/licenses/LICENSE" in names
-    expected = {p.relative_to(ROOT / "src").as_posix()
-                for p in (ROOT / "src" / "rlops").rglob("*.py") if "__pycache__" not in p.parts}
+    expected = {
+        p.relative_to(ROOT / "src").as_posix()
+        for p in (ROOT / "src" / "rlops").rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
     assert expected <= names, sorted(expected - names)

@@ -37,8 +37,13 @@ def _rows(old, rollout, mask, dt):
     """Per row: the action tokens' log-ratios ``d`` (in ``dt``) and their columns."""
     o, r = old.double().numpy().astype(dt), rollout.double().numpy().astype(dt)
     m = mask.bool().numpy()
-    return [([o[b, t] - r[b, t] for t in range(m.shape[1]) if m[b, t]],
-             [t for t in range(m.shape[1]) if m[b, t]]) for b in range(m.shape[0])]
+    return [
+        (
+            [o[b, t] - r[b, t] for t in range(m.shape[1]) if m[b, t]],
+            [t for t in range(m.shape[1]) if m[b, t]],
+        )
+        for b in range(m.shape[0])
+    ]
 
 
 def _serial_sum(xs, dt):
@@ -67,8 +72,18 @@ def loop_mismatch(old, rollout, mask, dt=np.float64):
     }
 
 
-def loop_weights(old, rollout, mask, *, level="token", mode="truncate", threshold=2.0,
-                 low=None, batch_normalize=False, dt=np.float64):
+def loop_weights(
+    old,
+    rollout,
+    mask,
+    *,
+    level="token",
+    mode="truncate",
+    threshold=2.0,
+    low=None,
+    batch_normalize=False,
+    dt=np.float64,
+):
     """``(weights, keep, metrics)`` from the formulas, one token at a time."""
     b_, t_ = old.shape
     hi, lo = math.log(threshold), -math.inf if low is None else math.log(low)
@@ -117,8 +132,9 @@ def _loop_statistics(rows, option, dt):
     """Per action token (token options) or per row with an action token (row options): the
     statistic of ``option``, and for each row the indices into that list of its tokens."""
     kind = option[:-3]
-    stat = {"k1": lambda d: -d, "k2": lambda d: d * d / dt(2),
-            "k3": lambda d: _k3(d, dt)}[option[-2:]]
+    stat = {"k1": lambda d: -d, "k2": lambda d: d * d / dt(2), "k3": lambda d: _k3(d, dt)}[
+        option[-2:]
+    ]
     values, owners = [], []
     for row, _ in rows:
         ks = [stat(d) for d in row]
@@ -128,8 +144,9 @@ def _loop_statistics(rows, option, dt):
         elif row:
             owners.append([len(values)] * len(ks))
             total = _serial_sum(ks, dt)
-            values.append({"seq_sum": total, "seq_mean": total / dt(len(ks)),
-                           "seq_max": max(ks)}[kind])
+            values.append(
+                {"seq_sum": total, "seq_mean": total / dt(len(ks)), "seq_max": max(ks)}[kind]
+            )
         else:
             owners.append([])
     return values, owners
@@ -235,21 +252,22 @@ def test_hand_computed_weights():
         ("geometric", "mask", 2.0, 1.2): [[0, 0, 0], [e(0.25), e(0.25), 0]],
     }
     for (level, mode, thr, low), want in cases.items():
-        w, keep, m = rollout_importance_weights(old, rollout, mask, level=level, mode=mode,
-                                                threshold=thr, low=low)
+        w, keep, m = rollout_importance_weights(
+            old, rollout, mask, level=level, mode=mode, threshold=thr, low=low
+        )
         torch.testing.assert_close(w, torch.tensor(want, dtype=F64), rtol=1e-15, atol=0)
         want_keep = mask.bool() if mode == "truncate" else torch.tensor(want) > 0
         assert torch.equal(keep, want_keep), (level, mode)
     w, _, m = rollout_importance_weights(old, rollout, mask, threshold=1.5)
     v = torch.tensor([1.5, 1, e(-0.2), 1.5, e(-0.5)], dtype=F64)
     assert m["rollout_is_eff_sample_size"].item() == pytest.approx(
-        (v.mean() ** 2 / (v**2).mean()).item(), rel=1e-14)
+        (v.mean() ** 2 / (v**2).mean()).item(), rel=1e-14
+    )
     assert m["rollout_is_ratio_fraction_high"].item() == pytest.approx(0.4)
     assert m["rollout_is_min"].item() == pytest.approx(e(-0.5))
     assert m["kl"].item() == pytest.approx(-0.8 / 5)
     assert m["chi2_seq"].item() == pytest.approx((math.expm1(0.6) + math.expm1(1.0)) / 2)
-    w, _, m = rollout_importance_weights(old, rollout, mask, threshold=1.5,
-                                         batch_normalize=True)
+    w, _, m = rollout_importance_weights(old, rollout, mask, threshold=1.5, batch_normalize=True)
     assert w.sum().item() == pytest.approx(5.0)
     assert m["rollout_is_batch_norm_factor"].item() == pytest.approx(v.mean().item())
 
@@ -296,8 +314,7 @@ def test_weights_match_loop_reference(level, mode, threshold, low, normalize):
 
 
 @pytest.mark.parametrize("level", ["sequence", "geometric"])
-@pytest.mark.parametrize("mode,threshold,low", [("truncate", math.inf, None),
-                                                ("mask", 1e6, 1e-6)])
+@pytest.mark.parametrize("mode,threshold,low", [("truncate", math.inf, None), ("mask", 1e6, 1e-6)])
 def test_long_rows_in_float32_within_the_loop_budget(level, mode, threshold, low):
     """Sequence log-weights summed over 2K tokens: the float32 result is as accurate as the
     float32 loop (blocked summation), weights and metrics."""
@@ -318,8 +335,9 @@ def test_thresholds_accept_numpy_and_0dim_tensors():
     for thr, low in ((np.float32(1.5), np.float64(0.5)), (torch.tensor(1.5), torch.tensor(0.5))):
         got = rollout_importance_weights(old, rollout, mask, mode="mask", threshold=thr, low=low)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    a = rollout_rejection_mask(old, rollout, mask, {"token_k1": (np.float32(0.5), 2),
-                                                    "seq_max_k3": torch.tensor(0.05)})
+    a = rollout_rejection_mask(
+        old, rollout, mask, {"token_k1": (np.float32(0.5), 2), "seq_max_k3": torch.tensor(0.05)}
+    )
     b = rollout_rejection_mask(old, rollout, mask, {"token_k1": (0.5, 2.0), "seq_max_k3": 0.05})
     assert torch.equal(a[0], b[0])
 
@@ -327,9 +345,13 @@ def test_thresholds_accept_numpy_and_0dim_tensors():
 @pytest.mark.parametrize("option", RS_OPTIONS)
 def test_rejection_matches_loop_reference(option):
     old, rollout, mask = _batch(1)
-    for criteria in ({option: _biting(option, old, rollout, mask)},
-                     {option: _biting(option, old, rollout, mask),
-                      "token_k2": _biting("token_k2", old, rollout, mask) * 4}):
+    for criteria in (
+        {option: _biting(option, old, rollout, mask)},
+        {
+            option: _biting(option, old, rollout, mask),
+            "token_k2": _biting("token_k2", old, rollout, mask) * 4,
+        },
+    ):
         keep, m = rollout_rejection_mask(old, rollout, mask, criteria)
         okeep, om = loop_rejection(old, rollout, mask, criteria)
         assert torch.equal(keep, torch.from_numpy(okeep)), criteria
@@ -353,23 +375,38 @@ def test_mismatch_metrics_match_loop_reference():
     old, rollout, mask = _batch(3, spread=1.0)
     _assert_metrics(rollout_mismatch_metrics(old, rollout, mask), loop_mismatch(old, rollout, mask))
     o32, r32 = old.float(), rollout.float()
-    _assert_metrics(rollout_mismatch_metrics(o32, r32, mask), loop_mismatch(o32, r32, mask),
-                    loop_mismatch(o32, r32, mask, np.float32))
+    _assert_metrics(
+        rollout_mismatch_metrics(o32, r32, mask),
+        loop_mismatch(o32, r32, mask),
+        loop_mismatch(o32, r32, mask, np.float32),
+    )
 
 
 # --------------------------------------------------------------------------- identities
 @pytest.mark.parametrize("level,mode,threshold,low", IS_CASES)
 def test_equal_logprobs_give_unit_weights(level, mode, threshold, low):
     old, _, mask = _batch(4, dtype=F32)
-    w, keep, m = rollout_importance_weights(old, old, mask, level=level, mode=mode,
-                                            threshold=threshold, low=low, batch_normalize=True)
+    w, keep, m = rollout_importance_weights(
+        old, old, mask, level=level, mode=mode, threshold=threshold, low=low, batch_normalize=True
+    )
     assert torch.equal(keep, mask) and torch.equal(w, mask.float())
     assert m["rollout_is_eff_sample_size"].item() == 1.0
-    for k in ("kl", "k3_kl", "chi2_token", "chi2_seq", "log_ppl_diff",
-              "rollout_is_ratio_fraction_high", "rollout_is_ratio_fraction_low"):
+    for k in (
+        "kl",
+        "k3_kl",
+        "chi2_token",
+        "chi2_seq",
+        "log_ppl_diff",
+        "rollout_is_ratio_fraction_high",
+        "rollout_is_ratio_fraction_low",
+    ):
         assert m[k].item() == 0.0, k
-    for k in ("rollout_is_mean", "rollout_is_min", "rollout_is_max",
-              "rollout_is_batch_norm_factor"):
+    for k in (
+        "rollout_is_mean",
+        "rollout_is_min",
+        "rollout_is_max",
+        "rollout_is_batch_norm_factor",
+    ):
         assert m[k].item() == 1.0, k
     criteria = {o: (0.9, 1.1) if o.endswith("k1") else 1e-6 for o in RS_OPTIONS}
     keep, m = rollout_rejection_mask(old, old, mask, criteria)
@@ -394,16 +431,17 @@ def _all_finite(*parts) -> bool:
 @pytest.mark.parametrize("dtype", [F32, torch.bfloat16])
 def test_log_ratios_of_50_stay_finite(dtype):
     old = torch.full((2, 4), -1.0, dtype=dtype)
-    rollout = old - torch.tensor([[50.0, -50.0, 0.0, 50.0], [-50.0, -50.0, 1.0, 0.0]],
-                                 dtype=dtype)
+    rollout = old - torch.tensor([[50.0, -50.0, 0.0, 50.0], [-50.0, -50.0, 1.0, 0.0]], dtype=dtype)
     mask = torch.ones(2, 4)
     for level in IS_LEVELS:
         for threshold in (2.0, math.inf):
-            w, keep, m = rollout_importance_weights(old, rollout, mask, level=level,
-                                                    threshold=threshold, batch_normalize=True)
+            w, keep, m = rollout_importance_weights(
+                old, rollout, mask, level=level, threshold=threshold, batch_normalize=True
+            )
             assert w.dtype == F32 and _all_finite(w, m), (level, threshold)
-            w, keep, m = rollout_importance_weights(old, rollout, mask, level=level,
-                                                    mode="mask", threshold=threshold, low=0.5)
+            w, keep, m = rollout_importance_weights(
+                old, rollout, mask, level=level, mode="mask", threshold=threshold, low=0.5
+            )
             assert _all_finite(w, m), (level, threshold)
     w, _, m = rollout_importance_weights(old, rollout, mask, threshold=math.inf)
     assert w[0, 0].item() == pytest.approx(math.exp(CAP), rel=1e-6)
@@ -418,14 +456,15 @@ def test_32k_token_rows(dtype):
     old = torch.full((2, t), -2.0, dtype=dtype)
     rollout = (old.float() - 0.01).to(dtype)
     mask = torch.ones(2, t, dtype=torch.bool)
-    mask[1, t // 2:] = False
+    mask[1, t // 2 :] = False
     d = (old.float() - rollout.float())[0, 0].item()  # 0.01 as the dtype holds it
     w, keep, m = rollout_importance_weights(old, rollout, mask, level="sequence")
     assert _all_finite(w, m) and (w[mask] == 2.0).all()  # exp(327.7) truncated to 2
     assert m["rollout_is_ratio_fraction_high"].item() == 1.0
     assert m["chi2_seq"].item() == pytest.approx(math.expm1(2 * CAP), rel=1e-6)
-    w, keep, m = rollout_importance_weights(old, rollout, mask, level="sequence", mode="mask",
-                                            threshold=math.inf, batch_normalize=True)
+    w, keep, m = rollout_importance_weights(
+        old, rollout, mask, level="sequence", mode="mask", threshold=math.inf, batch_normalize=True
+    )
     assert _all_finite(w, m) and torch.equal(keep, mask)
     torch.testing.assert_close(w[mask], torch.ones_like(w[mask]))  # e^20 normalised back
     w, _, m = rollout_importance_weights(old, rollout, mask, level="geometric")
@@ -433,8 +472,7 @@ def test_32k_token_rows(dtype):
     assert _all_finite(m) and m["kl"].item() == pytest.approx(-d, rel=1e-5)
     keep, m = rollout_rejection_mask(old, rollout, mask, {"seq_sum_k3": 0.5, "seq_mean_k1": 2.0})
     assert _all_finite(m) and not keep.any()  # Σ k3 is 1.6 over 32K tokens, 0.8 over 16K
-    assert m["rollout_rs_seq_sum_k3_max"].item() == pytest.approx(t * (math.expm1(d) - d),
-                                                                  rel=1e-3)
+    assert m["rollout_rs_seq_sum_k3_max"].item() == pytest.approx(t * (math.expm1(d) - d), rel=1e-3)
 
 
 def test_all_masked_rows_and_batches():
@@ -445,8 +483,9 @@ def test_all_masked_rows_and_batches():
             w, keep, m = rollout_importance_weights(old, rollout, mask, level=level, mode=mode)
             assert _all_finite(w, m) and (w[2] == 0).all() and not keep[2].any()
     empty = torch.zeros_like(mask)
-    w, keep, m = rollout_importance_weights(old, rollout, empty, level="sequence",
-                                            batch_normalize=True)
+    w, keep, m = rollout_importance_weights(
+        old, rollout, empty, level="sequence", batch_normalize=True
+    )
     assert (w == 0).all() and not keep.any()
     assert all(v.item() == 0 for k, v in m.items() if k != "rollout_is_batch_norm_factor")
     keep, m = rollout_rejection_mask(old, rollout, empty, {"seq_max_k3": 0.1, "token_k1": 2.0})
@@ -489,8 +528,9 @@ def _calls(dev):
     rollout = -torch.rand(4, 50, generator=g).to(torch.bfloat16).to(dev)
     mask = (torch.rand(4, 50, generator=g) > 0.3).to(dev)
     return [
-        lambda: rollout_importance_weights(old, rollout, mask, level="sequence", mode="mask",
-                                           low=0.5, batch_normalize=True),
+        lambda: rollout_importance_weights(
+            old, rollout, mask, level="sequence", mode="mask", low=0.5, batch_normalize=True
+        ),
         lambda: rollout_importance_weights(old, rollout, mask.float(), level="geometric"),
         lambda: rollout_rejection_mask(old, rollout, mask, {o: 2.0 for o in RS_OPTIONS}),
         lambda: rollout_mismatch_metrics(old, rollout, mask),
@@ -580,21 +620,31 @@ def _on_rank(rank: int, world: int):
     old, rollout, mask = _shards()[rank]
     out = {}
     with count_collectives() as calls:
-        out["is"] = rollout_importance_weights(old, rollout, mask, level="sequence",
-                                               mode="mask", threshold=1.5, low=0.5,
-                                               batch_normalize=True, group=group)
+        out["is"] = rollout_importance_weights(
+            old,
+            rollout,
+            mask,
+            level="sequence",
+            mode="mask",
+            threshold=1.5,
+            low=0.5,
+            batch_normalize=True,
+            group=group,
+        )
     out["is_calls"] = dict(calls)
     with count_collectives() as calls:
-        out["rs"] = rollout_rejection_mask(old, rollout, mask,
-                                           {"token_k1": 1.5, "seq_mean_k3": 0.03}, group=group)
+        out["rs"] = rollout_rejection_mask(
+            old, rollout, mask, {"token_k1": 1.5, "seq_mean_k3": 0.03}, group=group
+        )
     out["rs_calls"] = dict(calls)
     with count_collectives() as calls:
         out["mm"] = rollout_mismatch_metrics(old, rollout, mask, group=group)
     out["mm_calls"] = dict(calls)
     # a rank without action tokens joins and contributes nothing
     empty = torch.zeros_like(mask) if rank == 1 else mask
-    out["empty"] = rollout_importance_weights(old, rollout, empty, level="token",
-                                              batch_normalize=True, group=group)
+    out["empty"] = rollout_importance_weights(
+        old, rollout, empty, level="token", batch_normalize=True, group=group
+    )
     return out
 
 
@@ -604,8 +654,16 @@ def test_group_equals_concatenated_batch_with_one_collective():
     shards = _shards()
     old, rollout, mask = (torch.cat(p) for p in zip(*shards, strict=True))
     rows = [s[0].shape[0] for s in shards]
-    w, keep, m = rollout_importance_weights(old, rollout, mask, level="sequence", mode="mask",
-                                            threshold=1.5, low=0.5, batch_normalize=True)
+    w, keep, m = rollout_importance_weights(
+        old,
+        rollout,
+        mask,
+        level="sequence",
+        mode="mask",
+        threshold=1.5,
+        low=0.5,
+        batch_normalize=True,
+    )
     rkeep, rm = rollout_rejection_mask(old, rollout, mask, {"token_k1": 1.5, "seq_mean_k3": 0.03})
     mm = rollout_mismatch_metrics(old, rollout, mask)
     empty_mask = torch.cat([shards[0][2], torch.zeros_like(shards[1][2])])
@@ -618,8 +676,12 @@ def test_group_equals_concatenated_batch_with_one_collective():
         torch.testing.assert_close(out["is"][0], w[sl])
         assert torch.equal(out["is"][1], keep[sl]) and torch.equal(out["rs"][0], rkeep[sl])
         torch.testing.assert_close(out["empty"][0], ew[sl])
-        for got, want in ((out["is"][2], m), (out["rs"][1], rm), (out["mm"], mm),
-                          (out["empty"][2], em)):
+        for got, want in (
+            (out["is"][2], m),
+            (out["rs"][1], rm),
+            (out["mm"], mm),
+            (out["empty"][2], em),
+        ):
             assert sorted(got) == sorted(want)
             for k in want:
                 torch.testing.assert_close(got[k], want[k], msg=k)
@@ -638,8 +700,10 @@ CP_CRITERIA = [
     {"token_k1": (0.5, 1.8), "seq_mean_k3": 0.05, "seq_max_k2": 0.25, "seq_sum_k1": (0.3, 30.0)},
     {"token_k1": (0.5, 1.8)},  # rows that lost a token, over tokens of both ranks
 ]
-CP_IS = [dict(level="sequence", mode="mask", threshold=1.5, low=0.5, batch_normalize=True),
-         dict(level="geometric", threshold=1.05, low=0.97)]
+CP_IS = [
+    dict(level="sequence", mode="mask", threshold=1.5, low=0.5, batch_normalize=True),
+    dict(level="geometric", threshold=1.05, low=0.97),
+]
 
 
 def _zigzag(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -656,14 +720,16 @@ def _on_cp_rank(rank: int, world: int):
     out = {"is": [], "calls": []}
     for kw in CP_IS:
         with count_collectives() as calls:
-            out["is"].append(rollout_importance_weights(old, rollout, mask, group=group,
-                                                        cp_group=group, **kw))
+            out["is"].append(
+                rollout_importance_weights(old, rollout, mask, group=group, cp_group=group, **kw)
+            )
         out["calls"].append(dict(calls))
     out["rs"] = []
     for criteria in CP_CRITERIA:
         with count_collectives() as calls:
-            out["rs"].append(rollout_rejection_mask(old, rollout, mask, criteria, group=group,
-                                                    cp_group=group))
+            out["rs"].append(
+                rollout_rejection_mask(old, rollout, mask, criteria, group=group, cp_group=group)
+            )
         out["calls"].append(dict(calls))
     with count_collectives() as calls:
         out["mm"] = rollout_mismatch_metrics(old, rollout, mask, group=group, cp_group=group)

@@ -74,12 +74,16 @@ def test_auto_off_cpu_is_chunked(table):
     "call",
     [
         lambda: rlops.discounted_cumsum(torch.ones(2, 5), 0.9, method="triton"),
-        lambda: rlops.gae(torch.ones(2, 5), torch.ones(2, 5), gamma=1.0, lam=1.0,
-                          method="triton"),
+        lambda: rlops.gae(torch.ones(2, 5), torch.ones(2, 5), gamma=1.0, lam=1.0, method="triton"),
         lambda: rlops.discounted_returns(torch.ones(2, 5), gamma=1.0, method="triton"),
         lambda: rlops.reinforce_plus_plus_returns(
-            torch.ones(2), torch.ones(2, 5), torch.ones(2, 5), kl_coef=0.1, gamma=1.0,
-            method="triton"),
+            torch.ones(2),
+            torch.ones(2, 5),
+            torch.ones(2, 5),
+            kl_coef=0.1,
+            gamma=1.0,
+            method="triton",
+        ),
     ],
 )
 def test_triton_on_cpu_tensors_needs_the_interpreter(call, monkeypatch):
@@ -205,8 +209,11 @@ def _single_threaded(fn):
 def test_chunked_results_do_not_depend_on_the_callers_threads(decay, shape):
     g = torch.Generator().manual_seed(shape[1])
     x = torch.randn(*shape, generator=g)
-    a = {"scalar": 0.97, "row": torch.rand(shape[0], 1, generator=g),
-         "token": torch.rand(*shape, generator=g)}[decay]
+    a = {
+        "scalar": 0.97,
+        "row": torch.rand(shape[0], 1, generator=g),
+        "token": torch.rand(*shape, generator=g),
+    }[decay]
     got = rlops.discounted_cumsum(x, a, method="chunked")
     assert torch.equal(got, _single_threaded(lambda: scan_chunked(x, a)))
     r, v = x, x.flip(-1)

@@ -95,8 +95,7 @@ def test_cumsum_gradcheck(case, T, kind):
         inputs.append(discount)
 
     def fn(x, *a):
-        return rlops.discounted_cumsum(x, a[0] if a else discount, method=method,
-                                       chunk_size=chunk)
+        return rlops.discounted_cumsum(x, a[0] if a else discount, method=method, chunk_size=chunk)
 
     assert gradcheck(fn, tuple(inputs))
 
@@ -123,9 +122,7 @@ def test_cumsum_gradcheck_with_exact_cuts(case):
     a[1, 6] = 0.0
     a[:, 1] = 1.0
     x = _leaf(_randn(B, 9, seed=13))
-    assert gradcheck(
-        lambda x: rlops.discounted_cumsum(x, a, method=method, chunk_size=chunk), (x,)
-    )
+    assert gradcheck(lambda x: rlops.discounted_cumsum(x, a, method=method, chunk_size=chunk), (x,))
 
 
 # --------------------------------------------------------------------------- estimators
@@ -138,8 +135,9 @@ def test_gae_gradcheck(case, T, scenario):
     r, v = _leaf(_randn(B, T, seed=20 + T)), _leaf(_randn(B, T, seed=30 + T))
 
     def fn(r, v):
-        return rlops.gae(r, v, gamma=0.95, lam=0.9, mask=mask, dones=dones, method=method,
-                         chunk_size=chunk)
+        return rlops.gae(
+            r, v, gamma=0.95, lam=0.9, mask=mask, dones=dones, method=method, chunk_size=chunk
+        )
 
     assert gradcheck(fn, (r, v), full=_full(T, scenario))
 
@@ -153,8 +151,9 @@ def test_gae_gradcheck_per_row_discounts(case):
     gamma, lam = _leaf(_unit(B, seed=42)), _leaf(_unit(B, seed=43))
 
     def fn(r, v, gamma, lam):
-        return rlops.gae(r, v, gamma=gamma, lam=lam, mask=mask, dones=dones, method=method,
-                         chunk_size=chunk)
+        return rlops.gae(
+            r, v, gamma=gamma, lam=lam, mask=mask, dones=dones, method=method, chunk_size=chunk
+        )
 
     assert gradcheck(fn, (r, v, gamma, lam))
 
@@ -169,8 +168,9 @@ def test_discounted_returns_gradcheck(case, T, scenario):
     gamma = _leaf(_unit(B, seed=51))
 
     def fn(r, gamma):
-        return rlops.discounted_returns(r, gamma=gamma, mask=mask, dones=dones, method=method,
-                                        chunk_size=chunk)
+        return rlops.discounted_returns(
+            r, gamma=gamma, mask=mask, dones=dones, method=method, chunk_size=chunk
+        )
 
     assert gradcheck(fn, (r, gamma), full=_full(T, scenario))
     assert gradcheck(lambda r: fn(r, 0.9), (r,), full=_full(T, scenario))
@@ -185,8 +185,9 @@ def test_reinforce_plus_plus_returns_gradcheck(method, T):
     outcome, kl = _leaf(_randn(B, seed=60 + T)), _leaf(_randn(B, T, seed=70 + T))
 
     def fn(outcome, kl):
-        return rlops.reinforce_plus_plus_returns(outcome, kl, mask, kl_coef=0.1, gamma=0.95,
-                                                 method=method)
+        return rlops.reinforce_plus_plus_returns(
+            outcome, kl, mask, kl_coef=0.1, gamma=0.95, method=method
+        )
 
     assert gradcheck(fn, (outcome, kl), full=_full(T))
 
@@ -243,12 +244,13 @@ def test_auto_under_autograd_gives_the_defined_gradient(T):
 
 def _estimator_calls(r, v, outcome, kl, mask, dones, method):
     return {
-        "gae": lambda: rlops.gae(r, v, gamma=0.95, lam=0.9, mask=mask, dones=dones,
-                                 method=method),
-        "discounted_returns": lambda: rlops.discounted_returns(r, gamma=0.95, mask=mask,
-                                                               dones=dones, method=method),
+        "gae": lambda: rlops.gae(r, v, gamma=0.95, lam=0.9, mask=mask, dones=dones, method=method),
+        "discounted_returns": lambda: rlops.discounted_returns(
+            r, gamma=0.95, mask=mask, dones=dones, method=method
+        ),
         "reinforce_plus_plus_returns": lambda: rlops.reinforce_plus_plus_returns(
-            outcome, kl, mask, kl_coef=0.1, gamma=0.95, method=method),
+            outcome, kl, mask, kl_coef=0.1, gamma=0.95, method=method
+        ),
         "discounted_cumsum": lambda: rlops.discounted_cumsum(r, 0.95, method=method),
     }
 
@@ -256,8 +258,10 @@ def _estimator_calls(r, v, outcome, kl, mask, dones, method):
 def _sum_outputs(out) -> torch.Tensor:
     outs = out if isinstance(out, tuple) else (out,)
     weights = (1.0, 0.5)
-    return sum(w * (o * torch.arange(o.numel(), dtype=o.dtype).view_as(o).cos()).sum()
-               for w, o in zip(weights, outs))
+    return sum(
+        w * (o * torch.arange(o.numel(), dtype=o.dtype).view_as(o).cos()).sum()
+        for w, o in zip(weights, outs)
+    )
 
 
 @pytest.mark.parametrize(
@@ -267,8 +271,7 @@ def test_auto_under_autograd_is_the_chunked_gradient(name):
     """``auto`` with inputs that require grad returns a result with a ``grad_fn`` whose
     gradients pass gradcheck and equal those of ``chunked`` (the method it must pick)."""
     mask, dones = _indicators("mask+dones", 9)
-    base = [_randn(B, 9, seed=90), _randn(B, 9, seed=91), _randn(B, seed=92),
-            _randn(B, 9, seed=93)]
+    base = [_randn(B, 9, seed=90), _randn(B, 9, seed=91), _randn(B, seed=92), _randn(B, 9, seed=93)]
     grads = {}
     for method in ("auto", "chunked"):
         r, v, outcome, kl = (_leaf(t) for t in base)
@@ -286,8 +289,6 @@ def test_auto_under_autograd_is_the_chunked_gradient(name):
         return _estimator_calls(r, v, outcome, kl, mask, dones, "auto")[name]()
 
     assert gradcheck(fn, tuple(_leaf(t) for t in base))
-
-
 
 
 @needs_numba
@@ -310,7 +311,8 @@ def test_auto_when_only_a_discount_requires_grad(name):
         "gae lam": lambda: rlops.gae(r, r, gamma=0.9, lam=d)[0],
         "discounted_returns gamma": lambda: rlops.discounted_returns(r, gamma=d),
         "reinforce_plus_plus_returns gamma": lambda: rlops.reinforce_plus_plus_returns(
-            r[:, 0], r, mask, kl_coef=0.1, gamma=d),
+            r[:, 0], r, mask, kl_coef=0.1, gamma=d
+        ),
         "discounted_cumsum per-row discount": lambda: rlops.discounted_cumsum(r, d[:, None]),
     }
     out = calls[name]()
@@ -323,8 +325,15 @@ def test_auto_when_only_a_discount_requires_grad(name):
 @needs_numba
 @pytest.mark.parametrize(
     "name",
-    ["cumsum x", "cumsum discount", "gae rewards", "gae values", "returns rewards",
-     "reinforce++ kl", "reinforce++ outcome"],
+    [
+        "cumsum x",
+        "cumsum discount",
+        "gae rewards",
+        "gae values",
+        "returns rewards",
+        "reinforce++ kl",
+        "reinforce++ outcome",
+    ],
 )
 def test_compiled_with_an_input_that_requires_grad_raises(name):
     x = _randn(B, 9, seed=110)
@@ -332,15 +341,18 @@ def test_compiled_with_an_input_that_requires_grad_raises(name):
     leaf = _leaf(x)
     calls = {
         "cumsum x": lambda: rlops.discounted_cumsum(leaf, 0.9, method="compiled"),
-        "cumsum discount": lambda: rlops.discounted_cumsum(x, _leaf(_unit(B, 9, seed=1)),
-                                                           method="compiled"),
+        "cumsum discount": lambda: rlops.discounted_cumsum(
+            x, _leaf(_unit(B, 9, seed=1)), method="compiled"
+        ),
         "gae rewards": lambda: rlops.gae(leaf, x, gamma=0.9, lam=0.9, method="compiled"),
         "gae values": lambda: rlops.gae(x, leaf, gamma=0.9, lam=0.9, method="compiled"),
         "returns rewards": lambda: rlops.discounted_returns(leaf, gamma=0.9, method="compiled"),
         "reinforce++ kl": lambda: rlops.reinforce_plus_plus_returns(
-            x[:, 0], leaf, mask, kl_coef=0.1, gamma=0.9, method="compiled"),
+            x[:, 0], leaf, mask, kl_coef=0.1, gamma=0.9, method="compiled"
+        ),
         "reinforce++ outcome": lambda: rlops.reinforce_plus_plus_returns(
-            _leaf(x[:, 0]), x, mask, kl_coef=0.1, gamma=0.9, method="compiled"),
+            _leaf(x[:, 0]), x, mask, kl_coef=0.1, gamma=0.9, method="compiled"
+        ),
     }
     with pytest.raises(ValueError, match="grad"):
         calls[name]()
@@ -353,8 +365,12 @@ def test_requires_grad_does_not_matter_without_autograd(grad_mode, method):
     ``auto`` and ``compiled``, return no ``grad_fn``, and give exactly the result of the same
     call on detached inputs."""
     mask, dones = _indicators("mask+dones", 9)
-    base = [_randn(B, 9, seed=120), _randn(B, 9, seed=121), _randn(B, seed=122),
-            _randn(B, 9, seed=123)]
+    base = [
+        _randn(B, 9, seed=120),
+        _randn(B, 9, seed=121),
+        _randn(B, seed=122),
+        _randn(B, 9, seed=123),
+    ]
     want = {k: f() for k, f in _estimator_calls(*base, mask, dones, method).items()}
     leaves = [_leaf(t) for t in base]
     context = torch.no_grad if grad_mode == "no_grad" else torch.inference_mode

@@ -38,10 +38,6 @@ from rlops.scan.triton import block_size, reverse_scan
 SHAPES = [(1, 1), (3, 127), (2, 128), (2, 129), (1, 1000)]
 
 
-
-
-
-
 def _check_scan(name, out, x, a):
     """The accuracy rule for one scan output ``out`` of input ``x`` (float32/64/bfloat16)."""
     assert out.dtype == x.dtype and out.shape == x.shape, (out.dtype, out.shape)
@@ -135,8 +131,9 @@ def test_y_boot_is_the_value_past_the_end():
 def test_empty(shape):
     x = torch.randn(shape)
     assert reverse_scan(x, 0.9).shape == shape
-    adv, ret = gae_triton(x, x, None, None, torch.full((shape[0],), 0.9), torch.full(
-        (shape[0],), 0.9))
+    adv, ret = gae_triton(
+        x, x, None, None, torch.full((shape[0],), 0.9), torch.full((shape[0],), 0.9)
+    )
     assert adv.shape == ret.shape == shape
 
 
@@ -181,8 +178,9 @@ GAE_CASES = [
     pytest.param(b, t, m, d, g, lam, dt, id=f"{dt}-m{int(m)}-d{int(d)}-g{g}-l{lam}-B{b}-T{t}")
     for (b, t), m, d, (g, lam), dt in itertools.chain(
         itertools.product(SHAPES, [False, True], [False, True], [(0.99, 0.95)], ["float32"]),
-        itertools.product([(2, 300)], [True], [True], [(0.0, 0.95), (1.0, 1.0), (0.99, 0.0)],
-                          ["float32"]),
+        itertools.product(
+            [(2, 300)], [True], [True], [(0.0, 0.95), (1.0, 1.0), (0.99, 0.0)], ["float32"]
+        ),
         itertools.product([(2, 129)], [True], [True], [(0.99, 0.95)], ["float64"]),
         itertools.product([(1, 4096)], [True], [True], [(1.0, 0.95)], ["float32"]),
     )
@@ -259,8 +257,9 @@ def test_gae_bfloat16_inputs():
     assert_half_matches("returns", ret, ref_ret, o_ret)
 
 
-@pytest.mark.parametrize(("dtype", "gamma"), [("float32", 0.99), ("float64", 0.9),
-                                              ("float32", 1.0), ("float32", 0.0)])
+@pytest.mark.parametrize(
+    ("dtype", "gamma"), [("float32", 0.99), ("float64", 0.9), ("float32", 1.0), ("float32", 0.0)]
+)
 def test_reinforce_returns_match_reference(dtype, gamma):
     gen = seeded("rpp", dtype, gamma)
     dt = getattr(torch, dtype)

@@ -49,7 +49,7 @@ def areal_m2po(old, rollout, mask, tau):
 def paper_m2po(old, rollout, mask, tau):
     """M2PO's constraint from the paper: the largest set of smallest d² whose mean is < tau
     (values only; ties at the cut dropped), in float64 with a loop over the distinct values."""
-    m2 = ((old.double() - rollout.double()) ** 2)
+    m2 = (old.double() - rollout.double()) ** 2
     vals = sorted(set(m2[mask].tolist()))
     keep_upto = None
     for v in vals:
@@ -69,11 +69,12 @@ def test_m2po_matches_areal_and_the_paper(dtype, tau):
         keep, m = m2po_mask(old, rollout, mask, threshold=tau)
         assert torch.equal(keep, areal_m2po(old, rollout, mask, tau))
         assert torch.equal(keep, paper_m2po(old, rollout, mask, tau))
-        d2 = ((old.double() - rollout.double()) ** 2)
+        d2 = (old.double() - rollout.double()) ** 2
         assert math.isclose(float(m["m2po_m2_kept"]), float(d2[keep].mean()), rel_tol=1e-5)
         assert math.isclose(float(m["m2po_m2"]), float(d2[mask].mean()), rel_tol=1e-5)
         assert float(m["m2po_masked_fraction"]) == pytest.approx(
-            1 - keep.sum().item() / mask.sum().item())
+            1 - keep.sum().item() / mask.sum().item()
+        )
         if keep.sum() > 1:
             assert float(m["m2po_m2_kept"]) < tau
 
@@ -87,8 +88,9 @@ def test_m2po_ties_and_edges_hand_computed():
     assert keep.tolist() == [[False, False, True, True]]
     assert float(m["m2po_cut"]) == pytest.approx(0.09)
     # every value >= tau: the smallest (and its ties) kept
-    keep, _ = m2po_mask(torch.tensor([[1.0, -1.0, 2.0]]), torch.zeros(1, 3), torch.ones(1, 3),
-                        threshold=0.5)
+    keep, _ = m2po_mask(
+        torch.tensor([[1.0, -1.0, 2.0]]), torch.zeros(1, 3), torch.ones(1, 3), threshold=0.5
+    )
     assert keep.tolist() == [[True, True, False]]
     # nothing to drop
     keep, m = m2po_mask(d, torch.zeros(1, 4), ones, threshold=1.0)
@@ -118,7 +120,8 @@ def test_top_entropy_matches_trl(rho):
         keep, m = top_entropy_mask(h, mask, rho=rho)
         assert torch.equal(keep, trl_entropy_mask(h, mask, rho))
         assert float(m["entropy_kept_fraction"]) == pytest.approx(
-            keep.sum().item() / mask.sum().item())
+            keep.sum().item() / mask.sum().item()
+        )
 
 
 def test_top_entropy_paper_definition_float64():
@@ -150,8 +153,12 @@ def test_top_entropy_bfloat16_matches_trl_on_the_widened_values():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.floats(0, 3, width=32), min_size=1, max_size=40),
-       st.floats(1e-3, 2.0), st.floats(0.0, 1.0), st.randoms(use_true_random=False))
+@given(
+    st.lists(st.floats(0, 3, width=32), min_size=1, max_size=40),
+    st.floats(1e-3, 2.0),
+    st.floats(0.0, 1.0),
+    st.randoms(use_true_random=False),
+)
 def test_masks_depend_on_values_only(values, tau, rho, rnd):
     """A permutation of the tokens permutes the masks; M2PO's kept mean is < tau unless only
     the smallest value (and its ties) is left, and putting back the smallest dropped value
@@ -198,13 +205,14 @@ def test_opsm_matches_the_paper(delta):
     ref = paper_opsm(logp, old, adv, mask, delta)
     assert torch.equal(keep, ref)
     assert float(m["opsm_masked_fraction"]) == pytest.approx(
-        (mask & ~ref).sum().item() / mask.sum().item())
+        (mask & ~ref).sum().item() / mask.sum().item()
+    )
 
 
 # --------------------------------------------------------------------------- behaviour weights
 def areal_behave(prox, behav, mask, upper, lower, level, agg, action):
     """AReaL's ``apply_rejection_sampling(metric="ratio")`` restated per row in float64."""
-    lr = (prox.double() - behav.double())
+    lr = prox.double() - behav.double()
     w = torch.exp(lr)
     keep = mask.clone().bool()
 
@@ -224,8 +232,11 @@ def areal_behave(prox, behav, mask, upper, lower, level, agg, action):
                     w[b, t] = min(max(float(w[b, t]), lower or 0.0), upper)
             continue
         geo = math.exp(float(lr[b][sel].sum()) / n)
-        s = {"sum": math.exp(float(lr[b][sel].sum())), "mean": geo,
-             "max": math.exp(float(lr[b][sel].max())) if sel.any() else 1.0}[agg]
+        s = {
+            "sum": math.exp(float(lr[b][sel].sum())),
+            "mean": geo,
+            "max": math.exp(float(lr[b][sel].max())) if sel.any() else 1.0,
+        }[agg]
         w[b] = geo
         if not inside(s):
             if action == "mask":
@@ -233,24 +244,36 @@ def areal_behave(prox, behav, mask, upper, lower, level, agg, action):
             else:
                 w[b] = min(max(geo, lower or 0.0), upper)
     keep &= mask.bool()
-    original = torch.exp(lr) if level == "token" else torch.stack(
-        [torch.full((lr.shape[1],), math.exp(float(lr[b][mask[b].bool()].sum())
-                                             / max(int(mask[b].sum()), 1)), dtype=lr.dtype)
-         for b in range(lr.shape[0])])
+    original = (
+        torch.exp(lr)
+        if level == "token"
+        else torch.stack(
+            [
+                torch.full(
+                    (lr.shape[1],),
+                    math.exp(float(lr[b][mask[b].bool()].sum()) / max(int(mask[b].sum()), 1)),
+                    dtype=lr.dtype,
+                )
+                for b in range(lr.shape[0])
+            ]
+        )
+    )
     changed = (mask.bool() & ~keep) if action == "mask" else (mask.bool() & (w != original))
     filtered = changed.sum().item() / max(mask.sum().item(), 1)
     return torch.where(keep, w, 0), keep, filtered
 
 
-@pytest.mark.parametrize("level,agg", [("token", "mean"), ("sequence", "sum"),
-                                       ("sequence", "mean"), ("sequence", "max")])
+@pytest.mark.parametrize(
+    "level,agg", [("token", "mean"), ("sequence", "sum"), ("sequence", "mean"), ("sequence", "max")]
+)
 @pytest.mark.parametrize("action", ["mask", "clamp"])
 @pytest.mark.parametrize("lower", [None, 0.8])
 def test_behavior_weights_match_areal(level, agg, action, lower):
     old, rollout, mask = _batch(7, scale=0.15)
     rollout = rollout + torch.linspace(-0.6, 0.6, old.shape[0], dtype=old.dtype)[:, None]
-    w, keep, m = behavior_importance_weights(old, rollout, mask, upper=1.25, lower=lower,
-                                             level=level, agg=agg, action=action)
+    w, keep, m = behavior_importance_weights(
+        old, rollout, mask, upper=1.25, lower=lower, level=level, agg=agg, action=action
+    )
     rw, rkeep, filtered = areal_behave(old, rollout, mask, 1.25, lower, level, agg, action)
     assert torch.equal(keep, rkeep)
     torch.testing.assert_close(w, rw, rtol=1e-12, atol=0)
@@ -290,35 +313,54 @@ def _split_work(rank, world, batches, ent):
     out = {}
     for name, (old, rollout, mask) in batches.items():
         h = ent.to(old.dtype)
-        for split, rows, grp in (("4", QUARTERS[rank], dist.group.WORLD),
-                                 ("2", HALVES[rank], pair)):
+        for split, rows, grp in (
+            ("4", QUARTERS[rank], dist.group.WORLD),
+            ("2", HALVES[rank], pair),
+        ):
             r = slice(*rows)
             with count_collectives() as calls:
-                keep_m, met_m = m2po_mask(old[r], rollout[r], mask[r], threshold=0.02,
-                                          group=grp)
+                keep_m, met_m = m2po_mask(old[r], rollout[r], mask[r], threshold=0.02, group=grp)
             n_m = sum(calls.values())
             keep_e, met_e = top_entropy_mask(h[r], mask[r], rho=0.2, group=grp)
             out[name, split] = (keep_m, keep_e, met_m, met_e, n_m)
         os.environ["RLOPS_GROUP_CHECK"] = "0"
         with count_collectives() as calls:
-            m2po_mask(old[slice(*QUARTERS[rank])], rollout[slice(*QUARTERS[rank])],
-                      mask[slice(*QUARTERS[rank])], threshold=0.02, group=dist.group.WORLD)
+            m2po_mask(
+                old[slice(*QUARTERS[rank])],
+                rollout[slice(*QUARTERS[rank])],
+                mask[slice(*QUARTERS[rank])],
+                threshold=0.02,
+                group=dist.group.WORLD,
+            )
         del os.environ["RLOPS_GROUP_CHECK"]
         out[name, "unchecked"] = sum(calls.values())
     # context parallel over a pair: columns split between its two ranks
     old, rollout, mask = batches["float64"]
     half = old.shape[1] // 2
     cols = slice(0, half) if rank % 2 == 0 else slice(half, old.shape[1])
-    w, keep, _ = behavior_importance_weights(old[:, cols], rollout[:, cols], mask[:, cols],
-                                             upper=1.2, level="sequence", agg="max",
-                                             cp_group=pair)
-    opsm, _ = opsm_mask(rollout[:, cols], old[:, cols], old[:, cols] - 1, mask[:, cols],
-                        delta=0.01, cp_group=pair)
+    w, keep, _ = behavior_importance_weights(
+        old[:, cols],
+        rollout[:, cols],
+        mask[:, cols],
+        upper=1.2,
+        level="sequence",
+        agg="max",
+        cp_group=pair,
+    )
+    opsm, _ = opsm_mask(
+        rollout[:, cols], old[:, cols], old[:, cols] - 1, mask[:, cols], delta=0.01, cp_group=pair
+    )
     out["cp"] = (w, keep, opsm)
     q = slice(*QUARTERS[rank])
-    out["behave"] = behavior_importance_weights(old[q], rollout[q], mask[q], upper=1.1,
-                                                level="token", action="clamp",
-                                                group=dist.group.WORLD)[2]
+    out["behave"] = behavior_importance_weights(
+        old[q],
+        rollout[q],
+        mask[q],
+        upper=1.1,
+        level="token",
+        action="clamp",
+        group=dist.group.WORLD,
+    )[2]
     return out
 
 
@@ -327,8 +369,10 @@ def test_group_masks_equal_the_whole_batch_for_splits_1_2_4():
     """The mask of each rank, concatenated in rank order, equals the one-process mask of the
     whole batch for the batch split over 1 (one process), 2 (two groups of 2 ranks, split
     differently) and 4 ranks (one holding no row); float32 (4 radix rounds) and float64 (8)."""
-    batches = {str(dt).split(".")[1]: _batch(11, b=8, t=10, dtype=dt)
-               for dt in (torch.float32, torch.float64)}
+    batches = {
+        str(dt).split(".")[1]: _batch(11, b=8, t=10, dtype=dt)
+        for dt in (torch.float32, torch.float64)
+    }
     ent = torch.rand(8, 10, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     res = run_distributed(_split_work, 4, batches, ent)
     for name, (old, rollout, mask) in batches.items():
@@ -348,11 +392,13 @@ def test_group_masks_equal_the_whole_batch_for_splits_1_2_4():
                 assert p[4] == 2 * rounds
         assert all(res[r][name, "unchecked"] == rounds for r in range(4))
     old, rollout, mask = batches["float64"]
-    w, keep, _ = behavior_importance_weights(old, rollout, mask, upper=1.2, level="sequence",
-                                             agg="max")
+    w, keep, _ = behavior_importance_weights(
+        old, rollout, mask, upper=1.2, level="sequence", agg="max"
+    )
     opsm, _ = opsm_mask(rollout, old, old - 1, mask, delta=0.01)
-    whole = behavior_importance_weights(old, rollout, mask, upper=1.1, level="token",
-                                        action="clamp")[2]
+    whole = behavior_importance_weights(
+        old, rollout, mask, upper=1.1, level="token", action="clamp"
+    )[2]
     assert 0 < whole["behave_filtered_fraction"] < 1
     for r in range(4):
         for k in whole:

@@ -154,9 +154,7 @@ def _context_parallel(method: str, c: Returns):
         out = out if c.mask is None else torch.where(c.mask, out, 0.0)
         return out, out
     g, gl = c.rows(c.gamma, c.r.dtype), c.rows(c.gamma_lam, c.r.dtype)
-    return cp_gae(
-        c.r, c.v, c.mask, c.dones, g, gl, layout, method, c.chunk_size, c.cut, c.end
-    )
+    return cp_gae(c.r, c.v, c.mask, c.dones, g, gl, layout, method, c.chunk_size, c.cut, c.end)
 
 
 def _in_context_parallel(case) -> bool:
@@ -389,7 +387,5 @@ def discounted_returns(
     ends, cut, end = bootstrap_inputs(bootstrap, truncated, rewards, dones, dtype)
     case = case_of(rewards, gamma_, bootstrap, cp=cp_group is not None, discounts=(gamma_,))
     r = rewards.to(dtype)
-    call = Returns(
-        r, None, mask, ends, gamma_, gamma_, chunk_size, cp_group, cut, end, cp_layout
-    )
+    call = Returns(r, None, mask, ends, gamma_, gamma_, chunk_size, cp_group, cut, end, cp_layout)
     return RETURNS(method, case, call)[1].to(rewards.dtype)

@@ -92,7 +92,8 @@ def bootstrap_inputs(bootstrap, truncated, ref: torch.Tensor, dones, dtype):
         ends = tr if dones is None else dones | tr
         return ends, torch.where(tr, bootstrap.to(dtype), 0.0), None
     raise shape_error(
-        "bootstrap", f"[B] = {[b]} (the row's end) or [B, T] = {[b, t]} (with truncated=)",
+        "bootstrap",
+        f"[B] = {[b]} (the row's end) or [B, T] = {[b, t]} (with truncated=)",
         bootstrap.shape,
     )
 

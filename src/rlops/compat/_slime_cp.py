@@ -185,8 +185,9 @@ def held_response_index(
         cp_rank=0,
     )
     both = torch.stack([ids, held.long()])[:, :total_length]
-    ids, held = zigzag_shard(F.pad(both, (0, length - total_length)), cp_size=cp_size,
-                             cp_rank=cp_rank)
+    ids, held = zigzag_shard(
+        F.pad(both, (0, length - total_length)), cp_size=cp_size, cp_rank=cp_rank
+    )
     held = held.bool()
     return ids[held], int(held[: held.numel() // 2].sum())
 
@@ -316,8 +317,12 @@ def add_outcome_rewards(
         [tensor([0., 0., 1.])]
     """
     xs = _ragged.as_1d_list("token_level_rewards", token_level_rewards)
-    _ragged.check_counts(token_level_rewards=xs, rewards=rewards, total_lengths=total_lengths,
-                         response_lengths=response_lengths)
+    _ragged.check_counts(
+        token_level_rewards=xs,
+        rewards=rewards,
+        total_lengths=total_lengths,
+        response_lengths=response_lengths,
+    )
     check_lengths(total_lengths, response_lengths)
     if not xs:
         return []
@@ -383,8 +388,9 @@ def response_values(
     packed = size == 1 or allgather_cp
     masks = []
     for total, response in zip(total_lengths, response_lengths):
-        mask = zigzag_response_mask(total, response, cp_size=1 if packed else size,
-                                    cp_rank=0 if packed else rank)
+        mask = zigzag_response_mask(
+            total, response, cp_size=1 if packed else size, cp_rank=0 if packed else rank
+        )
         masks.append(mask[:total] if packed else mask)
     where = torch.cat(masks).nonzero().flatten() if masks else torch.zeros(0, dtype=torch.long)
     counts = [int(m.sum()) for m in masks]
@@ -393,8 +399,7 @@ def response_values(
     if not packed or size == 1:
         if where.numel() and int(where[-1]) >= local:
             raise ValueError(
-                f"logits hold {local} positions but the samples' layout needs "
-                f"{int(where[-1]) + 1}"
+                f"logits hold {local} positions but the samples' layout needs {int(where[-1]) + 1}"
             )
         return list(logits[0, where.to(logits.device), 0].split(counts))
     # allgather_cp: scatter this rank's part of every response, sum over the group, re-slice.

@@ -33,8 +33,9 @@ def _ratios(log_ratio: torch.Tensor, upper: float, lower: float | None, mode: st
     so the two are equal wherever no bound applies."""
     lr = _row(log_ratio.detach())
     everywhere = torch.ones_like(lr, dtype=torch.bool)
-    weight = rlops.rollout_importance_weights(lr, torch.zeros_like(lr), everywhere, mode=mode,
-                                              threshold=upper, low=lower)[0]
+    weight = rlops.rollout_importance_weights(
+        lr, torch.zeros_like(lr), everywhere, mode=mode, threshold=upper, low=lower
+    )[0]
     ratio = torch.exp(lr.to(weight.dtype).clamp_max(MAX_LOG_WEIGHT))
     return ratio.reshape(log_ratio.shape), weight.reshape(log_ratio.shape)
 
@@ -68,15 +69,24 @@ def compute_cispo_loss(
     check_same_shape("ppo_kl", ppo_kl, log_probs=log_probs, advantages=advantages)
     low = check_positive("eps_clip", eps_clip)
     high = check_positive("eps_clip_high", eps_clip_high)
-    dtype = torch.promote_types(torch.promote_types(ppo_kl.dtype, log_probs.dtype),
-                                advantages.dtype)
+    dtype = torch.promote_types(
+        torch.promote_types(ppo_kl.dtype, log_probs.dtype), advantages.dtype
+    )
     logp = _row(log_probs).double()
     old = logp.detach() + _row(ppo_kl).detach().double()
-    loss, _ = rlops.policy_loss(logp, old, _row(advantages).double(),
-                                torch.ones_like(logp, dtype=torch.bool), kind="cispo",
-                                clip_low=math.inf if low >= 1 else low, clip_high=high, agg=None)
-    ratio, weight = _ratios(-ppo_kl.double(), 1.0 + high, None if low >= 1 else 1.0 - low,
-                            "truncate")
+    loss, _ = rlops.policy_loss(
+        logp,
+        old,
+        _row(advantages).double(),
+        torch.ones_like(logp, dtype=torch.bool),
+        kind="cispo",
+        clip_low=math.inf if low >= 1 else low,
+        clip_high=high,
+        agg=None,
+    )
+    ratio, weight = _ratios(
+        -ppo_kl.double(), 1.0 + high, None if low >= 1 else 1.0 - low, "truncate"
+    )
     return loss.reshape(ppo_kl.shape).to(dtype), (weight != ratio).to(dtype)
 
 
@@ -87,12 +97,17 @@ def _tis_inputs(args, pg_loss, train_log_probs, rollout_log_probs):
     _ragged.check_counts(train_log_probs=train, rollout_log_probs=rollouts)
     for i, (a, b) in enumerate(zip(train, rollouts)):
         if a.numel() != b.numel():
-            raise ValueError(f"train_log_probs[{i}] has {a.numel()} entries but "
-                             f"rollout_log_probs[{i}] has {b.numel()}")
+            raise ValueError(
+                f"train_log_probs[{i}] has {a.numel()} entries but "
+                f"rollout_log_probs[{i}] has {b.numel()}"
+            )
     old = torch.cat(train) if train else torch.zeros(0)
     rollout = torch.cat(rollouts) if rollouts else torch.zeros(0)
-    check_same_shape("pg_loss", pg_loss, **{"torch.cat(train_log_probs)": old,
-                                            "torch.cat(rollout_log_probs)": rollout})
+    check_same_shape(
+        "pg_loss",
+        pg_loss,
+        **{"torch.cat(train_log_probs)": old, "torch.cat(rollout_log_probs)": rollout},
+    )
     upper = check_positive("args.tis_clip", args.tis_clip)
     lower = check_nonneg("args.tis_clip_low", getattr(args, "tis_clip_low", 0.0))
     if lower > upper:
@@ -111,8 +126,9 @@ def _tis(args, pg_loss, train_log_probs, rollout_log_probs, loss_masks, mode):
     return pg_loss * weight, loss_masks, metrics
 
 
-def vanilla_tis_function(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks,
-                         **kwargs):
+def vanilla_tis_function(
+    args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs
+):
     """Truncated importance sampling (TIS, https://fengyao.notion.site/off-policy-rl):
     ``(pg_loss · w, loss_masks, metrics)``, slime's ``--use-tis`` default.
 
@@ -199,16 +215,19 @@ def compute_opsm_mask(args, full_log_probs, full_old_log_probs, advantages, loss
     old = _ragged.as_1d_list("full_old_log_probs", full_old_log_probs)
     adv = _ragged.as_1d_list("advantages", advantages)
     masks = _ragged.as_1d_list("loss_masks", loss_masks)
-    _ragged.check_counts(full_log_probs=new, full_old_log_probs=old, advantages=adv,
-                         loss_masks=masks)
+    _ragged.check_counts(
+        full_log_probs=new, full_old_log_probs=old, advantages=adv, loss_masks=masks
+    )
     delta = as_real("args.opsm_delta", args.opsm_delta)
     if is_nan(delta):
         raise ValueError("args.opsm_delta must be a number, got nan")
     for i, (a, b, m) in enumerate(zip(new, old, masks)):
         if not a.numel() == b.numel() == m.numel():
-            raise ValueError(f"full_log_probs[{i}], full_old_log_probs[{i}] and loss_masks[{i}] "
-                             f"must have one entry per response token, got {a.numel()}, "
-                             f"{b.numel()} and {m.numel()}")
+            raise ValueError(
+                f"full_log_probs[{i}], full_old_log_probs[{i}] and loss_masks[{i}] "
+                f"must have one entry per response token, got {a.numel()}, "
+                f"{b.numel()} and {m.numel()}"
+            )
     if not adv:
         return torch.zeros(0), torch.zeros(())
     device = adv[0].device
@@ -223,8 +242,9 @@ def compute_opsm_mask(args, full_log_probs, full_old_log_probs, advantages, loss
     on = w != 0
     count = on.sum(-1, keepdim=True).clamp_min(1).to(w.dtype)
     scaled = torch.where(on, (o - n) * w * (count / weight[:, None]), 0)
-    keep, _ = rlops.selection.opsm_mask(torch.zeros_like(scaled), scaled, -torch.ones_like(scaled),
-                                        on, delta=delta)
+    keep, _ = rlops.selection.opsm_mask(
+        torch.zeros_like(scaled), scaled, -torch.ones_like(scaled), on, delta=delta
+    )
     # a row with no weight has kl 0: masked only when delta < 0 (slime)
     rejected = torch.where(on.any(-1), ~keep.any(-1), torch.tensor(0.0 > delta)).to(device)
     a = _ragged.pad(adv)

@@ -36,8 +36,9 @@ __all__ = [
 
 def _inputs(token_level_rewards: object, response_mask: object) -> torch.Tensor:
     rewards = check_2d("token_level_rewards", token_level_rewards)
-    return as_bool_mask("response_mask", response_mask, rewards.shape, "token_level_rewards",
-                        rewards)
+    return as_bool_mask(
+        "response_mask", response_mask, rewards.shape, "token_level_rewards", rewards
+    )
 
 
 def _group_ids(index: object, device: torch.device) -> torch.Tensor:
@@ -73,8 +74,9 @@ def compute_opo_outcome_advantage(
     """
     mask = _inputs(token_level_rewards, response_mask)
     with torch.no_grad():
-        return rlops.opo_advantages(token_level_rewards,
-                                    _group_ids(index, token_level_rewards.device), mask)
+        return rlops.opo_advantages(
+            token_level_rewards, _group_ids(index, token_level_rewards.device), mask
+        )
 
 
 def compute_gpg_outcome_advantage(
@@ -102,9 +104,9 @@ def compute_gpg_outcome_advantage(
     mask = _inputs(token_level_rewards, response_mask)
     f_norm = check_positive("f_norm", f_norm)
     with torch.no_grad():
-        return rlops.gpg_advantages(token_level_rewards,
-                                    _group_ids(index, token_level_rewards.device), mask,
-                                    f_norm=f_norm)
+        return rlops.gpg_advantages(
+            token_level_rewards, _group_ids(index, token_level_rewards.device), mask, f_norm=f_norm
+        )
 
 
 def compute_grpo_passk_outcome_advantage(
@@ -136,12 +138,15 @@ def compute_grpo_passk_outcome_advantage(
     mask = _inputs(token_level_rewards, response_mask)
     epsilon = check_nonneg("epsilon", epsilon)
     norm = config_value(config, "norm_adv_by_std_in_grpo") if config is not None else None
-    norm = check_bool("norm_adv_by_std_in_grpo",
-                      norm_adv_by_std_in_grpo if norm is None else norm)
+    norm = check_bool("norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo if norm is None else norm)
     with torch.no_grad():
-        return rlops.grpo_passk_advantages(token_level_rewards,
-                                           _group_ids(index, token_level_rewards.device), mask,
-                                           norm_std=norm, eps=epsilon)
+        return rlops.grpo_passk_advantages(
+            token_level_rewards,
+            _group_ids(index, token_level_rewards.device),
+            mask,
+            norm_std=norm,
+            eps=epsilon,
+        )
 
 
 def compute_gdpo_outcome_advantage(
@@ -182,44 +187,78 @@ def compute_gdpo_outcome_advantage(
     if config is not None and non_tensor_batch is not None and batch is not None:
         keys: Any = config_value(config, "gdpo_reward_keys")
         if not keys:
-            raise ValueError("GDPO requires config['gdpo_reward_keys'] listing the reward "
-                             "component keys returned by compute_score")
+            raise ValueError(
+                "GDPO requires config['gdpo_reward_keys'] listing the reward "
+                "component keys returned by compute_score"
+            )
         missing = [k for k in keys if k not in non_tensor_batch]
         if missing:
-            raise ValueError(f"GDPO reward keys {missing} not found in non_tensor_batch "
-                             f"(available: {sorted(non_tensor_batch)})")
+            raise ValueError(
+                f"GDPO reward keys {missing} not found in non_tensor_batch "
+                f"(available: {sorted(non_tensor_batch)})"
+            )
         import numpy as np  # verl's non_tensor_batch holds numpy arrays
 
-        scores = torch.stack([
-            torch.as_tensor(np.asarray(non_tensor_batch[k], dtype=np.float32), device=device)
-            for k in keys], -1)
+        scores = torch.stack(
+            [
+                torch.as_tensor(np.asarray(non_tensor_batch[k], dtype=np.float32), device=device)
+                for k in keys
+            ],
+            -1,
+        )
         weights = config_value(config, "gdpo_reward_weights")
         if weights is not None:
-            weights = as_real_vector("config['gdpo_reward_weights']", weights, len(keys),
-                                     "the scores of config['gdpo_reward_keys']")
+            weights = as_real_vector(
+                "config['gdpo_reward_weights']",
+                weights,
+                len(keys),
+                "the scores of config['gdpo_reward_keys']",
+            )
     else:
         scores = token_level_rewards.sum(-1, keepdim=True)
     with torch.no_grad():
-        return rlops.gdpo_advantages(scores, _group_ids(index, device), mask,
-                                     weights=weights,
-                                     norm_std=check_bool("norm_adv_by_std_in_grpo",
-                                                         norm_adv_by_std_in_grpo),
-                                     eps=epsilon, whiten_eps=1e-8)
+        return rlops.gdpo_advantages(
+            scores,
+            _group_ids(index, device),
+            mask,
+            weights=weights,
+            norm_std=check_bool("norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo),
+            eps=epsilon,
+            whiten_eps=1e-8,
+        )
 
 
-def _otb(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
-         rollout_is_weights, handle_zero_tail, epsilon, per_action_step):
+def _otb(
+    token_level_rewards,
+    response_mask,
+    index,
+    old_log_probs,
+    sum_pi_squared,
+    rollout_is_weights,
+    handle_zero_tail,
+    epsilon,
+    per_action_step,
+):
     mask = _inputs(token_level_rewards, response_mask)
-    for name, x in (("old_log_probs", old_log_probs), ("sum_pi_squared", sum_pi_squared),
-                    ("rollout_is_weights", rollout_is_weights)):
+    for name, x in (
+        ("old_log_probs", old_log_probs),
+        ("sum_pi_squared", sum_pi_squared),
+        ("rollout_is_weights", rollout_is_weights),
+    ):
         if x is not None:
             as_float_tensor(name, x)  # under verl's names
     with torch.no_grad():
         return rlops.optimal_token_baseline_advantages(
-            token_level_rewards, _group_ids(index, token_level_rewards.device), mask,
-            old_log_probs, sum_pi_squared, rollout_is_weights=rollout_is_weights,
+            token_level_rewards,
+            _group_ids(index, token_level_rewards.device),
+            mask,
+            old_log_probs,
+            sum_pi_squared,
+            rollout_is_weights=rollout_is_weights,
             handle_zero_tail=check_bool("handle_zero_tail", handle_zero_tail),
-            eps=check_nonneg("epsilon", epsilon), per_action_step=per_action_step)
+            eps=check_nonneg("epsilon", epsilon),
+            per_action_step=per_action_step,
+        )
 
 
 def compute_optimal_token_baseline_advantage(
@@ -249,8 +288,17 @@ def compute_optimal_token_baseline_advantage(
         tensor([[ 0.5000,  0.5000],
                 [-0.5000, -0.5000]])
     """
-    return _otb(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
-                rollout_is_weights, handle_zero_tail, epsilon, False)
+    return _otb(
+        token_level_rewards,
+        response_mask,
+        index,
+        old_log_probs,
+        sum_pi_squared,
+        rollout_is_weights,
+        handle_zero_tail,
+        epsilon,
+        False,
+    )
 
 
 def compute_multi_turn_optimal_token_baseline_advantage(
@@ -282,5 +330,14 @@ def compute_multi_turn_optimal_token_baseline_advantage(
         tensor([[ 0.5000,  0.0000,  0.5000],
                 [-0.5000, -0.5000,  0.0000]])
     """
-    return _otb(token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared,
-                rollout_is_weights, handle_zero_tail, epsilon, True)
+    return _otb(
+        token_level_rewards,
+        response_mask,
+        index,
+        old_log_probs,
+        sum_pi_squared,
+        rollout_is_weights,
+        handle_zero_tail,
+        epsilon,
+        True,
+    )

@@ -58,8 +58,10 @@ def batch_info(config: object) -> Mapping:
     absent, as verl's ``ActorConfig`` default)."""
     info = config_value(config, "global_batch_info", {})
     if not isinstance(info, Mapping):
-        raise TypeError("config.global_batch_info must be a mapping of agg_loss keywords "
-                        f"(dp_size, batch_num_tokens, ...), got {type(info).__name__}")
+        raise TypeError(
+            "config.global_batch_info must be a mapping of agg_loss keywords "
+            f"(dp_size, batch_num_tokens, ...), got {type(info).__name__}"
+        )
     return info
 
 
@@ -100,29 +102,47 @@ def _options(kind: str, config: object) -> dict[str, Any]:
     if kind == "geo_mean":
         return _clip_pair(config, log_space=True)
     if kind in ("dppo_tv", "dppo_kl"):  # divergence bounds, any > 0; verl's TIS cap at 20
-        return {**_clip_pair(config, log_space=True),
-                "clip_ratio_c": check_positive("config.clip_ratio_c",
-                                               config_value(config, "clip_ratio_c", 20.0))}
+        return {
+            **_clip_pair(config, log_space=True),
+            "clip_ratio_c": check_positive(
+                "config.clip_ratio_c", config_value(config, "clip_ratio_c", 20.0)
+            ),
+        }
     if kind == "sapo":
-        return {"tau_pos": check_positive("config.tau_pos", config_value(config, "tau_pos", 1.0)),
-                "tau_neg": check_positive("config.tau_neg", config_value(config, "tau_neg", 1.05))}
+        return {
+            "tau_pos": check_positive("config.tau_pos", config_value(config, "tau_pos", 1.0)),
+            "tau_neg": check_positive("config.tau_neg", config_value(config, "tau_neg", 1.05)),
+        }
     if kind == "clip_cov":
-        lb = as_real("config.policy_loss.clip_cov_lb",
-                     _policy_loss_option(config, "clip_cov_lb", 1.0))
-        ub = as_real("config.policy_loss.clip_cov_ub",
-                     _policy_loss_option(config, "clip_cov_ub", 5.0))
+        lb = as_real(
+            "config.policy_loss.clip_cov_lb", _policy_loss_option(config, "clip_cov_lb", 1.0)
+        )
+        ub = as_real(
+            "config.policy_loss.clip_cov_ub", _policy_loss_option(config, "clip_cov_ub", 5.0)
+        )
         if not lb < ub:
-            raise ValueError("config.policy_loss.clip_cov_lb must be < config.policy_loss."
-                             f"clip_cov_ub, got {lb} and {ub}")
-        return {**_clip_pair(config), "clip_cov_lb": lb, "clip_cov_ub": ub,
-                "clip_cov_ratio": check_fraction("config.policy_loss.clip_cov_ratio",
-                                            _policy_loss_option(config, "clip_cov_ratio",
-                                                                2e-4))}
+            raise ValueError(
+                "config.policy_loss.clip_cov_lb must be < config.policy_loss."
+                f"clip_cov_ub, got {lb} and {ub}"
+            )
+        return {
+            **_clip_pair(config),
+            "clip_cov_lb": lb,
+            "clip_cov_ub": ub,
+            "clip_cov_ratio": check_fraction(
+                "config.policy_loss.clip_cov_ratio",
+                _policy_loss_option(config, "clip_cov_ratio", 2e-4),
+            ),
+        }
     if kind == "kl_cov":
-        return {"kl_cov_ratio": check_fraction("config.policy_loss.kl_cov_ratio",
-                                          _policy_loss_option(config, "kl_cov_ratio", 2e-4)),
-                "ppo_kl_coef": check_nonneg("config.policy_loss.ppo_kl_coef",
-                                            _policy_loss_option(config, "ppo_kl_coef", 1.0))}
+        return {
+            "kl_cov_ratio": check_fraction(
+                "config.policy_loss.kl_cov_ratio", _policy_loss_option(config, "kl_cov_ratio", 2e-4)
+            ),
+            "ppo_kl_coef": check_nonneg(
+                "config.policy_loss.ppo_kl_coef", _policy_loss_option(config, "ppo_kl_coef", 1.0)
+            ),
+        }
     return {}
 
 
@@ -134,12 +154,21 @@ _METRICS: dict[str, tuple[tuple[str, str | None], ...]] = {
     "gpg": (),
     "clip_cov": (("pg_clipfrac", "clip_cov_frac"), ("ppo_kl", "ppo_kl")),
     "kl_cov": (("ppo_kl", "ppo_kl_abs"),),
-    "geo_mean": (("pg_clipfrac", "pg_clipfrac"), ("ppo_kl", "ppo_kl"),
-                 ("pg_clipfrac_lower", "pg_clipfrac_lower")),
-    "dppo_tv": (("pg_clipfrac", "pg_clipfrac"), ("ppo_kl", "ppo_kl"),
-                ("pg_clipfrac_lower", "pg_clipfrac_lower")),
-    "dppo_kl": (("pg_clipfrac", "pg_clipfrac"), ("ppo_kl", "ppo_kl"),
-                ("pg_clipfrac_lower", "pg_clipfrac_lower")),
+    "geo_mean": (
+        ("pg_clipfrac", "pg_clipfrac"),
+        ("ppo_kl", "ppo_kl"),
+        ("pg_clipfrac_lower", "pg_clipfrac_lower"),
+    ),
+    "dppo_tv": (
+        ("pg_clipfrac", "pg_clipfrac"),
+        ("ppo_kl", "ppo_kl"),
+        ("pg_clipfrac_lower", "pg_clipfrac_lower"),
+    ),
+    "dppo_kl": (
+        ("pg_clipfrac", "pg_clipfrac"),
+        ("ppo_kl", "ppo_kl"),
+        ("pg_clipfrac_lower", "pg_clipfrac_lower"),
+    ),
 }
 # verl aggregates these with a fixed mode whatever loss_agg_mode says
 _FORCED_AGG = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean"}
@@ -163,21 +192,30 @@ def kind_loss(
         raise ValueError(f"config (verl's actor config) must be given for the {kind!r} loss")
     check_2d("old_log_prob", old_log_prob)
     weights = {} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}
-    check_same_shape("old_log_prob", old_log_prob, log_prob=log_prob, advantages=advantages,
-                     **weights)
-    mask = as_bool_mask("response_mask", response_mask, old_log_prob.shape, "old_log_prob",
-                        old_log_prob)
+    check_same_shape(
+        "old_log_prob", old_log_prob, log_prob=log_prob, advantages=advantages, **weights
+    )
+    mask = as_bool_mask(
+        "response_mask", response_mask, old_log_prob.shape, "old_log_prob", old_log_prob
+    )
     check_choice("loss_agg_mode", loss_agg_mode, AGG_MODES)
     options = _options(kind, config)
     if kind == "geo_mean" and rollout_is_weights is not None:
         rollout_is_weights = row_geometric_mean(rollout_is_weights, mask, eps=1e-10)
     loss_mat, metrics = rlops.policy_loss(
-        log_prob, old_log_prob, advantages, mask, kind=kind,
-        rollout_is_weights=rollout_is_weights, agg=None, **options,
+        log_prob,
+        old_log_prob,
+        advantages,
+        mask,
+        kind=kind,
+        rollout_is_weights=rollout_is_weights,
+        agg=None,
+        **options,
     )
     if kind == "geo_mean":  # verl: a plain mean over all rows, whatever loss_agg_mode says
-        loss = rlops.aggregate_loss(loss_mat, mask, "seq-mean-token-mean",
-                                    num_seqs=max(old_log_prob.shape[0], 1))
+        loss = rlops.aggregate_loss(
+            loss_mat, mask, "seq-mean-token-mean", num_seqs=max(old_log_prob.shape[0], 1)
+        )
     else:
         loss = agg_loss(loss_mat, mask, _FORCED_AGG.get(kind, loss_agg_mode), **batch_info(config))
     out = {}

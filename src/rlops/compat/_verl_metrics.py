@@ -95,8 +95,11 @@ def compute_is_metrics(
     mask = as_bool_mask("response_mask", response_mask, w.shape, "rollout_is_weights", w)
     check_choice("rollout_is", rollout_is, ("token", "sequence"))
     upper = check_positive("rollout_is_threshold", rollout_is_threshold)
-    lower = 1.0 / upper if rollout_is_threshold_lower is None else check_positive(
-        "rollout_is_threshold_lower", rollout_is_threshold_lower)
+    lower = (
+        1.0 / upper
+        if rollout_is_threshold_lower is None
+        else check_positive("rollout_is_threshold_lower", rollout_is_threshold_lower)
+    )
     if not bool(mask.any()):
         raise ValueError("response_mask must contain at least one valid token (1).")
     m: dict[str, torch.Tensor | float] = {}
@@ -122,8 +125,7 @@ def compute_is_metrics(
         m["rollout_is_std"] = var.clamp_min(0).sqrt()
     else:
         m["rollout_is_std"] = 0.0
-    m["rollout_is_eff_sample_size"] = 1.0 / rlops.masked_mean((c / (mean_c + 1e-8)).square(),
-                                                              mask)
+    m["rollout_is_eff_sample_size"] = 1.0 / rlops.masked_mean((c / (mean_c + 1e-8)).square(), mask)
     seq = rlops.masked_mean(w, mask, -1)
     m["rollout_is_seq_mean"] = seq.mean()
     m["rollout_is_seq_std"] = _std(seq)
@@ -178,22 +180,30 @@ def compute_rs_metrics(
     mask = as_bool_mask("response_mask", response_mask, x.shape, "rs_statistic", x)
     level = check_choice("level", level, ("token", "sequence"))
     if not isinstance(option_name, str):
-        raise TypeError(f"option_name must be a str (verl's rollout_rs option), got "
-                        f"{type(option_name).__name__}")
+        raise TypeError(
+            f"option_name must be a str (verl's rollout_rs option), got "
+            f"{type(option_name).__name__}"
+        )
     check_indicator("seq_valid_mask", seq_valid_mask, x.shape[:1], "rs_statistic's rows")
     if per_sequence_values is not None:
         as_float_tensor("per_sequence_values", per_sequence_values)
         if tuple(per_sequence_values.shape) not in ((x.shape[0],), (x.shape[0], 1)):
-            raise shape_error("per_sequence_values", f"[bs] = [{x.shape[0]}] (or [bs, 1])",
-                              per_sequence_values.shape)
+            raise shape_error(
+                "per_sequence_values",
+                f"[bs] = [{x.shape[0]}] (or [bs, 1])",
+                per_sequence_values.shape,
+            )
     upper = check_real("rollout_rs_threshold", rollout_rs_threshold)
     lower = check_real("rollout_rs_threshold_lower", rollout_rs_threshold_lower)
     apply_lower_threshold = check_bool("apply_lower_threshold", apply_lower_threshold)
     if not bool(mask.any()):
         raise ValueError("response_mask must contain at least one valid token (1).")
     p = f"rollout_rs_{option_name}"
-    seq = per_sequence_values.detach() if per_sequence_values is not None else (
-        rlops.masked_mean(x, mask, -1))
+    seq = (
+        per_sequence_values.detach()
+        if per_sequence_values is not None
+        else (rlops.masked_mean(x, mask, -1))
+    )
     if seq.dim() > 1:
         seq = seq.squeeze(-1)
     valid = seq[seq_valid_mask.bool()]
@@ -207,8 +217,9 @@ def compute_rs_metrics(
         m[f"{p}_max"] = _masked_extreme(x, mask, True)
         m[f"{p}_min"] = _masked_extreme(x, mask, False)
         m[f"{p}_fraction_high"] = rlops.masked_mean((x > upper).float(), mask)
-        m[f"{p}_fraction_low"] = (rlops.masked_mean((x < lower).float(), mask)
-                                  if apply_lower_threshold else 0.0)
+        m[f"{p}_fraction_low"] = (
+            rlops.masked_mean((x < lower).float(), mask) if apply_lower_threshold else 0.0
+        )
     if int(mask.sum()) > 1:
         c = x.clamp(lower if apply_lower_threshold else 0.0, upper)
         var = rlops.masked_mean(c.square(), mask) - rlops.masked_mean(c, mask).square()
@@ -224,7 +235,14 @@ def compute_rs_metrics(
         if apply_lower_threshold:
             m[f"{p}_seq_fraction_low"] = (valid < lower).float().mean()
     else:
-        for k in ("seq_mean", "seq_std", "seq_max", "seq_min", "seq_max_deviation",
-                  "seq_fraction_high", "seq_fraction_low"):
+        for k in (
+            "seq_mean",
+            "seq_std",
+            "seq_max",
+            "seq_min",
+            "seq_max_deviation",
+            "seq_fraction_high",
+            "seq_fraction_low",
+        ):
             m[f"{p}_{k}"] = 0.0
     return _floats(m)

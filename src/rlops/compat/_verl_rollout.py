@@ -31,9 +31,14 @@ __all__ = [
     "parse_rollout_rs",
 ]
 
-_IS_METRICS = ("rollout_is_eff_sample_size", "rollout_is_max", "rollout_is_mean",
-               "rollout_is_min", "rollout_is_ratio_fraction_high",
-               "rollout_is_ratio_fraction_low")
+_IS_METRICS = (
+    "rollout_is_eff_sample_size",
+    "rollout_is_max",
+    "rollout_is_mean",
+    "rollout_is_min",
+    "rollout_is_ratio_fraction_high",
+    "rollout_is_ratio_fraction_low",
+)
 _MISMATCH = ("chi2_seq", "chi2_token", "k3_kl", "kl")
 
 
@@ -80,8 +85,10 @@ def parse_rollout_rs(
     """verl's ``rollout_rs`` / ``rollout_rs_threshold`` as the ``criteria`` of
     :func:`rlops.rollout_rejection_mask` (option -> ``(lower, upper)`` for k1, ``upper`` else)."""
     if not isinstance(rollout_rs, str):
-        raise ValueError("rollout_rs must be a non-empty string (comma separated for several "
-                         f"options), got {rollout_rs!r}")
+        raise ValueError(
+            "rollout_rs must be a non-empty string (comma separated for several "
+            f"options), got {rollout_rs!r}"
+        )
     options = list(dict.fromkeys(o.strip() for o in rollout_rs.split(",") if o.strip()))
     if not options:
         raise ValueError("rollout_rs must contain at least one option")
@@ -89,17 +96,21 @@ def parse_rollout_rs(
         check_choice("rollout_rs option", option, RS_OPTIONS)
     if rollout_rs_threshold is None:
         raise ValueError("rollout_rs_threshold must be provided for rejection sampling")
-    if isinstance(rollout_rs_threshold, bool) or not isinstance(rollout_rs_threshold,
-                                                                int | float | str):
-        raise TypeError(f"rollout_rs_threshold must be a number or a string, got "
-                        f"{rollout_rs_threshold!r}")
+    if isinstance(rollout_rs_threshold, bool) or not isinstance(
+        rollout_rs_threshold, int | float | str
+    ):
+        raise TypeError(
+            f"rollout_rs_threshold must be a number or a string, got {rollout_rs_threshold!r}"
+        )
     if isinstance(rollout_rs_threshold, str):
         specs = [s.strip() for s in rollout_rs_threshold.split(",") if s.strip()]
     else:
         specs = [str(rollout_rs_threshold)]
     if len(specs) not in (1, len(options)):
-        raise ValueError(f"rollout_rs_threshold must give one threshold for every option or "
-                         f"{len(options)} (one per rollout_rs option), got {len(specs)}")
+        raise ValueError(
+            f"rollout_rs_threshold must give one threshold for every option or "
+            f"{len(options)} (one per rollout_rs option), got {len(specs)}"
+        )
     specs = specs * len(options) if len(specs) == 1 else specs
     criteria: dict[str, float | tuple[float, float]] = {}
     for option, spec in zip(options, specs, strict=True):
@@ -188,19 +199,27 @@ def compute_rollout_correction_weights(
     check_choice("rollout_is", rollout_is, ("token", "sequence"))
     upper, lower = parse_rollout_is_threshold(rollout_is_threshold)
     if not isinstance(rollout_is_batch_normalize, bool):
-        raise TypeError("rollout_is_batch_normalize must be a bool, got "
-                        f"{type(rollout_is_batch_normalize).__name__}")
+        raise TypeError(
+            "rollout_is_batch_normalize must be a bool, got "
+            f"{type(rollout_is_batch_normalize).__name__}"
+        )
     _require_tokens(mask)
     weights, _, metrics = rlops.rollout_importance_weights(
-        log_ratio, torch.zeros_like(log_ratio), mask, level=rollout_is,
-        mode="truncate" if lower is None else "mask", threshold=upper, low=lower,
+        log_ratio,
+        torch.zeros_like(log_ratio),
+        mask,
+        level=rollout_is,
+        mode="truncate" if lower is None else "mask",
+        threshold=upper,
+        low=lower,
     )
     out = {k: metrics[k].item() for k in _IS_METRICS}
     floor = 1.0 / upper if lower is None else lower  # verl's metrics read TIS's floor as 1/upper
     if rollout_is == "token":
         if lower is None and floor <= upper:
-            below = rlops.rollout_importance_weights(log_ratio, torch.zeros_like(log_ratio), mask,
-                                                     threshold=upper, low=floor)[2]
+            below = rlops.rollout_importance_weights(
+                log_ratio, torch.zeros_like(log_ratio), mask, threshold=upper, low=floor
+            )[2]
             out["rollout_is_ratio_fraction_low"] = below["rollout_is_ratio_fraction_low"].item()
     else:  # verl reads sequence ratios once per row, every row counted (an empty row: ratio 1)
         seq = torch.where(mask, log_ratio.detach(), 0).sum(-1)
@@ -214,8 +233,9 @@ def compute_rollout_correction_weights(
     spread = rlops.masked_var(weights.clamp(0, upper), mask, unbiased=False)
     out["rollout_is_std"] = torch.where(mask.sum() > 1, spread.sqrt(), 0.0).item()
     if lower is not None:
-        out["rollout_is_oob_ratio"] = (metrics["rollout_is_ratio_fraction_high"]
-                                       + metrics["rollout_is_ratio_fraction_low"]).item()
+        out["rollout_is_oob_ratio"] = (
+            metrics["rollout_is_ratio_fraction_high"] + metrics["rollout_is_ratio_fraction_low"]
+        ).item()
     if rollout_is_batch_normalize:
         group = _distributed_group()
         if rollout_is == "token":
@@ -270,8 +290,9 @@ def compute_rollout_rejection_mask(
     if log_ratio.shape[0] == 0:
         return response_mask, {}
     _require_tokens(mask)
-    keep, metrics = rlops.rollout_rejection_mask(log_ratio, torch.zeros_like(log_ratio), mask,
-                                                 criteria)
+    keep, metrics = rlops.rollout_rejection_mask(
+        log_ratio, torch.zeros_like(log_ratio), mask, criteria
+    )
     modified = (response_mask * keep).to(response_mask.dtype)
     out = {k: v.item() for k, v in metrics.items()}
     # verl: the share of all rows (empty ones too) that lost a token
@@ -303,8 +324,9 @@ def compute_offpolicy_metrics(
         (-0.25, -0.25, 1.5)
     """
     check_2d("old_log_prob", old_log_prob)
-    mask = as_bool_mask("response_mask", response_mask, old_log_prob.shape, "old_log_prob",
-                        old_log_prob)
+    mask = as_bool_mask(
+        "response_mask", response_mask, old_log_prob.shape, "old_log_prob", old_log_prob
+    )
     _require_tokens(mask)
     out = _perplexities("training", old_log_prob, mask)
     if rollout_log_prob is None:
@@ -314,11 +336,18 @@ def compute_offpolicy_metrics(
     out.update({k: metrics[k].item() for k in _MISMATCH})
     out.update(_perplexities("rollout", rollout_log_prob, mask))
     # verl's per-row log-perplexity gaps, averaged over every row
-    gap = (rlops.masked_mean(rollout_log_prob.detach(), mask, dim=-1)
-           - rlops.masked_mean(old_log_prob.detach(), mask, dim=-1))
-    out.update({"log_ppl_diff": gap.mean().item(), "log_ppl_abs_diff": gap.abs().mean().item(),
-                "log_ppl_diff_max": gap.max().item(), "log_ppl_diff_min": gap.min().item(),
-                "ppl_ratio": torch.exp(gap).mean().item()})
+    gap = rlops.masked_mean(rollout_log_prob.detach(), mask, dim=-1) - rlops.masked_mean(
+        old_log_prob.detach(), mask, dim=-1
+    )
+    out.update(
+        {
+            "log_ppl_diff": gap.mean().item(),
+            "log_ppl_abs_diff": gap.abs().mean().item(),
+            "log_ppl_diff_max": gap.max().item(),
+            "log_ppl_diff_min": gap.min().item(),
+            "ppl_ratio": torch.exp(gap).mean().item(),
+        }
+    )
     return {k: out[k] for k in sorted(out)}
 
 
@@ -359,8 +388,15 @@ def compute_rollout_correction_and_rejection_mask(
         (tensor([[2., 1.]]), 1.5)
     """
     weights, modified, metrics = correction_and_rejection(
-        old_log_prob, rollout_log_prob, response_mask, rollout_is, rollout_is_threshold,
-        rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold)
+        old_log_prob,
+        rollout_log_prob,
+        response_mask,
+        rollout_is,
+        rollout_is_threshold,
+        rollout_is_batch_normalize,
+        rollout_rs,
+        rollout_rs_threshold,
+    )
     proto = None
     if weights is not None:
         try:
@@ -386,22 +422,25 @@ def correction_and_rejection(
     (``None`` when IS is off), not wrapped for verl: ``(weights, modified_mask, metrics)``."""
     check_2d("old_log_prob", old_log_prob)
     check_same_shape("old_log_prob", old_log_prob, rollout_log_prob=rollout_log_prob)
-    mask = as_bool_mask("response_mask", response_mask, old_log_prob.shape, "old_log_prob",
-                        old_log_prob)
+    mask = as_bool_mask(
+        "response_mask", response_mask, old_log_prob.shape, "old_log_prob", old_log_prob
+    )
     _require_tokens(mask)
     log_ratio = old_log_prob - rollout_log_prob
     metrics: dict[str, float] = {}
     weights = None
     if rollout_is is not None and rollout_is_threshold is not None:
         weights, is_metrics = compute_rollout_correction_weights(
-            log_ratio, response_mask, rollout_is, rollout_is_threshold, rollout_is_batch_normalize)
+            log_ratio, response_mask, rollout_is, rollout_is_threshold, rollout_is_batch_normalize
+        )
         metrics.update(is_metrics)
     modified = response_mask.clone()
     if rollout_rs is not None:
         if rollout_rs_threshold is None:
             raise ValueError("rollout_rs_threshold must be given when rollout_rs is set")
-        modified, rs_metrics = compute_rollout_rejection_mask(log_ratio, response_mask,
-                                                              rollout_rs, rollout_rs_threshold)
+        modified, rs_metrics = compute_rollout_rejection_mask(
+            log_ratio, response_mask, rollout_rs, rollout_rs_threshold
+        )
         metrics.update(rs_metrics)
     metrics.update(compute_offpolicy_metrics(old_log_prob, rollout_log_prob, response_mask))
     metrics = {f"rollout_corr/{k}": v for k, v in metrics.items()}

@@ -183,8 +183,12 @@ def get_advantages_and_returns_batch(
     """
     values_list = _ragged.as_1d_list("values_list", values_list)
     rewards_list = _ragged.as_1d_list("rewards_list", rewards_list)
-    _ragged.check_counts(total_lengths=total_lengths, response_lengths=response_lengths,
-                         values_list=values_list, rewards_list=rewards_list)
+    _ragged.check_counts(
+        total_lengths=total_lengths,
+        response_lengths=response_lengths,
+        values_list=values_list,
+        rewards_list=rewards_list,
+    )
     check_lengths(total_lengths, response_lengths)
     gamma = check_unit_interval("gamma", gamma)
     lambd = check_unit_interval("lambd", lambd)
@@ -251,8 +255,13 @@ def get_reinforce_plus_plus_returns(
     """
     kl = _ragged.as_1d_list("kl", kl)
     loss_masks = _ragged.as_1d_list("loss_masks", loss_masks)
-    _ragged.check_counts(rewards=rewards, kl=kl, loss_masks=loss_masks,
-                         response_lengths=response_lengths, total_lengths=total_lengths)
+    _ragged.check_counts(
+        rewards=rewards,
+        kl=kl,
+        loss_masks=loss_masks,
+        response_lengths=response_lengths,
+        total_lengths=total_lengths,
+    )
     check_lengths(total_lengths, response_lengths)
     kl_coef = as_real("kl_coef", kl_coef)
     gamma = check_unit_interval("gamma", gamma)
@@ -402,8 +411,16 @@ def compute_policy_loss(
     everywhere = torch.ones_like(logp, dtype=torch.bool)
 
     def per_token(clip_low, clip_high, dual_clip=None):
-        loss, _ = rlops.policy_loss(logp, old, adv, everywhere, clip_low=clip_low,
-                                    clip_high=clip_high, dual_clip=dual_clip, agg=None)
+        loss, _ = rlops.policy_loss(
+            logp,
+            old,
+            adv,
+            everywhere,
+            clip_low=clip_low,
+            clip_high=clip_high,
+            dual_clip=dual_clip,
+            agg=None,
+        )
         return loss
 
     low = math.inf if low >= 1 else low
@@ -457,11 +474,16 @@ def value_loss_function(args, batch, logits, sum_of_sample_mean, *, cp_group=Non
     values = torch.cat([v.flatten() for v in per_sample])
     old = torch.cat(list(batch["values"]))
     returns = torch.cat(list(batch["returns"]))
-    check_same_shape("values read from logits", values,
-                     **{'batch["values"]': old, 'batch["returns"]': returns})
+    check_same_shape(
+        "values read from logits", values, **{'batch["values"]': old, 'batch["returns"]': returns}
+    )
     half_squared, _ = rlops.value_loss(
-        values[None], old[None], returns[None], torch.ones_like(values[None], dtype=torch.bool),
-        clip=clip, agg=None,
+        values[None],
+        old[None],
+        returns[None],
+        torch.ones_like(values[None], dtype=torch.bool),
+        clip=clip,
+        agg=None,
     )
     clipfrac = ((values - old).abs() > clip).to(values.dtype)
     loss = sum_of_sample_mean(2 * half_squared[0])
@@ -506,6 +528,7 @@ def distributed_masked_whiten(
 
 
 # --------------------------------------------------------------------------- log-probs
+
 
 def calculate_log_probs_and_entropy(
     logits: torch.Tensor,

@@ -307,8 +307,9 @@ def compute_remax_outcome_advantage(
     mask = _outcome_inputs(token_level_rewards, response_mask)
     b = token_level_rewards.shape[0]
     if not isinstance(reward_baselines, torch.Tensor):
-        raise TypeError(f"reward_baselines must be a torch.Tensor, got "
-                        f"{type(reward_baselines).__name__}")
+        raise TypeError(
+            f"reward_baselines must be a torch.Tensor, got {type(reward_baselines).__name__}"
+        )
     if tuple(reward_baselines.shape) != (b,):
         raise shape_error("reward_baselines", f"[bs] = [{b}]", reward_baselines.shape)
     with torch.no_grad():
@@ -398,25 +399,38 @@ def agg_loss(
     return share * dp_size
 
 
-def _ppo_loss(old_log_prob, log_prob, advantages, response_mask, cliprange, cliprange_low,
-              cliprange_high, clip_ratio_c, names=("cliprange", "cliprange_low",
-                                                   "cliprange_high", "clip_ratio_c"),
-              rollout_is_weights=None):
+def _ppo_loss(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    cliprange,
+    cliprange_low,
+    cliprange_high,
+    clip_ratio_c,
+    names=("cliprange", "cliprange_low", "cliprange_high", "clip_ratio_c"),
+    rollout_is_weights=None,
+):
     """verl's PPO arguments checked under verl's names (or its actor config's, ``names``);
     returns the per-token loss ``[bs, T]`` (0 on mask-0 tokens; times ``rollout_is_weights``),
     the metrics (before the weights) and the mask."""
     check_2d("old_log_prob", old_log_prob)
     weights = {} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}
-    check_same_shape("old_log_prob", old_log_prob, log_prob=log_prob, advantages=advantages,
-                     **weights)
+    check_same_shape(
+        "old_log_prob", old_log_prob, log_prob=log_prob, advantages=advantages, **weights
+    )
     mask = _response_mask(response_mask, "old_log_prob", old_log_prob)
     clip, low_name, high_name, c_name = names
     if cliprange is None and (cliprange_low is None or cliprange_high is None):
         raise ValueError(f"{clip} (or both {low_name} and {high_name}) must be given")
-    low = check_positive(clip if cliprange_low is None else low_name,
-                         cliprange if cliprange_low is None else cliprange_low)
-    high = check_positive(clip if cliprange_high is None else high_name,
-                          cliprange if cliprange_high is None else cliprange_high)
+    low = check_positive(
+        clip if cliprange_low is None else low_name,
+        cliprange if cliprange_low is None else cliprange_low,
+    )
+    high = check_positive(
+        clip if cliprange_high is None else high_name,
+        cliprange if cliprange_high is None else cliprange_high,
+    )
     dual = check_positive(c_name, clip_ratio_c, above=1.0)
     loss_mat, metrics = rlops.policy_loss(
         log_prob,
@@ -466,8 +480,16 @@ def compute_policy_loss(
         (tensor(-1.1000), tensor(0.5000))
     """
     check_choice("loss_agg_mode", loss_agg_mode, AGG_MODES)
-    loss_mat, metrics, mask = _ppo_loss(old_log_prob, log_prob, advantages, response_mask,
-                                        cliprange, cliprange_low, cliprange_high, clip_ratio_c)
+    loss_mat, metrics, mask = _ppo_loss(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        cliprange,
+        cliprange_low,
+        cliprange_high,
+        clip_ratio_c,
+    )
     loss = agg_loss(loss_mat, mask, loss_agg_mode)
     return loss, metrics["pg_clipfrac"], metrics["ppo_kl"], metrics["pg_clipfrac_lower"]
 
@@ -549,8 +571,17 @@ def compute_policy_loss_gspo(
         >>> loss, m["actor/pg_clipfrac"]
         (tensor(-1.), 0.0)
     """
-    return kind_loss("gspo", agg_loss, old_log_prob, log_prob, advantages, response_mask,
-                     loss_agg_mode, config, rollout_is_weights)
+    return kind_loss(
+        "gspo",
+        agg_loss,
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode,
+        config,
+        rollout_is_weights,
+    )
 
 
 def compute_policy_loss_sapo(
@@ -578,8 +609,17 @@ def compute_policy_loss_sapo(
         >>> loss
         tensor(-2.)
     """
-    return kind_loss("sapo", agg_loss, old_log_prob, log_prob, advantages, response_mask,
-                     loss_agg_mode, config, rollout_is_weights)
+    return kind_loss(
+        "sapo",
+        agg_loss,
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode,
+        config,
+        rollout_is_weights,
+    )
 
 
 def compute_policy_loss_gpg(
@@ -602,8 +642,17 @@ def compute_policy_loss_gpg(
         >>> loss, m
         (tensor(1.5000), {})
     """
-    return kind_loss("gpg", agg_loss, old_log_prob, log_prob, advantages, response_mask,
-                     loss_agg_mode, config, rollout_is_weights)
+    return kind_loss(
+        "gpg",
+        agg_loss,
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode,
+        config,
+        rollout_is_weights,
+    )
 
 
 def compute_policy_loss_clip_cov(
@@ -633,8 +682,17 @@ def compute_policy_loss_clip_cov(
         >>> loss, m["actor/pg_clipfrac"]
         (tensor(-1.), 0.0)
     """
-    return kind_loss("clip_cov", agg_loss, old_log_prob, log_prob, advantages, response_mask,
-                     loss_agg_mode, config, rollout_is_weights)
+    return kind_loss(
+        "clip_cov",
+        agg_loss,
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode,
+        config,
+        rollout_is_weights,
+    )
 
 
 def compute_policy_loss_kl_cov(
@@ -662,8 +720,17 @@ def compute_policy_loss_kl_cov(
         >>> round(m["actor/ppo_kl"], 4)
         0.25
     """
-    return kind_loss("kl_cov", agg_loss, old_log_prob, log_prob, advantages, response_mask,
-                     loss_agg_mode, config, rollout_is_weights)
+    return kind_loss(
+        "kl_cov",
+        agg_loss,
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode,
+        config,
+        rollout_is_weights,
+    )
 
 
 def compute_policy_loss_geo_mean(
@@ -696,8 +763,17 @@ def compute_policy_loss_geo_mean(
         >>> round(loss.item(), 4)
         -1.1052
     """
-    return kind_loss("geo_mean", agg_loss, old_log_prob, log_prob, advantages, response_mask,
-                     loss_agg_mode, config, rollout_is_weights)
+    return kind_loss(
+        "geo_mean",
+        agg_loss,
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode,
+        config,
+        rollout_is_weights,
+    )
 
 
 def compute_policy_loss_cispo(
@@ -724,8 +800,17 @@ def compute_policy_loss_cispo(
         >>> round(loss.item(), 4), m["actor/pg_clipfrac"]
         (0.1, 1.0)
     """
-    return kind_loss("cispo", agg_loss, old_log_prob, log_prob, advantages, response_mask,
-                     loss_agg_mode, config, rollout_is_weights)
+    return kind_loss(
+        "cispo",
+        agg_loss,
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode,
+        config,
+        rollout_is_weights,
+    )
 
 
 #: verl's registered policy-loss names -> adapters (``dppo_tv``, ``dppo_kl`` and
@@ -788,8 +873,15 @@ def compute_value_loss(
     clip = check_positive("cliprange_value", cliprange_value)
     check_choice("loss_agg_mode", loss_agg_mode, AGG_MODES)
     half_mat, metrics = rlops.value_loss(vpreds, values, returns, mask, clip=clip, agg=None)
-    loss = agg_loss(half_mat, mask, loss_agg_mode, dp_size, batch_num_tokens, global_batch_size,
-                    loss_scale_factor)
+    loss = agg_loss(
+        half_mat,
+        mask,
+        loss_agg_mode,
+        dp_size,
+        batch_num_tokens,
+        global_batch_size,
+        loss_scale_factor,
+    )
     return loss, metrics["vf_clipfrac"]
 
 
@@ -883,8 +975,17 @@ def compute_policy_loss_dppo_tv(
         >>> round(loss.item(), 4), m["actor/pg_clipfrac"]
         (0.5, 0.5)
     """
-    return kind_loss("dppo_tv", agg_loss, old_log_prob, log_prob, advantages, response_mask,
-                     loss_agg_mode, config, rollout_is_weights)
+    return kind_loss(
+        "dppo_tv",
+        agg_loss,
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode,
+        config,
+        rollout_is_weights,
+    )
 
 
 def compute_policy_loss_dppo_kl(
@@ -914,8 +1015,17 @@ def compute_policy_loss_dppo_kl(
         >>> m["actor/pg_clipfrac"]
         0.0
     """
-    return kind_loss("dppo_kl", agg_loss, old_log_prob, log_prob, advantages, response_mask,
-                     loss_agg_mode, config, rollout_is_weights)
+    return kind_loss(
+        "dppo_kl",
+        agg_loss,
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode,
+        config,
+        rollout_is_weights,
+    )
 
 
 def compute_policy_loss_bypass_mode(
@@ -954,10 +1064,14 @@ def compute_policy_loss_bypass_mode(
     if rc is None:
         raise ValueError(
             "config.policy_loss.rollout_correction must be given for loss_mode='bypass_mode' "
-            "(as verl)")
+            "(as verl)"
+        )
     check_2d("log_prob", log_prob)
-    loss_type = check_choice("config.policy_loss.rollout_correction.loss_type",
-                             config_value(rc, "loss_type", "ppo_clip"), ("ppo_clip", "reinforce"))
+    loss_type = check_choice(
+        "config.policy_loss.rollout_correction.loss_type",
+        config_value(rc, "loss_type", "ppo_clip"),
+        ("ppo_clip", "reinforce"),
+    )
     options: dict[str, Any] = {  # checked by the rollout correction, under these names
         "rollout_is": config_value(rc, "rollout_is"),
         "rollout_is_threshold": config_value(rc, "rollout_is_threshold", 2.0),
@@ -966,21 +1080,32 @@ def compute_policy_loss_bypass_mode(
         "rollout_rs_threshold": config_value(rc, "rollout_rs_threshold"),
     }
     weights, mask, corr = correction_and_rejection(
-        log_prob.detach(), old_log_prob, response_mask, **options)
+        log_prob.detach(), old_log_prob, response_mask, **options
+    )
     if loss_type == "ppo_clip":
-        loss, metrics = compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, mask,
-                                                    loss_agg_mode, config, None)
+        loss, metrics = compute_policy_loss_vanilla(
+            old_log_prob, log_prob, advantages, mask, loss_agg_mode, config, None
+        )
     else:
-        loss_mat, m = rlops.policy_loss(log_prob, old_log_prob, advantages, mask,
-                                        kind="reinforce", rollout_is_weights=weights, agg=None)
+        loss_mat, m = rlops.policy_loss(
+            log_prob,
+            old_log_prob,
+            advantages,
+            mask,
+            kind="reinforce",
+            rollout_is_weights=weights,
+            agg=None,
+        )
         loss = agg_loss(loss_mat, mask, loss_agg_mode, **batch_info(config))
         metrics = {"actor/ppo_kl": m["ppo_kl"].item()}
     metrics.update(corr)
     return loss, metrics
 
 
-POLICY_LOSS_REGISTRY.update({
-    "dppo_tv": compute_policy_loss_dppo_tv,
-    "dppo_kl": compute_policy_loss_dppo_kl,
-    "bypass_mode": compute_policy_loss_bypass_mode,
-})
+POLICY_LOSS_REGISTRY.update(
+    {
+        "dppo_tv": compute_policy_loss_dppo_tv,
+        "dppo_kl": compute_policy_loss_dppo_kl,
+        "bypass_mode": compute_policy_loss_bypass_mode,
+    }
+)

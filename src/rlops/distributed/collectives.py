@@ -61,7 +61,14 @@ from rlops._types import Group
 from rlops.distributed.groups import group_rank_size
 
 __all__ = [
-    "ENV", "REJECTED", "SLOTS", "Call", "check_enabled", "exchange", "fails_together", "gather",
+    "ENV",
+    "REJECTED",
+    "SLOTS",
+    "Call",
+    "check_enabled",
+    "exchange",
+    "fails_together",
+    "gather",
 ]
 
 ENV = "RLOPS_GROUP_CHECK"
@@ -91,8 +98,10 @@ def _canonical(value: object) -> str:
     tensor (a checksum computed on the device) is compared in its own slot, not here."""
     if isinstance(value, torch.Tensor):
         if value.dim() != 0 or value.is_complex() or value.dtype == torch.bool:
-            raise TypeError(f"a tensor in a call's description must be a 0-dim real number, "
-                            f"got {value.dtype} of shape {list(value.shape)}")
+            raise TypeError(
+                f"a tensor in a call's description must be a 0-dim real number, "
+                f"got {value.dtype} of shape {list(value.shape)}"
+            )
         return f"tensor:{value.dtype}"
     if value is None or isinstance(value, bool | str | torch.dtype):
         return repr(value)
@@ -108,8 +117,10 @@ def _canonical(value: object) -> str:
 def _shown(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return repr(value.item())  # on the error path only
-    if isinstance(value, tuple | list) and value and all(
-        isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str) for v in value
+    if (
+        isinstance(value, tuple | list)
+        and value
+        and all(isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str) for v in value)
     ):  # named items: show as a mapping
         return "{" + ", ".join(f"{k}: {_shown(v)}" for k, v in value) + "}"
     return repr(value)
@@ -177,6 +188,7 @@ def _all_gather(flat: torch.Tensor, group: Group, world: int) -> torch.Tensor:
 
 def _disagreement(descriptions: list[dict[str, str]], implied: Mapping) -> str:
     """The message for gathered descriptions that differ (the same on every rank)."""
+
     def values(field: str) -> list[str]:
         return [d.get(field, "<absent>") for d in descriptions]
 
@@ -191,7 +203,8 @@ def _disagreement(descriptions: list[dict[str, str]], implied: Mapping) -> str:
     hidden = {g for f in differ for g in implied.get(f, ())}
     shown = [f for f in differ if f not in hidden and f != "payload shape"] or differ
     parts = [f"`{f}`: [{', '.join(values(f))}]" for f in shown] or [
-        "a value computed on the device (equal as numbers, different bits)"]
+        "a value computed on the device (equal as numbers, different bits)"
+    ]
     return (
         _DISAGREE + "; ".join(parts) + " (one value per "
         "rank, in rank order; every rank of the group must make the same call)"
@@ -336,8 +349,9 @@ def _entered(group: Group) -> None:
         entered.add(id(group))
 
 
-def _join_rejecting(error: Exception, op: str, group: Group, name: str,
-                    device: torch.device) -> None:
+def _join_rejecting(
+    error: Exception, op: str, group: Group, name: str, device: torch.device
+) -> None:
     """Make the first exchange of a checked :func:`gather` over ``group`` as a rank whose own
     checks raised ``error``: its head describes only ``op`` and the rejected argument, so every
     other rank reads different digests, joins the readable exchange and raises."""
@@ -371,8 +385,11 @@ def fails_together(*aliases: str) -> Callable[[F], F]:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             groups = [(kwargs.get(n), n) for n in ("cp_group", "group")]
-            if (all(g is None for g, _ in groups) or torch.compiler.is_compiling()
-                    or getattr(_calls, "entered", None) is not None):
+            if (
+                all(g is None for g, _ in groups)
+                or torch.compiler.is_compiling()
+                or getattr(_calls, "entered", None) is not None
+            ):
                 return fn(*args, **kwargs)
             entered: set[int] = set()
             _calls.entered = entered
@@ -380,8 +397,14 @@ def fails_together(*aliases: str) -> Callable[[F], F]:
                 return fn(*args, **kwargs)
             except (ValueError, TypeError) as e:
                 if check_enabled(*aliases):
-                    device = next((a.device for a in (*args, *kwargs.values())
-                                   if isinstance(a, torch.Tensor)), torch.device("cpu"))
+                    device = next(
+                        (
+                            a.device
+                            for a in (*args, *kwargs.values())
+                            if isinstance(a, torch.Tensor)
+                        ),
+                        torch.device("cpu"),
+                    )
                     for g, n in groups:
                         if g is not None and id(g) not in entered:
                             try:

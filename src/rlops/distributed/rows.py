@@ -37,7 +37,6 @@ from rlops.distributed.layout import check_cp_layout
 __all__ = ["Rows"]
 
 
-
 def _check_inside(group: Group, cp_group: Group) -> None:
     """``group`` (DP×CP) must hold every rank of ``cp_group``: a DP-only group would count the
     tokens of one CP rank only (a silently wrong normaliser)."""
@@ -208,7 +207,7 @@ class Rows:
             size = table.numel()
             table = whole[:, :size].reshape(self.cp_world, -1, self.k, n)
             cols = [c.to(self.dtype) for c in table[..., : len(cols)].sum(0).unbind(-1)]
-            mx = [c.to(self.dtype) for c in table[..., len(cols):].amax(0).unbind(-1)]
+            mx = [c.to(self.dtype) for c in table[..., len(cols) :].amax(0).unbind(-1)]
             if scalars is not None:
                 scalars = whole[:, size:].sum(0)
         self._count = cols[0]

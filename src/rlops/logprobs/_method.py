@@ -27,6 +27,7 @@ __all__ = ["METHODS", "failed", "resolve", "set_failed", "triton_available"]
 
 METHODS = ("auto", "chunked", "triton")
 
+
 def triton_available() -> bool:
     """Whether triton can be imported."""
     return _backends.triton_importable()

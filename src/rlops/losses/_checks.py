@@ -126,30 +126,51 @@ RATIO_LEVELS = ("token", "sequence")
 
 
 _CLIP: dict[str, tuple[object, Callable]] = {
-    "clip_low": (0.2, _ratio_floor), "clip_high": (None, check_positive)
+    "clip_low": (0.2, _ratio_floor),
+    "clip_high": (None, check_positive),
 }
 # kind -> option -> (default, check). clip_high=None means clip_low when clip_low is given.
 KIND_OPTIONS: dict[str, dict[str, tuple[object, Callable]]] = {
     "ppo": {**_CLIP, "dual_clip": (None, _dual)},
     "reinforce": {},
     "gpg": {},
-    "gspo": {"clip_low": (3e-4, _ratio_floor), "clip_high": (4e-4, check_positive),
-             "dual_clip": (None, _dual)},
+    "gspo": {
+        "clip_low": (3e-4, _ratio_floor),
+        "clip_high": (4e-4, check_positive),
+        "dual_clip": (None, _dual),
+    },
     "cispo": {**_CLIP, "level": ("token", _level)},
-    "sapo": {"tau_pos": (1.0, check_finite_positive), "tau_neg": (1.05, check_finite_positive),
-             "level": ("token", _level)},
-    "clip_cov": {**_CLIP, "clip_cov_ratio": (2e-4, check_fraction),
-                 "clip_cov_lb": (1.0, check_real), "clip_cov_ub": (5.0, check_real),
-                 "generator": (None, check_generator)},
+    "sapo": {
+        "tau_pos": (1.0, check_finite_positive),
+        "tau_neg": (1.05, check_finite_positive),
+        "level": ("token", _level),
+    },
+    "clip_cov": {
+        **_CLIP,
+        "clip_cov_ratio": (2e-4, check_fraction),
+        "clip_cov_lb": (1.0, check_real),
+        "clip_cov_ub": (5.0, check_real),
+        "generator": (None, check_generator),
+    },
     "kl_cov": {"kl_cov_ratio": (2e-4, check_fraction), "ppo_kl_coef": (1.0, check_nonneg)},
     "geo_mean": {"clip_low": (0.4, check_positive), "clip_high": (None, check_positive)},
     "luspo": {"clip_low": (2e-3, _ratio_floor), "clip_high": (2.5e-3, check_positive)},
-    "vespo": {"k_pos": (2.0, _real_finite), "lambda_pos": (3.0, check_finite_positive),
-              "k_neg": (3.0, _real_finite), "lambda_neg": (2.0, check_finite_positive)},
-    "dppo_tv": {"clip_low": (0.2, check_positive), "clip_high": (None, check_positive),
-                "clip_ratio_c": (20.0, check_positive)},
-    "dppo_kl": {"clip_low": (0.2, check_positive), "clip_high": (None, check_positive),
-                "clip_ratio_c": (20.0, check_positive)},
+    "vespo": {
+        "k_pos": (2.0, _real_finite),
+        "lambda_pos": (3.0, check_finite_positive),
+        "k_neg": (3.0, _real_finite),
+        "lambda_neg": (2.0, check_finite_positive),
+    },
+    "dppo_tv": {
+        "clip_low": (0.2, check_positive),
+        "clip_high": (None, check_positive),
+        "clip_ratio_c": (20.0, check_positive),
+    },
+    "dppo_kl": {
+        "clip_low": (0.2, check_positive),
+        "clip_high": (None, check_positive),
+        "clip_ratio_c": (20.0, check_positive),
+    },
     "dro": {"dro_beta": (1.0, check_nonneg)},
 }
 

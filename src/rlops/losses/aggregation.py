@@ -31,8 +31,15 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- normalisers
-def describe(op: str, agg: str | None, loss_scale_factor: float | None, t: int,
-             implied: dict | None = None, rows: Rows | None = None, **fields: object) -> Call:
+def describe(
+    op: str,
+    agg: str | None,
+    loss_scale_factor: float | None,
+    t: int,
+    implied: dict | None = None,
+    rows: Rows | None = None,
+    **fields: object,
+) -> Call:
     """What a call on a group must agree on: the function, its aggregation mode, the
     normaliser ``L`` of ``seq-mean-token-sum-norm`` (``loss_scale_factor``, else ``T``: the same
     on every micro-batch), the rows' context-parallel and packing arguments and the function's
@@ -41,21 +48,37 @@ def describe(op: str, agg: str | None, loss_scale_factor: float | None, t: int,
     if agg == "seq-mean-token-sum-norm":
         norm = loss_scale_factor if loss_scale_factor is not None else float(t)
     extra = rows.fields() if rows is not None else {}
-    call = Call(op, implied=implied, agg=agg, **{"loss_scale_factor (or T)": norm}, **extra,
-                **fields)
+    call = Call(
+        op, implied=implied, agg=agg, **{"loss_scale_factor (or T)": norm}, **extra, **fields
+    )
     if rows is not None:
         rows.call = call
     return call
 
 
-def make_rows(keep: torch.Tensor, dtype: torch.dtype, agg: str | None,
-              loss_scale_factor: float | None, group: Group, cp_group: Group,
-              cp_layout: object, seq_ids: object, seqs_per_row: object) -> Rows:
+def make_rows(
+    keep: torch.Tensor,
+    dtype: torch.dtype,
+    agg: str | None,
+    loss_scale_factor: float | None,
+    group: Group,
+    cp_group: Group,
+    cp_layout: object,
+    seq_ids: object,
+    seqs_per_row: object,
+) -> Rows:
     """The checked :class:`Rows` of a loss call; under context parallelism
     ``seq-mean-token-sum-norm`` needs ``loss_scale_factor`` (a shard does not know the whole
     row's ``T``)."""
-    rows = Rows(keep, dtype, cp_group=cp_group, cp_layout=cp_layout, seq_ids=seq_ids,
-                seqs_per_row=seqs_per_row, group=group)
+    rows = Rows(
+        keep,
+        dtype,
+        cp_group=cp_group,
+        cp_layout=cp_layout,
+        seq_ids=seq_ids,
+        seqs_per_row=seqs_per_row,
+        group=group,
+    )
     if rows.cp and agg == "seq-mean-token-sum-norm" and loss_scale_factor is None:
         raise ValueError(
             "agg='seq-mean-token-sum-norm' with cp_group needs loss_scale_factor (the constant "
@@ -182,13 +205,18 @@ def loss_and_metrics(
         if not reduce_now:
             tot_tokens, totals = tokens_l, local
         elif need_rows and not rows.known:  # one collective: the rows' counts and the totals
-            got = rows.reduce(scalars=torch.stack([tokens_l, *local]),
-                              step="row counts and totals")[2]
+            got = rows.reduce(
+                scalars=torch.stack([tokens_l, *local]), step="row counts and totals"
+            )[2]
             assert got is not None
             tot_tokens, totals = got[0], list(got[1:])
         else:
-            vec = gather(torch.stack([tokens_l, *local]), rows.cp_group,
-                         call.with_fields(collective="totals"), "cp_group").sum(0)
+            vec = gather(
+                torch.stack([tokens_l, *local]),
+                rows.cp_group,
+                call.with_fields(collective="totals"),
+                "cp_group",
+            ).sum(0)
             # (after the kind's row summaries, or alone where no row count is needed)
             tot_tokens, totals = vec[0], list(vec[1:])
         tot_rows = rows.nonempty.sum().to(torch.float64) if rows.known else tokens_l * 0
@@ -231,8 +259,9 @@ def aggregate(
     the package's public functions that check their own; ``call`` describes the public call."""
     dtype = compute_dtype(loss_mat.dtype)
     x = torch.where(rows.keep, loss_mat.to(dtype), 0)
-    return loss_and_metrics(x, rows, mode, loss_scale_factor, dtype, num_tokens, num_seqs,
-                            group, call, {})[0]
+    return loss_and_metrics(
+        x, rows, mode, loss_scale_factor, dtype, num_tokens, num_seqs, group, call, {}
+    )[0]
 
 
 @fails_together()
@@ -349,7 +378,16 @@ def aggregate_loss(
     keep = as_bool_mask("mask", mask, loss_mat.shape, "loss_mat", loss_mat)
     loss_scale_factor = check_agg("mode", mode, loss_scale_factor, optional=False)
     num_tokens, num_seqs = check_normalisers(num_tokens, num_seqs, group, loss_mat)
-    rows = make_rows(keep, compute_dtype(loss_mat.dtype), mode, loss_scale_factor, group,
-                     cp_group, cp_layout, seq_ids, seqs_per_row)
+    rows = make_rows(
+        keep,
+        compute_dtype(loss_mat.dtype),
+        mode,
+        loss_scale_factor,
+        group,
+        cp_group,
+        cp_layout,
+        seq_ids,
+        seqs_per_row,
+    )
     call = describe("aggregate_loss", mode, loss_scale_factor, loss_mat.shape[-1], rows=rows)
     return aggregate(loss_mat, rows, mode, loss_scale_factor, num_tokens, num_seqs, group, call)

@@ -83,11 +83,21 @@ def entropy_loss(
     loss_scale_factor = check_agg("agg", agg, loss_scale_factor, optional=False)
     num_tokens, num_seqs = check_normalisers(num_tokens, num_seqs, group, entropy)
     coef = check_coef(coef, entropy)
-    rows = make_rows(keep, compute_dtype(entropy.dtype), agg, loss_scale_factor, group,
-                     cp_group, cp_layout, seq_ids, seqs_per_row)
+    rows = make_rows(
+        keep,
+        compute_dtype(entropy.dtype),
+        agg,
+        loss_scale_factor,
+        group,
+        cp_group,
+        cp_layout,
+        seq_ids,
+        seqs_per_row,
+    )
     call = describe("entropy_loss", agg, loss_scale_factor, entropy.shape[-1], rows=rows)
-    agg_entropy = aggregate(entropy, rows, agg, loss_scale_factor, num_tokens, num_seqs, group,
-                            call)
+    agg_entropy = aggregate(
+        entropy, rows, agg, loss_scale_factor, num_tokens, num_seqs, group, call
+    )
     if isinstance(coef, torch.Tensor):
         coef = coef.to(agg_entropy.dtype)
     return -coef * agg_entropy, {"entropy": agg_entropy.detach()}

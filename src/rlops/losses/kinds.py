@@ -186,12 +186,15 @@ def _dppo(lp, lr, adv, rows, clip_low, clip_high, clip_ratio_c, divergence) -> O
         log_1mp = torch.log(-torch.expm1(lp_d))
         rest = torch.where(q < 1, -torch.expm1(lq) * (log_1mq - log_1mp), 0)
         kl = -q * lr_d + rest
-        valid = torch.where(adv > 0, (kl <= clip_high) | (lr_d <= 0),
-                            (kl <= clip_low) | (lr_d >= 0))
+        valid = torch.where(
+            adv > 0, (kl <= clip_high) | (lr_d <= 0), (kl <= clip_low) | (lr_d >= 0)
+        )
     weight = ratio.clamp_max(clip_ratio_c)
     loss = torch.where(keep & valid, -adv * weight * lp, 0)
-    return loss, {"pg_clipfrac": _hits(~valid, keep),
-                  "pg_clipfrac_lower": _hits(valid & (ratio > clip_ratio_c), keep)}
+    return loss, {
+        "pg_clipfrac": _hits(~valid, keep),
+        "pg_clipfrac_lower": _hits(valid & (ratio > clip_ratio_c), keep),
+    }
 
 
 def _dppo_tv(lp, lr, adv, rows, clip_low, clip_high, clip_ratio_c) -> Out:
@@ -206,8 +209,9 @@ def _dro(lp, lr, adv, rows, dro_beta) -> Out:
     return -adv * lp + (0.5 * dro_beta) * lr * lr, {}
 
 
-def _clip_cov(lp, lr, adv, rows, clip_low, clip_high, clip_cov_ratio, clip_cov_lb,
-              clip_cov_ub, generator) -> Out:
+def _clip_cov(
+    lp, lr, adv, rows, clip_low, clip_high, clip_cov_ratio, clip_cov_lb, clip_cov_ub, generator
+) -> Out:
     keep = rows.keep
     loss, hit = _clip_max(_exp(lr), adv, clip_low, clip_high)
     cov = _centred_cov(lp, adv, keep)
@@ -228,8 +232,10 @@ def _kl_cov(lp, lr, adv, rows, kl_cov_ratio, ppo_kl_coef) -> Out:
     keys = torch.where(keep, -cov, math.inf)
     chosen = keep & (_rank(keys) < _quota(kl_cov_ratio, keep))
     loss = -adv * _exp(lr) + torch.where(chosen, ppo_kl_coef * lr.abs(), 0)
-    return loss, {"kl_cov_frac": _hits(chosen, keep),
-                  "ppo_kl_abs": (lr.detach().abs().sum(), "tokens")}
+    return loss, {
+        "kl_cov_frac": _hits(chosen, keep),
+        "ppo_kl_abs": (lr.detach().abs().sum(), "tokens"),
+    }
 
 
 def _geo_mean(lp, lr, adv, rows, clip_low, clip_high) -> Out:
@@ -242,8 +248,10 @@ def _geo_mean(lp, lr, adv, rows, clip_low, clip_high) -> Out:
     ratio = _exp(rows.per_token(log_r) + (lr_clip - lr_clip.detach()))
     out = lr != lr_clamped
     loss = torch.where(keep, -adv * ratio, 0)  # the row's R_i (NaN from one token) stays off mask 0
-    return loss, {"pg_clipfrac": _hits(out & (adv > 0), keep),
-                  "pg_clipfrac_lower": _hits(out & (adv < 0), keep)}
+    return loss, {
+        "pg_clipfrac": _hits(out & (adv > 0), keep),
+        "pg_clipfrac_lower": _hits(out & (adv < 0), keep),
+    }
 
 
 _KINDS: dict[str, Callable[..., Out]] = {

@@ -178,5 +178,3 @@ def kl_penalty(
         big = torch.finfo(logp.dtype).max
         out = out.clamp(-big, big)
     return out.to(logp.dtype)
-
-

@@ -224,8 +224,9 @@ def policy_loss(
     loss_scale_factor = check_agg("agg", agg, loss_scale_factor)
     num_tokens, num_seqs = check_normalisers(num_tokens, num_seqs, group, logp)
     dtype = compute_dtype(logp.dtype)
-    rows = make_rows(keep, dtype, agg, loss_scale_factor, group, cp_group, cp_layout, seq_ids,
-                     seqs_per_row)
+    rows = make_rows(
+        keep, dtype, agg, loss_scale_factor, group, cp_group, cp_layout, seq_ids, seqs_per_row
+    )
     if rows.cp and kind in CP_INEXACT:
         raise ValueError(
             f"policy_loss(kind={kind!r}) cannot be exact with cp_group: it selects among all "
@@ -237,9 +238,17 @@ def policy_loss(
     rollout_is_weights = constant(rollout_is_weights)
     # a rank's generator is its own: every other option must agree across the group
     shown = tuple((k, v) for k, v in options.items() if k != "generator")
-    call = describe("policy_loss", agg, loss_scale_factor, logp.shape[-1], rows=rows,
-                    kind=kind, options=shown, rollout_is_weights=rollout_is_weights is not None,
-                    implied={"kind": ("options",)})
+    call = describe(
+        "policy_loss",
+        agg,
+        loss_scale_factor,
+        logp.shape[-1],
+        rows=rows,
+        kind=kind,
+        options=shown,
+        rollout_is_weights=rollout_is_weights is not None,
+        implied={"kind": ("options",)},
+    )
 
     # Mask-0 entries are replaced before any arithmetic, so their gradient is exactly 0.
     lp = torch.where(keep, logp.to(dtype), 0)
@@ -258,12 +267,18 @@ def policy_loss(
         weights = torch.where(keep, rollout_is_weights.to(dtype), 0)
         loss_mat = loss_mat * weights
     loss_mat = _keep_nan(loss_mat, lp, log_ratio, adv, weights)
-    return loss_and_metrics(loss_mat, rows, agg, loss_scale_factor, dtype, num_tokens,
-                            num_seqs, group, call, sums)
+    return loss_and_metrics(
+        loss_mat, rows, agg, loss_scale_factor, dtype, num_tokens, num_seqs, group, call, sums
+    )
 
 
-def _keep_nan(loss_mat: torch.Tensor, lp: torch.Tensor, log_ratio: torch.Tensor,
-              adv: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+def _keep_nan(
+    loss_mat: torch.Tensor,
+    lp: torch.Tensor,
+    log_ratio: torch.Tensor,
+    adv: torch.Tensor,
+    weights: torch.Tensor | None,
+) -> torch.Tensor:
     """``loss_mat`` with NaN, in value and in the gradient into ``logp``, on every action token
     where an input is NaN (``logp``, ``old_logp`` — both in the log-ratio —, the advantage or
     the weight), whatever the kind does with the token: a kind that drops it (dppo's trust

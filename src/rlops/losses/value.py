@@ -86,8 +86,9 @@ def value_loss(
     old_values, returns = constant(old_values), constant(returns)
 
     dtype = compute_dtype(values.dtype)
-    rows = make_rows(keep, dtype, agg, loss_scale_factor, group, cp_group, cp_layout, seq_ids,
-                     seqs_per_row)
+    rows = make_rows(
+        keep, dtype, agg, loss_scale_factor, group, cp_group, cp_layout, seq_ids, seqs_per_row
+    )
     v, ret = (torch.where(keep, x.to(dtype), 0) for x in (values, returns))
     loss_mat = (v - ret).square()
     if clip is None:
@@ -97,7 +98,16 @@ def value_loss(
         clipped = (torch.clamp(v, old - clip, old + clip) - ret).square()
         hits = ((clipped > loss_mat) & keep).sum()
         loss_mat = torch.maximum(loss_mat, clipped)
-    call = describe("value_loss", agg, loss_scale_factor, values.shape[-1], rows=rows,
-                    clip=clip)
-    return loss_and_metrics(0.5 * loss_mat, rows, agg, loss_scale_factor, dtype, num_tokens,
-                            num_seqs, group, call, {"vf_clipfrac": (hits, "tokens")})
+    call = describe("value_loss", agg, loss_scale_factor, values.shape[-1], rows=rows, clip=clip)
+    return loss_and_metrics(
+        0.5 * loss_mat,
+        rows,
+        agg,
+        loss_scale_factor,
+        dtype,
+        num_tokens,
+        num_seqs,
+        group,
+        call,
+        {"vf_clipfrac": (hits, "tokens")},
+    )

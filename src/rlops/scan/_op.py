@@ -36,8 +36,9 @@ def _per_token(x: torch.Tensor, decay: torch.Tensor) -> bool:
 
 
 @torch.library.custom_op("rlops::reverse_scan", mutates_args=())
-def _reverse_scan(x: torch.Tensor, decay: torch.Tensor, method: str,
-                  chunk_size: int) -> torch.Tensor:
+def _reverse_scan(
+    x: torch.Tensor, decay: torch.Tensor, method: str, chunk_size: int
+) -> torch.Tensor:
     with torch.no_grad():
         y = SCAN(method, case_of(x, decay), x, decay, chunk_size or None)
     # the fake's layout (contiguous), never an input itself (a zero scan may hand back x)

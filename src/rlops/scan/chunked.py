@@ -125,6 +125,7 @@ def _reach(x: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
     """What the non-finite entries of ``x`` put on each step of a row whose decay is constant and
     above 0: every earlier step is reached (``a^k·inf`` is inf for any ``a > 0``), so ``y[t]`` is
     NaN where a NaN, or both infinities, lie at ``k >= t``, else that infinity; 0 where none."""
+
     def at_or_after(flag: torch.Tensor) -> torch.Tensor:
         return flag.to(torch.uint8).flip(-1).cummax(-1).values.flip(-1).bool()
 

@@ -45,9 +45,7 @@ def available() -> bool:
 def run_rows(kernel, n_rows: int, n_elements: int, *args) -> None:
     """Run ``kernel(*args, rows)`` over groups of 4 rows, on several threads when it pays.
     A short last group repeats its last row (the same values are written twice)."""
-    groups = [
-        tuple(min(r + k, n_rows - 1) for k in range(LANES)) for r in range(0, n_rows, LANES)
-    ]
+    groups = [tuple(min(r + k, n_rows - 1) for k in range(LANES)) for r in range(0, n_rows, LANES)]
     threads = min(torch.get_num_threads(), n_elements // _MIN_ELEMENTS_PER_THREAD, len(groups))
     per = -(-len(groups) // max(threads, 1))
     parts = [groups[i : i + per] for i in range(0, len(groups), per)]

@@ -74,6 +74,7 @@ __all__ = [
 METHODS = ("auto", "reference", "chunked", "compiled", "triton")
 PREFERENCE = ("triton", "compiled", "chunked")  # what "auto" tries, in order
 
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """What decides the implementation of one call.
@@ -90,8 +91,7 @@ class Case:
     def zero_discount(self) -> bool:
         """Whether a discount is exactly 0 (a host read of CPU tensors)."""
         return any(
-            bool((d == 0).any()) if isinstance(d, torch.Tensor) else d == 0
-            for d in self.discounts
+            bool((d == 0).any()) if isinstance(d, torch.Tensor) else d == 0 for d in self.discounts
         )
 
 
