@@ -25,9 +25,10 @@ https://arxiv.org/abs/2512.23075 — IcePop (masking outside [low, high]) is Rin
 Numerical rules:
 
 * Everything stays in log space until the last ``exp``, whose argument is clamped to at most
-  ``MAX_LOG_WEIGHT = 20`` (``e^20 ≈ 4.9e8``; ``e^40`` for squared weights, both finite in
-  float32): a 32K-token row whose every log-ratio is 0.01 (a sequence log-weight of 327) gives
-  a finite weight, truncated or masked by rule, and finite diagnostics. Thresholds are compared
+  ``MAX_EXP_ARG = 20`` (:mod:`rlops._numerics`: ``e^20 ≈ 4.9e8``; ``e^40`` for squared
+  weights, both finite in float32): a 32K-token row whose every log-ratio is 0.01 (a sequence
+  log-weight of 327) gives a finite weight, truncated or masked by rule, and finite
+  diagnostics. Thresholds are compared
   with the log-weight, before the clamp, so the decision does not depend on it.
 * ``χ² = E[ρ²] − 1`` is summed as ``expm1(2·log ρ)`` and ``k3 = ρ − 1 − log ρ`` as
   ``expm1(log ρ) − log ρ``: equal log-probs give exactly 0, not a difference of rounded ones.
@@ -71,6 +72,7 @@ from rlops._checks import (
     check_same_shape,
     compute_dtype,
 )
+from rlops._numerics import MAX_EXP_ARG
 from rlops._types import CPLayout, Group
 from rlops.distributed.collectives import Call, fails_together, gather
 from rlops.distributed.rows import Rows
@@ -78,14 +80,12 @@ from rlops.distributed.rows import Rows
 __all__ = [
     "IS_LEVELS",
     "IS_MODES",
-    "MAX_LOG_WEIGHT",
     "RS_OPTIONS",
     "rollout_importance_weights",
     "rollout_mismatch_metrics",
     "rollout_rejection_mask",
 ]
 
-MAX_LOG_WEIGHT = 20.0
 IS_LEVELS = ("token", "sequence", "geometric")
 IS_MODES = ("truncate", "mask")
 RS_OPTIONS = (
@@ -171,9 +171,9 @@ class _Batch:
 
 
 def _k3(d: torch.Tensor) -> torch.Tensor:
-    """``ρ − 1 − log ρ = expm1(d) − d`` (≥ 0), ``d`` clamped to at most ``MAX_LOG_WEIGHT``
+    """``ρ − 1 − log ρ = expm1(d) − d`` (≥ 0), ``d`` clamped to at most ``MAX_EXP_ARG``
     (beyond it the value saturates at ``e^20 − 21``; for ``d → −∞`` it is exact)."""
-    dc = d.clamp_max(MAX_LOG_WEIGHT)
+    dc = d.clamp_max(MAX_EXP_ARG)
     return (torch.expm1(dc) - dc).clamp_min(0)
 
 
@@ -238,8 +238,8 @@ def _tally_mismatch(t: _Tally, b: _Batch) -> None:
     t.add("rows", b.rows_here.sum())
     t.add("k1", -b.d.sum())
     t.add("k3", _sum(_k3(b.d), b.keep))
-    t.add("chi2_token", _sum(torch.expm1(2 * b.d.clamp_max(MAX_LOG_WEIGHT)), b.keep))
-    t.add("chi2_seq", _sum(torch.expm1(2 * b.row_sum.clamp_max(MAX_LOG_WEIGHT)), b.rows_here))
+    t.add("chi2_token", _sum(torch.expm1(2 * b.d.clamp_max(MAX_EXP_ARG)), b.keep))
+    t.add("chi2_seq", _sum(torch.expm1(2 * b.row_sum.clamp_max(MAX_EXP_ARG)), b.rows_here))
     t.add("log_ppl_diff", _sum(-b.row_mean(b.row_sum), b.rows_here))
 
 
@@ -442,11 +442,11 @@ def rollout_importance_weights(
     above, below = b.keep & (lw > hi), b.keep & (lw < lo)
     if mode == "truncate":
         keep = b.keep
-        w = torch.exp(lw.clamp(lo, min(hi, MAX_LOG_WEIGHT)))
+        w = torch.exp(lw.clamp(lo, min(hi, MAX_EXP_ARG)))
     else:
         # inside [L, H]: a NaN log-weight (a NaN log-prob) is outside, so it is dropped too
         keep = b.keep & (lw >= lo) & (lw <= hi)
-        w = torch.exp(lw.clamp_max(MAX_LOG_WEIGHT))
+        w = torch.exp(lw.clamp_max(MAX_EXP_ARG))
     w = torch.where(keep, w, 0)
 
     t = _Tally(b.dtype)

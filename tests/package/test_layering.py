@@ -30,6 +30,7 @@ LAYERS = {
     "rlops._threads": 0,
     "rlops._backends": 0,
     "rlops._types": 0,
+    "rlops._numerics": 0,
     "rlops.scan": 1,
     "rlops.distributed": 1,
     "rlops.stats": 2,

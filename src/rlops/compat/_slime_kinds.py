@@ -15,8 +15,8 @@ import torch
 
 import rlops
 from rlops._checks import as_real, check_nonneg, check_positive, check_same_shape, is_nan
+from rlops._numerics import MAX_EXP_ARG
 from rlops.compat import _ragged
-from rlops.rollout_correction import MAX_LOG_WEIGHT
 
 __all__ = ["compute_cispo_loss", "compute_opsm_mask", "icepop_function", "vanilla_tis_function"]
 
@@ -29,14 +29,14 @@ def _ratios(log_ratio: torch.Tensor, upper: float, lower: float | None, mode: st
     """``(ratio, weight)`` per token of ``log_ratio`` (any shape): the weight of
     :func:`rlops.rollout_importance_weights` at token level (``mode`` truncate:
     ``clip(ratio, lower, upper)``; mask: ``ratio`` inside ``[lower, upper]``, else 0) and the
-    ratio ``e^{log_ratio}`` it is made from, saturated as the weight is (at ``MAX_LOG_WEIGHT``),
+    ratio ``e^{log_ratio}`` it is made from, saturated as the weight is (at ``MAX_EXP_ARG``),
     so the two are equal wherever no bound applies."""
     lr = _row(log_ratio.detach())
     everywhere = torch.ones_like(lr, dtype=torch.bool)
     weight = rlops.rollout_importance_weights(
         lr, torch.zeros_like(lr), everywhere, mode=mode, threshold=upper, low=lower
     )[0]
-    ratio = torch.exp(lr.to(weight.dtype).clamp_max(MAX_LOG_WEIGHT))
+    ratio = torch.exp(lr.to(weight.dtype).clamp_max(MAX_EXP_ARG))
     return ratio.reshape(log_ratio.shape), weight.reshape(log_ratio.shape)
 
 

@@ -27,10 +27,9 @@ from rlops._checks import (
     check_same_shape,
     shape_error,
 )
+from rlops._numerics import MAX_EXP_ARG  # verl's SAFETY_BOUND
 
 __all__ = ["compute_is_metrics", "compute_rs_metrics"]
-
-SAFETY_BOUND = 20.0  # verl's clamp of a log-weight before exp
 
 
 def _floats(metrics: dict[str, torch.Tensor | float]) -> dict[str, float]:
@@ -107,7 +106,7 @@ def compute_is_metrics(
     log_lo = torch.log(torch.tensor(lower, device=w.device))
     if rollout_is == "sequence":
         lr = log_ratio_for_metrics.detach()
-        m["rollout_is_max"] = torch.exp(lr.max().clamp(max=SAFETY_BOUND))
+        m["rollout_is_max"] = torch.exp(lr.max().clamp(max=MAX_EXP_ARG))
         m["rollout_is_min"] = torch.exp(lr.min())
         m["rollout_is_mean"] = rlops.masked_mean(w, mask)
         m["rollout_is_ratio_fraction_high"] = (lr > log_up).float().mean()

@@ -19,6 +19,7 @@ import torch
 
 import rlops
 from rlops._checks import as_bool_mask, check_2d, check_choice, check_same_shape
+from rlops._numerics import MAX_EXP_ARG
 from rlops._types import Group
 from rlops.rollout_correction import RS_OPTIONS
 
@@ -225,7 +226,7 @@ def compute_rollout_correction_weights(
         seq = torch.where(mask, log_ratio.detach(), 0).sum(-1)
         # as verl: exp in the log-ratio's dtype, the max capped at e^20, the min not capped,
         # so it is inf once every row's sum is past the dtype's range (float32: 88.7)
-        out["rollout_is_max"] = torch.exp(seq.max().clamp(max=20.0)).item()
+        out["rollout_is_max"] = torch.exp(seq.max().clamp(max=MAX_EXP_ARG)).item()
         out["rollout_is_min"] = torch.exp(seq.min()).item()
         out["rollout_is_ratio_fraction_high"] = (seq > math.log(upper)).float().mean().item()
         out["rollout_is_ratio_fraction_low"] = (seq < math.log(floor)).float().mean().item()

@@ -80,7 +80,10 @@ def _producer(x: torch.Tensor, plan: Plan, kernels: bool) -> _engine.Producer:
 
 class _FusedLogprobsEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, keep, sel, s_rows, s_ids, plan, kernels):
+    def forward(ctx, logits, target, selection, plan, kernels):
+        # ``selection``: the non-differentiable per-token tensors (keep mask, the sampler's
+        # per-token options, the CSR support), as one tuple (each may be None)
+        keep, sel, s_rows, s_ids = selection
         support = None if s_rows is None else (s_rows, s_ids)
         plan = plan.bound(target, keep, sel, support)
         x = logits.reshape(-1, plan.v_local)
@@ -90,7 +93,7 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent, _g_squares):
-        nothing = (None,) * 8
+        nothing = (None,) * 5
         restored = _engine.restore(ctx, g_logp, g_ent)
         if restored is None:
             return nothing
@@ -412,7 +415,7 @@ def logprobs_and_entropy(
     if kernels and chunk_size is None and plan.sampler is None and plan.support_rows is None:
         plan = replace(plan, chunk=max(plan.rows, 1))  # the kernels need no [chunk, V] buffer
     logp, ent, squares = _FusedLogprobsEntropy.apply(
-        inputs.x, inputs.target, inputs.keep, *sel, plan, kernels
+        inputs.x, inputs.target, (inputs.keep, *sel), plan, kernels
     )
     if with_sum_pi_squared:
         return logp, (ent if with_entropy else None), squares

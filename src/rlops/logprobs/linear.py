@@ -163,7 +163,10 @@ def _grads_by_tiles(
 
 class _FusedLinearLogprobsEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, keep, sel, s_rows, s_ids, plan):
+    def forward(ctx, hidden, weight, bias, per_token, plan):
+        # ``per_token``: the non-differentiable per-token tensors (the target, the keep mask,
+        # the sampler's per-token options, the CSR support), as one tuple (None where absent)
+        target, keep, sel, s_rows, s_ids = per_token
         plan = plan.bound(target, keep, sel, None if s_rows is None else (s_rows, s_ids))
         producer = _Matmul(_rows(hidden, plan), weight, bias, plan)
         inputs = (hidden, weight, bias, target, keep, sel, s_rows, s_ids)
@@ -171,7 +174,7 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent, _g_squares):
-        nothing = (None,) * 9
+        nothing = (None,) * 5
         restored = _engine.restore(ctx, g_logp, g_ent)
         if restored is None:
             return nothing
@@ -424,7 +427,7 @@ def linear_logprobs_and_entropy(
         _OP, hidden, options, lambda: _checked(hidden, weight, bias, target, options)
     )
     logp, ent, squares = _FusedLinearLogprobsEntropy.apply(
-        inputs.x, inputs.weight, inputs.bias, inputs.target, inputs.keep, *sel, plan
+        inputs.x, inputs.weight, inputs.bias, (inputs.target, inputs.keep, *sel), plan
     )
     if with_sum_pi_squared:
         return logp, (ent if with_entropy else None), squares

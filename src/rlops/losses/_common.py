@@ -6,9 +6,9 @@ from typing import overload
 
 import torch
 
-__all__ = ["MAX_EXP_ARG", "constant"]
+from rlops._numerics import MAX_EXP_ARG
 
-MAX_EXP_ARG = 20.0
+__all__ = ["MAX_EXP_ARG", "constant"]
 
 
 @overload
