@@ -65,13 +65,31 @@ class _Matmul(_engine.Producer):
     time."""
 
     def __init__(
-        self, h2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: Plan
+        self,
+        h2: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        plan: Plan,
+        row_block: int | None = None,
     ) -> None:
         self.h2, self.weight, self.bias = h2, weight, bias
         self.dtype, self.temperature = plan.dtype, plan.temperature
+        self.row_block = row_block
 
     def logits(self, i: int, j: int) -> tuple[torch.Tensor, bool]:
-        z = _linear(self.h2[i:j], self.weight, self.bias).to(self.dtype)
+        """Rows ``i:j``. With ``row_block`` (the forward's chunk; ``i`` a multiple of it), one
+        matmul per block of the forward's rows: a BLAS picks its kernel, and so the rounding of
+        every logit, by the number of rows of the call, so these are the forward's bits
+        (a slice of the vocabulary changes only the columns, not how each logit is summed)."""
+        if self.row_block is None or j - i <= self.row_block:
+            z = _linear(self.h2[i:j], self.weight, self.bias)
+        else:
+            blocks = range(i, j, self.row_block)
+            z = torch.cat(
+                [_linear(self.h2[a : min(a + self.row_block, j)], self.weight, self.bias)
+                 for a in blocks]
+            )  # fmt: skip
+        z = z.to(self.dtype)
         return (z.div_(self.temperature) if self.temperature != 1.0 else z), True
 
 
@@ -119,19 +137,28 @@ def _grads_by_tiles(
     """The backward over ``[tokens, vocabulary]`` tiles of the forward chunk's size (no sampler
     threshold: every tile's gradient is local, given the saved per-token statistics).
 
-    A tile spans as many tokens as fit (all of them when they do) and a slice of the
-    vocabulary, so the weight and its gradient are read and written once per token block
-    rather than once per chunk: with a 152K vocabulary a chunk holds ~55 tokens, and streaming
-    the weight and its gradient per chunk made the backward memory-bound.
+    A tile spans as many whole forward chunks of tokens as fit (all of them when they do) and
+    a slice of the vocabulary, so the weight and its gradient are read and written once per
+    token block rather than once per chunk: with a 152K vocabulary a chunk holds ~55 tokens,
+    and streaming the weight and its gradient per chunk made the backward memory-bound. The
+    tile's logits are made chunk by chunk (:class:`_Matmul` with ``row_block``), so they have
+    the forward's bits: recomputed softmax values that differ from the forward's by an ulp of
+    the logits, against statistics saved from the forward, cost the gradients several times
+    the reference's error.
     """
     grad_h, grad_w, grad_b = grads
     n, v_local = plan.rows, plan.v_local
     budget = plan.chunk * v_local  # elements of one forward chunk
     vb = min(v_local, max(_MIN_TILE_VOCAB, budget // max(n, 1)))
-    ct = max(1, min(n, budget // vb))
+    if plan.chunk is plan.rows:  # one chunk (as under torch.compile): one block of all rows
+        ct, row_block = max(n, 1), None
+    else:  # whole forward chunks per block, each tile's logits made chunk by chunk
+        row_block = max(plan.chunk, 1)
+        ct = max(row_block, (budget // vb) // row_block * row_block)
     tiles = [(v0, min(v0 + vb, v_local)) for v0 in range(0, v_local, vb)]
     producers = [
-        _Matmul(h2, weight[v0:v1], None if bias is None else bias[v0:v1], plan) for v0, v1 in tiles
+        _Matmul(h2, weight[v0:v1], None if bias is None else bias[v0:v1], plan, row_block)
+        for v0, v1 in tiles
     ]
     plans = [plan.tile(v0, v1) for v0, v1 in tiles]
     for i in range(0, n, ct):
