@@ -25,6 +25,12 @@ def _param(p, row):
     return p.reshape(-1)[row].item() if isinstance(p, torch.Tensor) else p
 
 
+def support_chunk(z, top_k, top_p, min_p):
+    """``[C, V]`` bool: the support of scaled logits ``z``, the tokens at or above the engine's
+    threshold (:func:`rlops.logprobs._support.threshold_chunk`)."""
+    return z >= _support.threshold_chunk(z, top_k, top_p, min_p)
+
+
 def support_row(z: list[float], top_k=None, top_p=None, min_p=None) -> list[bool]:
     """The sampler's support of one token's scaled logits, with plain Python floats (float64):
     vLLM's order (min-p, then top-k, then top-p on the renormalised rest), ties kept."""
@@ -101,7 +107,7 @@ def _check(logits, target, grads, **kw):
             for k in SAMPLER_KEYS
         )
     ).rows(0, z32.shape[0])
-    assert torch.equal(_support.support_chunk(z32, *params).reshape(logits.shape), support)
+    assert torch.equal(support_chunk(z32, *params).reshape(logits.shape), support)
     over = kw.get("entropy_over_support", False)
     ref_kw = {"temperature": tau, "over_support": over}
     with nan_filled_empty():
@@ -189,9 +195,7 @@ def test_ties_keep_every_tied_logit():
     p = float(w[0]) + 1e-3
     assert support_row(z[0].tolist(), top_p=p) == [True, False, True, True, False, True, False]
     for kw in ({"top_k": 2}, {"top_p": p}, {"top_k": 3, "top_p": 0.99}):
-        sup = _support.support_chunk(
-            z, *_support.Sampler(kw.get("top_k"), kw.get("top_p"), None).rows(0, 1)
-        )
+        sup = support_chunk(z, *_support.Sampler(kw.get("top_k"), kw.get("top_p"), None).rows(0, 1))
         assert torch.equal(sup, reference_support(z, **kw))
         lp, _ = logprobs_and_entropy(z, y, **kw)
         kept = z[0][reference_support(z, **kw)[0]]
@@ -202,8 +206,8 @@ def test_ties_keep_every_tied_logit():
     expected = torch.tensor([[True, True, True, False, True, True]])
     for p in (0.6, 0.99):
         assert torch.equal(reference_support(z2, top_k=2, top_p=p), expected)
-        assert torch.equal(_support.support_chunk(z2, 2, p, None), expected)
-        assert torch.equal(_support.support_chunk(z2, torch.tensor([[2]]), p, None), expected)
+        assert torch.equal(support_chunk(z2, 2, p, None), expected)
+        assert torch.equal(support_chunk(z2, torch.tensor([[2]]), p, None), expected)
     gen = torch.Generator().manual_seed(2)
     logits = torch.randint(-3, 4, (40, 50), generator=gen).float()
     target = torch.randint(0, 50, (40,), generator=gen)
@@ -267,7 +271,7 @@ def test_same_as_the_replayed_keep_mask():
     """The support built in the loop gives exactly what the same support gives as keep_mask."""
     logits, target, grads = _data((30,), 64, seed=6)
     kw = {"top_k": 12, "top_p": 0.75, "temperature": 0.6}
-    support = _support.support_chunk(logits / 0.6, 12, 0.75, None)
+    support = support_chunk(logits / 0.6, 12, 0.75, None)
     a = forward_backward(
         lambda x, y: logprobs_and_entropy(x, y, **kw, chunk_size=7), (logits, target), grads
     )
@@ -673,8 +677,8 @@ def test_topk_and_sort_paths_agree():
         z = torch.randn(64, 200, generator=gen) * 3
         z = z.round() if ints else z
         for k, p, m in ((5, 0.9, None), (40, 0.5, 0.01), (150, 0.97, None), (1, 0.3, None)):
-            a = _support.support_chunk(z, k, p, m)
-            b = _support.support_chunk(z, torch.full((64, 1), k), p, m)
+            a = support_chunk(z, k, p, m)
+            b = support_chunk(z, torch.full((64, 1), k), p, m)
             assert torch.equal(a, b), (ints, k, p, m)
 
 

@@ -9,7 +9,7 @@
 * Without a gradient, chunked and reference rows run on one single-threaded CPU worker: the
   results do not depend on the caller's thread count; a call made from a worker runs there.
   Under autograd the graph is recorded on the caller's thread (gradients add up in its order).
-* The exact cut (``rlops.scan.decay.through``): nothing beyond a zero decay leaks, not even
+* The exact cut (``rlops.scan.decay.decayed``): nothing beyond a zero decay leaks, not even
   NaN, and its gradient there is 0.
 """
 
@@ -30,7 +30,7 @@ from rlops.advantages.gae import RETURNS
 from rlops.advantages.reinforce import REINFORCE
 from rlops.scan import SCAN, dispatch
 from rlops.scan.chunked import scan_chunked
-from rlops.scan.decay import through
+from rlops.scan.decay import decayed
 from rlops.scan.dispatch import CHUNKED, Backend, Case, Row, Table
 
 TABLES = {"scan": SCAN, "returns": RETURNS, "reinforce": REINFORCE}
@@ -265,7 +265,7 @@ def test_a_call_from_a_worker_runs_there():
 def test_through_cuts_exactly():
     a = torch.tensor([0.5, 0.0, 1.0, 0.0], requires_grad=True)
     y = torch.tensor([2.0, float("nan"), 3.0, float("inf")], requires_grad=True)
-    out = through(a, y)
+    out = decayed(a, y)
     assert out.tolist() == [1.0, 0.0, 3.0, 0.0]
     out.sum().backward()
     assert a.grad.tolist() == [2.0, 0.0, 3.0, 0.0]

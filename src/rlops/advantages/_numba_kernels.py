@@ -11,7 +11,7 @@ The advantage carry is float64 whatever the input dtype: its chain is one fused 
 float32 input over 128K tokens keeps the accuracy of a float64 loop (its only errors are the
 rounding of each ``δ``, which does not accumulate along the chain, and of each output). The TD
 residual ``δ`` and the next-action value stay in the input dtype, and inputs are converted as
-they are read (:func:`rlops.scan.exact_arith.read_operands`), so the wider carry costs one
+they are read (:func:`rlops.scan.exact_arith.set_llvm_optsize`), so the wider carry costs one
 register conversion per token (the output's rounding) instead of two. REINFORCE++ returns have
 their own kernel (:func:`returns_kl`), which builds the token rewards from the KL as it goes.
 
@@ -27,7 +27,7 @@ cache keeps them apart and later processes load them instead of compiling.
 import numba
 import numpy as np
 
-from rlops.scan.exact_arith import fma, read_operands
+from rlops.scan.exact_arith import fma, set_llvm_optsize
 
 _jit = numba.njit(cache=True, nogil=True)
 
@@ -94,73 +94,73 @@ def body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, hv, hm, hd, hc):
 
 @_jit
 def gae_0000(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
-    read_operands()
+    set_llvm_optsize()
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, False, False, False, False)
 
 
 @_jit
 def gae_0010(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
-    read_operands()
+    set_llvm_optsize()
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, False, False, True, False)
 
 
 @_jit
 def gae_0011(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
-    read_operands()
+    set_llvm_optsize()
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, False, False, True, True)
 
 
 @_jit
 def gae_0100(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
-    read_operands()
+    set_llvm_optsize()
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, False, True, False, False)
 
 
 @_jit
 def gae_0110(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
-    read_operands()
+    set_llvm_optsize()
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, False, True, True, False)
 
 
 @_jit
 def gae_0111(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
-    read_operands()
+    set_llvm_optsize()
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, False, True, True, True)
 
 
 @_jit
 def gae_1000(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
-    read_operands()
+    set_llvm_optsize()
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, True, False, False, False)
 
 
 @_jit
 def gae_1010(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
-    read_operands()
+    set_llvm_optsize()
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, True, False, True, False)
 
 
 @_jit
 def gae_1011(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
-    read_operands()
+    set_llvm_optsize()
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, True, False, True, True)
 
 
 @_jit
 def gae_1100(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
-    read_operands()
+    set_llvm_optsize()
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, True, True, False, False)
 
 
 @_jit
 def gae_1110(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
-    read_operands()
+    set_llvm_optsize()
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, True, True, True, False)
 
 
 @_jit
 def gae_1111(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
-    read_operands()
+    set_llvm_optsize()
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, True, True, True, True)
 
 
@@ -199,7 +199,7 @@ def kl_step(t, kl, m, o, ck, gl, pend, acc):
 def returns_kl(kl, outcome, ck, mask, gl, ret, rows):
     # ret[n, t] = REINFORCE++ return; ``outcome`` [N] and ``ck`` in the input dtype, ``gl`` [N]
     # the float64 discount (never 0: such rows go to the chunked method).
-    read_operands()
+    set_llvm_optsize()
     i0, i1, i2, i3 = rows
     k0, k1, k2, k3 = kl[i0], kl[i1], kl[i2], kl[i3]
     m0, m1, m2, m3 = mask[i0], mask[i1], mask[i2], mask[i3]

@@ -60,7 +60,7 @@ from rlops.distributed.collectives import Call
 from rlops.distributed.groups import group_rank_size
 from rlops.distributed.layout import check_cp_layout, rank_chunks
 from rlops.scan import is_per_token, scan
-from rlops.scan.decay import through
+from rlops.scan.decay import decayed
 from rlops.scan.reference import scan_reference
 
 __all__ = ["Layout", "cp_gae", "cp_reinforce_returns", "cp_scan"]
@@ -234,7 +234,7 @@ def cp_scan(
         fields = _parameter("gamma", params[0], x.device) | params[1]
     chunks = _gather(summary, layout, _describe(op, summary, t_local, method, layout, **fields))
     y_in = _solve(chunks[..., 0], chunks[..., 1])  # [N, C]
-    y = local + through(g, layout.own(y_in).unsqueeze(-1))
+    y = local + decayed(g, layout.own(y_in).unsqueeze(-1))
     return layout.unpieces(y, n)
 
 
@@ -283,10 +283,10 @@ def cp_gae(
     fields |= bootstrap_fields(end, cut, r.device)
     c = _gather(summary, layout, _describe("gae", summary, t_local, method, layout, **fields))
     z_in = _solve(c[..., 0], c[..., 1])  # value entering each chunk
-    head_adv = c[..., 2] + through(c[..., 3], z_in)
+    head_adv = c[..., 2] + decayed(c[..., 3], z_in)
     a_in = _solve(head_adv, c[..., 4])  # advantage entering each chunk
-    adv = adv + through(s, layout.own(z_in).unsqueeze(-1))
-    adv = adv + through(ga, layout.own(a_in).unsqueeze(-1))
+    adv = adv + decayed(s, layout.own(z_in).unsqueeze(-1))
+    adv = adv + decayed(ga, layout.own(a_in).unsqueeze(-1))
     adv = torch.where(m, adv, 0.0)
     ret = torch.where(m, vp + adv, 0.0)
     return layout.unpieces(adv, n), layout.unpieces(ret, n)
@@ -325,5 +325,5 @@ def cp_reinforce_returns(
     k_last = torch.where(c[..., 3] > 0, k, -1).amax(-1, keepdim=True)  # [N, 1]
     hit = (k == k_last).to(xp.dtype) * outcome.reshape(n, 1).to(xp.dtype)  # [N, C]
     y_in = _solve(c[..., 0] + hit * c[..., 2], c[..., 1])
-    y = y + through(g, layout.own(y_in).unsqueeze(-1)) + u * layout.own(hit).unsqueeze(-1)
+    y = y + decayed(g, layout.own(y_in).unsqueeze(-1)) + u * layout.own(hit).unsqueeze(-1)
     return layout.unpieces(torch.where(m, y, 0.0), n)

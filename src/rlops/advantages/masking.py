@@ -17,7 +17,7 @@ them to the compacted-sequence oracle.
   Both enter the scans as inputs, never as a new kind of step: at an end the next-value carry
   is *replaced* by the cut value (selected, as the cut itself), and the row's end value enters
   the last token as a carry from the right (``x[T-1] + a[T-1]·end``, with the exact cut of
-  :func:`rlops.scan.decay.through`). So every method that runs these scans, and the context
+  :func:`rlops.scan.decay.decayed`). So every method that runs these scans, and the context
   parallel form (whose rank holding the row's end enters it), gets the bootstrap from here.
 """
 
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from rlops._checks import check_indicator, check_same_device, shape_error
 from rlops.scan import scan
-from rlops.scan.decay import through
+from rlops.scan.decay import decayed
 
 __all__ = [
     "as_rows",
@@ -105,7 +105,7 @@ def enter(x: torch.Tensor, a, carry: torch.Tensor) -> torch.Tensor:
         return x
     a_last = torch.as_tensor(a, dtype=x.dtype, device=x.device)
     a_last = a_last.expand_as(x)[:, -1] if a_last.dim() else a_last.expand(x.shape[0])
-    last = x[:, -1] + through(a_last, carry.to(x.dtype))
+    last = x[:, -1] + decayed(a_last, carry.to(x.dtype))
     return torch.cat([x[:, :-1], last.unsqueeze(-1)], -1)
 
 
@@ -126,7 +126,7 @@ def returns_input(r, mask, ends, gamma, cut=None, end=None):
     x = r if mask is None else torch.where(mask, r, 0.0)
     if cut is not None:
         g = torch.as_tensor(gamma, dtype=r.dtype, device=r.device).expand_as(r)
-        boot = through(g, cut) if mask is None else torch.where(mask, through(g, cut), cut)
+        boot = decayed(g, cut) if mask is None else torch.where(mask, decayed(g, cut), cut)
         x = torch.where(ends, x + boot, x)
     if end is not None:
         x = enter(x, token_decay(gamma, mask, ends, r), end)
@@ -185,5 +185,5 @@ def td_residual(r, v, next_value, gamma, mask) -> torch.Tensor:
     """``δ = r + γ·V_next − V`` on action tokens, 0 on the others (their rewards are ignored);
     a zero ``γ`` cuts ``V_next`` exactly (selected away, so an inf bootstrap gives no NaN)."""
     g = torch.as_tensor(gamma, dtype=r.dtype, device=r.device)
-    delta = r + through(g, next_value) - v
+    delta = r + decayed(g, next_value) - v
     return delta if mask is None else torch.where(mask, delta, 0.0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from rlops.scan.decay import through
+from rlops.scan.decay import decayed
 
 __all__ = ["gae_reference"]
 
@@ -50,8 +50,8 @@ def gae_reference(
             next_adv = torch.where(dones[:, t], zero, next_adv)
         v_t = values[:, t] if values is not None else zero
         # a zero discount is an exact cut: what follows is selected away, not multiplied by 0
-        delta = rewards[:, t] + through(gamma, next_value) - v_t
-        a_t = delta + through(gamma_lam, next_adv)
+        delta = rewards[:, t] + decayed(gamma, next_value) - v_t
+        a_t = delta + decayed(gamma_lam, next_adv)
         act = mask[:, t] if mask is not None else torch.ones_like(zero, dtype=torch.bool)
         adv[:, t] = torch.where(act, a_t, zero)
         next_adv = torch.where(act, a_t, next_adv)

@@ -48,7 +48,6 @@ __all__ = [
     "csr_entries",
     "merged_threshold",
     "n_candidates",
-    "support_chunk",
     "threshold_chunk",
 ]
 
@@ -96,11 +95,6 @@ def _log(x: float | torch.Tensor) -> float | torch.Tensor:
 
 def _maximum(t: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
     return u if t is None else torch.maximum(t, u)
-
-
-def support_chunk(z: torch.Tensor, top_k: TopK, top_p: TopP, min_p: TopP) -> torch.Tensor:
-    """``[C, V]`` bool: the support of scaled logits ``z``, ``z ≥`` :func:`threshold_chunk`."""
-    return z >= threshold_chunk(z, top_k, top_p, min_p)
 
 
 def threshold_chunk(z: torch.Tensor, top_k: TopK, top_p: TopP, min_p: TopP) -> torch.Tensor:

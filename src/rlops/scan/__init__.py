@@ -16,7 +16,7 @@ While ``torch.compile`` traces, :func:`scan` is the operator ``rlops::reverse_sc
 (:mod:`rlops.scan._op`): one graph node at every length, which runs this table at run time.
 
 A decay of exactly 0 is an exact cut for every method: nothing beyond it reaches ``y[t]``,
-not even NaN or inf (:func:`rlops.scan.decay.through`).
+not even NaN or inf (:func:`rlops.scan.decay.decayed`).
 
 The public entry point, :func:`rlops.discounted_cumsum` (argument checks, any ``dim``,
 context parallelism), lives with the estimators in :mod:`rlops.advantages`.

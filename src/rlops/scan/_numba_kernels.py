@@ -8,7 +8,7 @@ multiply-add pipeline busy. ``rows`` holds the four row indices. Each carry is f
 the input dtype, advanced by one fused multiply-add (:func:`rlops.scan.exact_arith.fma`): the
 chain is no longer than a float32 one, and a float32 scan over 128K steps has the accuracy of
 a float64 loop rounded once per output. The inputs are converted as they are read
-(:func:`rlops.scan.exact_arith.read_operands`).
+(:func:`rlops.scan.exact_arith.set_llvm_optsize`).
 
 Exact cuts: rows whose constant decay is 0 are copied by the caller. A per-token decay of
 exactly 0 must select the carry away (``0 * NaN`` would be NaN); while every carry is finite,
@@ -20,7 +20,7 @@ scanned again with it.
 import numba
 import numpy as np
 
-from rlops.scan.exact_arith import fma, read_operands
+from rlops.scan.exact_arith import fma, set_llvm_optsize
 
 _jit = numba.njit(cache=True, nogil=True)
 
@@ -28,7 +28,7 @@ _jit = numba.njit(cache=True, nogil=True)
 @_jit
 def scan_rows(x, w, y, rows):
     # y[n, t] = x[n, t] + w[n] * y[n, t+1]; the decay constant along time, float64, never 0.
-    read_operands()
+    set_llvm_optsize()
     i0, i1, i2, i3 = rows
     x0, x1, x2, x3 = x[i0], x[i1], x[i2], x[i3]
     y0, y1, y2, y3 = y[i0], y[i1], y[i2], y[i3]
@@ -81,13 +81,13 @@ def _tokens(x, a, y, rows, cut):
 
 @_jit
 def _tokens_fast(x, a, y, rows):
-    read_operands()
+    set_llvm_optsize()
     return _tokens(x, a, y, rows, False)
 
 
 @_jit
 def _tokens_cut(x, a, y, rows):
-    read_operands()
+    set_llvm_optsize()
     return _tokens(x, a, y, rows, True)
 
 

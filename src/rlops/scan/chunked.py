@@ -24,7 +24,7 @@ Two chunk-local kernels:
   decays themselves, no logarithms, so a decay of exactly 0 stays an exact cut.
 
 A zero decay product is a cut: what lies beyond it is *selected* away before the multiply
-(:func:`rlops.scan.decay.through`), so NaN or inf in another segment never leaks across
+(:func:`rlops.scan.decay.decayed`), so NaN or inf in another segment never leaks across
 (0 * NaN is NaN). A row whose constant decay is 0 returns ``x`` itself.
 
 The chunk matrix products stay in full precision without touching any process-wide setting:
@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlops.scan.decay import is_per_token, through
+from rlops.scan.decay import decayed, is_per_token
 
 __all__ = ["DEFAULT_CHUNK_ROWWISE", "DEFAULT_CHUNK_TOKENWISE", "scan_chunked"]
 
@@ -111,13 +111,13 @@ def _scan_tokenwise(x: torch.Tensor, a: torch.Tensor, c: int) -> torch.Tensor:
     p = _chunks(a, c, 1.0)  # becomes prod a[t..end of chunk]
     d = 1
     while d < c:  # log2(C) doubling steps, each covering twice the span
-        y = torch.cat([y[..., :-d] + through(p[..., :-d], y[..., d:]), y[..., -d:]], dim=-1)
+        y = torch.cat([y[..., :-d] + decayed(p[..., :-d], y[..., d:]), y[..., -d:]], dim=-1)
         p = torch.cat([p[..., :-d] * p[..., d:], p[..., -d:]], dim=-1)
         d *= 2
     if y.shape[1] == 1:
         return y.view(n, -1)[:, :t_len]
     carries = _scan_tokenwise(y[:, :, 0], p[:, :, 0], c)
-    y = y + through(p, _shift_next(carries).unsqueeze(-1).expand_as(p))
+    y = y + decayed(p, _shift_next(carries).unsqueeze(-1).expand_as(p))
     return y.reshape(n, -1)[:, :t_len]
 
 

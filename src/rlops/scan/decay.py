@@ -12,7 +12,7 @@ from typing import TypeGuard
 
 import torch
 
-__all__ = ["is_per_token", "through"]
+__all__ = ["decayed", "is_per_token"]
 
 
 def is_per_token(decay: float | torch.Tensor, t_len: int) -> TypeGuard[torch.Tensor]:
@@ -20,6 +20,6 @@ def is_per_token(decay: float | torch.Tensor, t_len: int) -> TypeGuard[torch.Ten
     return isinstance(decay, torch.Tensor) and decay.shape[-1] == t_len and t_len > 1
 
 
-def through(a: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def decayed(a: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``a * y`` with an exact cut where ``a == 0``: ``y`` is selected away there."""
     return a * torch.where(a == 0, 0.0, y)

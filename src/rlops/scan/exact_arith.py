@@ -3,7 +3,7 @@
 ``fma(a, b, c)`` is ``a * b + c`` with one rounding: the float64 carries of the kernels advance
 by one fused multiply-add per step, so their latency chain is no longer than a float32 one.
 
-``read_operands()`` marks the kernel that calls it for LLVM's size-optimising instruction
+``set_llvm_optsize()`` marks the kernel that calls it for LLVM's size-optimising instruction
 selection, for one effect: a float32 input is then converted to float64 straight from memory
 (``vcvtss2sd m32`` on x86: a load and one arithmetic micro-op). For speed LLVM otherwise loads
 it first and converts the register, which costs an extra shuffle-port micro-op; with two
@@ -15,7 +15,7 @@ so the unrolling that size optimisation gives up is not missed.
 from numba.core import types
 from numba.extending import intrinsic
 
-__all__ = ["fma", "read_operands"]
+__all__ = ["fma", "set_llvm_optsize"]
 
 
 @intrinsic
@@ -29,7 +29,7 @@ def fma(typingctx, a, b, c):
 
 
 @intrinsic
-def read_operands(typingctx):
+def set_llvm_optsize(typingctx):
     """Compile the calling kernel with size-optimising instruction selection (see above)."""
 
     def codegen(context, builder, signature, args):

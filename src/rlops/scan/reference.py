@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rlops.scan.decay import is_per_token, through
+from rlops.scan.decay import decayed, is_per_token
 
 __all__ = ["scan_reference"]
 
@@ -27,7 +27,7 @@ def scan_reference(x: torch.Tensor, decay: float | torch.Tensor) -> torch.Tensor
             a_t = decay[:, t] if per_token else decay[:, 0]
         else:
             a_t = torch.tensor(decay, dtype=x.dtype, device=x.device)
-        carry = x[:, t] + through(a_t, carry)
+        carry = x[:, t] + decayed(a_t, carry)
         out.append(carry)
     if not out:
         return x.clone()
