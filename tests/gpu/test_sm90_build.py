@@ -20,9 +20,11 @@ import os
 
 import pytest
 
-triton = pytest.importorskip("triton")
-
-from tests.gpu._build import (  # noqa: E402
+# (sets TRITON_INTERPRET=1 before triton is imported, as every Triton test file does: the kernels
+# this process imports stay the interpreter's for the tests after this one; the builds run in
+# subprocesses without it)
+from tests._triton_interp import triton
+from tests.gpu._build import (
     GRID_LIMIT,
     SHARED_LIMIT,
     TARGETS,
