@@ -5,6 +5,8 @@
   run time by :func:`rlops.distributed.groups.group_rank_size`.
 * :data:`CPLayout`: a context-parallel layout name, ``"zigzag"`` or ``"contiguous"``
   (:mod:`rlops.distributed.layout`).
+* :data:`EmptyRows`: how rows without an action token count in the sequence means of a loss,
+  ``"skip"`` or ``"count"`` (:func:`rlops.aggregate_loss`).
 """
 
 from __future__ import annotations
@@ -13,10 +15,16 @@ from typing import Literal, TypeAlias
 
 import torch.distributed as dist
 
-__all__ = ["CPLayout", "Group"]
+__all__ = ["EMPTY_ROWS", "CPLayout", "EmptyRows", "Group"]
 
 #: ``torch.distributed.ProcessGroup | None``
 Group: TypeAlias = "dist.ProcessGroup | None"
 
 #: ``"zigzag" | "contiguous"``
 CPLayout: TypeAlias = Literal["zigzag", "contiguous"]
+
+#: ``"skip" | "count"``
+EmptyRows: TypeAlias = Literal["skip", "count"]
+
+#: the values of :data:`EmptyRows`
+EMPTY_ROWS = ("skip", "count")

@@ -528,7 +528,7 @@ def _cp_triton(rank: int, world: int):
         launched.append(1)
         return original(*args, **kwargs)
 
-    scan_triton.reverse_scan = counted  # a fresh process of this test alone
+    scan_triton.reverse_scan = counted  # a fresh group of this test alone (fresh=True)
     t_len = 4 * world * 17
     gen = seeded("cp")
     r = torch.randn(2, t_len, generator=gen, dtype=torch.float64)
@@ -584,7 +584,7 @@ def _cp_triton(rank: int, world: int):
 def test_context_parallel_row_runs_the_local_scans_on_triton(monkeypatch):
     from tests._distributed import run_distributed
 
-    results = run_distributed(_cp_triton, 2, timeout=180)
+    results = run_distributed(_cp_triton, 2, timeout=180, fresh=True)
     (out, (r, v, m, d, decay)), (out1, _) = results
     for key in ("adv", "ret", "returns", "rpp", "cumsum"):
         assert torch.equal(out[key], out1[key]), key

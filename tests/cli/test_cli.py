@@ -5,7 +5,23 @@ import torch
 
 from rlops.cli import main
 
+TINY = ["--batch", "1", "--seq-len", "64", "--vocab", "256", "--logprob-tokens", "16",
+        "--hidden", "8", "--group-batch", "8", "--repeats", "1", "--threads", "1"]  # fmt: skip
 
+
+def test_bench_at_tiny_sizes(tmp_path, capsys):
+    """The fast tier's bench, end to end in seconds: the sections timed in this process (the
+    log-prob section measures each variant in a fresh process: the quick run below, and
+    tests/cli/test_measure.py)."""
+    path = tmp_path / "bench.json"
+    assert main(["bench", *TINY, "--sections", "advantages", "group", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert {r["section"] for r in rows} == {"advantages", "group"}
+    assert all(r["seconds"] > 0 for r in rows)
+    assert "Verdict:" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # a minute on 2 cores
 def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
     path, png = tmp_path / "bench.json", tmp_path / "bench.png"
     argv = ["bench", "--quick", "--batch", "2", "--json", str(path), "--plot", str(png)]

@@ -1,8 +1,9 @@
-"""The slime adapters that take a process group, on real Gloo groups (one spawn of 4 ranks).
+"""The slime adapters that take a process group, on real Gloo groups (a spawn of 2
+ranks in the fast tier, of 4 in the full suite).
 
-Context parallel over groups of 4 and of 2: each rank's results for slime's CP layout must equal
-the single-process adapter's result on the whole response, sliced with our own restatement of
-slime's documented offsets. Every total length from 1 to 40 with short, half and full
+Context parallel over groups of 2 (and, on 4 ranks, of 4): each rank's results for slime's CP
+layout must equal the single-process adapter's result on the whole response, sliced with our own
+restatement of slime's documented offsets. Every total length from 1 to 40 with short, half and full
 responses, so that ranks holding no response token occur. Plus vocabulary-parallel log-probs
 over tensor-parallel groups, and whitening over a data-parallel group.
 """
@@ -260,10 +261,13 @@ def _work(rank: int, world: int) -> dict:
     # "auto" would JIT-load numba kernels in each of the 4 processes (seconds on 2 cores); the
     # chunked scans run the same carry exchange and are what a GPU uses.
     rlops.scan.compiled.available = lambda: False
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    pair = pairs[rank // 2]
+    if world == 2:
+        cases = [("cp2", dist.group.WORLD, 2, rank)]
+    else:
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        cases = [("cp4", dist.group.WORLD, 4, rank), ("cp2", pairs[rank // 2], 2, rank % 2)]
     res = {}
-    for name, group, size, r in (("cp4", dist.group.WORLD, 4, rank), ("cp2", pair, 2, rank % 2)):
+    for name, group, size, r in cases:
         res[name] = _context_parallel(group, size, r)
         res[name]["tp"] = _tensor_parallel(group, size, r)
         res[name]["whiten"] = _whiten(group, size, r)
@@ -271,8 +275,10 @@ def _work(rank: int, world: int) -> dict:
     return res
 
 
-def test_group_adapters_equal_the_single_process_ones():
-    results = run_distributed(_work, 4, timeout=120)
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_group_adapters_equal_the_single_process_ones(world):
+    """On 2 ranks: one CP group of 2; on 4: a CP group of 4 and two subgroups of 2."""
+    results = run_distributed(_work, world, timeout=120, fresh=True)  # patches rlops.scan
     for rank, res in enumerate(results):
         for name, r in res.items():
             for key in ("gae", "reinforce", "outcome", "gather", "grad", "slice", "tp"):
@@ -282,4 +288,5 @@ def test_group_adapters_equal_the_single_process_ones():
             assert max(r["value_loss"].values()) < 1e-9, (rank, name, r["value_loss"])
     # slime's placement of the outcome reward is wrong (or raises) for some of these samples
     assert sum(r["cp2"]["slime_outcome_wrong"] for r in results) > 0
-    assert sum(r["cp4"]["slime_outcome_wrong"] for r in results) > 0
+    if world == 4:
+        assert sum(r["cp4"]["slime_outcome_wrong"] for r in results) > 0

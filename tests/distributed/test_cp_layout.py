@@ -153,7 +153,7 @@ def _fits(rank, world):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_both_layouts_and_the_bootstrap_equal_one_process(world):
     lengths = (1, 5, 8, 130) if world == 2 else (37,)
     methods = ("reference", "chunked", "compiled") if world == 2 else ("auto",)

@@ -408,6 +408,7 @@ def test_losses_on_two_cp_ranks_sum_to_the_whole_rows(two_ranks):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_losses_on_four_ranks_cp4_and_dp2_cp2():
     """4 ranks, as one CP group of 4 and as DP 2 × CP 2 (group= the world): every kind ×
     aggregation mode × layout of policy_loss and the other functions on one layout."""

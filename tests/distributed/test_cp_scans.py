@@ -112,17 +112,17 @@ def _every_function(rank: int, world: int, methods: tuple[str, ...]) -> float:
     return worst
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_every_cp_function_equals_single_process(world):
     methods = ("reference", "chunked", "compiled") if world == 2 else ("auto",)
     errors = run_distributed(_every_function, world, methods, timeout=120)
     assert max(errors) < 1e-12, errors
 
 
-def _response_form(rank: int, world: int) -> list[tuple[int, int, float]]:
+def _response_form(rank: int, world: int, last: int) -> list[tuple[int, int, float]]:
     group = dist.group.WORLD
     bad = []
-    for total in range(2, 302):
+    for total in range(2, last + 1):
         for response in {1, 2, total // 2, total - 1}:
             if not 1 <= response <= total - 1:
                 continue
@@ -145,9 +145,10 @@ def _response_form(rank: int, world: int) -> list[tuple[int, int, float]]:
     return bad
 
 
-def test_response_offset_form_every_length():
-    """Prompt + response of every total length up to 301: ranks may hold none of it."""
-    for bad in run_distributed(_response_form, 4, timeout=150):
+@pytest.mark.parametrize(("world", "last"), [(2, 40), pytest.param(4, 301, marks=pytest.mark.slow)])
+def test_response_offset_form_every_length(world, last):
+    """Prompt + response of every total length up to ``last``: ranks may hold none of it."""
+    for bad in run_distributed(_response_form, world, last, timeout=150):
         assert bad == []
 
 
@@ -207,9 +208,12 @@ def _bits(x):
 OFF = {"RLOPS_CP_CHECK": "0"}
 
 
-def test_one_collective_whose_size_does_not_grow_with_t():
-    short = run_distributed(_count, 4, 64, OFF)[0]
-    long = run_distributed(_count, 4, 131072, OFF)[0]
+@pytest.mark.parametrize(
+    ("world", "t_long"), [(2, 8192), pytest.param(4, 131072, marks=pytest.mark.slow)]
+)
+def test_one_collective_whose_size_does_not_grow_with_t(world, t_long):
+    short = run_distributed(_count, world, 64, OFF)[0]
+    long = run_distributed(_count, world, t_long, OFF)[0]
     for name in short:
         calls, sizes, _ = long[name]
         assert calls == {"all_gather": 1}, (name, calls)

@@ -34,9 +34,10 @@ def _whiten(rank: int, world: int):
     return w, mean, var, dict(calls), const
 
 
-def test_whitening_over_dp_x_cp_equals_whole_batch():
-    results = run_distributed(_whiten, 4)
-    xs, masks = _shards(0)
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_whitening_over_dp_x_cp_equals_whole_batch(world):
+    results = run_distributed(_whiten, world)
+    xs, masks = (s[:world] for s in _shards(0))
     flat_x = torch.cat([x.reshape(-1) for x in xs])
     flat_m = torch.cat([m.reshape(-1) for m in masks])
     want = rlops.masked_whiten(flat_x, flat_m)
@@ -50,4 +51,5 @@ def test_whitening_over_dp_x_cp_equals_whole_batch():
         torch.testing.assert_close(var, sel.var())
         assert calls == {"all_gather": 1}
         assert torch.isfinite(const).all() and (const == 0).all()
-    assert (results[3][0] == 0).all()  # the rank with only masked tokens
+    if world == 4:
+        assert (results[3][0] == 0).all()  # the rank with only masked tokens

@@ -272,7 +272,7 @@ def _loss_and_stats(
 
     def token_mean(name: str, x: torch.Tensor) -> None:
         if x.shape[-1] == 1:  # one value per row (sequence level): TRL divides by B
-            sums[name] = (x.sum().detach(), torch.tensor(float(b), device=x.device))
+            sums[name] = (x.sum().detach(), torch.full((), float(b), device=x.device))
         else:
             sums[name] = (torch.where(keep, x, 0).sum().detach(), tokens)
 
@@ -287,17 +287,17 @@ def _loss_and_stats(
         token_mean("kl", kl)
 
     if loss_type in ("grpo", "sapo"):
-        mode, lsf, ns, nt = "seq-mean-token-mean", None, float(b), None
+        mode, lsf, nt = "seq-mean-token-mean", None, None
     elif loss_type == "bnpo":
-        mode, lsf, ns, nt = "token-mean", None, None, None
+        mode, lsf, nt = "token-mean", None, None
     elif loss_type == "dr_grpo":
         if max_completion_length is None:
             raise ValueError("loss_type='dr_grpo' needs max_completion_length")
-        mode, lsf, ns, nt = "seq-mean-token-sum-norm", float(max_completion_length), float(b), None
+        mode, lsf, nt = "seq-mean-token-sum-norm", float(max_completion_length), None
     elif loss_type == "luspo":
-        mode, lsf, ns, nt = "seq-mean-token-sum", None, float(b), None
+        mode, lsf, nt = "seq-mean-token-sum", None, None
     else:  # dapo, cispo: num_items_in_batch spans the generation batch
-        mode, lsf, ns = "token-mean", None, None
+        mode, lsf = "token-mean", None
         if num_items_in_batch is None:
             nt = None
         else:
@@ -310,8 +310,9 @@ def _loss_and_stats(
             nt = n.clamp(min=1.0) / num_processes
             if training:
                 nt = nt * gradient_accumulation_steps / spg
+    # TRL's sequence means divide by every row, with an action token or not
     policy = rlops.aggregate_loss(
-        loss_mat, keep, mode, loss_scale_factor=lsf, num_tokens=nt, num_seqs=ns
+        loss_mat, keep, mode, loss_scale_factor=lsf, num_tokens=nt, empty_rows="count"
     )
     loss = policy if loss_type in ("dapo", "cispo") else policy / ga
     if entropy_coef != 0:

@@ -28,8 +28,8 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from rlops._checks import as_int, check_ids, values_checked
-from rlops._types import Group
+from rlops._checks import as_int, check_choice, check_ids, values_checked
+from rlops._types import EMPTY_ROWS, Group
 from rlops.distributed.collectives import Call, gather
 from rlops.distributed.groups import group_rank_size
 from rlops.distributed.layout import check_cp_layout
@@ -77,6 +77,8 @@ class Rows:
             values are checked: on CPU, or with ``RLOPS_CHECK_VALUES=1``).
         seqs_per_row: the number of sequence slots ``K`` per row, with ``seq_ids``.
         group: the ``group=`` of the call (must contain ``cp_group``), or None.
+        empty_rows: ``"skip"`` (rows without an action token are not sequences of the
+            seq-mean modes) or ``"count"`` (every row is one); see :attr:`all_rows`.
 
     Example:
         >>> import torch
@@ -98,7 +100,9 @@ class Rows:
         seq_ids: object = None,
         seqs_per_row: object = None,
         group: Group = None,
+        empty_rows: object = "skip",
     ) -> None:
+        self.empty_rows = check_choice("empty_rows", empty_rows, EMPTY_ROWS)
         self.cp_rank, self.cp_world = group_rank_size(cp_group, "cp_group")
         self.layout = check_cp_layout(cp_layout)
         if self.cp_world > 1 and group is not None:
@@ -129,6 +133,12 @@ class Rows:
                         f", got values in [{int(used.min())}, {int(used.max())}]"
                     )
             self.ids = torch.where(keep, ids, 0)
+            if self.empty_rows == "count":
+                raise ValueError(
+                    "empty_rows='count' counts whole rows, and with seq_ids the mask does not "
+                    "say how many sequences a row holds: pass num_seqs (the number of "
+                    "sequences of the global batch) instead"
+                )
         self.call: Call | None = None
         self._count: torch.Tensor | None = None
 
@@ -150,6 +160,8 @@ class Rows:
             out.update({"cp_group size": self.cp_world, "cp_layout": self.layout})
         if self.ids is not None:
             out["seqs_per_row"] = self.k
+        if self.empty_rows != "skip":
+            out["empty_rows"] = self.empty_rows
         return out
 
     # ------------------------------------------------------------------ local forms
@@ -252,3 +264,10 @@ class Rows:
         """:attr:`nonempty` on CP rank 0, all False elsewhere: a row-level sum over a group of
         DP×CP ranks then counts every row once."""
         return self.nonempty if self.cp_rank == 0 else torch.zeros_like(self.nonempty)
+
+    @property
+    def all_rows(self) -> torch.Tensor:
+        """The number of rows this rank counts for ``empty_rows="count"`` (float64, 0-dim):
+        every row, on CP rank 0 only (summed over a DP×CP group, each row counts once)."""
+        b = self.keep.shape[0] if self.cp_rank == 0 else 0
+        return torch.full((), float(b), dtype=torch.float64, device=self.keep.device)

@@ -15,7 +15,7 @@ from rlops._checks import (
     read_value,
     values_checked,
 )
-from rlops._types import CPLayout, Group
+from rlops._types import CPLayout, EmptyRows, Group
 from rlops.distributed.collectives import Call, check_enabled, fails_together, gather
 from rlops.distributed.rows import Rows
 from rlops.losses._checks import AGG_MODES, check_agg, check_normalisers
@@ -66,6 +66,7 @@ def make_rows(
     cp_layout: object,
     seq_ids: object,
     seqs_per_row: object,
+    empty_rows: object = "skip",
 ) -> Rows:
     """The checked :class:`Rows` of a loss call; under context parallelism
     ``seq-mean-token-sum-norm`` needs ``loss_scale_factor`` (a shard does not know the whole
@@ -78,6 +79,7 @@ def make_rows(
         seq_ids=seq_ids,
         seqs_per_row=seqs_per_row,
         group=group,
+        empty_rows=empty_rows,
     )
     if rows.cp and agg == "seq-mean-token-sum-norm" and loss_scale_factor is None:
         raise ValueError(
@@ -192,6 +194,10 @@ def loss_and_metrics(
     keep = rows.keep
     names = list(metric_sums)
     local = [v.detach().to(torch.float64) for v, _ in metric_sums.values()]
+    # empty_rows="count": the number of sequences is every row's, summed with the totals
+    all_rows = rows.empty_rows == "count" and agg in _SEQ_MODES and num_seqs is None
+    if all_rows:
+        local.append(rows.all_rows)
     need_rows = _needs_rows(agg, num_seqs)
     check = check_enabled()
     given = _given(keep, agg, dtype, num_tokens, num_seqs)
@@ -235,6 +241,8 @@ def loss_and_metrics(
             vec = gather(vec, group, call).sum(0)
         tot_tokens, tot_rows, totals = vec[0], vec[1], list(vec[2:])
     denom = given
+    if all_rows:
+        denom = totals.pop().to(dtype).clamp_min(1)
     if denom is None and _needs_count(agg) and (group is not None or rows.cp):
         count = tot_tokens if agg == "token-mean" else tot_rows
         denom = count.to(dtype).clamp_min(1)
@@ -278,6 +286,7 @@ def aggregate_loss(
     cp_layout: CPLayout = "zigzag",
     seq_ids: torch.Tensor | None = None,
     seqs_per_row: int | None = None,
+    empty_rows: EmptyRows = "skip",
 ) -> torch.Tensor:
     """Reduce a per-token loss ``[B, T]`` to a scalar, with verl's ``loss_agg_mode`` names.
 
@@ -322,6 +331,11 @@ def aggregate_loss(
     rank 0), in one more collective. ``seq-mean-token-sum-norm`` then needs
     ``loss_scale_factor`` (a shard does not know the row's ``T``).
 
+    **Rows without an action token** (``empty_rows``): ``"skip"`` (the default, as verl)
+    leaves them out of ``S``; ``"count"`` counts every row, ``S = B`` summed over ``group``
+    (each row once over DP×CP), as TRL's ``grpo`` and ``dr_grpo`` losses divide by the batch's
+    rows. They add 0 to the sums either way. ``num_seqs``, when given, is ``S`` itself.
+
     **Packed rows** (``seq_ids=``, ``[B, T]`` integers in ``[0, seqs_per_row)``: the sequence
     of the row each token belongs to): every "row" above is a sequence — ``n_b`` its action
     tokens, ``S`` the sequences with one. From ``dones`` (1 on each sequence's last token),
@@ -330,8 +344,7 @@ def aggregate_loss(
     ``seq-mean-token-sum-norm`` is Dr.GRPO's objective (https://arxiv.org/abs/2503.20783):
     the mean over sequences of each sequence's token *sum*, divided by a constant ``L`` instead
     of each sequence's own length (verl's definition since February 2026; earlier releases
-    divided the plain token sum by ``L``). Rows with no action token are left out of the
-    sequence means (as current verl); an empty batch gives 0.
+    divided the plain token sum by ``L``). An empty batch gives 0.
 
     Args:
         loss_mat: ``[B, T]`` per-token loss.
@@ -356,6 +369,8 @@ def aggregate_loss(
             are ignored; those of action tokens must lie in ``[0, seqs_per_row)``).
         seqs_per_row: with ``seq_ids``, the number ``K`` of sequence slots per row (an int,
             the same on every rank).
+        empty_rows: ``"skip"`` or ``"count"``: whether rows without an action token count in
+            ``S`` (not with ``seq_ids``: pass ``num_seqs`` there).
 
     Returns:
         0-dim tensor, float32 for half inputs, else ``loss_mat``'s dtype. Differentiable.
@@ -373,21 +388,16 @@ def aggregate_loss(
         ...                         seq_ids=torch.tensor([[0, 0, 1]]), seqs_per_row=2)
         >>> packed.item()  # sequences [1, 2] and [3]: (1.5 + 3) / 2
         2.25
+        >>> m2 = torch.tensor([[1, 1, 1], [0, 0, 0]])  # the second row has no action token
+        >>> [aggregate_loss(loss, m2, "seq-mean-token-sum", empty_rows=e).item()
+        ...  for e in ("skip", "count")]
+        [6.0, 3.0]
     """
     check_2d("loss_mat", loss_mat)
     keep = as_bool_mask("mask", mask, loss_mat.shape, "loss_mat", loss_mat)
     loss_scale_factor = check_agg("mode", mode, loss_scale_factor, optional=False)
     num_tokens, num_seqs = check_normalisers(num_tokens, num_seqs, group, loss_mat)
-    rows = make_rows(
-        keep,
-        compute_dtype(loss_mat.dtype),
-        mode,
-        loss_scale_factor,
-        group,
-        cp_group,
-        cp_layout,
-        seq_ids,
-        seqs_per_row,
-    )
+    layout = (group, cp_group, cp_layout, seq_ids, seqs_per_row, empty_rows)
+    rows = make_rows(keep, compute_dtype(loss_mat.dtype), mode, loss_scale_factor, *layout)
     call = describe("aggregate_loss", mode, loss_scale_factor, loss_mat.shape[-1], rows=rows)
     return aggregate(loss_mat, rows, mode, loss_scale_factor, num_tokens, num_seqs, group, call)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlops._checks import as_bool_mask, check_2d, compute_dtype
-from rlops._types import CPLayout, Group
+from rlops._types import CPLayout, EmptyRows, Group
 from rlops.distributed.collectives import fails_together
 from rlops.losses._checks import check_agg, check_coef, check_normalisers
 from rlops.losses.aggregation import aggregate, describe, make_rows
@@ -28,6 +28,7 @@ def entropy_loss(
     cp_layout: CPLayout = "zigzag",
     seq_ids: torch.Tensor | None = None,
     seqs_per_row: int | None = None,
+    empty_rows: EmptyRows = "skip",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Entropy bonus ``−coef·aggregate_loss(H, mask, agg)``, a term to *add* to the loss.
 
@@ -59,6 +60,7 @@ def entropy_loss(
         cp_layout: see :func:`aggregate_loss`.
         seq_ids: see :func:`aggregate_loss` (packed sequences).
         seqs_per_row: see :func:`aggregate_loss`.
+        empty_rows: see :func:`aggregate_loss` (rows without an action token in ``S``).
 
     Returns:
         ``(loss, metrics)``: the 0-dim loss (float32 for half inputs) and ``entropy``, the
@@ -83,17 +85,8 @@ def entropy_loss(
     loss_scale_factor = check_agg("agg", agg, loss_scale_factor, optional=False)
     num_tokens, num_seqs = check_normalisers(num_tokens, num_seqs, group, entropy)
     coef = check_coef(coef, entropy)
-    rows = make_rows(
-        keep,
-        compute_dtype(entropy.dtype),
-        agg,
-        loss_scale_factor,
-        group,
-        cp_group,
-        cp_layout,
-        seq_ids,
-        seqs_per_row,
-    )
+    layout = (group, cp_group, cp_layout, seq_ids, seqs_per_row, empty_rows)
+    rows = make_rows(keep, compute_dtype(entropy.dtype), agg, loss_scale_factor, *layout)
     call = describe("entropy_loss", agg, loss_scale_factor, entropy.shape[-1], rows=rows)
     agg_entropy = aggregate(
         entropy, rows, agg, loss_scale_factor, num_tokens, num_seqs, group, call

@@ -13,7 +13,7 @@ from rlops._checks import (
     check_same_shape,
     compute_dtype,
 )
-from rlops._types import CPLayout, Group
+from rlops._types import CPLayout, EmptyRows, Group
 from rlops.distributed.collectives import fails_together
 from rlops.losses._checks import check_agg, check_normalisers, check_options
 from rlops.losses._common import constant
@@ -41,6 +41,7 @@ def policy_loss(
     cp_layout: CPLayout = "zigzag",
     seq_ids: object = None,
     seqs_per_row: object = None,
+    empty_rows: EmptyRows = "skip",
     **kind_params: object,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy-gradient loss of one of :data:`POLICY_KINDS`: a per-token loss ``ℓ [B, T]``, times
@@ -175,6 +176,7 @@ def policy_loss(
         cp_layout: see :func:`aggregate_loss`.
         seq_ids: see :func:`aggregate_loss`.
         seqs_per_row: see :func:`aggregate_loss`.
+        empty_rows: see :func:`aggregate_loss` (rows without an action token in ``S``).
         **kind_params: the kind's options (numbers, numpy scalars or 0-dim tensors):
             ppo: ``clip_low`` (in (0, 1) or inf; 0.2), ``clip_high`` (> 0), ``dual_clip``
             (None or > 1); gspo, cispo: ``clip_low``, ``clip_high``; sapo: ``tau_pos``,
@@ -224,9 +226,8 @@ def policy_loss(
     loss_scale_factor = check_agg("agg", agg, loss_scale_factor)
     num_tokens, num_seqs = check_normalisers(num_tokens, num_seqs, group, logp)
     dtype = compute_dtype(logp.dtype)
-    rows = make_rows(
-        keep, dtype, agg, loss_scale_factor, group, cp_group, cp_layout, seq_ids, seqs_per_row
-    )
+    layout = (group, cp_group, cp_layout, seq_ids, seqs_per_row, empty_rows)
+    rows = make_rows(keep, dtype, agg, loss_scale_factor, *layout)
     if rows.cp and kind in CP_INEXACT:
         raise ValueError(
             f"policy_loss(kind={kind!r}) cannot be exact with cp_group: it selects among all "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlops._checks import as_bool_mask, check_2d, check_positive, check_same_shape, compute_dtype
-from rlops._types import CPLayout, Group
+from rlops._types import CPLayout, EmptyRows, Group
 from rlops.distributed.collectives import fails_together
 from rlops.losses._checks import check_agg, check_normalisers
 from rlops.losses._common import constant
@@ -31,6 +31,7 @@ def value_loss(
     cp_layout: CPLayout = "zigzag",
     seq_ids: torch.Tensor | None = None,
     seqs_per_row: int | None = None,
+    empty_rows: EmptyRows = "skip",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss: ``0.5·agg(max((V − R)², (V_clip − R)²))``.
 
@@ -60,6 +61,7 @@ def value_loss(
         cp_layout: see :func:`aggregate_loss`.
         seq_ids: see :func:`aggregate_loss` (packed sequences).
         seqs_per_row: see :func:`aggregate_loss`.
+        empty_rows: see :func:`aggregate_loss` (rows without an action token in ``S``).
 
     Returns:
         ``(loss, metrics)``: a 0-dim loss (float32 for half inputs; the ``[B, T]`` matrix
@@ -86,9 +88,8 @@ def value_loss(
     old_values, returns = constant(old_values), constant(returns)
 
     dtype = compute_dtype(values.dtype)
-    rows = make_rows(
-        keep, dtype, agg, loss_scale_factor, group, cp_group, cp_layout, seq_ids, seqs_per_row
-    )
+    layout = (group, cp_group, cp_layout, seq_ids, seqs_per_row, empty_rows)
+    rows = make_rows(keep, dtype, agg, loss_scale_factor, *layout)
     v, ret = (torch.where(keep, x.to(dtype), 0) for x in (values, returns))
     loss_mat = (v - ret).square()
     if clip is None:
