@@ -164,6 +164,7 @@ def _cases() -> list[tuple[str, Callable[[], None]]]:
                 ("top_k+top_p", {"top_k": 50, "top_p": 0.9, "temperature": 0.7}),
                 ("min_p", {"min_p": 0.05}),
                 ("Σπ²", {"with_sum_pi_squared": True}),
+                ("row mask", {"mask": True}),
             ):
                 name = f"logprobs_and_entropy V={v} {dn} {label} fwd+bwd"
                 cases.append((name, _logprobs_case(n, v, dtype, kw, gen)))
@@ -182,6 +183,8 @@ def _logprobs_case(n, v, dtype, kw, gen) -> Callable[[], None]:
         extra = dict(kw)
         if extra.get("keep_mask"):
             extra["keep_mask"] = torch.rand(n, v, generator=gen) < 0.5
+        if extra.get("mask"):
+            extra["mask"] = torch.tensor([True, False] * (n // 2))
         out = rlops.logprobs_and_entropy(x, y, method="triton", **extra)
         sum(o.float().sum() for o in out if o is not None).backward()
 

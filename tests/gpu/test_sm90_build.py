@@ -105,3 +105,14 @@ def test_no_scalar_half_loads_on_the_logits_tile_at_v_50280(rows, arch):
         assert r["ld16_scalar"] == aligned["ld16_scalar"] <= 1, (case, kernel, r, aligned)
         checked += 1
     assert checked >= 10
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_the_row_mask_builds_its_own_kernels(rows, arch):
+    """``mask=`` launches kernels of their own (the masked rows' early return), which build,
+    without spills, and still load the logits tile as 128-bit vectors."""
+    built = [r for r in _kernels(rows, arch) if "row mask" in r["case"]]
+    assert {r["kernel"] for r in built} == {"_stats_kernel", "_grad_kernel"}, built
+    fresh = [r for r in built if not r["dup"]]
+    assert len(fresh) >= 4, built
+    assert all(r["ld_bits"] == 128 for r in fresh), fresh

@@ -17,6 +17,10 @@ cancels. ``z = logits / temperature`` in float32 (float64
 for float64 logits), divided with IEEE rounding as the torch path does. The sampler's support
 is ``z ≥ t`` for a given per-token threshold ``t`` (the target always in it); with
 ``over_support`` the logits outside it are ``-inf``, so the entropy too is over the support.
+With the op's row mask (``row_valid``), the program of a masked row returns before it reads
+anything of the row, having written the statistics of an empty row of log-prob 0; the
+gradient kernel writes the row's zeros and reads nothing else (the caller's buffer needs no
+zeroing pass: one write of the masked rows, no read). No host read of the mask.
 
 Backward (:func:`logits_grad`): from the saved merged statistics ``(M, log S)`` of the
 log-prob distribution and ``(M, log S, H)`` of the unmasked one, every tile of the gradient
@@ -103,18 +107,29 @@ def _online(m, s, u, sw, w, z, ENTROPY: tl.constexpr, SQUARES: tl.constexpr):
 
 @triton.jit
 def _stats_kernel(
-    x_ptr, tgt_ptr, keep_ptr, thr_ptr, tau_ptr, out_ptr, N, V, stride_x, stride_k, stride_o,
-    offset, ALIGN_V: tl.constexpr, ALIGN_X: tl.constexpr, ALIGN_K: tl.constexpr,
-    MASK: tl.constexpr, THRESH: tl.constexpr, TWO: tl.constexpr, ENTROPY: tl.constexpr,
-    SQUARES: tl.constexpr, SQ_COL: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    x_ptr, tgt_ptr, keep_ptr, thr_ptr, tau_ptr, valid_ptr, out_ptr, N, V, stride_x, stride_k,
+    stride_o, offset, ALIGN_V: tl.constexpr, ALIGN_X: tl.constexpr, ALIGN_K: tl.constexpr,
+    ROWMASK: tl.constexpr, MASK: tl.constexpr, THRESH: tl.constexpr, TWO: tl.constexpr,
+    ENTROPY: tl.constexpr, SQUARES: tl.constexpr, SQ_COL: tl.constexpr, SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     # TWO: the log-prob's distribution (the support) and the entropy's (all logits) differ;
     # SQUARES: ρ = Σ e² / (Σ e)² (e = exp(z − m), sums in float64) of the log-prob's
-    # distribution in column SQ_COL, the last
+    # distribution in column SQ_COL, the last; ROWMASK: rows whose valid_ptr entry is False
+    # (the op's row mask) read nothing and get the statistics of an empty row (_stats_store)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
+    row_in = rows < N
+    row_ok = row_in
     rows64 = rows.to(tl.int64)
+    base = out_ptr + rows64 * stride_o
+    if ROWMASK:
+        row_ok = row_in & (tl.load(valid_ptr + rows, mask=row_in, other=0) != 0)
+        if tl.max(row_ok.to(tl.int32), axis=0) == 0:  # a masked row (GPU: one per program)
+            zero = tl.zeros([BLOCK_N], ACC)
+            z64 = zero.to(tl.float64)
+            _stats_store(base, row_in, row_ok, zero, zero, zero, zero, zero, zero, zero, z64,
+                         z64, ENTROPY, TWO, SQUARES, SQ_COL, ACC)  # fmt: skip
+            return
     V = V * ALIGN_V  # V and the strides come in units of ALIGN: rows start 16-byte aligned
     stride_x = stride_x * ALIGN_X  # and a tile's bound is known per vector, so tiles load
     stride_k = stride_k * ALIGN_K  # as vectors
@@ -152,38 +167,61 @@ def _stats_kernel(
                 m, s, u, sw, w = _online(m, s, u, sw, w, z_keep, ENTROPY, SQUARES)
         else:
             m, s, u, sw, w = _online(m, s, u, sw, w, z, ENTROPY, SQUARES)
-    base = out_ptr + rows64 * stride_o
-    tl.store(base, zy, mask=row_ok)
-    tl.store(base + 1, m, mask=row_ok)
-    tl.store(base + 2, s, mask=row_ok)
+    _stats_store(base, row_in, row_ok, zy, m, s, u, me, se, ue, sw, w, ENTROPY, TWO, SQUARES,
+                 SQ_COL, ACC)  # fmt: skip
+
+
+@triton.jit
+def _stats_store(
+    base, row_in, row_ok, zy, m, s, u, me, se, ue, sw, w, ENTROPY: tl.constexpr,
+    TWO: tl.constexpr, SQUARES: tl.constexpr, SQ_COL: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    # a row's columns from its accumulators; a masked row (row_in, not row_ok) gets those of
+    # an empty row of log-prob 0: z_y = m = 0, s = 1, h = 0, ρ = 0
+    tl.store(base, tl.where(row_ok, zy, 0.0), mask=row_in)
+    tl.store(base + 1, tl.where(row_ok, m, 0.0), mask=row_in)
+    tl.store(base + 2, tl.where(row_ok, s, 1.0), mask=row_in)
     if ENTROPY:
         if TWO:
-            tl.store(base + 3, me, mask=row_ok)
-            tl.store(base + 4, se, mask=row_ok)
-            tl.store(base + 5, tl.log(se) - ue / se, mask=row_ok)
+            se_ok = tl.where(row_ok, se, 1.0)
+            tl.store(base + 3, tl.where(row_ok, me, 0.0), mask=row_in)
+            tl.store(base + 4, se_ok, mask=row_in)
+            tl.store(base + 5, tl.where(row_ok, tl.log(se_ok) - ue / se_ok, 0.0), mask=row_in)
         else:
-            tl.store(base + 3, tl.log(s) - u / s, mask=row_ok)
+            s_ok = tl.where(row_ok, s, 1.0)
+            tl.store(base + 3, tl.where(row_ok, tl.log(s_ok) - u / s_ok, 0.0), mask=row_in)
     if SQUARES:
         rho = tl.where(sw > 0, w / tl.where(sw > 0, sw * sw, 1.0), 0.0)
-        tl.store(base + SQ_COL, rho.to(ACC), mask=row_ok)
+        tl.store(base + SQ_COL, tl.where(row_ok, rho.to(ACC), 0.0), mask=row_in)
 
 
 @triton.jit
 def _grad_kernel(
     x_ptr, tgt_ptr, keep_ptr, thr_ptr, tau_ptr, mp_ptr, lsp_ptr, me_ptr, lse_ptr, h_ptr,
-    glp_ptr, gent_ptr, dx_ptr, N, V, stride_x, stride_k, stride_d, offset,
+    glp_ptr, gent_ptr, valid_ptr, dx_ptr, N, V, stride_x, stride_k, stride_d, offset,
     ALIGN_V: tl.constexpr, ALIGN_X: tl.constexpr, ALIGN_K: tl.constexpr, ALIGN_D: tl.constexpr,
-    MASK: tl.constexpr, THRESH: tl.constexpr, TWO: tl.constexpr, HAS_LP: tl.constexpr,
-    HAS_ENT: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-    ACC: tl.constexpr,
+    ROWMASK: tl.constexpr, MASK: tl.constexpr, THRESH: tl.constexpr, TWO: tl.constexpr,
+    HAS_LP: tl.constexpr, HAS_ENT: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
+    row_in = rows < N
+    row_ok = row_in
     rows64 = rows.to(tl.int64)
     V = V * ALIGN_V  # V and the strides come in units of ALIGN: rows start 16-byte aligned
     stride_x = stride_x * ALIGN_X  # and a tile's bound is known per vector, so tiles load
     stride_k = stride_k * ALIGN_K  # and store as vectors
     stride_d = stride_d * ALIGN_D
+    cols0 = tl.arange(0, BLOCK_V)
+    if ROWMASK:  # rows whose valid_ptr entry is False: a zero gradient, nothing read
+        row_ok = row_in & (tl.load(valid_ptr + rows, mask=row_in, other=0) != 0)
+        if tl.max(row_ok.to(tl.int32), axis=0) == 0:  # a masked row (GPU: one per program)
+            zeros = tl.zeros([BLOCK_N, BLOCK_V], dx_ptr.dtype.element_ty)
+            for v0 in range(0, V, BLOCK_V):
+                cols = v0 + cols0
+                tl.store(dx_ptr + rows64[:, None] * stride_d + cols[None, :], zeros,
+                         mask=row_in[:, None] & (cols < V)[None, :])  # fmt: skip
+            return
     tau = tl.load(tau_ptr).to(ACC)  # read only when SCALE (else any element: a placeholder)
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=0) - offset
     # (M, log S) of the log-prob distribution; (M, log S, H) of the entropy's
@@ -198,7 +236,6 @@ def _grad_kernel(
         glp = tl.load(glp_ptr + rows, mask=row_ok, other=0.0).to(ACC)
     if THRESH:
         thr = tl.load(thr_ptr + rows, mask=row_ok, other=0.0).to(ACC)
-    cols0 = tl.arange(0, BLOCK_V)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + cols0
         ok = row_ok[:, None] & (cols < V)[None, :]
@@ -225,6 +262,9 @@ def _grad_kernel(
             grad += glp[:, None] * (tl.where(onehot, 1.0, 0.0) - p_keep)
         if SCALE:
             grad = grad * (1.0 / tau)
+        if ROWMASK:  # a masked row beside valid ones in a block of several rows
+            grad = tl.where(row_ok[:, None], grad, 0.0)
+            ok = row_in[:, None] & (cols < V)[None, :]
         grad = cast_to(grad, dx_ptr.dtype.element_ty)
         tl.store(dx_ptr + rows64[:, None] * stride_d + cols[None, :], grad, mask=ok)
 
@@ -272,6 +312,16 @@ def _column(t: torch.Tensor | None, n: int, dtype: torch.dtype) -> torch.Tensor 
     return None if t is None else t.reshape(n).to(dtype).contiguous()
 
 
+def _valid(row_valid: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """The row mask as a contiguous ``[N]`` bool (None: every row valid)."""
+    if row_valid is None:
+        return None
+    if row_valid.dtype != torch.bool or row_valid.numel() != n:
+        got = f"{list(row_valid.shape)} {row_valid.dtype}"
+        raise ValueError(f"row_valid must be [{n}] bool, got {got}")
+    return row_valid.reshape(n).contiguous()
+
+
 def _support_args(
     x: torch.Tensor, keep_mask: torch.Tensor | None, threshold: torch.Tensor | None, acc
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -302,6 +352,7 @@ def shard_stats(
     over_support: bool = False,
     with_entropy: bool = True,
     with_squares: bool = False,
+    row_valid: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block_n: int | None = None,
     block_v: int | None = None,
@@ -315,7 +366,9 @@ def shard_stats(
     kept logits (the target always kept), the entropy over all of them — or over the support
     too with ``over_support`` (then only ``k = 3 + 1`` columns, as without a support).
     ``with_squares``: one more column, last, ``ρ = Σ p²`` of the log-prob distribution within
-    the shard (:func:`rlops.logprobs._shard.merge_squares` merges it).
+    the shard (:func:`rlops.logprobs._shard.merge_squares` merges it). ``row_valid`` ``[N]``
+    bool (the op's row mask): the programs of rows where it is False read nothing and write
+    the statistics of an empty row (``z_y = m = 0``, ``s = 1``, ``h = 0``, ``ρ = 0``).
     Written into ``out`` when given (``[N, k]`` rows of a unit column stride, in the compute
     dtype); float32 statistics (float64 for float64 logits)."""
     v = logits.shape[-1]
@@ -337,12 +390,14 @@ def shard_stats(
         return out
     tgt = target.reshape(n).to(torch.int64).contiguous()
     tau = _tau(temperature, acc, x)
+    valid = _valid(row_valid, n)
     bn, bv, warps = _config(x, n, v, block_n, block_v)
     launch(
         _stats_kernel, (triton.cdiv(n, bn),),
-        x, tgt, x if keep is None else keep, tau if thr is None else thr, tau, out,
+        x, tgt, x if keep is None else keep, tau if thr is None else thr, tau,
+        tgt if valid is None else valid, out,
         n, v // _align_v(v), *_strides(x, keep), out.stride(0), offset,
-        ALIGN_V=_align_v(v), ALIGN_X=_align(x), ALIGN_K=_align(keep),
+        ALIGN_V=_align_v(v), ALIGN_X=_align(x), ALIGN_K=_align(keep), ROWMASK=valid is not None,
         MASK=keep is not None, THRESH=thr is not None, TWO=two, ENTROPY=with_entropy,
         SQUARES=with_squares, SQ_COL=ncol - 1, SCALE=temperature != 1.0, BLOCK_N=bn,
         BLOCK_V=bv, ACC=_tl(acc), num_warps=warps,
@@ -362,6 +417,7 @@ def logits_grad(
     keep_mask: torch.Tensor | None = None,
     threshold: torch.Tensor | None = None,
     over_support: bool = False,
+    row_valid: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block_n: int | None = None,
     block_v: int | None = None,
@@ -372,8 +428,10 @@ def logits_grad(
     ``(M, log S, H)`` of the entropy's — the merged statistics
     (:func:`rlops.logprobs._shard.merge`), each ``[N]`` or ``[N, 1]`` (a ``[5, N]`` tensor
     works too). ``g_logp``, ``g_ent``: ``[N]`` upstream gradients or None (at least one
-    given). ``out``: ``[N, V_local]`` rows of a unit column stride, any float dtype (the
-    gradient is computed in float32, or float64, and rounded to it)."""
+    given). ``row_valid`` ``[N]`` bool (the op's row mask): rows where it is False get a zero
+    gradient, written without reading anything of theirs. ``out``: ``[N, V_local]`` rows of a
+    unit column stride, any float dtype (the gradient is computed in float32, or float64, and
+    rounded to it)."""
     v = logits.shape[-1]
     x = _rows_view(logits, v)
     n = x.shape[0]
@@ -396,16 +454,18 @@ def logits_grad(
     glp, gent = _column(g_logp, n, acc), _column(g_ent, n, acc)
     mp, lsp, *rest = cols
     me, lse, h = rest if g_ent is not None else (mp, mp, mp)
+    valid = _valid(row_valid, n)
     bn, bv, warps = _config(x, n, v, block_n, block_v)
     launch(
         _grad_kernel, (triton.cdiv(n, bn),),
         x, tgt, x if keep is None else keep, tau if thr is None else thr, tau,
-        mp, lsp, me, lse, h, mp if glp is None else glp, mp if gent is None else gent, out,
+        mp, lsp, me, lse, h, mp if glp is None else glp, mp if gent is None else gent,
+        tgt if valid is None else valid, out,
         n, v // _align_v(v), *_strides(x, keep, out), offset,
         ALIGN_V=_align_v(v), ALIGN_X=_align(x), ALIGN_K=_align(keep), ALIGN_D=_align(out),
-        MASK=keep is not None, THRESH=thr is not None, TWO=two, HAS_LP=glp is not None,
-        HAS_ENT=gent is not None, SCALE=temperature != 1.0, BLOCK_N=bn, BLOCK_V=bv,
-        ACC=_tl(acc), num_warps=warps,
+        ROWMASK=valid is not None, MASK=keep is not None, THRESH=thr is not None, TWO=two,
+        HAS_LP=glp is not None, HAS_ENT=gent is not None, SCALE=temperature != 1.0,
+        BLOCK_N=bn, BLOCK_V=bv, ACC=_tl(acc), num_warps=warps,
     )  # fmt: skip
     return out
 
@@ -421,6 +481,7 @@ class TritonLogits(_engine.Producer):
     and every later one, runs on ``torch_producer``."""
 
     parallel = False
+    zeroes_masked_rows = True
 
     def __init__(self, x: torch.Tensor, plan: Plan, torch_producer: _engine.Producer) -> None:
         self.x, self.torch = _rows_view(x, plan.v_local), torch_producer
@@ -443,7 +504,7 @@ class TritonLogits(_engine.Producer):
                 self.x[i:j], plan.target[i:j], offset=plan.start,
                 temperature=plan.temperature, keep_mask=plan.keep_rows(i, j), threshold=thr,
                 over_support=plan.over_support, with_entropy=plan.with_entropy,
-                with_squares=plan.sum_pi_squared, out=out,
+                with_squares=plan.sum_pi_squared, row_valid=_rows(plan.row_valid, i, j), out=out,
             )  # fmt: skip
         except KernelBuildError as e:
             _method.set_failed(e)
@@ -452,7 +513,7 @@ class TritonLogits(_engine.Producer):
 
     def grad(self, plan: Plan, i: int, j: int, out: torch.Tensor | None = None) -> torch.Tensor:
         if _method.failed() is not None:
-            return self.torch.grad(plan, i, j, out)
+            return self._torch_grad(plan, i, j, out)
         assert plan.target is not None
         thr = None if plan.threshold is None else plan.threshold[i:j]
         try:
@@ -462,8 +523,17 @@ class TritonLogits(_engine.Producer):
                 None if plan.g_ent is None else plan.g_ent[i:j],
                 offset=plan.start, temperature=plan.temperature,
                 keep_mask=plan.keep_rows(i, j), threshold=thr,
-                over_support=plan.over_support, out=out,
+                over_support=plan.over_support, row_valid=_rows(plan.row_valid, i, j), out=out,
             )  # fmt: skip
         except KernelBuildError as e:
             _method.set_failed(e)
-            return self.torch.grad(plan, i, j, out)
+            return self._torch_grad(plan, i, j, out)
+
+    def _torch_grad(self, plan: Plan, i: int, j: int, out: torch.Tensor | None) -> torch.Tensor:
+        g = self.torch.grad(plan, i, j, out)
+        plan.zero_masked(g, i)  # (the kernels' zeros on the masked rows)
+        return g
+
+
+def _rows(t: torch.Tensor | None, i: int, j: int) -> torch.Tensor | None:
+    return None if t is None else t[i:j]
