@@ -169,6 +169,11 @@ def _cases() -> list[tuple[str, Callable[[], None]]]:
                 name = f"logprobs_and_entropy V={v} {dn} {label} fwd+bwd"
                 cases.append((name, _logprobs_case(n, v, dtype, kw, gen)))
 
+    for v in (16384, 50257):  # one vocabulary slice (no merge); an odd vocabulary
+        for label, kw in (("plain", {}), ("keep_mask", {"keep_mask": True})):
+            name = f"logprobs_and_entropy V={v} bfloat16 {label} fwd+bwd"
+            cases.append((name, _logprobs_case(n, v, torch.bfloat16, kw, gen)))
+
     return cases
 
 
