@@ -173,6 +173,9 @@ def _cases() -> list[tuple[str, Callable[[], None]]]:
         for label, kw in (("plain", {}), ("keep_mask", {"keep_mask": True})):
             name = f"logprobs_and_entropy V={v} bfloat16 {label} fwd+bwd"
             cases.append((name, _logprobs_case(n, v, torch.bfloat16, kw, gen)))
+    # V = 50257 as a view of rows padded to 50304 (a padded output layer's logits, sliced)
+    name = "logprobs_and_entropy V=50257 row stride 50304 bfloat16 plain fwd+bwd"
+    cases.append((name, _logprobs_case(n, 50257, torch.bfloat16, {"pad_to": 50304}, gen)))
 
     return cases
 
@@ -183,9 +186,11 @@ def _logprobs_case(n, v, dtype, kw, gen) -> Callable[[], None]:
     import rlops
 
     def run() -> None:
-        x = torch.randn(n, v, generator=gen).to(dtype).requires_grad_()
-        y = torch.randint(0, v, (n,), generator=gen)
         extra = dict(kw)
+        width = extra.pop("pad_to", v)
+        x = torch.randn(n, width, generator=gen).to(dtype).requires_grad_()
+        x = x[:, :v] if width != v else x
+        y = torch.randint(0, v, (n,), generator=gen)
         if extra.get("keep_mask"):
             extra["keep_mask"] = torch.rand(n, v, generator=gen) < 0.5
         if extra.get("mask"):

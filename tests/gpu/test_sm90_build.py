@@ -140,3 +140,18 @@ def test_the_row_mask_builds_its_own_kernels(rows, arch):
     fresh = [r for r in built if not r["dup"] and r["kernel"] != "_merge_kernel"]
     assert len(fresh) >= 4, built
     assert all(r["ld_bits"] == 128 for r in fresh), fresh
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_an_odd_vocabulary_of_aligned_rows_loads_vectors(rows, arch):
+    """V = 50257 as a view of rows padded to 50304: the tiles inside V load as 128-bit vectors
+    (the last, partial tile is peeled: its 16 scalar loads per thread are the only ones). Rows
+    of 50257 contiguous logits start misaligned and stay scalar (docs/gpu.md: a peel of each
+    row's head would make a row's bits depend on its position)."""
+    built = {(r["case"], r["kernel"]): r for r in _kernels(rows, arch) if not r["dup"]}
+    padded = "logprobs_and_entropy V=50257 row stride 50304 bfloat16 plain fwd+bwd"
+    dense = "logprobs_and_entropy V=50257 bfloat16 plain fwd+bwd"
+    for kernel in ("_stats_kernel", "_grad_kernel"):
+        r, d = built[(padded, kernel)], built[(dense, kernel)]
+        assert r["ld_bits"] == 128, (kernel, r)
+        assert r["ld16_scalar"] <= d["ld16_scalar"], (kernel, r, d)

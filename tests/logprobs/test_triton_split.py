@@ -181,3 +181,35 @@ def test_the_split_and_the_grid():
         for units in (1, 2, 10, 13, 38):
             splits, per = kernels._splits(x, blocks, units)
             assert (splits - 1) * per < units <= splits * per
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, {"temperature": 0.7, "keep_mask": True}, {"top_p": 0.9, "with_entropy": False}]
+)
+def test_the_peeled_last_tile_changes_no_bit(kw):
+    """Rows that start aligned at an odd vocabulary (a view of rows padded to 1008, V = 1001):
+    the kernels load the tiles inside V without a bound along the vocabulary and peel the
+    last, partial one; the same tiles in the same order as the contiguous copy's (no peel),
+    so the same bits, outputs and gradient."""
+    n, v, width = 21, 1001, 1008
+    gen = torch.Generator().manual_seed(9)
+    full = torch.randn(n, width, generator=gen) * 3
+    target = torch.randint(0, v, (n,), generator=gen)
+    grads = [torch.randn(n, generator=gen), torch.randn(n, generator=gen)]
+    kw = dict(kw)
+    keep_full = torch.rand(n, width, generator=gen) < 0.5
+    res = []
+    for padded in (True, False):
+        x = full[:, :v] if padded else full[:, :v].contiguous()
+        one = dict(kw)
+        if kw.get("keep_mask") is True:
+            one["keep_mask"] = keep_full[:, :v] if padded else keep_full[:, :v].contiguous()
+        keep = one.get("keep_mask")
+        assert kernels._peel(v, x, keep) == padded
+        with nan_filled_empty():
+            res.append(forward_backward(
+                lambda x, y, one=one: logprobs_and_entropy(x, y, method="triton", **one),
+                (x, target), grads,
+            ))  # fmt: skip
+    for a, b in zip(*res, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)

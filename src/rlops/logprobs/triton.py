@@ -31,6 +31,15 @@ per 16384 logits read), one tiny launch, and more, shorter programs (4 tiles eac
 program looping over all of a row's slices spilled a register on sm_80); a vocabulary of one
 slice (≤ 16384) writes its columns directly (the bits of a fold of one slice).
 
+Vector loads. The vocabulary and row strides come in units of their alignment
+(:func:`_align`), so tiles load as 128-bit vectors when V is a multiple of 8 (bfloat16).
+Where the rows start better aligned than V is a multiple of (V = 50257 as a view of rows
+padded to 50304), the tiles inside V load without a bound along the vocabulary and the last,
+partial tile is peeled (:func:`_peel`): the same tiles in the same order, so the same bits.
+Contiguous rows of an odd V start misaligned and load scalars: peeling each row's head would
+shift its tiles by the row's misalignment, which depends on its index, and so its bits with
+its position in the batch (docs/gpu.md).
+
 ``z = logits / temperature`` in float32 (float64 for float64 logits), divided with IEEE
 rounding as the torch path does. The sampler's support is ``z ≥ t`` for a given per-token
 threshold ``t`` (the target always in it); with ``over_support`` the logits outside it are
@@ -150,13 +159,39 @@ def _online(m, s, u, sw, w, z, ENTROPY: tl.constexpr, SQUARES: tl.constexpr):
 
 
 @triton.jit
+def _stats_tile(
+    x_rows, k_rows, cols, ok, tau, thr, tgt, m, s, u, sw, w, me, se, ue, MASK: tl.constexpr,
+    THRESH: tl.constexpr, TWO: tl.constexpr, ENTROPY: tl.constexpr, SQUARES: tl.constexpr,
+    SCALE: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    # one tile of the rows' logits (columns cols, loaded where ok) into the accumulators
+    z = _scaled(x_rows + cols[None, :], ok, tau, SCALE, ACC)
+    if MASK or THRESH:
+        if MASK:
+            keep = tl.load(k_rows + cols[None, :], mask=ok, other=0) != 0
+        else:
+            keep = z >= thr[:, None]
+        keep = keep | (cols[None, :] == tgt[:, None])  # the target is always kept
+        z_keep = tl.where(keep, z, float("-inf"))
+        if TWO:
+            if ENTROPY:
+                me, se, ue, _, _ = _online(me, se, ue, sw, w, z, True, False)
+            m, s, u, sw, w = _online(m, s, u, sw, w, z_keep, False, SQUARES)
+        else:  # over the support: the entropy's distribution is the log-prob's
+            m, s, u, sw, w = _online(m, s, u, sw, w, z_keep, ENTROPY, SQUARES)
+    else:
+        m, s, u, sw, w = _online(m, s, u, sw, w, z, ENTROPY, SQUARES)
+    return m, s, u, sw, w, me, se, ue
+
+
+@triton.jit
 def _stats_kernel(
     x_ptr, tgt_ptr, keep_ptr, thr_ptr, tau_ptr, valid_ptr, out_ptr, part_ptr, N, V, stride_x,
     stride_k, stride_o, offset, N_SLICES, ALIGN_V: tl.constexpr, ALIGN_X: tl.constexpr,
     ALIGN_K: tl.constexpr, ROWMASK: tl.constexpr, MASK: tl.constexpr, THRESH: tl.constexpr,
     TWO: tl.constexpr, ENTROPY: tl.constexpr, SQUARES: tl.constexpr, SQ_COL: tl.constexpr,
     SCALE: tl.constexpr, PARTIAL: tl.constexpr, NP: tl.constexpr, SLICE_TILES: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    PEEL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     # TWO: the log-prob's distribution (the support) and the entropy's (all logits) differ;
     # SQUARES: ρ = Σ e² / (Σ e)² (e = exp(z − m), sums in float64) of the log-prob's
@@ -197,26 +232,27 @@ def _stats_kernel(
     w = tl.zeros([BLOCK_N], tl.float64)
     me, se, ue = neg, zero, zero  # the unmasked distribution (entropy), when TWO
     cols0 = cols0 + k * SLICE  # the slice's first logit
-    for v0 in range(0, tl.minimum(SLICE, V - k * SLICE), BLOCK_V):
+    x_rows = x_ptr + rows64[:, None] * stride_x
+    k_rows = keep_ptr + rows64[:, None] * stride_k
+    if not THRESH:
+        thr = zero  # (unused)
+    n_v = tl.minimum(SLICE, V - k * SLICE)
+    n_full = 0
+    if PEEL:  # rows start aligned, V not a multiple of the vector: the tiles inside V load
+        # without a bound along the vocabulary (as vectors), then at most one across it; the
+        # same tiles in the same order as without the peel, so the same bits
+        n_full = (n_v // BLOCK_V) * BLOCK_V
+        for v0 in range(0, n_full, BLOCK_V):
+            m, s, u, sw, w, me, se, ue = _stats_tile(
+                x_rows, k_rows, v0 + cols0, row_ok[:, None], tau, thr, tgt, m, s, u, sw, w, me,
+                se, ue, MASK, THRESH, TWO, ENTROPY, SQUARES, SCALE, ACC,
+            )  # fmt: skip
+    for v0 in range(n_full, n_v, BLOCK_V):
         cols = v0 + cols0
-        ok = row_ok[:, None] & (cols < V)[None, :]
-        z = _scaled(x_ptr + rows64[:, None] * stride_x + cols[None, :], ok, tau, SCALE, ACC)
-        if MASK or THRESH:
-            if MASK:
-                keep = tl.load(keep_ptr + rows64[:, None] * stride_k + cols[None, :],
-                               mask=ok, other=0) != 0  # fmt: skip
-            else:
-                keep = z >= thr[:, None]
-            keep = keep | (cols[None, :] == tgt[:, None])  # the target is always kept
-            z_keep = tl.where(keep, z, float("-inf"))
-            if TWO:
-                if ENTROPY:
-                    me, se, ue, _, _ = _online(me, se, ue, sw, w, z, True, False)
-                m, s, u, sw, w = _online(m, s, u, sw, w, z_keep, False, SQUARES)
-            else:  # over the support: the entropy's distribution is the log-prob's
-                m, s, u, sw, w = _online(m, s, u, sw, w, z_keep, ENTROPY, SQUARES)
-        else:
-            m, s, u, sw, w = _online(m, s, u, sw, w, z, ENTROPY, SQUARES)
+        m, s, u, sw, w, me, se, ue = _stats_tile(
+            x_rows, k_rows, cols, row_ok[:, None] & (cols < V)[None, :], tau, thr, tgt, m, s, u,
+            sw, w, me, se, ue, MASK, THRESH, TWO, ENTROPY, SQUARES, SCALE, ACC,
+        )  # fmt: skip
     if PARTIAL:
         p = part_ptr + (rows64 * N_SLICES + k) * NP
         tl.store(p, m.to(tl.float64), mask=row_ok)
@@ -341,8 +377,8 @@ def _grad_kernel(
     glp_ptr, gent_ptr, valid_ptr, dx_ptr, N, V, stride_x, stride_k, stride_d, offset, PER,
     ALIGN_V: tl.constexpr, ALIGN_X: tl.constexpr, ALIGN_K: tl.constexpr, ALIGN_D: tl.constexpr,
     ROWMASK: tl.constexpr, MASK: tl.constexpr, THRESH: tl.constexpr, TWO: tl.constexpr,
-    HAS_LP: tl.constexpr, HAS_ENT: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    HAS_LP: tl.constexpr, HAS_ENT: tl.constexpr, SCALE: tl.constexpr, PEEL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_in = rows < N
@@ -380,37 +416,66 @@ def _grad_kernel(
         glp = tl.load(glp_ptr + rows, mask=row_ok, other=0.0).to(ACC)
     if THRESH:
         thr = tl.load(thr_ptr + rows, mask=row_ok, other=0.0).to(ACC)
-    for v0 in range(v_lo, v_hi, BLOCK_V):
+    else:
+        thr = mp  # (unused)
+    if not HAS_ENT:
+        me, lse, h, gent = mp, mp, mp, mp  # (unused)
+    if not HAS_LP:
+        glp = mp  # (unused)
+    x_rows = x_ptr + rows64[:, None] * stride_x
+    k_rows = keep_ptr + rows64[:, None] * stride_k
+    d_rows = dx_ptr + rows64[:, None] * stride_d
+    v_full = v_lo
+    if PEEL:  # the tiles inside V without a bound along the vocabulary (as vectors), then at
+        # most one across it (as in _stats_kernel)
+        v_full = tl.minimum(v_hi, v_lo + ((V - v_lo) // BLOCK_V) * BLOCK_V)
+        for v0 in range(v_lo, v_full, BLOCK_V):
+            _grad_tile(x_rows, k_rows, d_rows, v0 + cols0, row_ok[:, None], row_in[:, None],
+                       tau, thr, tgt, mp, lsp, me, lse, h, glp, gent, MASK, THRESH, TWO, HAS_LP,
+                       HAS_ENT, SCALE, ROWMASK, ACC)  # fmt: skip
+    for v0 in range(v_full, v_hi, BLOCK_V):
         cols = v0 + cols0
-        ok = row_ok[:, None] & (cols < V)[None, :]
-        z = _scaled(x_ptr + rows64[:, None] * stride_x + cols[None, :], ok, tau, SCALE, ACC)
-        onehot = cols[None, :] == tgt[:, None]
-        if MASK or THRESH:
-            if MASK:
-                keep = tl.load(keep_ptr + rows64[:, None] * stride_k + cols[None, :],
-                               mask=ok, other=0) != 0  # fmt: skip
-            else:
-                keep = z >= thr[:, None]
-            keep = keep | onehot
-            if not TWO:  # over the support: probability 0 outside it
-                z = tl.where(keep, z, float("-inf"))
-        grad = tl.zeros([BLOCK_N, BLOCK_V], ACC)
-        if HAS_ENT:
-            log_p = z - me[:, None] - lse[:, None]
-            p = tl.exp(log_p)
-            grad -= gent[:, None] * p * (tl.maximum(log_p, -1e30) + h[:, None])
-        if HAS_LP:
-            p_keep = tl.exp(z - mp[:, None] - lsp[:, None])
-            if TWO:
-                p_keep = tl.where(keep, p_keep, 0.0)
-            grad += glp[:, None] * (tl.where(onehot, 1.0, 0.0) - p_keep)
-        if SCALE:
-            grad = grad * (1.0 / tau)
-        if ROWMASK:  # a masked row beside valid ones in a block of several rows
-            grad = tl.where(row_ok[:, None], grad, 0.0)
-            ok = row_in[:, None] & (cols < V)[None, :]
-        grad = cast_to(grad, dx_ptr.dtype.element_ty)
-        tl.store(dx_ptr + rows64[:, None] * stride_d + cols[None, :], grad, mask=ok)
+        inside = (cols < V)[None, :]
+        _grad_tile(x_rows, k_rows, d_rows, cols, row_ok[:, None] & inside,
+                   row_in[:, None] & inside, tau, thr, tgt, mp, lsp, me, lse, h, glp, gent, MASK,
+                   THRESH, TWO, HAS_LP, HAS_ENT, SCALE, ROWMASK, ACC)  # fmt: skip
+
+
+@triton.jit
+def _grad_tile(
+    x_rows, k_rows, d_rows, cols, ok, st, tau, thr, tgt, mp, lsp, me, lse, h, glp, gent,
+    MASK: tl.constexpr, THRESH: tl.constexpr, TWO: tl.constexpr, HAS_LP: tl.constexpr,
+    HAS_ENT: tl.constexpr, SCALE: tl.constexpr, ROWMASK: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    # one tile of the gradient: read where ok, written where st (ROWMASK: zeros where st and
+    # not ok, a masked row beside valid ones in a block of several rows)
+    z = _scaled(x_rows + cols[None, :], ok, tau, SCALE, ACC)
+    onehot = cols[None, :] == tgt[:, None]
+    if MASK or THRESH:
+        if MASK:
+            keep = tl.load(k_rows + cols[None, :], mask=ok, other=0) != 0
+        else:
+            keep = z >= thr[:, None]
+        keep = keep | onehot
+        if not TWO:  # over the support: probability 0 outside it
+            z = tl.where(keep, z, float("-inf"))
+    grad = tl.zeros(z.shape, ACC)
+    if HAS_ENT:
+        log_p = z - me[:, None] - lse[:, None]
+        p = tl.exp(log_p)
+        grad -= gent[:, None] * p * (tl.maximum(log_p, -1e30) + h[:, None])
+    if HAS_LP:
+        p_keep = tl.exp(z - mp[:, None] - lsp[:, None])
+        if TWO:
+            p_keep = tl.where(keep, p_keep, 0.0)
+        grad += glp[:, None] * (tl.where(onehot, 1.0, 0.0) - p_keep)
+    if SCALE:
+        grad = grad * (1.0 / tau)
+    if ROWMASK:
+        grad = tl.where(ok, grad, 0.0)
+        ok = st
+    grad = cast_to(grad, d_rows.dtype.element_ty)
+    tl.store(d_rows + cols[None, :], grad, mask=ok)
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -438,6 +503,14 @@ def _align(t: torch.Tensor | None) -> int:
 def _align_v(v: int) -> int:
     """The largest power of two up to 16 that divides the vocabulary ``v``."""
     return min(16, v & -v) if v else 1
+
+
+def _peel(v: int, x: torch.Tensor, keep: torch.Tensor | None) -> bool:
+    """Whether the kernels peel a row's last, partial tile: when the rows start better aligned
+    than the vocabulary's length is a multiple of (V = 50257 as a view of rows padded to 50304,
+    a padded output layer's logits): the tiles inside V then load as vectors. Not when the
+    rows themselves start misaligned (V = 50257 contiguous: see docs/gpu.md)."""
+    return min(_align(x), _align(keep) if keep is not None else 16) > _align_v(v)
 
 
 def _strides(*ts: torch.Tensor | None) -> list[int]:
@@ -556,7 +629,8 @@ def shard_stats(
         tgt if valid is None else valid, out, part,
         n, v // _align_v(v), *_strides(x, keep), out.stride(0), offset, n_slices,
         ALIGN_V=_align_v(v), ALIGN_X=_align(x), ALIGN_K=_align(keep), MASK=keep is not None,
-        THRESH=thr is not None, PARTIAL=partial, SLICE_TILES=tiles, BLOCK_N=bn, BLOCK_V=bv,
+        THRESH=thr is not None, PARTIAL=partial, SLICE_TILES=tiles, PEEL=_peel(v, x, keep),
+        BLOCK_N=bn, BLOCK_V=bv,
         num_warps=warps, **flags,
     )  # fmt: skip
     if partial:
@@ -631,7 +705,7 @@ def logits_grad(
         ALIGN_V=_align_v(v), ALIGN_X=_align(x), ALIGN_K=_align(keep), ALIGN_D=_align(out),
         ROWMASK=valid is not None, MASK=keep is not None, THRESH=thr is not None, TWO=two,
         HAS_LP=glp is not None, HAS_ENT=gent is not None, SCALE=temperature != 1.0,
-        BLOCK_N=bn, BLOCK_V=bv, ACC=_tl(acc), num_warps=warps,
+        PEEL=_peel(v, x, keep), BLOCK_N=bn, BLOCK_V=bv, ACC=_tl(acc), num_warps=warps,
     )  # fmt: skip
     return out
 
