@@ -112,3 +112,17 @@ def test_kernels_write_an_empty_row_for_masked_rows(block_n):
     ref = kernels.logits_grad(x[valid], y[valid], [t[valid] for t in saved], gl[valid],
                               ge[valid], keep_mask=keep[valid], block_n=block_n)  # fmt: skip
     assert torch.equal(dx[valid], ref)
+
+
+@pytest.mark.parametrize("kw", [{}, {"keep_mask": True, "with_sum_pi_squared": True}])
+def test_masked_rows_across_vocabulary_slices(kw):
+    """At V = 1000 (two vocabulary slices under the interpreter: the slices' buffer and the
+    merge kernel), masked rows are zero and the others the bits of the call without a mask."""
+    n = 129
+    mask = torch.rand(n, generator=torch.Generator().manual_seed(2)) < 0.5
+    (a, ga), (b, gb) = _masked_vs_unmasked(n, 1000, mask, seed=2, **kw)
+    for p, q in zip(a, b, strict=True):
+        assert torch.equal(p[mask], q[mask])
+        assert torch.equal(p[~mask], torch.zeros_like(p[~mask]))
+    assert torch.equal(ga[mask], gb[mask])
+    assert torch.equal(ga[~mask], torch.zeros_like(ga[~mask]))
