@@ -164,9 +164,18 @@ def _cases() -> list[tuple[str, Callable[[], None]]]:
                 ("top_k+top_p", {"top_k": 50, "top_p": 0.9, "temperature": 0.7}),
                 ("min_p", {"min_p": 0.05}),
                 ("Σπ²", {"with_sum_pi_squared": True}),
+                ("row mask", {"mask": True}),
             ):
                 name = f"logprobs_and_entropy V={v} {dn} {label} fwd+bwd"
                 cases.append((name, _logprobs_case(n, v, dtype, kw, gen)))
+
+    for v in (16384, 50257):  # one vocabulary slice (no merge); an odd vocabulary
+        for label, kw in (("plain", {}), ("keep_mask", {"keep_mask": True})):
+            name = f"logprobs_and_entropy V={v} bfloat16 {label} fwd+bwd"
+            cases.append((name, _logprobs_case(n, v, torch.bfloat16, kw, gen)))
+    # V = 50257 as a view of rows padded to 50304 (a padded output layer's logits, sliced)
+    name = "logprobs_and_entropy V=50257 row stride 50304 bfloat16 plain fwd+bwd"
+    cases.append((name, _logprobs_case(n, 50257, torch.bfloat16, {"pad_to": 50304}, gen)))
 
     return cases
 
@@ -177,11 +186,15 @@ def _logprobs_case(n, v, dtype, kw, gen) -> Callable[[], None]:
     import rlops
 
     def run() -> None:
-        x = torch.randn(n, v, generator=gen).to(dtype).requires_grad_()
-        y = torch.randint(0, v, (n,), generator=gen)
         extra = dict(kw)
+        width = extra.pop("pad_to", v)
+        x = torch.randn(n, width, generator=gen).to(dtype).requires_grad_()
+        x = x[:, :v] if width != v else x
+        y = torch.randint(0, v, (n,), generator=gen)
         if extra.get("keep_mask"):
             extra["keep_mask"] = torch.rand(n, v, generator=gen) < 0.5
+        if extra.get("mask"):
+            extra["mask"] = torch.tensor([True, False] * (n // 2))
         out = rlops.logprobs_and_entropy(x, y, method="triton", **extra)
         sum(o.float().sum() for o in out if o is not None).backward()
 

@@ -3,14 +3,16 @@
 Every kernel variant that the public functions launch at production shapes (the scan per row
 and per token in float32 / bfloat16 / float64 and its backward; GAE, returns and REINFORCE++
 with masks, dones and bootstraps; log-probs at V = 151936 and 50280 with temperature,
-``top_k`` / ``top_p`` / ``min_p``, ``keep_mask``, entropy on and off, Σπ², and gradients) is
+``top_k`` / ``top_p`` / ``min_p``, ``keep_mask``, entropy on and off, Σπ², a row mask, and
+gradients; at V = 16384 and 50257 too) is
 compiled by :mod:`tests.gpu._build`, one subprocess per target (triton's active driver is
 process-wide), and the cubin and PTX are read back. Asserted: every call builds; no spills
 (``STACK 0``, no local memory); shared memory within the target's per-block limit; every grid
 within CUDA's limits, at T = 2²¹ with 16-step blocks too (131,072 blocks of time, beyond the
 65,535 of grid dimension 1); vector global loads in the scan and estimator kernels; and on the
 logits tile at V = 50280 (divisible by 8, not 16) as few scalar 16-bit loads as at an aligned
-vocabulary: the target's gather only.
+vocabulary (none: the target's gather is the merge kernel's); the log-prob grids of the
+vocabulary split; the row-mask variants.
 """
 
 from __future__ import annotations
@@ -56,7 +58,9 @@ def test_every_public_call_builds(rows, arch):
     for r in rows[arch]:  # every gradient case built its backward kernel as well
         if r["case"].startswith("logprobs") and "fwd+bwd" in r["case"]:
             names = {k["kernel"] for k in rows[arch] if k["case"] == r["case"]}
-            assert names == {"_stats_kernel", "_grad_kernel"}, (r["case"], names)
+            merged = "V=16384" not in r["case"]  # more than one vocabulary slice
+            want = {"_stats_kernel", "_grad_kernel"} | ({"_merge_kernel"} if merged else set())
+            assert names == want, (r["case"], names)
 
 
 @pytest.mark.parametrize("arch", TARGETS)
@@ -93,15 +97,61 @@ def test_the_scan_and_estimator_kernels_load_vectors(rows, arch):
 
 @pytest.mark.parametrize("arch", TARGETS)
 def test_no_scalar_half_loads_on_the_logits_tile_at_v_50280(rows, arch):
-    """At V = 50280 every log-prob kernel loads the tile as 128-bit vectors, with as many
-    scalar 16-bit loads as at V = 151936 (divisible by 16): the target logit's gather."""
+    """At V = 50280 the kernels that read the logits tile load it as 128-bit vectors, with as
+    many scalar 16-bit loads as at V = 151936 (divisible by 16): none (the target logit's
+    gather is the merge kernel's, which reads per-row numbers only)."""
     built = {(r["case"], r["kernel"]): r for r in _kernels(rows, arch)}
     checked = 0
     for (case, kernel), r in built.items():
-        if "V=50280" not in case or r["dup"]:
+        if "V=50280" not in case or r["dup"] or kernel == "_merge_kernel":
             continue
         aligned = built[(case.replace("V=50280", "V=151936"), kernel)]
         assert r["ld_bits"] == 128, f"{kernel} ({case}): {r['ld_bits']}-bit loads"
         assert r["ld16_scalar"] == aligned["ld16_scalar"] <= 1, (case, kernel, r, aligned)
         checked += 1
     assert checked >= 10
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_the_vocabulary_split_builds(rows, arch):
+    """Above one slice (16384 logits) the statistics kernel writes its slices' accumulators, a
+    program per slice (at V = 151936 a grid of (N, 10)), and the merge kernel folds them; at
+    V = 16384 one kernel writes the statistics. At N = 4 the gradient's programs take a tile
+    each (38 per row at V = 151936)."""
+    built = _kernels(rows, arch)
+    for r in built:
+        if not r["case"].startswith("logprobs") or r["kernel"] == "_merge_kernel":
+            continue
+        v = int(r["case"].split("V=")[1].split()[0])
+        tiles = -(-v // 4096)
+        want = -(-tiles // 4) if r["kernel"] == "_stats_kernel" else tiles
+        assert tuple(r["grid"]) == (4, want), r
+    merges = [r for r in built if r["kernel"] == "_merge_kernel" and not r["dup"]]
+    assert merges and all(r["stack"] == 0 for r in merges)
+    assert not any(r["kernel"] == "_merge_kernel" for r in built if "V=16384" in r["case"])
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_the_row_mask_builds_its_own_kernels(rows, arch):
+    """``mask=`` launches kernels of their own (the masked rows' early return), which build,
+    without spills, and still load the logits tile as 128-bit vectors."""
+    built = [r for r in _kernels(rows, arch) if "row mask" in r["case"]]
+    assert {r["kernel"] for r in built} == {"_stats_kernel", "_merge_kernel", "_grad_kernel"}
+    fresh = [r for r in built if not r["dup"] and r["kernel"] != "_merge_kernel"]
+    assert len(fresh) >= 4, built
+    assert all(r["ld_bits"] == 128 for r in fresh), fresh
+
+
+@pytest.mark.parametrize("arch", TARGETS)
+def test_an_odd_vocabulary_of_aligned_rows_loads_vectors(rows, arch):
+    """V = 50257 as a view of rows padded to 50304: the tiles inside V load as 128-bit vectors
+    (the last, partial tile is peeled: its 16 scalar loads per thread are the only ones). Rows
+    of 50257 contiguous logits start misaligned and stay scalar (docs/gpu.md: a peel of each
+    row's head would make a row's bits depend on its position)."""
+    built = {(r["case"], r["kernel"]): r for r in _kernels(rows, arch) if not r["dup"]}
+    padded = "logprobs_and_entropy V=50257 row stride 50304 bfloat16 plain fwd+bwd"
+    dense = "logprobs_and_entropy V=50257 bfloat16 plain fwd+bwd"
+    for kernel in ("_stats_kernel", "_grad_kernel"):
+        r, d = built[(padded, kernel)], built[(dense, kernel)]
+        assert r["ld_bits"] == 128, (kernel, r)
+        assert r["ld16_scalar"] <= d["ld16_scalar"], (kernel, r, d)

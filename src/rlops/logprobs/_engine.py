@@ -312,10 +312,12 @@ class Producer:
     A producer gives :meth:`logits`; the engine asks it for the statistics of a chunk of rows
     (:meth:`stats`) and for their gradient (:meth:`grad`), whose defaults run the torch maths on
     :meth:`logits`. ``parallel``: the chunks may run on :func:`rlops._threads.for_each` (each
-    chunk writes its own rows).
+    chunk writes its own rows). ``zeroes_masked_rows``: :meth:`grad` itself gives exact zeros
+    on the rows a row mask drops (not compacted), so the engine does not zero them again.
     """
 
     parallel: bool = False
+    zeroes_masked_rows: bool = False
 
     def logits(self, i: int, j: int) -> tuple[torch.Tensor, bool]:
         """``(z, own)``: tokens ``i:j`` of this shard's scaled logits ``[C, V_local]`` in the
@@ -532,7 +534,8 @@ def logits_grad(plan: Plan, producer: Producer, out: torch.Tensor) -> None:
             g = producer.grad(plan, i, i + chunk, rows)
             if g.dtype != out.dtype:  # half-precision logits: the chunk was computed in float32
                 rows.copy_(g)
-            plan.zero_masked(rows, i)
+            if not producer.zeroes_masked_rows:
+                plan.zero_masked(rows, i)
 
     _chunk_loop(one, plan.starts, out.device, producer.parallel)
 

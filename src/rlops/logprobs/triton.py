@@ -2,8 +2,11 @@
 producer of the chunk engine (:mod:`rlops.logprobs._engine`) that computes a chunk's statistics
 and its gradient in one pass over vocabulary tiles, never materialising the scaled logits.
 
-Forward (:func:`shard_stats`): one program per block of tokens streams the shard's logits in
-vocabulary tiles with an online log-sum-exp and writes, per token, the columns that
+Forward (:func:`shard_stats`): the shard's vocabulary is cut into fixed slices of
+:func:`_slice_tiles` tiles (16384 logits on a GPU); each slice of a row is streamed in
+vocabulary tiles with an online log-sum-exp from fresh accumulators, the slices are folded in
+slice order (:func:`_fold`, a tile's rescaling), and the result written, per token, in the
+columns that
 :mod:`rlops.logprobs._shard` defines — the target logit ``z_y`` (0 when the target lies outside
 ``[offset, offset + V_local)``), the max ``m`` and ``s = Σ exp(z − m)`` of the log-prob
 distribution, and the shard's own entropy ``h = log s − Σ exp(z − m)(z − m)/s`` (with a keep
@@ -13,15 +16,45 @@ on request, last, the shard's own ``ρ = Σ p²`` of the log-prob distribution, 
 from ``m`` to ``m'`` the running sums are rescaled, ``s ← s·e^{m−m'} + Σ e^{z−m'}`` (``σ``
 likewise), ``w ← w·e^{2(m−m')} + Σ e^{2(z−m')}`` and
 ``u ← e^{m−m'}·(u + (m − m')·s) + Σ e^{z−m'}(z − m')``, every term ``≤ 0`` in ``u``: nothing
-cancels. ``z = logits / temperature`` in float32 (float64
-for float64 logits), divided with IEEE rounding as the torch path does. The sampler's support
-is ``z ≥ t`` for a given per-token threshold ``t`` (the target always in it); with
-``over_support`` the logits outside it are ``-inf``, so the entropy too is over the support.
+cancels.
+
+Small N. One program per row leaves most of a device idle below about a thousand rows (a
+220-row sampler chunk on 132 SMs), so the grid is 2-D, ``(blocks of rows, slices)``: one
+program per slice of a row. With more than one slice each slice's accumulators go to a small
+``[N, slices, ≤ 8]`` float64 buffer and :func:`_merge_kernel` folds them, in slice order,
+and gathers ``z_y``. Why slices of a fixed size, whatever N: a row's bits must not depend on
+the other rows or on N (batch invariance, checked bitwise). Had the split followed N (a few
+programs per row when N is small, one when it is large), a row's reduction order — and its
+bits — would change with the batch; here the slices, and so every row's arithmetic, are a
+function of the vocabulary alone. The price at large N is the slices' buffer (a few numbers
+per 16384 logits read), one tiny launch, and more, shorter programs (4 tiles each: one
+program looping over all of a row's slices spilled a register on sm_80); a vocabulary of one
+slice (≤ 16384) writes its columns directly (the bits of a fold of one slice).
+
+Vector loads. The vocabulary and row strides come in units of their alignment
+(:func:`_align`), so tiles load as 128-bit vectors when V is a multiple of 8 (bfloat16).
+Where the rows start better aligned than V is a multiple of (V = 50257 as a view of rows
+padded to 50304), the tiles inside V load without a bound along the vocabulary and the last,
+partial tile is peeled (:func:`_peel`): the same tiles in the same order, so the same bits.
+Contiguous rows of an odd V start misaligned and load scalars: peeling each row's head would
+shift its tiles by the row's misalignment, which depends on its index, and so its bits with
+its position in the batch (docs/gpu.md).
+
+``z = logits / temperature`` in float32 (float64 for float64 logits), divided with IEEE
+rounding as the torch path does. The sampler's support is ``z ≥ t`` for a given per-token
+threshold ``t`` (the target always in it); with ``over_support`` the logits outside it are
+``-inf``, so the entropy too is over the support.
+With the op's row mask (``row_valid``), the program of a masked row returns before it reads
+anything of the row, having written the statistics of an empty row of log-prob 0; the
+gradient kernel writes the row's zeros and reads nothing else (the caller's buffer needs no
+zeroing pass: one write of the masked rows, no read). No host read of the mask.
 
 Backward (:func:`logits_grad`): from the saved merged statistics ``(M, log S)`` of the
 log-prob distribution and ``(M, log S, H)`` of the unmasked one, every tile of the gradient
 is local: ``dz = g_lp·(onehot − p_keep) − g_H·p·(log p + H)``, divided by the temperature,
-written in the logits' dtype tile by tile (nothing ``[N, V]`` but the gradient itself).
+written in the logits' dtype tile by tile (nothing ``[N, V]`` but the gradient itself). Each
+element's gradient is independent given its row's statistics, so its grid is split the same
+way, ``(blocks of rows, splits)`` over the vocabulary tiles, at no cost to the bits.
 
 :class:`TritonLogits` is the engine's producer (``logprobs_and_entropy(..., method="triton")``):
 its :meth:`~TritonLogits.stats` and :meth:`~TritonLogits.grad` launch the kernels; the shards'
@@ -66,6 +99,30 @@ def _config(
     return bn, bv, (8 if bv * bn >= 2048 else 4)
 
 
+def _slice_tiles(x: torch.Tensor) -> int:
+    """Tiles per vocabulary slice: 4 (16384 logits) on a GPU, 2 (512) under the interpreter.
+    The statistics kernel reduces each slice in a program of its own from fresh accumulators,
+    then folds the slices in order; a slice count that depends on the vocabulary alone keeps a
+    row's bits independent of ``N``."""
+    return 2 if isinstance(_stats_kernel, InterpretedFunction) else 4
+
+
+def _programs(x: torch.Tensor) -> int:
+    """Programs that fill the device: 4 per SM (132 SMs when there is no CUDA device)."""
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+    return 4 * sms
+
+
+def _splits(x: torch.Tensor, row_blocks: int, units: int) -> tuple[int, int]:
+    """``(programs per block of rows, units of work each)`` over ``units`` (the gradient's
+    vocabulary tiles): enough programs to fill the device when the rows are few (one per block
+    of rows once they are enough). Shapes only; it changes which program does a unit, not its
+    maths."""
+    want = max(1, min(units, triton.cdiv(_programs(x), row_blocks)))
+    per = triton.cdiv(units, want)
+    return triton.cdiv(units, per), per
+
+
 @triton.jit
 def _scaled(x_ptrs, ok, tau, SCALE: tl.constexpr, ACC: tl.constexpr):
     z = tl.load(x_ptrs, mask=ok, other=float("-inf")).to(ACC)
@@ -102,88 +159,249 @@ def _online(m, s, u, sw, w, z, ENTROPY: tl.constexpr, SQUARES: tl.constexpr):
 
 
 @triton.jit
+def _stats_tile(
+    x_rows, k_rows, cols, ok, tau, thr, tgt, m, s, u, sw, w, me, se, ue, MASK: tl.constexpr,
+    THRESH: tl.constexpr, TWO: tl.constexpr, ENTROPY: tl.constexpr, SQUARES: tl.constexpr,
+    SCALE: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    # one tile of the rows' logits (columns cols, loaded where ok) into the accumulators
+    z = _scaled(x_rows + cols[None, :], ok, tau, SCALE, ACC)
+    if MASK or THRESH:
+        if MASK:
+            keep = tl.load(k_rows + cols[None, :], mask=ok, other=0) != 0
+        else:
+            keep = z >= thr[:, None]
+        keep = keep | (cols[None, :] == tgt[:, None])  # the target is always kept
+        z_keep = tl.where(keep, z, float("-inf"))
+        if TWO:
+            if ENTROPY:
+                me, se, ue, _, _ = _online(me, se, ue, sw, w, z, True, False)
+            m, s, u, sw, w = _online(m, s, u, sw, w, z_keep, False, SQUARES)
+        else:  # over the support: the entropy's distribution is the log-prob's
+            m, s, u, sw, w = _online(m, s, u, sw, w, z_keep, ENTROPY, SQUARES)
+    else:
+        m, s, u, sw, w = _online(m, s, u, sw, w, z, ENTROPY, SQUARES)
+    return m, s, u, sw, w, me, se, ue
+
+
+@triton.jit
 def _stats_kernel(
-    x_ptr, tgt_ptr, keep_ptr, thr_ptr, tau_ptr, out_ptr, N, V, stride_x, stride_k, stride_o,
-    offset, ALIGN_V: tl.constexpr, ALIGN_X: tl.constexpr, ALIGN_K: tl.constexpr,
-    MASK: tl.constexpr, THRESH: tl.constexpr, TWO: tl.constexpr, ENTROPY: tl.constexpr,
-    SQUARES: tl.constexpr, SQ_COL: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    x_ptr, tgt_ptr, keep_ptr, thr_ptr, tau_ptr, valid_ptr, out_ptr, part_ptr, N, V, stride_x,
+    stride_k, stride_o, offset, N_SLICES, ALIGN_V: tl.constexpr, ALIGN_X: tl.constexpr,
+    ALIGN_K: tl.constexpr, ROWMASK: tl.constexpr, MASK: tl.constexpr, THRESH: tl.constexpr,
+    TWO: tl.constexpr, ENTROPY: tl.constexpr, SQUARES: tl.constexpr, SQ_COL: tl.constexpr,
+    SCALE: tl.constexpr, PARTIAL: tl.constexpr, NP: tl.constexpr, SLICE_TILES: tl.constexpr,
+    PEEL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     # TWO: the log-prob's distribution (the support) and the entropy's (all logits) differ;
     # SQUARES: ρ = Σ e² / (Σ e)² (e = exp(z − m), sums in float64) of the log-prob's
-    # distribution in column SQ_COL, the last
+    # distribution in column SQ_COL, the last; ROWMASK: rows whose valid_ptr entry is False
+    # (the op's row mask) read nothing and get the statistics of an empty row (_stats_store).
+    # The vocabulary is cut into N_SLICES slices of SLICE_TILES tiles; program (i, j) reduces
+    # slice j of its rows from fresh accumulators. PARTIAL (more
+    # than one slice): each slice's accumulators go to part_ptr [N, N_SLICES, NP] (float64)
+    # and _merge_kernel folds them in slice order; else the one slice's columns go to out_ptr
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
+    row_in = rows < N
+    row_ok = row_in
     rows64 = rows.to(tl.int64)
+    base = out_ptr + rows64 * stride_o
+    if ROWMASK:
+        row_ok = row_in & (tl.load(valid_ptr + rows, mask=row_in, other=0) != 0)
+        if tl.max(row_ok.to(tl.int32), axis=0) == 0:  # a masked row (GPU: one per program)
+            if not PARTIAL:  # (else the merge writes it)
+                zero = tl.zeros([BLOCK_N], ACC)
+                z64 = zero.to(tl.float64)
+                _stats_store(base, row_in, row_ok, zero, zero, zero, zero, zero, zero, zero,
+                             z64, z64, ENTROPY, TWO, SQUARES, SQ_COL, ACC)  # fmt: skip
+            return
     V = V * ALIGN_V  # V and the strides come in units of ALIGN: rows start 16-byte aligned
     stride_x = stride_x * ALIGN_X  # and a tile's bound is known per vector, so tiles load
     stride_k = stride_k * ALIGN_K  # as vectors
     tau = tl.load(tau_ptr).to(ACC)  # read only when SCALE (else any element: a placeholder)
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=0) - offset
-    in_range = row_ok & (tgt >= 0) & (tgt < V)
-    zy = _scaled(x_ptr + rows64 * stride_x + tgt, in_range, tau, SCALE, ACC)
-    zy = tl.where(in_range, zy, 0.0)
     if THRESH:
         thr = tl.load(thr_ptr + rows, mask=row_ok, other=0.0).to(ACC)
     neg = tl.full([BLOCK_N], float("-inf"), ACC)
     zero = tl.zeros([BLOCK_N], ACC)
+    cols0 = tl.arange(0, BLOCK_V)
+    SLICE: tl.constexpr = SLICE_TILES * BLOCK_V
+    k = tl.program_id(1)  # this program's slice
     m, s, u = neg, zero, zero  # the log-prob distribution (kept logits)
     sw = tl.zeros([BLOCK_N], tl.float64)  # its Σ e and Σ e², when SQUARES
     w = tl.zeros([BLOCK_N], tl.float64)
     me, se, ue = neg, zero, zero  # the unmasked distribution (entropy), when TWO
-    cols0 = tl.arange(0, BLOCK_V)
-    for v0 in range(0, V, BLOCK_V):
+    cols0 = cols0 + k * SLICE  # the slice's first logit
+    x_rows = x_ptr + rows64[:, None] * stride_x
+    k_rows = keep_ptr + rows64[:, None] * stride_k
+    if not THRESH:
+        thr = zero  # (unused)
+    n_v = tl.minimum(SLICE, V - k * SLICE)
+    n_full = 0
+    if PEEL:  # rows start aligned, V not a multiple of the vector: the tiles inside V load
+        # without a bound along the vocabulary (as vectors), then at most one across it; the
+        # same tiles in the same order as without the peel, so the same bits
+        n_full = (n_v // BLOCK_V) * BLOCK_V
+        for v0 in range(0, n_full, BLOCK_V):
+            m, s, u, sw, w, me, se, ue = _stats_tile(
+                x_rows, k_rows, v0 + cols0, row_ok[:, None], tau, thr, tgt, m, s, u, sw, w, me,
+                se, ue, MASK, THRESH, TWO, ENTROPY, SQUARES, SCALE, ACC,
+            )  # fmt: skip
+    for v0 in range(n_full, n_v, BLOCK_V):
         cols = v0 + cols0
-        ok = row_ok[:, None] & (cols < V)[None, :]
-        z = _scaled(x_ptr + rows64[:, None] * stride_x + cols[None, :], ok, tau, SCALE, ACC)
-        if MASK or THRESH:
-            if MASK:
-                keep = tl.load(keep_ptr + rows64[:, None] * stride_k + cols[None, :], mask=ok,
-                               other=0) != 0  # fmt: skip
-            else:
-                keep = z >= thr[:, None]
-            keep = keep | (cols[None, :] == tgt[:, None])  # the target is always kept
-            z_keep = tl.where(keep, z, float("-inf"))
-            if TWO:
-                if ENTROPY:
-                    me, se, ue, _, _ = _online(me, se, ue, sw, w, z, True, False)
-                m, s, u, sw, w = _online(m, s, u, sw, w, z_keep, False, SQUARES)
-            else:  # over the support: the entropy's distribution is the log-prob's
-                m, s, u, sw, w = _online(m, s, u, sw, w, z_keep, ENTROPY, SQUARES)
+        m, s, u, sw, w, me, se, ue = _stats_tile(
+            x_rows, k_rows, cols, row_ok[:, None] & (cols < V)[None, :], tau, thr, tgt, m, s, u,
+            sw, w, me, se, ue, MASK, THRESH, TWO, ENTROPY, SQUARES, SCALE, ACC,
+        )  # fmt: skip
+    if PARTIAL:
+        p = part_ptr + (rows64 * N_SLICES + k) * NP
+        tl.store(p, m.to(tl.float64), mask=row_ok)
+        tl.store(p + 1, s.to(tl.float64), mask=row_ok)
+        tl.store(p + 2, u.to(tl.float64), mask=row_ok)
+        if TWO and ENTROPY:
+            tl.store(p + 3, me.to(tl.float64), mask=row_ok)
+            tl.store(p + 4, se.to(tl.float64), mask=row_ok)
+            tl.store(p + 5, ue.to(tl.float64), mask=row_ok)
+        if SQUARES:
+            tl.store(p + NP - 2, sw, mask=row_ok)
+            tl.store(p + NP - 1, w, mask=row_ok)
+    else:
+        zy = _target_logit(x_ptr, rows64 * stride_x, tgt, row_ok, V, tau, SCALE, ACC)
+        _stats_store(base, row_in, row_ok, zy, m, s, u, me, se, ue, sw, w, ENTROPY, TWO,
+                     SQUARES, SQ_COL, ACC)  # fmt: skip
+
+
+@triton.jit
+def _target_logit(x_ptr, row_off, tgt, row_ok, V, tau, SCALE: tl.constexpr, ACC: tl.constexpr):
+    # z_y, 0 where the target lies outside this shard
+    in_range = row_ok & (tgt >= 0) & (tgt < V)
+    zy = _scaled(x_ptr + row_off + tgt, in_range, tau, SCALE, ACC)
+    return tl.where(in_range, zy, 0.0)
+
+
+@triton.jit
+def _fold(m, s, u, sw, w, mk, sk, uk, swk, wk, ENTROPY: tl.constexpr, SQUARES: tl.constexpr):
+    # one slice's accumulators (mk, sk, uk, swk, wk) into the running (m, s, u, sw, w), as a
+    # tile goes into them in _online: both rescaled to the larger max (a slice, or the running
+    # sums, with max -inf has sums 0 and adds nothing; a NaN in a slice's sums stays)
+    m_new = tl.maximum(m, mk)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.exp(m - m_ref)
+    b = tl.exp(mk - m_ref)
+    if ENTROPY:
+        ca = tl.where(m == float("-inf"), 0.0, (m - m_ref) * s)
+        cb = tl.where(mk == float("-inf"), 0.0, (mk - m_ref) * sk)
+        u = a * (u + ca) + b * (uk + cb)
+    if SQUARES:
+        a64 = a.to(tl.float64)
+        b64 = b.to(tl.float64)
+        sw = sw * a64 + swk * b64
+        w = w * (a64 * a64) + wk * (b64 * b64)
+    s = s * a + sk * b
+    return m_new, s, u, sw, w
+
+
+@triton.jit
+def _merge_kernel(
+    x_ptr, tgt_ptr, tau_ptr, valid_ptr, out_ptr, part_ptr, N, V, stride_x, stride_o, offset,
+    N_SLICES, ALIGN_V: tl.constexpr, ALIGN_X: tl.constexpr, ROWMASK: tl.constexpr,
+    TWO: tl.constexpr, ENTROPY: tl.constexpr, SQUARES: tl.constexpr, SQ_COL: tl.constexpr,
+    SCALE: tl.constexpr, NP: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    # the rows' slices of _stats_kernel (PARTIAL) folded in slice order, whichever program
+    # reduced each: a row's statistics do not depend on how the vocabulary was split
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_in = rows < N
+    row_ok = row_in
+    if ROWMASK:
+        row_ok = row_in & (tl.load(valid_ptr + rows, mask=row_in, other=0) != 0)
+    rows64 = rows.to(tl.int64)
+    tau = tl.load(tau_ptr).to(ACC)
+    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=0) - offset
+    zy = _target_logit(x_ptr, rows64 * (stride_x * ALIGN_X), tgt, row_ok, V * ALIGN_V, tau,
+                       SCALE, ACC)  # fmt: skip
+    neg = tl.full([BLOCK_N], float("-inf"), ACC)
+    zero = tl.zeros([BLOCK_N], ACC)
+    m, s, u, me, se, ue = neg, zero, zero, neg, zero, zero
+    sw = tl.zeros([BLOCK_N], tl.float64)
+    w = tl.zeros([BLOCK_N], tl.float64)
+    for k in range(0, N_SLICES):
+        p = part_ptr + (rows64 * N_SLICES + k) * NP
+        mk = tl.load(p, mask=row_ok, other=float("-inf")).to(ACC)
+        sk = tl.load(p + 1, mask=row_ok, other=0.0).to(ACC)
+        uk = tl.load(p + 2, mask=row_ok, other=0.0).to(ACC)
+        swk = sw
+        wk = w
+        if SQUARES:
+            swk = tl.load(p + NP - 2, mask=row_ok, other=0.0)
+            wk = tl.load(p + NP - 1, mask=row_ok, other=0.0)
+        if TWO and ENTROPY:
+            mek = tl.load(p + 3, mask=row_ok, other=float("-inf")).to(ACC)
+            sek = tl.load(p + 4, mask=row_ok, other=0.0).to(ACC)
+            uek = tl.load(p + 5, mask=row_ok, other=0.0).to(ACC)
+            me, se, ue, _, _ = _fold(me, se, ue, sw, w, mek, sek, uek, sw, w, True, False)
+            m, s, u, sw, w = _fold(m, s, u, sw, w, mk, sk, uk, swk, wk, False, SQUARES)
         else:
-            m, s, u, sw, w = _online(m, s, u, sw, w, z, ENTROPY, SQUARES)
-    base = out_ptr + rows64 * stride_o
-    tl.store(base, zy, mask=row_ok)
-    tl.store(base + 1, m, mask=row_ok)
-    tl.store(base + 2, s, mask=row_ok)
+            m, s, u, sw, w = _fold(m, s, u, sw, w, mk, sk, uk, swk, wk, ENTROPY, SQUARES)
+    _stats_store(out_ptr + rows64 * stride_o, row_in, row_ok, zy, m, s, u, me, se, ue, sw, w,
+                 ENTROPY, TWO, SQUARES, SQ_COL, ACC)  # fmt: skip
+
+
+@triton.jit
+def _stats_store(
+    base, row_in, row_ok, zy, m, s, u, me, se, ue, sw, w, ENTROPY: tl.constexpr,
+    TWO: tl.constexpr, SQUARES: tl.constexpr, SQ_COL: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    # a row's columns from its accumulators; a masked row (row_in, not row_ok) gets those of
+    # an empty row of log-prob 0: z_y = m = 0, s = 1, h = 0, ρ = 0
+    tl.store(base, tl.where(row_ok, zy, 0.0), mask=row_in)
+    tl.store(base + 1, tl.where(row_ok, m, 0.0), mask=row_in)
+    tl.store(base + 2, tl.where(row_ok, s, 1.0), mask=row_in)
     if ENTROPY:
         if TWO:
-            tl.store(base + 3, me, mask=row_ok)
-            tl.store(base + 4, se, mask=row_ok)
-            tl.store(base + 5, tl.log(se) - ue / se, mask=row_ok)
+            se_ok = tl.where(row_ok, se, 1.0)
+            tl.store(base + 3, tl.where(row_ok, me, 0.0), mask=row_in)
+            tl.store(base + 4, se_ok, mask=row_in)
+            tl.store(base + 5, tl.where(row_ok, tl.log(se_ok) - ue / se_ok, 0.0), mask=row_in)
         else:
-            tl.store(base + 3, tl.log(s) - u / s, mask=row_ok)
+            s_ok = tl.where(row_ok, s, 1.0)
+            tl.store(base + 3, tl.where(row_ok, tl.log(s_ok) - u / s_ok, 0.0), mask=row_in)
     if SQUARES:
         rho = tl.where(sw > 0, w / tl.where(sw > 0, sw * sw, 1.0), 0.0)
-        tl.store(base + SQ_COL, rho.to(ACC), mask=row_ok)
+        tl.store(base + SQ_COL, tl.where(row_ok, rho.to(ACC), 0.0), mask=row_in)
 
 
 @triton.jit
 def _grad_kernel(
     x_ptr, tgt_ptr, keep_ptr, thr_ptr, tau_ptr, mp_ptr, lsp_ptr, me_ptr, lse_ptr, h_ptr,
-    glp_ptr, gent_ptr, dx_ptr, N, V, stride_x, stride_k, stride_d, offset,
+    glp_ptr, gent_ptr, valid_ptr, dx_ptr, N, V, stride_x, stride_k, stride_d, offset, PER,
     ALIGN_V: tl.constexpr, ALIGN_X: tl.constexpr, ALIGN_K: tl.constexpr, ALIGN_D: tl.constexpr,
-    MASK: tl.constexpr, THRESH: tl.constexpr, TWO: tl.constexpr, HAS_LP: tl.constexpr,
-    HAS_ENT: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-    ACC: tl.constexpr,
+    ROWMASK: tl.constexpr, MASK: tl.constexpr, THRESH: tl.constexpr, TWO: tl.constexpr,
+    HAS_LP: tl.constexpr, HAS_ENT: tl.constexpr, SCALE: tl.constexpr, PEEL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
+    row_in = rows < N
+    row_ok = row_in
     rows64 = rows.to(tl.int64)
     V = V * ALIGN_V  # V and the strides come in units of ALIGN: rows start 16-byte aligned
     stride_x = stride_x * ALIGN_X  # and a tile's bound is known per vector, so tiles load
     stride_k = stride_k * ALIGN_K  # and store as vectors
     stride_d = stride_d * ALIGN_D
+    cols0 = tl.arange(0, BLOCK_V)
+    # program (i, j): tiles [j·PER, (j + 1)·PER) of its rows (each element's gradient is
+    # independent given its row's statistics: any split gives the same bits)
+    v_lo = tl.program_id(1) * (PER * BLOCK_V)
+    v_hi = tl.minimum(v_lo + PER * BLOCK_V, V)
+    if ROWMASK:  # rows whose valid_ptr entry is False: a zero gradient, nothing read
+        row_ok = row_in & (tl.load(valid_ptr + rows, mask=row_in, other=0) != 0)
+        if tl.max(row_ok.to(tl.int32), axis=0) == 0:  # a masked row (GPU: one per program)
+            zeros = tl.zeros([BLOCK_N, BLOCK_V], dx_ptr.dtype.element_ty)
+            for v0 in range(v_lo, v_hi, BLOCK_V):
+                cols = v0 + cols0
+                tl.store(dx_ptr + rows64[:, None] * stride_d + cols[None, :], zeros,
+                         mask=row_in[:, None] & (cols < V)[None, :])  # fmt: skip
+            return
     tau = tl.load(tau_ptr).to(ACC)  # read only when SCALE (else any element: a placeholder)
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=0) - offset
     # (M, log S) of the log-prob distribution; (M, log S, H) of the entropy's
@@ -198,35 +416,66 @@ def _grad_kernel(
         glp = tl.load(glp_ptr + rows, mask=row_ok, other=0.0).to(ACC)
     if THRESH:
         thr = tl.load(thr_ptr + rows, mask=row_ok, other=0.0).to(ACC)
-    cols0 = tl.arange(0, BLOCK_V)
-    for v0 in range(0, V, BLOCK_V):
+    else:
+        thr = mp  # (unused)
+    if not HAS_ENT:
+        me, lse, h, gent = mp, mp, mp, mp  # (unused)
+    if not HAS_LP:
+        glp = mp  # (unused)
+    x_rows = x_ptr + rows64[:, None] * stride_x
+    k_rows = keep_ptr + rows64[:, None] * stride_k
+    d_rows = dx_ptr + rows64[:, None] * stride_d
+    v_full = v_lo
+    if PEEL:  # the tiles inside V without a bound along the vocabulary (as vectors), then at
+        # most one across it (as in _stats_kernel)
+        v_full = tl.minimum(v_hi, v_lo + ((V - v_lo) // BLOCK_V) * BLOCK_V)
+        for v0 in range(v_lo, v_full, BLOCK_V):
+            _grad_tile(x_rows, k_rows, d_rows, v0 + cols0, row_ok[:, None], row_in[:, None],
+                       tau, thr, tgt, mp, lsp, me, lse, h, glp, gent, MASK, THRESH, TWO, HAS_LP,
+                       HAS_ENT, SCALE, ROWMASK, ACC)  # fmt: skip
+    for v0 in range(v_full, v_hi, BLOCK_V):
         cols = v0 + cols0
-        ok = row_ok[:, None] & (cols < V)[None, :]
-        z = _scaled(x_ptr + rows64[:, None] * stride_x + cols[None, :], ok, tau, SCALE, ACC)
-        onehot = cols[None, :] == tgt[:, None]
-        if MASK or THRESH:
-            if MASK:
-                keep = tl.load(keep_ptr + rows64[:, None] * stride_k + cols[None, :],
-                               mask=ok, other=0) != 0  # fmt: skip
-            else:
-                keep = z >= thr[:, None]
-            keep = keep | onehot
-            if not TWO:  # over the support: probability 0 outside it
-                z = tl.where(keep, z, float("-inf"))
-        grad = tl.zeros([BLOCK_N, BLOCK_V], ACC)
-        if HAS_ENT:
-            log_p = z - me[:, None] - lse[:, None]
-            p = tl.exp(log_p)
-            grad -= gent[:, None] * p * (tl.maximum(log_p, -1e30) + h[:, None])
-        if HAS_LP:
-            p_keep = tl.exp(z - mp[:, None] - lsp[:, None])
-            if TWO:
-                p_keep = tl.where(keep, p_keep, 0.0)
-            grad += glp[:, None] * (tl.where(onehot, 1.0, 0.0) - p_keep)
-        if SCALE:
-            grad = grad * (1.0 / tau)
-        grad = cast_to(grad, dx_ptr.dtype.element_ty)
-        tl.store(dx_ptr + rows64[:, None] * stride_d + cols[None, :], grad, mask=ok)
+        inside = (cols < V)[None, :]
+        _grad_tile(x_rows, k_rows, d_rows, cols, row_ok[:, None] & inside,
+                   row_in[:, None] & inside, tau, thr, tgt, mp, lsp, me, lse, h, glp, gent, MASK,
+                   THRESH, TWO, HAS_LP, HAS_ENT, SCALE, ROWMASK, ACC)  # fmt: skip
+
+
+@triton.jit
+def _grad_tile(
+    x_rows, k_rows, d_rows, cols, ok, st, tau, thr, tgt, mp, lsp, me, lse, h, glp, gent,
+    MASK: tl.constexpr, THRESH: tl.constexpr, TWO: tl.constexpr, HAS_LP: tl.constexpr,
+    HAS_ENT: tl.constexpr, SCALE: tl.constexpr, ROWMASK: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    # one tile of the gradient: read where ok, written where st (ROWMASK: zeros where st and
+    # not ok, a masked row beside valid ones in a block of several rows)
+    z = _scaled(x_rows + cols[None, :], ok, tau, SCALE, ACC)
+    onehot = cols[None, :] == tgt[:, None]
+    if MASK or THRESH:
+        if MASK:
+            keep = tl.load(k_rows + cols[None, :], mask=ok, other=0) != 0
+        else:
+            keep = z >= thr[:, None]
+        keep = keep | onehot
+        if not TWO:  # over the support: probability 0 outside it
+            z = tl.where(keep, z, float("-inf"))
+    grad = tl.zeros(z.shape, ACC)
+    if HAS_ENT:
+        log_p = z - me[:, None] - lse[:, None]
+        p = tl.exp(log_p)
+        grad -= gent[:, None] * p * (tl.maximum(log_p, -1e30) + h[:, None])
+    if HAS_LP:
+        p_keep = tl.exp(z - mp[:, None] - lsp[:, None])
+        if TWO:
+            p_keep = tl.where(keep, p_keep, 0.0)
+        grad += glp[:, None] * (tl.where(onehot, 1.0, 0.0) - p_keep)
+    if SCALE:
+        grad = grad * (1.0 / tau)
+    if ROWMASK:
+        grad = tl.where(ok, grad, 0.0)
+        ok = st
+    grad = cast_to(grad, d_rows.dtype.element_ty)
+    tl.store(d_rows + cols[None, :], grad, mask=ok)
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -256,6 +505,14 @@ def _align_v(v: int) -> int:
     return min(16, v & -v) if v else 1
 
 
+def _peel(v: int, x: torch.Tensor, keep: torch.Tensor | None) -> bool:
+    """Whether the kernels peel a row's last, partial tile: when the rows start better aligned
+    than the vocabulary's length is a multiple of (V = 50257 as a view of rows padded to 50304,
+    a padded output layer's logits): the tiles inside V then load as vectors. Not when the
+    rows themselves start misaligned (V = 50257 contiguous: see docs/gpu.md)."""
+    return min(_align(x), _align(keep) if keep is not None else 16) > _align_v(v)
+
+
 def _strides(*ts: torch.Tensor | None) -> list[int]:
     """Row strides in units of :func:`_align` (0 for an absent tensor)."""
     return [0 if t is None else t.stride(0) // _align(t) for t in ts]
@@ -270,6 +527,16 @@ def _rows_view(t: torch.Tensor, v: int) -> torch.Tensor:
 def _column(t: torch.Tensor | None, n: int, dtype: torch.dtype) -> torch.Tensor | None:
     """A per-token ``[N]`` or ``[N, 1]`` tensor as a contiguous ``[N]`` in ``dtype``."""
     return None if t is None else t.reshape(n).to(dtype).contiguous()
+
+
+def _valid(row_valid: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """The row mask as a contiguous ``[N]`` bool (None: every row valid)."""
+    if row_valid is None:
+        return None
+    if row_valid.dtype != torch.bool or row_valid.numel() != n:
+        got = f"{list(row_valid.shape)} {row_valid.dtype}"
+        raise ValueError(f"row_valid must be [{n}] bool, got {got}")
+    return row_valid.reshape(n).contiguous()
 
 
 def _support_args(
@@ -302,9 +569,11 @@ def shard_stats(
     over_support: bool = False,
     with_entropy: bool = True,
     with_squares: bool = False,
+    row_valid: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block_n: int | None = None,
     block_v: int | None = None,
+    slice_tiles: int | None = None,
 ) -> torch.Tensor:
     """This shard's statistics ``[N, k]``: the columns of :func:`_shard.stats_chunk`.
 
@@ -315,9 +584,13 @@ def shard_stats(
     kept logits (the target always kept), the entropy over all of them — or over the support
     too with ``over_support`` (then only ``k = 3 + 1`` columns, as without a support).
     ``with_squares``: one more column, last, ``ρ = Σ p²`` of the log-prob distribution within
-    the shard (:func:`rlops.logprobs._shard.merge_squares` merges it).
+    the shard (:func:`rlops.logprobs._shard.merge_squares` merges it). ``row_valid`` ``[N]``
+    bool (the op's row mask): the programs of rows where it is False read nothing and write
+    the statistics of an empty row (``z_y = m = 0``, ``s = 1``, ``h = 0``, ``ρ = 0``).
     Written into ``out`` when given (``[N, k]`` rows of a unit column stride, in the compute
-    dtype); float32 statistics (float64 for float64 logits)."""
+    dtype); float32 statistics (float64 for float64 logits). ``block_n``, ``block_v``,
+    ``slice_tiles`` (tiles per vocabulary slice): the kernel's blocks, by default
+    :func:`_config`'s and :func:`_slice_tiles`'s; the bits depend on them, not on ``N``."""
     v = logits.shape[-1]
     x = _rows_view(logits, v)
     n = x.shape[0]
@@ -337,16 +610,37 @@ def shard_stats(
         return out
     tgt = target.reshape(n).to(torch.int64).contiguous()
     tau = _tau(temperature, acc, x)
+    valid = _valid(row_valid, n)
     bn, bv, warps = _config(x, n, v, block_n, block_v)
-    launch(
-        _stats_kernel, (triton.cdiv(n, bn),),
-        x, tgt, x if keep is None else keep, tau if thr is None else thr, tau, out,
-        n, v // _align_v(v), *_strides(x, keep), out.stride(0), offset,
-        ALIGN_V=_align_v(v), ALIGN_X=_align(x), ALIGN_K=_align(keep),
-        MASK=keep is not None, THRESH=thr is not None, TWO=two, ENTROPY=with_entropy,
-        SQUARES=with_squares, SQ_COL=ncol - 1, SCALE=temperature != 1.0, BLOCK_N=bn,
-        BLOCK_V=bv, ACC=_tl(acc), num_warps=warps,
+    tiles = slice_tiles or _slice_tiles(x)
+    n_slices = triton.cdiv(v, tiles * bv)
+    partial = n_slices > 1
+    n_part = 3 + 3 * (two and with_entropy) + 2 * with_squares
+    # the slices' accumulators: [N, slices, n_part] float64, a few numbers per 16384 logits
+    part = torch.empty((n, n_slices, n_part) if partial else (1,), dtype=torch.float64,
+                       device=x.device)  # fmt: skip
+    flags = dict(
+        ROWMASK=valid is not None, TWO=two, ENTROPY=with_entropy, SQUARES=with_squares,
+        SQ_COL=ncol - 1, SCALE=temperature != 1.0, NP=n_part, ACC=_tl(acc),
     )  # fmt: skip
+    launch(
+        _stats_kernel, (triton.cdiv(n, bn), n_slices),
+        x, tgt, x if keep is None else keep, tau if thr is None else thr, tau,
+        tgt if valid is None else valid, out, part,
+        n, v // _align_v(v), *_strides(x, keep), out.stride(0), offset, n_slices,
+        ALIGN_V=_align_v(v), ALIGN_X=_align(x), ALIGN_K=_align(keep), MASK=keep is not None,
+        THRESH=thr is not None, PARTIAL=partial, SLICE_TILES=tiles, PEEL=_peel(v, x, keep),
+        BLOCK_N=bn, BLOCK_V=bv,
+        num_warps=warps, **flags,
+    )  # fmt: skip
+    if partial:
+        bm = min(128, triton.next_power_of_2(n))
+        launch(
+            _merge_kernel, (triton.cdiv(n, bm),),
+            x, tgt, tau, tgt if valid is None else valid, out, part,
+            n, v // _align_v(v), _strides(x)[0], out.stride(0), offset, n_slices,
+            ALIGN_V=_align_v(v), ALIGN_X=_align(x), BLOCK_N=bm, num_warps=4, **flags,
+        )  # fmt: skip
     return out
 
 
@@ -362,6 +656,7 @@ def logits_grad(
     keep_mask: torch.Tensor | None = None,
     threshold: torch.Tensor | None = None,
     over_support: bool = False,
+    row_valid: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block_n: int | None = None,
     block_v: int | None = None,
@@ -372,8 +667,10 @@ def logits_grad(
     ``(M, log S, H)`` of the entropy's — the merged statistics
     (:func:`rlops.logprobs._shard.merge`), each ``[N]`` or ``[N, 1]`` (a ``[5, N]`` tensor
     works too). ``g_logp``, ``g_ent``: ``[N]`` upstream gradients or None (at least one
-    given). ``out``: ``[N, V_local]`` rows of a unit column stride, any float dtype (the
-    gradient is computed in float32, or float64, and rounded to it)."""
+    given). ``row_valid`` ``[N]`` bool (the op's row mask): rows where it is False get a zero
+    gradient, written without reading anything of theirs. ``out``: ``[N, V_local]`` rows of a
+    unit column stride, any float dtype (the gradient is computed in float32, or float64, and
+    rounded to it)."""
     v = logits.shape[-1]
     x = _rows_view(logits, v)
     n = x.shape[0]
@@ -396,16 +693,19 @@ def logits_grad(
     glp, gent = _column(g_logp, n, acc), _column(g_ent, n, acc)
     mp, lsp, *rest = cols
     me, lse, h = rest if g_ent is not None else (mp, mp, mp)
+    valid = _valid(row_valid, n)
     bn, bv, warps = _config(x, n, v, block_n, block_v)
+    splits, per = _splits(x, triton.cdiv(n, bn), triton.cdiv(v, bv))
     launch(
-        _grad_kernel, (triton.cdiv(n, bn),),
+        _grad_kernel, (triton.cdiv(n, bn), splits),
         x, tgt, x if keep is None else keep, tau if thr is None else thr, tau,
-        mp, lsp, me, lse, h, mp if glp is None else glp, mp if gent is None else gent, out,
-        n, v // _align_v(v), *_strides(x, keep, out), offset,
+        mp, lsp, me, lse, h, mp if glp is None else glp, mp if gent is None else gent,
+        tgt if valid is None else valid, out,
+        n, v // _align_v(v), *_strides(x, keep, out), offset, per,
         ALIGN_V=_align_v(v), ALIGN_X=_align(x), ALIGN_K=_align(keep), ALIGN_D=_align(out),
-        MASK=keep is not None, THRESH=thr is not None, TWO=two, HAS_LP=glp is not None,
-        HAS_ENT=gent is not None, SCALE=temperature != 1.0, BLOCK_N=bn, BLOCK_V=bv,
-        ACC=_tl(acc), num_warps=warps,
+        ROWMASK=valid is not None, MASK=keep is not None, THRESH=thr is not None, TWO=two,
+        HAS_LP=glp is not None, HAS_ENT=gent is not None, SCALE=temperature != 1.0,
+        PEEL=_peel(v, x, keep), BLOCK_N=bn, BLOCK_V=bv, ACC=_tl(acc), num_warps=warps,
     )  # fmt: skip
     return out
 
@@ -421,6 +721,7 @@ class TritonLogits(_engine.Producer):
     and every later one, runs on ``torch_producer``."""
 
     parallel = False
+    zeroes_masked_rows = True
 
     def __init__(self, x: torch.Tensor, plan: Plan, torch_producer: _engine.Producer) -> None:
         self.x, self.torch = _rows_view(x, plan.v_local), torch_producer
@@ -443,7 +744,7 @@ class TritonLogits(_engine.Producer):
                 self.x[i:j], plan.target[i:j], offset=plan.start,
                 temperature=plan.temperature, keep_mask=plan.keep_rows(i, j), threshold=thr,
                 over_support=plan.over_support, with_entropy=plan.with_entropy,
-                with_squares=plan.sum_pi_squared, out=out,
+                with_squares=plan.sum_pi_squared, row_valid=_rows(plan.row_valid, i, j), out=out,
             )  # fmt: skip
         except KernelBuildError as e:
             _method.set_failed(e)
@@ -452,7 +753,7 @@ class TritonLogits(_engine.Producer):
 
     def grad(self, plan: Plan, i: int, j: int, out: torch.Tensor | None = None) -> torch.Tensor:
         if _method.failed() is not None:
-            return self.torch.grad(plan, i, j, out)
+            return self._torch_grad(plan, i, j, out)
         assert plan.target is not None
         thr = None if plan.threshold is None else plan.threshold[i:j]
         try:
@@ -462,8 +763,17 @@ class TritonLogits(_engine.Producer):
                 None if plan.g_ent is None else plan.g_ent[i:j],
                 offset=plan.start, temperature=plan.temperature,
                 keep_mask=plan.keep_rows(i, j), threshold=thr,
-                over_support=plan.over_support, out=out,
+                over_support=plan.over_support, row_valid=_rows(plan.row_valid, i, j), out=out,
             )  # fmt: skip
         except KernelBuildError as e:
             _method.set_failed(e)
-            return self.torch.grad(plan, i, j, out)
+            return self._torch_grad(plan, i, j, out)
+
+    def _torch_grad(self, plan: Plan, i: int, j: int, out: torch.Tensor | None) -> torch.Tensor:
+        g = self.torch.grad(plan, i, j, out)
+        plan.zero_masked(g, i)  # (the kernels' zeros on the masked rows)
+        return g
+
+
+def _rows(t: torch.Tensor | None, i: int, j: int) -> torch.Tensor | None:
+    return None if t is None else t[i:j]
