@@ -1,7 +1,7 @@
 """Test-suite settings.
 
-**Tiers.** ``python -m pytest -q`` runs everything (CI runs it). ``python -m pytest -q -m "not
-slow"`` is the inner loop: every module at small shapes, without the files listed in
+**Tiers.** ``python -m pytest -q -n 2`` runs everything (CI runs it). ``python -m pytest -q -n 2
+-m "not slow"`` is the inner loop: every module at small shapes, without the files listed in
 :data:`SLOW_FILES` (the Triton interpreter's big sweeps, Inductor builds, the sm_90 compiler
 builds, the benchmark scripts, TRL's trainer) and without the cases a test file marks
 ``slow`` itself. Each file here is slow as a whole: a small test of the same module stays in
