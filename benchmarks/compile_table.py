@@ -5,8 +5,8 @@ the ``[B, T]`` functions the recompiles that three new lengths cause under ``dyn
 
     python benchmarks/compile_table.py [--json out.json] [NAME ...]
 
-Prints a Markdown table (the one in docs/compile.md). Each case starts from a reset Dynamo cache, but
-Inductor's on-disk cache is kept: run it once to warm the C++ compiler's cache, or pass
+Prints a Markdown table (the one in docs/compile.md). Each case starts from a reset Dynamo
+cache, but Inductor's on-disk cache is kept: run it once to warm the C++ compiler's cache, or pass
 ``--cold`` to point Inductor at a fresh cache folder.
 """
 
