@@ -2,6 +2,7 @@
 
     python examples/trl/measure.py diffs                  # loss / gradient difference vs TRL
     python examples/trl/measure.py memory --vocab 32000 --completion 256
+    python examples/trl/measure.py memory --vocab 64000 --completion 512 --step
 
 ``diffs``: for each configuration of ``tests/compat/test_trl.py``, on the same batch, the
 mixin's loss and gradients against TRL's ``_compute_loss`` in float32 and against TRL's run
@@ -9,12 +10,16 @@ in float64 (the oracle), beside TRL's own float32 error.
 ``memory``: one process per variant (TRL alone, TRL + rlops): the median time of the loss
 phase (``_compute_loss`` and its backward) over a few repeats and the rise of the peak RSS
 over the RSS before it, for a tiny Llama (hidden 256, 2 layers) with ``--vocab`` words, 8
-completions of ``--completion`` tokens after 16 prompt tokens.
+completions of ``--completion`` tokens after 16 prompt tokens. With ``--step``, the whole
+training step after generation instead: the old log-probs (no gradient, with entropy, as TRL
+computes them when the policy moves between generation and update), the loss phase with
+``backward()`` and an AdamW step (generation and rewards left out: the same work on both sides).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -60,8 +65,8 @@ def diffs() -> None:
         )
 
 
-def _one(variant: str, vocab: int, completion: int, repeats: int) -> dict:
-    """Runs in its own process: time and peak-RSS rise of the loss phase."""
+def _one(variant: str, vocab: int, completion: int, repeats: int, step: bool = False) -> dict:
+    """Runs in its own process: time and peak-RSS rise of the loss phase (or the whole step)."""
     import tests.compat.test_trl as t
     import transformers
     import trl
@@ -96,14 +101,30 @@ def _one(variant: str, vocab: int, completion: int, repeats: int) -> dict:
         "num_items_in_batch": torch.tensor(b * completion),
     }
     params = [q for q in model.parameters() if q.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-6)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+
+    def as_variant():
+        return trainer._rlops_as_trl() if variant == "trl" else contextlib.nullcontext()
 
     def phase():
-        if variant == "trl":
-            with trainer._rlops_as_trl():
+        with as_variant():
+            if step:
+                with torch.no_grad():
+                    trainer._get_per_token_logps_and_entropies(
+                        model, ids, attention, completion, compute_entropy=True
+                    )
+            if variant == "trl":
                 loss = trl.GRPOTrainer._compute_loss(trainer, model, inputs)
+            else:
+                loss = trainer._compute_loss(model, inputs)
+        if step:
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         else:
-            loss = trainer._compute_loss(model, inputs)
-        torch.autograd.grad(loss, params)
+            torch.autograd.grad(loss, params)
 
     import psutil
 
@@ -122,14 +143,20 @@ def _one(variant: str, vocab: int, completion: int, repeats: int) -> dict:
     }
 
 
-def memory(vocab: int, completion: int, repeats: int) -> None:
+def memory(vocab: int, completion: int, repeats: int, step: bool) -> None:
+    what = (
+        "whole step after generation (old log-probs, loss, backward, AdamW)"
+        if step
+        else "loss phase (_compute_loss + backward)"
+    )
     print(
         f"V = {vocab}, 8 x {completion} completion tokens, hidden 256, 2 layers, "
-        f"{torch.get_num_threads()} threads; loss phase (_compute_loss + backward)"
+        f"{torch.get_num_threads()} threads; {what}"
     )
     for variant in ("trl", "rlops"):
+        argv = ["one", variant, str(vocab), str(completion), str(repeats), str(int(step))]
         out = subprocess.run(
-            [sys.executable, __file__, "one", variant, str(vocab), str(completion), str(repeats)],
+            [sys.executable, __file__, *argv],
             capture_output=True,
             text=True,
             env=dict(os.environ),
@@ -150,16 +177,19 @@ def main() -> None:
     m.add_argument("--vocab", type=int, default=32000)
     m.add_argument("--completion", type=int, default=256)
     m.add_argument("--repeats", type=int, default=3)
+    m.add_argument("--step", action="store_true", help="the whole step, not the loss phase")
     one = sub.add_parser("one")
-    for name in ("variant", "vocab", "completion", "repeats"):
+    for name in ("variant", "vocab", "completion", "repeats", "step"):
         one.add_argument(name)
     args = parser.parse_args()
     if args.what == "diffs":
         diffs()
     elif args.what == "memory":
-        memory(args.vocab, args.completion, args.repeats)
+        memory(args.vocab, args.completion, args.repeats, args.step)
     else:
-        r = _one(args.variant, int(args.vocab), int(args.completion), int(args.repeats))
+        r = _one(
+            args.variant, int(args.vocab), int(args.completion), int(args.repeats), args.step == "1"
+        )
         print(json.dumps(r))
 
 
