@@ -8,7 +8,7 @@ import torch
 
 from rlops.advantages.reference import gae_reference
 from rlops.scan.reference import scan_reference
-from rlops.testing._common import accepts, first, generator, measure, run_check
+from rlops.testing._common import accepts, first, generator, measure, run_checks
 from rlops.testing.report import Report
 
 __all__ = ["ADVANTAGE_CHECKS", "check_advantages"]
@@ -233,6 +233,5 @@ def check_advantages(
         "long_rows": long_rows,
         "edges": edges,
     }
-    checks = [run_check(name, _EXPLAIN[name], bodies[name]) for name in ADVANTAGE_CHECKS]
-    title = f"check_advantages({getattr(fn, '__qualname__', repr(fn))}, estimator={estimator!r})"
-    return Report(title, checks)
+    shown = [f"estimator={estimator!r}"]
+    return run_checks("check_advantages", fn, shown, ADVANTAGE_CHECKS, _EXPLAIN, bodies)
