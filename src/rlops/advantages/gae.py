@@ -71,7 +71,7 @@ from rlops.scan.dispatch import (
     case_of,
 )
 
-__all__ = ["RETURNS", "discounted_returns", "gae"]
+__all__ = ["RETURNS", "context_parallel_row", "discounted_returns", "gae"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +163,12 @@ def _in_context_parallel(case) -> bool:
     return case.cp
 
 
+def context_parallel_row(fn) -> Row:
+    """A table's first row: under ``cp_group`` every method runs ``fn``, the carry-only form,
+    whose local scans run the resolved method."""
+    return Row((REFERENCE, CHUNKED, COMPILED, TRITON_FORWARD), fn, when=_in_context_parallel)
+
+
 def _no_zero_discount(case) -> bool:
     return not case.zero_discount()
 
@@ -173,11 +179,7 @@ def _no_zero_discount(case) -> bool:
 RETURNS = Table(
     "gae and discounted_returns",
     [
-        Row(
-            (REFERENCE, CHUNKED, COMPILED, TRITON_FORWARD),
-            _context_parallel,
-            when=_in_context_parallel,
-        ),
+        context_parallel_row(_context_parallel),
         Row((REFERENCE,), _reference, small_ops=True),
         Row((COMPILED,), _compiled, when=_no_zero_discount),
         Row((TRITON_FORWARD,), _triton),  # the kernels cut exactly: any discount
