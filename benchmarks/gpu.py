@@ -55,6 +55,7 @@ if DRY:
 import torch  # noqa: E402
 
 import rlops  # noqa: E402
+from rlops.advantages.masking import GaeInputs  # noqa: E402
 from rlops.advantages.triton import gae_triton  # noqa: E402
 from rlops.logprobs.reference import logprobs_and_entropy_reference  # noqa: E402
 from rlops.measure.baselines import gae_chunk_loop  # noqa: E402
@@ -203,7 +204,7 @@ def check_gae(cfg, device):
         kw = dict(gamma=gamma, lam=lam, mask=m, dones=d)
         oracle = rlops.gae(r.double(), v.double(), method="chunked", **kw)
         g = torch.full((b,), gamma, device=device)
-        tri = gae_triton(r, v, m, d, g, torch.full((b,), gamma * lam, device=device))
+        tri = gae_triton(GaeInputs(r, v, m, d, g, torch.full((b,), gamma * lam, device=device)))
         chk = rlops.gae(r, v, method="chunked", **kw)
         if t <= cfg["serial_max_t"]:
             yard, what = rlops.gae(r, v, method="reference", **kw), "serial float32 reference"
@@ -282,7 +283,7 @@ def time_gae(cfg, device, copy_bw):
     gl = torch.full((b,), gamma * lam, device=device)
     gae_bytes = 4 * r.numel() * 4  # read r, v; write advantages, returns (float32)
     variants = {
-        "triton": lambda: gae_triton(r, v, None, None, g, gl),
+        "triton": lambda: gae_triton(GaeInputs(r, v, None, None, g, gl)),
         "chunked": lambda: rlops.gae(r, v, gamma=gamma, lam=lam, method="chunked"),
         "chunk loop (trainers')": lambda: gae_chunk_loop(r, v, gamma, lam),
     }

@@ -124,6 +124,18 @@ def _prepare(scores: object, index: object, mask: object) -> torch.Tensor:
     return s.sum(-1) if per_token else s
 
 
+def _standardized(s: torch.Tensor, gid: torch.Tensor, norm_std: bool, eps: float) -> torch.Tensor:
+    """Per sample: GRPO's score standardised within its group, ``(s − μ) / (σ + eps)`` (or
+    ``s − μ`` without ``norm_std``), a group of one with ``μ = 0, σ = 1``; in ``_wide_dtype``."""
+    n, centred, std = _group_moments(s, gid)
+    alone = n == 1
+    a = torch.where(alone, s.to(centred.dtype), centred)
+    if norm_std:
+        den = torch.where(alone, 1, std) + eps
+        a = a / torch.where(den > 0, den, 1)  # den = 0 only for equal scores and eps = 0: a = 0
+    return a
+
+
 def _broadcast(a: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``a[b]`` on the action tokens of row ``b``, 0 elsewhere: one pass over ``[B, T]``."""
     a = a.to(dtype)
@@ -173,13 +185,7 @@ def grpo_advantages(
     """
     eps = check_nonneg("eps", eps)
     s = _prepare(scores, index, mask)
-    n, centred, std = _group_moments(s, _dense_group_ids(index))
-    alone = n == 1
-    a = torch.where(alone, s.to(centred.dtype), centred)
-    if norm_std:
-        den = torch.where(alone, 1, std) + eps
-        a = a / torch.where(den > 0, den, 1)  # den = 0 only for equal scores and eps = 0: a = 0
-    adv = _broadcast(a, mask, scores.dtype)
+    adv = _broadcast(_standardized(s, _dense_group_ids(index), norm_std, eps), mask, scores.dtype)
     return adv, adv
 
 
@@ -525,12 +531,7 @@ def gdpo_advantages(
     for j in range(k):  # a few reward components, never tokens or samples
         s = _prepare(cols[:, j], index, mask)
         gid = _dense_group_ids(index) if gid is None else gid
-        n, centred, std = _group_moments(s, gid)
-        alone = n == 1
-        a = torch.where(alone, s.to(centred.dtype), centred)
-        if norm_std:
-            den = torch.where(alone, 1, std) + eps
-            a = a / torch.where(den > 0, den, 1)
+        a = _standardized(s, gid, norm_std, eps)
         part = w[j].to(a.device, a.dtype) * a
         total = part if total is None else total + part
     assert total is not None

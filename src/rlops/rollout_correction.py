@@ -283,19 +283,15 @@ def rollout_mismatch_metrics(
     with ``expm1`` and ``log ρ`` clamped to at most 20, so ``d = 50`` or a 32K-token row stays
     finite; equal inputs give exactly 0 for every metric.
 
+    Over context-parallel rows (``cp_group``, ``cp_layout``) the sequence metrics
+    (``chi2_seq``, ``log_ppl_diff``) are the whole rows'; packed rows (``seq_ids``,
+    ``seqs_per_row``) make them per sequence; both as in :func:`rollout_importance_weights`.
+
     Args:
         old_logp: ``[B, T]`` log-probs of the sampled tokens under the trainer.
         rollout_logp: ``[B, T]`` log-probs of the same tokens from the rollout engine.
         mask: ``[B, T]`` 0/1 action mask.
         group: a process group: metrics over every rank's action tokens (one ``all_gather``).
-        cp_group: the context-parallel group whose ranks hold pieces of the same rows:
-            sequence quantities over the whole row (one more ``all_gather``, of ``[B, k]``);
-            without ``group``, the metrics are the whole rows' (over ``cp_group``).
-        cp_layout: ``"zigzag"`` or ``"contiguous"``: how rows are split over ``cp_group``
-            (row sums and maxima need no order; checked and compared across ranks).
-        seq_ids: packed rows: ``[B, T]`` integer sequence ids in ``[0, seqs_per_row)``;
-            every sequence quantity is then per sequence (see :func:`rlops.aggregate_loss`).
-        seqs_per_row: with ``seq_ids``, the number of sequence slots per row.
 
     Returns:
         dict of detached 0-dim tensors (computation dtype): ``chi2_seq``, ``chi2_token``,
@@ -534,6 +530,10 @@ def rollout_rejection_mask(
     of the row for sums, geometric per token for means). Every criterion must pass
     (verl's ``rollout_rs`` options, combined with "and").
 
+    Over context-parallel rows (``cp_group``, ``cp_layout``) the row criteria (``seq_*``)
+    test the whole rows; packed rows (``seq_ids``, ``seqs_per_row``) make them per sequence;
+    both as in :func:`rollout_importance_weights`.
+
     Args:
         old_logp: ``[B, T]`` log-probs of the sampled tokens under the trainer.
         rollout_logp: ``[B, T]`` log-probs of the same tokens from the rollout engine.
@@ -543,14 +543,6 @@ def rollout_rejection_mask(
             (``lower = 1/upper``), for k1. At least one.
         group: a process group: metrics over every rank's action tokens (one ``all_gather``);
             the mask itself needs no communication.
-        cp_group: the context-parallel group whose ranks hold pieces of the same rows:
-            sequence quantities over the whole row (one more ``all_gather``, of ``[B, k]``);
-            without ``group``, the metrics are the whole rows' (over ``cp_group``).
-        cp_layout: ``"zigzag"`` or ``"contiguous"``: how rows are split over ``cp_group``
-            (row sums and maxima need no order; checked and compared across ranks).
-        seq_ids: packed rows: ``[B, T]`` integer sequence ids in ``[0, seqs_per_row)``;
-            every sequence quantity is then per sequence (see :func:`rlops.aggregate_loss`).
-        seqs_per_row: with ``seq_ids``, the number of sequence slots per row.
 
     Returns:
         ``(keep_mask, metrics)``: ``keep_mask`` ``[B, T]`` bool, ``mask`` less the rejected

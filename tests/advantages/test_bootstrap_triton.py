@@ -103,7 +103,7 @@ def test_bootstrap_triton_matches_oracle(kernels, b, t, form, gamma, lam, dtype)
 @pytest.mark.parametrize("form", ["row", "token"])
 def test_bootstrap_enters_the_last_of_many_blocks(form):
     """Small blocks: the row's end value crosses every block boundary through the carries."""
-    from rlops.advantages.masking import bootstrap_inputs
+    from rlops.advantages.masking import GaeInputs, bootstrap_inputs
     from rlops.advantages.triton import gae_triton
 
     gen = seeded("blocks", form)
@@ -111,10 +111,10 @@ def test_bootstrap_enters_the_last_of_many_blocks(form):
     ends, cut, end = bootstrap_inputs(boot, tr, r, d, torch.float64)
     g = torch.tensor([0.99, 1.0, 0.5], dtype=torch.float64)
     gl = g * 0.9
-    adv, ret = gae_triton(r, v, m, ends, g, gl, cut, end, block_t=16)
+    adv, ret = gae_triton(GaeInputs(r, v, m, ends, g, gl, cut, end), block_t=16)
     o_adv, o_ret = gae_bootstrap_oracle(r, v, g, 0.9, m, d, boot, tr)
     torch.testing.assert_close(adv, o_adv, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(ret, o_ret, rtol=1e-12, atol=1e-12)
-    out, _ = gae_triton(r, None, m, ends, g, g, cut, end, block_t=16)
+    out, _ = gae_triton(GaeInputs(r, None, m, ends, g, g, cut, end), block_t=16)
     o_g = discounted_returns_bootstrap_oracle(r, g, m, d, boot, tr)
     torch.testing.assert_close(out, o_g, rtol=1e-12, atol=1e-12)

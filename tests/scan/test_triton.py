@@ -30,6 +30,7 @@ from tests.oracles import (
 from tests.tolerances import assert_half_matches, assert_within_reference
 
 import rlops
+from rlops.advantages.masking import GaeInputs
 from rlops.advantages.reference import gae_reference
 from rlops.advantages.triton import gae_triton, reinforce_returns_triton
 from rlops.scan.reference import scan_reference
@@ -131,9 +132,8 @@ def test_y_boot_is_the_value_past_the_end():
 def test_empty(shape):
     x = torch.randn(shape)
     assert reverse_scan(x, 0.9).shape == shape
-    adv, ret = gae_triton(
-        x, x, None, None, torch.full((shape[0],), 0.9), torch.full((shape[0],), 0.9)
-    )
+    g = torch.full((shape[0],), 0.9)
+    adv, ret = gae_triton(GaeInputs(x, x, None, None, g, g))
     assert adv.shape == ret.shape == shape
 
 
@@ -196,17 +196,17 @@ def test_gae_and_returns_match_reference(b, t, mask, dones, gamma, lam, dtype):
     m, d = _indicators(b, t, gen, mask, dones)
     g, gl = _rows(gamma, b, dt), _rows(gamma * lam, b, dt)
     block = 64 if t < 1000 else (256 if t == 1000 else None)
-    adv, ret = gae_triton(r, v, m, d, g, gl, block_t=block)
+    adv, ret = gae_triton(GaeInputs(r, v, m, d, g, gl), block_t=block)
     extended = EXTENDED and dt == torch.float64
     o_adv, o_ret = gae_oracle(r, v, gamma, lam, m, d, extended=extended)
-    ref_adv, ref_ret = gae_reference(r, v, m, d, g, gl)
+    ref_adv, ref_ret = gae_reference(GaeInputs(r, v, m, d, g, gl))
     assert_within_reference("advantages", adv, o_adv, ref_adv)
     assert_within_reference("returns", ret, o_ret, ref_ret)
 
-    out, same = gae_triton(r, None, m, d, g, g, block_t=block)
+    out, same = gae_triton(GaeInputs(r, None, m, d, g, g), block_t=block)
     assert out is same
     o_g = discounted_returns_oracle(r, gamma, m, d, extended=extended)
-    ref_g = gae_reference(r, None, m, d, g, g)[1]
+    ref_g = gae_reference(GaeInputs(r, None, m, d, g, g))[1]
     assert_within_reference("discounted returns", out, o_g, ref_g)
 
 
@@ -218,9 +218,9 @@ def test_gae_per_row_discounts_and_empty_rows():
     m[1] = False  # a row with no action token
     gamma = torch.tensor([0.9, 0.99, 1.0, 0.0])
     lam = torch.tensor([0.95, 0.5, 1.0, 0.9])
-    adv, ret = gae_triton(r, v, m, d, gamma, gamma * lam, block_t=32)
+    adv, ret = gae_triton(GaeInputs(r, v, m, d, gamma, gamma * lam), block_t=32)
     o_adv, o_ret = gae_oracle(r, v, gamma, lam, m, d)
-    ref_adv, ref_ret = gae_reference(r, v, m, d, gamma, gamma * lam)
+    ref_adv, ref_ret = gae_reference(GaeInputs(r, v, m, d, gamma, gamma * lam))
     assert_within_reference("advantages", adv, o_adv, ref_adv)
     assert_within_reference("returns", ret, o_ret, ref_ret)
     assert (adv[1] == 0).all() and (ret[1] == 0).all()
@@ -235,9 +235,9 @@ def test_gae_nan_beyond_a_done():
     r[:, 41:] = float("nan")
     v[:, 41:] = float("nan")
     g = torch.full((2,), 0.99)
-    adv, ret = gae_triton(r, v, None, d, g, g * 0.95, block_t=16)
+    adv, ret = gae_triton(GaeInputs(r, v, None, d, g, g * 0.95), block_t=16)
     assert torch.isfinite(adv[:, :41]).all() and torch.isfinite(ret[:, :41]).all()
-    ref_adv, _ = gae_reference(r[:, :41], v[:, :41], None, None, g, g * 0.95)
+    ref_adv, _ = gae_reference(GaeInputs(r[:, :41], v[:, :41], None, None, g, g * 0.95))
     torch.testing.assert_close(adv[:, :41], ref_adv)
 
 
@@ -248,9 +248,9 @@ def test_gae_bfloat16_inputs():
     v = torch.randn(b, t, generator=gen).bfloat16()
     m, d = _indicators(b, t, gen, True, True)
     g = torch.full((b,), 0.99)
-    adv, ret = gae_triton(r, v, m, d, g, g * 0.95, block_t=64)
+    adv, ret = gae_triton(GaeInputs(r, v, m, d, g, g * 0.95), block_t=64)
     assert adv.dtype == ret.dtype == torch.bfloat16
-    ref_adv, ref_ret = gae_reference(r.float(), v.float(), m, d, g, g * 0.95)
+    ref_adv, ref_ret = gae_reference(GaeInputs(r.float(), v.float(), m, d, g, g * 0.95))
     o_adv, o_ret = gae_oracle(r, v, 0.99, 0.95, m, d)
     # the oracle's gamma * lam is exact, the carries' is float32: both round it once
     assert_half_matches("advantages", adv, ref_adv, o_adv)

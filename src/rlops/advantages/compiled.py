@@ -10,40 +10,30 @@ from __future__ import annotations
 
 import torch
 
+from rlops.advantages.masking import GaeInputs
 from rlops.scan.compiled import as_array, run_rows
 
 __all__ = ["gae_compiled", "reinforce_returns_compiled"]
 
 
-def gae_compiled(
-    rewards: torch.Tensor,
-    values: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    dones: torch.Tensor | None,
-    gamma: torch.Tensor,
-    gamma_lam: torch.Tensor,
-    cut: torch.Tensor | None = None,
-    end: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gae_compiled(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused GAE in one pass; with ``values=None``, discounted returns (pass ``gamma_lam=gamma``).
 
-    ``rewards``/``values`` ``[N, T]`` in the compute dtype (float32/64, CPU); ``mask``/``dones``
-    ``[N, T]`` bool or None; ``gamma``/``gamma_lam`` ``[N]`` (give them in float64: the carry
-    decays by ``gamma_lam`` in float64; ``gamma`` enters the TD residual in the input dtype).
-    The bootstrap: ``cut`` ``[N, T]`` the value after each done (0 where terminated) or None,
-    ``end`` ``[N]`` the value after the row's end or None.
+    :class:`~rlops.advantages.masking.GaeInputs` in the compute dtype (float32/64, CPU), with
+    ``gamma``/``gamma_lam`` in float64: the carry decays by ``gamma_lam`` in float64; ``gamma``
+    enters the TD residual in the input dtype.
     Returns ``(advantages, returns)``; without values both are the same tensor.
     """
     from rlops.advantages._numba_kernels import GAE
 
-    rewards = rewards.contiguous()
+    rewards, values, mask, dones, cut = x.rewards.contiguous(), x.values, x.mask, x.dones, x.cut
     n, t_len = rewards.shape
     ret = torch.empty_like(rewards)
     adv = ret if values is None else torch.empty_like(rewards)
     if n == 0 or t_len == 0:
         return adv, ret
     has_cut = dones is not None and cut is not None
-    init = rewards.new_zeros(n) if end is None else end.to(rewards.dtype).contiguous()
+    init = rewards.new_zeros(n) if x.end is None else x.end.to(rewards.dtype).contiguous()
     run_rows(
         GAE[(values is not None, mask is not None, dones is not None, has_cut)],
         n,
@@ -54,8 +44,8 @@ def gae_compiled(
         as_array(dones, n, torch.bool),
         as_array(cut if has_cut else None, n, rewards.dtype),
         init.numpy(),
-        gamma.expand(n).to(rewards.dtype).contiguous().numpy(),
-        gamma_lam.expand(n).to(torch.float64).contiguous().numpy(),
+        x.gamma.expand(n).to(rewards.dtype).contiguous().numpy(),
+        x.gamma_lam.expand(n).to(torch.float64).contiguous().numpy(),
         adv.numpy(),
         ret.numpy(),
     )

@@ -49,6 +49,7 @@ import torch
 
 from rlops._types import CPLayout
 from rlops.advantages.masking import (
+    GaeInputs,
     enter,
     pass_through_decay,
     shift_in,
@@ -246,15 +247,13 @@ def bootstrap_fields(end: torch.Tensor | None, cut: torch.Tensor | None, device)
     return {"bootstrap": "per token" if cut is not None else None}
 
 
-def cp_gae(
-    r, v, mask, dones, gamma, gamma_lam, layout: Layout, method, chunk_size=None, cut=None,
-    end=None,
-):  # fmt: skip
-    """GAE on shards ``[N, T_local]``; ``mask``/``dones`` bool or None (``dones`` every sequence
-    end, truncations included); ``gamma``, ``gamma_lam`` ``[N]``; ``cut`` ``[N, T_local]`` the
-    next-state value at each end (0 where terminated) or None; ``end`` ``[N]`` the value
-    entering at the row's end (read on the rank that holds it) or None. Returns
-    ``(advantages, returns)`` shards."""
+def cp_gae(x: GaeInputs, layout: Layout, method, chunk_size=None):
+    """GAE on shards: :class:`~rlops.advantages.masking.GaeInputs` of ``[N, T_local]`` shards,
+    ``end`` the value entering at the row's end (read on the rank that holds it). Returns
+    ``(advantages, returns)`` shards (values are required: returns run :func:`cp_scan`)."""
+    r, v, mask, dones, cut, end = x.rewards, x.values, x.mask, x.dones, x.cut, x.end
+    gamma, gamma_lam = x.gamma, x.gamma_lam
+    assert v is not None
     n, t_local = r.shape
     rp, vp = layout.pieces(r), layout.pieces(v)
     m = torch.ones_like(rp, dtype=torch.bool) if mask is None else layout.pieces(mask)

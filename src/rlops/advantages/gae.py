@@ -48,6 +48,7 @@ from rlops._checks import (
 from rlops._types import CPLayout, Group
 from rlops.advantages import compiled
 from rlops.advantages.masking import (
+    GaeInputs,
     as_rows,
     bootstrap_inputs,
     indicators,
@@ -70,7 +71,7 @@ from rlops.scan.dispatch import (
     case_of,
 )
 
-__all__ = ["RETURNS", "discounted_returns", "gae"]
+__all__ = ["RETURNS", "context_parallel_row", "discounted_returns", "gae"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,28 +99,30 @@ class Returns:
         """A discount as a ``[B]`` tensor of ``dtype``."""
         return as_rows(value, self.r.shape[0], dtype, self.r.device)
 
+    def inputs(self, dtype) -> GaeInputs:
+        """The backends' inputs, with the discounts as ``[B]`` tensors of ``dtype``."""
+        g, gl = self.rows(self.gamma, dtype), self.rows(self.gamma_lam, dtype)
+        return GaeInputs(self.r, self.v, self.mask, self.dones, g, gl, self.cut, self.end)
+
     def cast(self, value):
         """A per-row discount in the compute dtype (a float stays a float)."""
         return value.to(self.r.dtype) if isinstance(value, torch.Tensor) else value
 
 
 def _reference(method: str, c: Returns):
-    g, gl = c.rows(c.gamma, c.r.dtype), c.rows(c.gamma_lam, c.r.dtype)
-    return gae_reference(c.r, c.v, c.mask, c.dones, g, gl, c.cut, c.end)
+    return gae_reference(c.inputs(c.r.dtype))
 
 
 def _compiled(method: str, c: Returns):
     # the carry decays by gamma * lam in float64 (see gae_compiled)
-    g, gl = c.rows(c.gamma, torch.float64), c.rows(c.gamma_lam, torch.float64)
-    return compiled.gae_compiled(c.r, c.v, c.mask, c.dones, g, gl, c.cut, c.end)
+    return compiled.gae_compiled(c.inputs(torch.float64))
 
 
 def _triton(method: str, c: Returns):
     from rlops.advantages.triton import gae_triton  # triton is imported on first use only
 
     # the discounts are rounded once to the kernels' carry dtype (float32, float64 for float64)
-    g, gl = c.rows(c.gamma, torch.float64), c.rows(c.gamma_lam, torch.float64)
-    return gae_triton(c.r, c.v, c.mask, c.dones, g, gl, c.cut, c.end)
+    return gae_triton(c.inputs(torch.float64))
 
 
 def _chunked(method: str, c: Returns):
@@ -153,12 +156,17 @@ def _context_parallel(method: str, c: Returns):
         out = cp_scan(x, decay, layout, method, c.chunk_size, params=params)
         out = out if c.mask is None else torch.where(c.mask, out, 0.0)
         return out, out
-    g, gl = c.rows(c.gamma, c.r.dtype), c.rows(c.gamma_lam, c.r.dtype)
-    return cp_gae(c.r, c.v, c.mask, c.dones, g, gl, layout, method, c.chunk_size, c.cut, c.end)
+    return cp_gae(c.inputs(c.r.dtype), layout, method, c.chunk_size)
 
 
 def _in_context_parallel(case) -> bool:
     return case.cp
+
+
+def context_parallel_row(fn) -> Row:
+    """A table's first row: under ``cp_group`` every method runs ``fn``, the carry-only form,
+    whose local scans run the resolved method."""
+    return Row((REFERENCE, CHUNKED, COMPILED, TRITON_FORWARD), fn, when=_in_context_parallel)
 
 
 def _no_zero_discount(case) -> bool:
@@ -171,11 +179,7 @@ def _no_zero_discount(case) -> bool:
 RETURNS = Table(
     "gae and discounted_returns",
     [
-        Row(
-            (REFERENCE, CHUNKED, COMPILED, TRITON_FORWARD),
-            _context_parallel,
-            when=_in_context_parallel,
-        ),
+        context_parallel_row(_context_parallel),
         Row((REFERENCE,), _reference, small_ops=True),
         Row((COMPILED,), _compiled, when=_no_zero_discount),
         Row((TRITON_FORWARD,), _triton),  # the kernels cut exactly: any discount

@@ -23,6 +23,8 @@ them to the compacted-sequence oracle.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -31,6 +33,7 @@ from rlops.scan import scan
 from rlops.scan.decay import decayed
 
 __all__ = [
+    "GaeInputs",
     "as_rows",
     "bootstrap_inputs",
     "enter",
@@ -42,6 +45,26 @@ __all__ = [
     "td_residual",
     "token_decay",
 ]
+
+
+@dataclasses.dataclass(frozen=True)
+class GaeInputs:
+    """What every GAE backend takes (the loop, the numba and Triton kernels, the
+    context-parallel form): ``rewards`` / ``values`` ``[N, T]`` in the compute dtype (``values``
+    None for discounted returns, with ``gamma_lam = gamma``), ``mask`` / ``dones`` ``[N, T]``
+    bool or None (``dones``: every sequence end, truncations included), ``gamma`` /
+    ``gamma_lam`` ``[N]``; the bootstrap: ``cut`` ``[N, T]`` the value of the state after each
+    end (0 where the sequence terminated) or None, ``end`` ``[N]`` the value after the row's
+    end or None."""
+
+    rewards: torch.Tensor
+    values: torch.Tensor | None
+    mask: torch.Tensor | None
+    dones: torch.Tensor | None
+    gamma: torch.Tensor
+    gamma_lam: torch.Tensor
+    cut: torch.Tensor | None = None
+    end: torch.Tensor | None = None
 
 
 def indicators(shape, ref: torch.Tensor, mask, dones):

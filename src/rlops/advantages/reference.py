@@ -7,24 +7,16 @@ from __future__ import annotations
 
 import torch
 
+from rlops.advantages.masking import GaeInputs
 from rlops.scan.decay import decayed
 
 __all__ = ["gae_reference"]
 
 
-def gae_reference(
-    rewards: torch.Tensor,
-    values: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    dones: torch.Tensor | None,
-    gamma: torch.Tensor,
-    gamma_lam: torch.Tensor,
-    cut: torch.Tensor | None = None,
-    end: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE over action tokens, ``[N, T]`` inputs in the compute dtype, ``gamma`` ``[N]``;
-    ``dones`` marks every sequence end, ``cut`` ``[N, T]`` the value of the state after each
-    end (0 where the sequence terminated), ``end`` ``[N]`` the value after the row's end.
+def gae_reference(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over action tokens, from :class:`~rlops.advantages.masking.GaeInputs` (``[N, T]``
+    in the compute dtype; ``dones`` every sequence end, ``cut`` the value of the state after
+    each, ``end`` the value after the row's end).
 
     Walking back in time with the (value, advantage) of the next action token as state,
     starting from ``(end, 0)`` (``(0, 0)`` without ``end``):
@@ -38,6 +30,8 @@ def gae_reference(
     Returns ``(advantages, returns)``; without values, ``A`` is the discounted return (pass
     ``gamma_lam = gamma``) and both outputs are the same tensor.
     """
+    rewards, values, mask, dones, cut, end = x.rewards, x.values, x.mask, x.dones, x.cut, x.end
+    gamma, gamma_lam = x.gamma, x.gamma_lam
     n, t_len = rewards.shape
     zero = rewards.new_zeros(n)
     next_value = zero if end is None else end.to(rewards.dtype)

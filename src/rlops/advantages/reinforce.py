@@ -28,7 +28,7 @@ from rlops._checks import (
 )
 from rlops._types import CPLayout, Group
 from rlops.advantages import compiled
-from rlops.advantages.gae import discounted_returns
+from rlops.advantages.gae import context_parallel_row, discounted_returns
 from rlops.advantages.masking import as_rows
 from rlops.distributed.collectives import fails_together
 from rlops.distributed.layout import check_cp_layout
@@ -100,10 +100,6 @@ def _context_parallel(method: str, c: Call) -> torch.Tensor:
     return out.to(c.kl.dtype)
 
 
-def _in_context_parallel(case: Case) -> bool:
-    return case.cp
-
-
 def _full_precision(case: Case) -> bool:
     # the fused kernels round the token reward in the input dtype and carry the outcome
     # unrounded; in half precision the two-step form rounds their sum first
@@ -119,11 +115,7 @@ def _fusable(case: Case) -> bool:
 REINFORCE = Table(
     "reinforce_plus_plus_returns",
     [
-        Row(
-            (REFERENCE, CHUNKED, COMPILED, TRITON_FORWARD),
-            _context_parallel,
-            when=_in_context_parallel,
-        ),
+        context_parallel_row(_context_parallel),
         Row((COMPILED,), _fused, when=_fusable),
         Row((TRITON_FORWARD,), _fused_triton, when=_full_precision),
         Row((REFERENCE, CHUNKED, COMPILED, TRITON_FORWARD), _two_step),

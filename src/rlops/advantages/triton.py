@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from rlops._backends import launch
+from rlops.advantages.masking import GaeInputs
 from rlops.scan.triton import (
     acc_dtype,
     block_carries,
@@ -192,34 +193,29 @@ def _indicator(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.bool().contiguous()
 
 
-def gae_triton(
-    rewards: torch.Tensor,
-    values: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    dones: torch.Tensor | None,
-    gamma: torch.Tensor,
-    gamma_lam: torch.Tensor,
-    cut: torch.Tensor | None = None,
-    end: torch.Tensor | None = None,
-    *,
-    block_t: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gae_triton(x: GaeInputs, *, block_t: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE in one kernel; with ``values=None``, discounted returns (``gamma_lam`` unused).
 
-    ``rewards`` / ``values`` ``[N, T]`` (any float dtype, read as they are); ``mask`` /
-    ``dones`` ``[N, T]`` bool or 0/1, or None; ``gamma`` / ``gamma_lam`` ``[N]``, rounded to
-    the carry dtype (float32, float64 for float64 inputs). The bootstrap: ``cut`` ``[N, T]``
-    the value after each done (0 where terminated) or None, ``end`` ``[N]`` the value after
-    the row's end or None. Returns ``(advantages, returns)``
-    in the promoted dtype of the inputs, 0 on mask-0 tokens; without values both are the
-    same tensor. Same semantics as :func:`rlops.advantages.reference.gae_reference`.
+    :class:`~rlops.advantages.masking.GaeInputs`, with ``rewards`` / ``values`` of any float
+    dtype (read as they are), ``mask`` / ``dones`` bool or 0/1, and ``gamma`` / ``gamma_lam``
+    rounded to the carry dtype (float32, float64 for float64 inputs). Returns
+    ``(advantages, returns)`` in the promoted dtype of the inputs, 0 on mask-0 tokens; without
+    values both are the same tensor. Same semantics as
+    :func:`rlops.advantages.reference.gae_reference`.
     """
-    r = rewards.contiguous()
+    r, values, mask, dones, cut, end = (
+        x.rewards.contiguous(),
+        x.values,
+        x.mask,
+        x.dones,
+        x.cut,
+        x.end,
+    )
     n, t_len = r.shape
     dtypes = (r.dtype,) if values is None else (r.dtype, values.dtype)
     acc = acc_dtype(*dtypes)
     out_dtype = r.dtype if values is None else torch.promote_types(r.dtype, values.dtype)
-    g = gamma.reshape(-1).expand(n).to(acc).contiguous()
+    g = x.gamma.reshape(-1).expand(n).to(acc).contiguous()
     ret = torch.empty((n, t_len), dtype=out_dtype, device=r.device)
     cut = None if cut is None or dones is None else cut.contiguous()
     # the carry after the row's end: the return (returns) or the next-action value W (GAE)
@@ -230,7 +226,7 @@ def gae_triton(
              ret, block_t, cut)  # fmt: skip
         return ret, ret
     v = values.contiguous()
-    gl = gamma_lam.reshape(-1).expand(n).to(acc).contiguous()
+    gl = x.gamma_lam.reshape(-1).expand(n).to(acc).contiguous()
     adv = torch.empty_like(ret)
     init = torch.stack([torch.zeros_like(after), after]).contiguous()
     _run(GAE, r, v, _indicator(mask), _indicator(dones), g, gl, None, init, adv, ret, block_t,

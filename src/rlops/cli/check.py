@@ -24,6 +24,15 @@ _DTYPES = {
 }
 
 
+_CHECKS: dict[str, Callable] = {
+    "logprobs": check_logprobs,
+    "loss": check_policy_loss,
+    "advantages": check_advantages,
+}
+# the parsed arguments that are not options of the check
+_NOT_OPTIONS = ("command", "contract", "function", "param")
+
+
 def load_function(spec: str) -> Callable:
     """The function named by ``MODULE:FUNCTION`` (``FUNCTION`` may be dotted:
     ``pkg.mod:Class.method``); the current directory is importable, as for ``python -m``."""
@@ -73,7 +82,7 @@ def add_arguments(subparsers) -> argparse.ArgumentParser:
         "(rlops.testing); prints the report and exits 1 if a check failed.",
     )
     contracts = p.add_subparsers(
-        dest="contract", required=True, metavar="{logprobs,loss,advantages}"
+        dest="contract", required=True, metavar="{" + ",".join(_CHECKS) + "}"
     )
 
     def contract(name: str, help_text: str) -> argparse.ArgumentParser:
@@ -144,39 +153,12 @@ def run(args: argparse.Namespace) -> int:
     except (ImportError, ValueError) as e:
         print(f"rlops check: error: {e}", file=sys.stderr)
         return 2
-    common = {"device": args.device, "seed": args.seed}
+    # every option of a contract is its check's keyword of the same name (device and seed too)
+    options = {k: v for k, v in vars(args).items() if k not in _NOT_OPTIONS}
+    kind_params = dict(getattr(args, "param", ()))  # loss: the kind's further options
     start = time.perf_counter()
     try:
-        if args.contract == "logprobs":
-            report = check_logprobs(
-                fn,
-                temperature=args.temperature,
-                vocab_sizes=args.vocab_sizes,
-                dtypes=args.dtypes,
-                rows=args.rows,
-                bitwise=args.bitwise,
-                **common,
-            )
-        elif args.contract == "loss":
-            report = check_policy_loss(
-                fn,
-                agg=args.agg,
-                kind=args.kind,
-                clip_low=args.clip_low,
-                clip_high=args.clip_high,
-                loss_scale_factor=args.loss_scale_factor,
-                **dict(args.param),
-                **common,
-            )
-        else:
-            report = check_advantages(
-                fn,
-                estimator=args.estimator,
-                gamma=args.gamma,
-                lam=args.lam,
-                long_length=args.long_length,
-                **common,
-            )
+        report = _CHECKS[args.contract](fn, **options, **kind_params)
     except (TypeError, ValueError) as e:
         print(f"rlops check: error: {e}", file=sys.stderr)
         return 2

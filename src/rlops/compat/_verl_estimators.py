@@ -31,17 +31,20 @@ __all__ = [
     "compute_multi_turn_optimal_token_baseline_advantage",
     "compute_opo_outcome_advantage",
     "compute_optimal_token_baseline_advantage",
+    "group_ids",
+    "outcome_inputs",
 ]
 
 
-def _inputs(token_level_rewards: object, response_mask: object) -> torch.Tensor:
+def outcome_inputs(token_level_rewards: object, response_mask: object) -> torch.Tensor:
+    """``token_level_rewards`` ``[bs, T]`` and its ``response_mask``, returned as bool."""
     rewards = check_2d("token_level_rewards", token_level_rewards)
     return as_bool_mask(
         "response_mask", response_mask, rewards.shape, "token_level_rewards", rewards
     )
 
 
-def _group_ids(index: object, device: torch.device) -> torch.Tensor:
+def group_ids(index: object, device: torch.device) -> torch.Tensor:
     """verl's ``index`` (an array of uids, often strings) as integer group ids ``[bs]``."""
     if isinstance(index, torch.Tensor) and not index.is_floating_point():
         return index.to(device)
@@ -72,10 +75,10 @@ def compute_opo_outcome_advantage(
         >>> adv[:, 0]   # baseline (3·1 + 1·0) / 4
         tensor([ 0.2500, -0.7500])
     """
-    mask = _inputs(token_level_rewards, response_mask)
+    mask = outcome_inputs(token_level_rewards, response_mask)
     with torch.no_grad():
         return rlops.opo_advantages(
-            token_level_rewards, _group_ids(index, token_level_rewards.device), mask
+            token_level_rewards, group_ids(index, token_level_rewards.device), mask
         )
 
 
@@ -101,11 +104,11 @@ def compute_gpg_outcome_advantage(
         >>> adv[:, 0]
         tensor([ 2., -2.,  0.,  0.])
     """
-    mask = _inputs(token_level_rewards, response_mask)
+    mask = outcome_inputs(token_level_rewards, response_mask)
     f_norm = check_positive("f_norm", f_norm)
     with torch.no_grad():
         return rlops.gpg_advantages(
-            token_level_rewards, _group_ids(index, token_level_rewards.device), mask, f_norm=f_norm
+            token_level_rewards, group_ids(index, token_level_rewards.device), mask, f_norm=f_norm
         )
 
 
@@ -135,14 +138,14 @@ def compute_grpo_passk_outcome_advantage(
         >>> adv[:, 0]
         tensor([0., 2., 0.])
     """
-    mask = _inputs(token_level_rewards, response_mask)
+    mask = outcome_inputs(token_level_rewards, response_mask)
     epsilon = check_nonneg("epsilon", epsilon)
     norm = config_value(config, "norm_adv_by_std_in_grpo") if config is not None else None
     norm = check_bool("norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo if norm is None else norm)
     with torch.no_grad():
         return rlops.grpo_passk_advantages(
             token_level_rewards,
-            _group_ids(index, token_level_rewards.device),
+            group_ids(index, token_level_rewards.device),
             mask,
             norm_std=norm,
             eps=epsilon,
@@ -180,7 +183,7 @@ def compute_gdpo_outcome_advantage(
         >>> adv[:, 0]
         tensor([ 0.9354, -0.9354,  0.9354, -0.9354])
     """
-    mask = _inputs(token_level_rewards, response_mask)
+    mask = outcome_inputs(token_level_rewards, response_mask)
     epsilon = check_nonneg("epsilon", epsilon)
     device = token_level_rewards.device
     weights: Any = None
@@ -219,7 +222,7 @@ def compute_gdpo_outcome_advantage(
     with torch.no_grad():
         return rlops.gdpo_advantages(
             scores,
-            _group_ids(index, device),
+            group_ids(index, device),
             mask,
             weights=weights,
             norm_std=check_bool("norm_adv_by_std_in_grpo", norm_adv_by_std_in_grpo),
@@ -239,7 +242,7 @@ def _otb(
     epsilon,
     per_action_step,
 ):
-    mask = _inputs(token_level_rewards, response_mask)
+    mask = outcome_inputs(token_level_rewards, response_mask)
     for name, x in (
         ("old_log_probs", old_log_probs),
         ("sum_pi_squared", sum_pi_squared),
@@ -250,7 +253,7 @@ def _otb(
     with torch.no_grad():
         return rlops.optimal_token_baseline_advantages(
             token_level_rewards,
-            _group_ids(index, token_level_rewards.device),
+            group_ids(index, token_level_rewards.device),
             mask,
             old_log_probs,
             sum_pi_squared,

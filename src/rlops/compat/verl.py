@@ -53,6 +53,8 @@ from rlops.compat._verl_estimators import (
     compute_multi_turn_optimal_token_baseline_advantage,
     compute_opo_outcome_advantage,
     compute_optimal_token_baseline_advantage,
+    group_ids,
+    outcome_inputs,
 )
 from rlops.compat._verl_kinds import batch_info, config_value, kind_loss
 from rlops.compat._verl_metrics import compute_is_metrics, compute_rs_metrics
@@ -110,22 +112,6 @@ __all__ = [
 def _response_mask(response_mask: object, like_name: str, like: torch.Tensor) -> torch.Tensor:
     """verl's ``response_mask``: a 0/1 tensor of the shape of ``like``, as bool."""
     return as_bool_mask("response_mask", response_mask, like.shape, like_name, like)
-
-
-def _group_ids(index: object, device: torch.device) -> torch.Tensor:
-    """verl's ``index`` (an array of uids, often strings) as integer group ids ``[bs]``."""
-    if isinstance(index, torch.Tensor) and not index.is_floating_point():
-        return index.to(device)
-    import numpy as np  # verl passes numpy arrays of uids; numpy comes with verl
-
-    ids = np.unique(np.asarray(index), return_inverse=True)[1]
-    return torch.as_tensor(ids.reshape(-1), device=device)
-
-
-def _outcome_inputs(token_level_rewards: object, response_mask: object) -> torch.Tensor:
-    """``token_level_rewards`` ``[bs, T]`` and its ``response_mask``, returned as bool."""
-    token_level_rewards = check_2d("token_level_rewards", token_level_rewards)
-    return _response_mask(response_mask, "token_level_rewards", token_level_rewards)
 
 
 # --------------------------------------------------------------------------- estimators
@@ -188,10 +174,10 @@ def compute_grpo_outcome_advantage(
         tensor([[ 0.7071,  0.7071],
                 [-0.7071, -0.7071]])
     """
-    mask = _outcome_inputs(token_level_rewards, response_mask)
+    mask = outcome_inputs(token_level_rewards, response_mask)
     epsilon = check_nonneg("epsilon", epsilon)
     with torch.no_grad():
-        ids = _group_ids(index, token_level_rewards.device)
+        ids = group_ids(index, token_level_rewards.device)
         return rlops.grpo_advantages(
             token_level_rewards, ids, mask, norm_std=norm_adv_by_std_in_grpo, eps=epsilon
         )
@@ -215,9 +201,9 @@ def compute_rloo_outcome_advantage(
         >>> adv[:, 0]
         tensor([ 0.0000, -1.5000,  1.5000])
     """
-    mask = _outcome_inputs(token_level_rewards, response_mask)
+    mask = outcome_inputs(token_level_rewards, response_mask)
     with torch.no_grad():
-        ids = _group_ids(index, token_level_rewards.device)
+        ids = group_ids(index, token_level_rewards.device)
         return rlops.rloo_advantages(token_level_rewards, ids, mask)
 
 
@@ -240,9 +226,9 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
         >>> adv[:, 0]
         tensor([ 0.5477, -0.5477,  1.0954, -1.0954])
     """
-    mask = _outcome_inputs(token_level_rewards, response_mask)
+    mask = outcome_inputs(token_level_rewards, response_mask)
     with torch.no_grad():
-        ids = _group_ids(index, token_level_rewards.device)
+        ids = group_ids(index, token_level_rewards.device)
         return rlops.reinforce_plus_plus_baseline_advantages(
             token_level_rewards, ids, mask, eps=1e-8
         )
@@ -279,7 +265,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     if gamma is None:
         raise ValueError("config must provide gamma (config.gamma or config['gamma'])")
     gamma = check_unit_interval("gamma", gamma)
-    mask = _outcome_inputs(token_level_rewards, response_mask)
+    mask = outcome_inputs(token_level_rewards, response_mask)
     with torch.no_grad():
         returns = rlops.discounted_returns(token_level_rewards, gamma=gamma, mask=mask)
         return rlops.masked_whiten(returns, mask), returns
@@ -304,7 +290,7 @@ def compute_remax_outcome_advantage(
         >>> adv
         tensor([[0.7500, 0.7500]])
     """
-    mask = _outcome_inputs(token_level_rewards, response_mask)
+    mask = outcome_inputs(token_level_rewards, response_mask)
     b = token_level_rewards.shape[0]
     if not isinstance(reward_baselines, torch.Tensor):
         raise TypeError(

@@ -6,12 +6,12 @@ from __future__ import annotations
 import inspect
 import math
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from rlops.testing.report import Check
+from rlops.testing.report import Check, Report
 
 __all__ = [
     "FLOOR_ULPS",
@@ -21,6 +21,7 @@ __all__ = [
     "generator",
     "measure",
     "run_check",
+    "run_checks",
 ]
 
 #: the floor of the rule: a few units of the output dtype's precision at each value
@@ -131,3 +132,19 @@ def run_check(
             name, False, None, f"raised {type(e).__name__}: {message} ({place})", explanation
         )
     return Check(name, ok, value, figure, explanation)
+
+
+def run_checks(
+    contract: str,
+    fn: Callable,
+    shown: Sequence[str],
+    names: Sequence[str],
+    explain: Mapping[str, str],
+    bodies: Mapping[str, Callable[[], tuple[bool | None, float | None, str]]],
+) -> Report:
+    """The report of ``contract`` on ``fn``: the checks ``names`` run in that order (each one's
+    ``bodies[name]``, explained by ``explain[name]``), titled ``contract(fn, *shown)``."""
+    checks = [run_check(name, explain[name], bodies[name]) for name in names]
+    return Report(
+        f"{contract}({', '.join([getattr(fn, '__qualname__', repr(fn)), *shown])})", checks
+    )

@@ -6,9 +6,10 @@ from collections.abc import Callable
 
 import torch
 
+from rlops.advantages.masking import GaeInputs
 from rlops.advantages.reference import gae_reference
 from rlops.scan.reference import scan_reference
-from rlops.testing._common import accepts, first, generator, measure, run_check
+from rlops.testing._common import accepts, first, generator, measure, run_checks
 from rlops.testing.report import Report
 
 __all__ = ["ADVANTAGE_CHECKS", "check_advantages"]
@@ -132,14 +133,15 @@ def check_advantages(
     ) -> torch.Tensor:
         n = r.shape[0]
         gamma_lam = g * lm if gae else g
-        return gae_reference(
+        x = GaeInputs(
             r.to(dtype),
             v.to(dtype) if gae else None,
             mask,
             dones,
             _rows(g, n).to(dtype),
             _rows(gamma_lam, n).to(dtype),
-        )[0]
+        )
+        return gae_reference(x)[0]
 
     def rule(r, v, mask, g, lm, dones=None):
         got = call(r, v, mask, g, lm, dones)
@@ -233,6 +235,5 @@ def check_advantages(
         "long_rows": long_rows,
         "edges": edges,
     }
-    checks = [run_check(name, _EXPLAIN[name], bodies[name]) for name in ADVANTAGE_CHECKS]
-    title = f"check_advantages({getattr(fn, '__qualname__', repr(fn))}, estimator={estimator!r})"
-    return Report(title, checks)
+    shown = [f"estimator={estimator!r}"]
+    return run_checks("check_advantages", fn, shown, ADVANTAGE_CHECKS, _EXPLAIN, bodies)

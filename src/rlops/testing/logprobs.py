@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from rlops.logprobs.reference import logprobs_and_entropy_reference
-from rlops.testing._common import Measured, generator, measure, run_check
+from rlops.testing._common import Measured, generator, measure, run_checks
 from rlops.testing.report import Report
 
 __all__ = ["LOGPROB_CHECKS", "check_logprobs"]
@@ -396,6 +396,4 @@ def check_logprobs(
         "large_logits": large_logits,
         "low_precision": low_precision,
     }
-    checks = [run_check(name, _EXPLAIN[name], bodies[name]) for name in LOGPROB_CHECKS]
-    title = f"check_logprobs({getattr(fn, '__qualname__', repr(fn))})"
-    return Report(title, checks)
+    return run_checks("check_logprobs", fn, [], LOGPROB_CHECKS, _EXPLAIN, bodies)

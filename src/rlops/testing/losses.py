@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from rlops.losses import AGG_MODES, policy_loss
-from rlops.testing._common import accepts, first, generator, measure, run_check
+from rlops.testing._common import accepts, first, generator, measure, run_checks
 from rlops.testing.report import Report
 
 __all__ = ["POLICY_LOSS_CHECKS", "check_policy_loss"]
@@ -252,8 +252,5 @@ def check_policy_loss(
         "constants": constants,
         "micro_batch_invariance": micro_batch_invariance,
     }
-    checks = [run_check(name, _EXPLAIN[name], bodies[name]) for name in POLICY_LOSS_CHECKS]
-    title = (
-        f"check_policy_loss({getattr(fn, '__qualname__', repr(fn))}, agg={agg!r}, kind={kind!r})"
-    )
-    return Report(title, checks)
+    shown = [f"agg={agg!r}", f"kind={kind!r}"]
+    return run_checks("check_policy_loss", fn, shown, POLICY_LOSS_CHECKS, _EXPLAIN, bodies)
