@@ -281,15 +281,15 @@ def _kept_probs(
 def _entropy_terms_by_columns(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``d ← p · (a · log p + b)`` in place, ``d`` ``[C, V]`` holding ``log p``, ``p = exp(d)``
     (``a``, ``b`` ``[C, 1]``), by blocks of columns, so that ``p`` needs an eighth of ``d``'s
-    size at a time rather than a buffer of its own (the kept distribution holds the other)."""
+    size at a time rather than a buffer of its own (the kept distribution holds the other).
+    The same operations as on the whole chunk."""
     v = d.shape[1]
-    width = max(256, -(-v // 8))
+    width = max(256, -(-v // 512) * 64)  # an eighth, in whole 64-column steps
     for v0 in range(0, v, width):
         dv = d[:, v0 : v0 + width]
         pv = dv.exp()
         dv.clamp_(min=_FLOOR)
-        torch.addcmul(b, dv, a, out=dv)
-        dv.mul_(pv)
+        dv.copy_(torch.addcmul(b, dv, a).mul_(pv))  # no out= on a view (the compiler's rule)
     return d
 
 
