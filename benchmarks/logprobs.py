@@ -444,6 +444,10 @@ def _agentic_main(argv: list[str]) -> None:
     p.add_argument("--repeats", type=positive_int, default=3)
     args = p.parse_args(argv)
     n, v, h = (int(x) for x in args.shape.split("x"))
+    # Every block above 128 KiB its own mapping, unmapped when freed (glibc's threshold fixed,
+    # not raised by the first large free): the resident high-water of each fresh process is
+    # then its live peak, not what malloc happened to keep.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 << 10))
     print(_HEADER, flush=True)
     agentic(n, v, h, args.valid, args.ids, args.repeats,
             on_row=lambda row: print(agentic_report([row]), flush=True))  # fmt: skip
