@@ -303,7 +303,9 @@ def _agentic_inputs(n: int, v: int, h: int, valid: float):
 
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(n, h, generator=gen).requires_grad_()
-    weight = (torch.randn(v, h, generator=gen) / h**0.5).requires_grad_()
+    # in place: a temporary of the weight's size would raise the high-water the peak is
+    # measured above
+    weight = torch.randn(v, h, generator=gen).div_(h**0.5).requires_grad_()
     target = torch.randint(0, v, (n,), generator=gen)
     mask = torch.rand(n, generator=gen) < valid
     grads = [torch.randn(n, generator=gen), torch.randn(n, generator=gen)]
@@ -442,6 +444,10 @@ def _agentic_main(argv: list[str]) -> None:
     p.add_argument("--repeats", type=positive_int, default=3)
     args = p.parse_args(argv)
     n, v, h = (int(x) for x in args.shape.split("x"))
+    # Every block above 128 KiB its own mapping, unmapped when freed (glibc's threshold fixed,
+    # not raised by the first large free): the resident high-water of each fresh process is
+    # then its live peak, not what malloc happened to keep.
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 << 10))
     print(_HEADER, flush=True)
     agentic(n, v, h, args.valid, args.ids, args.repeats,
             on_row=lambda row: print(agentic_report([row]), flush=True))  # fmt: skip

@@ -28,7 +28,7 @@ def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
     assert main(argv) == 0
     data = json.loads(path.read_text())
     rows = data["rows"]
-    assert {r["section"] for r in rows} == {"advantages", "group", "logprobs"}
+    assert {r["section"] for r in rows} == {"advantages", "group", "logprobs", "agentic"}
     methods = {r["method"] for r in rows}
     assert {"per-token loop", "chunk loop (C=256)", "rlops auto", "memory floor"} <= methods
     assert {"unfused (log_softmax)", "rlops fused"} <= methods
@@ -40,6 +40,13 @@ def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
         ("output layer + log-prob + entropy", "rlops fused linear", True),
         ("top-p 0.9 output layer", "materialised + keep mask", False),
         ("top-p 0.9 output layer", "rlops fused linear top-p", True),
+    }
+    agentic = {(r["case"], r["method"], r["ours"]) for r in rows if r["section"] == "agentic"}
+    assert agentic == {
+        ("agentic: 3% valid rows", "rlops fused linear, every row", False),
+        ("agentic: 3% valid rows", "rlops fused linear, mask=", True),
+        ("agentic: 20 kept ids per row", "dense keep_mask", False),
+        ("agentic: 20 kept ids per row", "CSR support_ids", True),
     }
     assert data["config"]["hidden"] == 64 and data["config"]["top_p"] == 0.9
     assert all(r["seconds"] > 0 for r in rows)
@@ -56,6 +63,7 @@ def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
     assert "rlops bench 0/" in out and "advantages T=256" in out  # the progress line
     assert "- output layer + log-prob + entropy [256x4096, H=64], forward + backward:" in out
     assert "- top-p 0.9 output layer [256x4096, H=64], forward + backward:" in out
+    assert "- agentic: 20 kept ids per row [256x4096, H=64], forward + backward:" in out
 
 
 @pytest.mark.parametrize(

@@ -311,6 +311,211 @@ def test_log_probs_and_entropy(chunk_size):
     assert logp.shape == (0,) and ent.shape == (0,)
 
 
+def _sets_with_targets(n: int, v: int, tokens: torch.Tensor, gen: torch.Generator):
+    """Random kept sets of 1 to v // 2 ids per row, each holding its row's target (the sampled
+    token is in its own top-p set)."""
+    sets = []
+    for t in range(n):
+        k = int(torch.randint(1, v // 2, (1,), generator=gen))
+        ids = torch.randperm(v, generator=gen)[:k]
+        sets.append(torch.cat([ids[ids != tokens[t]], tokens[t : t + 1]]))
+    return sets
+
+
+def _dense(sets, v: int) -> torch.Tensor:
+    keep = torch.zeros(len(sets), v, dtype=torch.bool)
+    for row, ids in enumerate(sets):
+        keep[row, ids] = True
+    return keep
+
+
+def _csr(sets) -> tuple[torch.Tensor, torch.Tensor]:
+    counts = torch.tensor([len(x) for x in sets])
+    return torch.cat(sets).to(torch.int32), torch.cat(
+        [torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]
+    ).to(torch.int32)
+
+
+def test_log_probs_with_a_row_mask_and_csr_sets_equal_the_dense_mask():
+    """``mask=``: slime's values on its True rows, exact zeros (and zero gradient) elsewhere;
+    the CSR sets and the dense ``log_prob_keep_mask`` give the same bits."""
+    gen = _gen(9)
+    n, v = 13, 19
+    logits = (torch.randn(n, v, generator=gen) * 3).requires_grad_()
+    tokens = torch.randint(0, v, (n,), generator=gen)
+    sets = _sets_with_targets(n, v, tokens, gen)
+    keep = _dense(sets, v)
+    ids, offsets = _csr(sets)
+    rows = torch.rand(n, generator=gen) < 0.6
+    w = torch.randn(n, generator=gen)
+    got = []
+    for kw in ({"log_prob_keep_mask": keep},
+               {"log_prob_keep_ids": ids, "log_prob_keep_offsets": offsets}):  # fmt: skip
+        logp, ent = slime.calculate_log_probs_and_entropy(
+            logits, tokens, None, with_entropy=True, chunk_size=4, mask=rows, **kw
+        )
+        (g,) = torch.autograd.grad((logp[:, 0] * w).sum() + (ent * w).sum(), logits)
+        got.append((logp.detach(), ent.detach(), g))
+    for a, b in zip(*got, strict=True):
+        assert torch.equal(a, b)
+    logp, ent, g = got[0]
+    exact, ref32 = {}, {}
+    for out, dtype in ((exact, torch.float64), (ref32, torch.float32)):
+        z = logits.detach().to(dtype).requires_grad_()
+        lp, en = ref_logp_entropy(z, tokens, keep, dtype)
+        out["logp"], out["ent"] = lp[rows], en[rows]
+        (out["grad"],) = torch.autograd.grad(
+            (lp[rows, 0] * w[rows]).sum() + (en[rows] * w[rows]).sum(), z
+        )
+        out["grad"] = out["grad"][rows]
+    for name, val in (("logp", logp[rows]), ("ent", ent[rows]), ("grad", g[rows])):
+        assert_within_reference(name, val, exact[name].detach(), ref32[name].detach())
+    assert torch.equal(logp[~rows], torch.zeros_like(logp[~rows]))
+    assert torch.equal(ent[~rows], torch.zeros_like(ent[~rows]))
+    assert torch.equal(g[~rows], torch.zeros_like(g[~rows]))
+
+
+def _packed(gen: torch.Generator, v: int):
+    """Three samples packed as slime packs them (prompt then response, rows back to back, two
+    padding rows at the end), their top-p sets (ids per response token, holding the token)
+    as slime records them, and loss masks with a tool span."""
+    totals, responses = [6, 4, 7], [3, 1, 5]
+    tokens = [torch.randint(0, v, (t,), generator=gen) for t in totals]
+    ids, offs, sets = [], [], []
+    for tok, r in zip(tokens, responses):
+        s = _sets_with_targets(r, v, tok[-r:], gen)
+        sets.append(s)
+        counts = torch.tensor([len(x) for x in s])
+        ids.append(torch.cat(s).to(torch.int32))
+        offs.append(
+            torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
+        )
+    loss_masks = [torch.tensor([1, 0, 1]), torch.tensor([1]), torch.tensor([1, 1, 0, 0, 1])]
+    return totals, responses, tokens, ids, offs, sets, loss_masks
+
+
+def _slime_response_values(logits, totals, responses, tokens, sets, tau, dtype):
+    """slime's ``get_log_probs_and_entropy`` written plainly, sample by sample, token by token:
+    row ``end − r − 1 + j`` of the logits divided by the temperature predicts response token
+    ``j``; the log-prob is over its top-p set, the entropy over the whole vocabulary."""
+    z_all = logits[0].to(dtype) / tau
+    out_lp, out_ent, end = [], [], 0
+    for total, r, tok, s in zip(totals, responses, tokens, sets):
+        end += total
+        lp, en = [], []
+        for j in range(r):
+            z = z_all[end - r - 1 + j]
+            kept = torch.full_like(z, -math.inf)
+            kept[s[j]] = z[s[j]]
+            y = tok[total - r + j]
+            lp.append(kept[y] - torch.logsumexp(kept, 0))
+            p = z.softmax(0)
+            en.append(-(p * z.log_softmax(0)).sum())
+        out_lp.append(torch.stack(lp))
+        out_ent.append(torch.stack(en))
+    return out_lp, out_ent
+
+
+@pytest.mark.parametrize("with_loss_masks", [False, True])
+def test_get_log_probs_and_entropy_matches_slime_on_the_response_rows(with_loss_masks):
+    from argparse import Namespace
+
+    gen = _gen(10)
+    v, tau = 23, 0.7
+    totals, responses, tokens, ids, offs, sets, loss_masks = _packed(gen, v)
+    logits = (torch.randn(1, sum(totals) + 2, v, generator=gen) * 3).requires_grad_()
+    args = Namespace(rollout_temperature=tau, log_probs_chunk_size=4, entropy_coef=0.1)
+    _, res = slime.get_log_probs_and_entropy(
+        logits, args=args, unconcat_tokens=tokens, total_lengths=totals,
+        response_lengths=responses, with_entropy=True, top_p_token_ids=ids,
+        top_p_token_offsets=offs, loss_masks=loss_masks if with_loss_masks else None,
+    )  # fmt: skip
+    weights = [torch.randn(r, generator=gen) for r in responses]
+    loss = sum(((a + b) * w).sum() for a, b, w in zip(res["log_probs"], res["entropy"], weights))
+    (g,) = torch.autograd.grad(loss, logits)
+    exact, ref32 = {}, {}
+    for out, dtype in ((exact, torch.float64), (ref32, torch.float32)):
+        z = logits.detach().to(dtype).requires_grad_()
+        lp, en = _slime_response_values(z, totals, responses, tokens, sets, tau, dtype)
+        if with_loss_masks:  # the loss masks' 0 tokens: exact zeros
+            lp = [x * m for x, m in zip(lp, loss_masks)]
+            en = [x * m for x, m in zip(en, loss_masks)]
+        ref_loss = sum(((a + b) * w.to(dtype)).sum() for a, b, w in zip(lp, en, weights))
+        (out["grad"],) = torch.autograd.grad(ref_loss, z)
+        out["logp"], out["ent"] = torch.cat(lp).detach(), torch.cat(en).detach()
+    got = {"logp": torch.cat(res["log_probs"]).detach(), "ent": torch.cat(res["entropy"]).detach(),
+           "grad": g}  # fmt: skip
+    for name in got:
+        assert_within_reference(name, got[name], exact[name], ref32[name])
+    if with_loss_masks:
+        off = torch.cat(loss_masks) == 0
+        assert torch.equal(got["logp"][off], torch.zeros(int(off.sum())))
+        assert torch.equal(got["ent"][off], torch.zeros(int(off.sum())))
+    rows = torch.zeros(logits.shape[1], dtype=torch.bool)  # prompt and padding rows: no gradient
+    end = 0
+    for total, r in zip(totals, responses):
+        end += total
+        rows[end - r - 1 : end - 1] = True
+    assert torch.equal(g[0, ~rows], torch.zeros_like(g[0, ~rows]))
+
+
+def test_get_log_probs_and_entropy_dense_and_csr_forms_agree():
+    """The same response rows through the dense ``log_prob_keep_mask`` slime builds
+    (``[T, V]``, rows without a set all True) and through the CSR sets."""
+    from argparse import Namespace
+
+    gen = _gen(11)
+    v = 23
+    totals, responses, tokens, ids, offs, sets, _ = _packed(gen, v)
+    n_rows = sum(totals)
+    logits = torch.randn(1, n_rows, v, generator=gen) * 3
+    args = Namespace(rollout_temperature=1.0, log_probs_chunk_size=-1, entropy_coef=0.0)
+    _, res = slime.get_log_probs_and_entropy(
+        logits, args=args, unconcat_tokens=tokens, total_lengths=totals,
+        response_lengths=responses, with_entropy=True, top_p_token_ids=ids,
+        top_p_token_offsets=offs,
+    )  # fmt: skip
+    keep = torch.ones(n_rows, v, dtype=torch.bool)
+    targets = torch.zeros(n_rows, dtype=torch.int64)
+    end, rows = 0, []
+    for total, r, tok, s in zip(totals, responses, tokens, sets):
+        end += total
+        targets[end - total : end - 1] = tok[1:]
+        for j in range(r):
+            keep[end - r - 1 + j] = False
+            keep[end - r - 1 + j, s[j]] = True
+        rows.append(slice(end - r - 1, end - 1))
+    logp, ent = slime.calculate_log_probs_and_entropy(
+        logits[0], targets, None, with_entropy=True, log_prob_keep_mask=keep
+    )
+    for a, b, sl in zip(res["log_probs"], res["entropy"], rows):
+        assert torch.equal(a, logp[sl, 0]) and torch.equal(b, ent[sl])
+
+
+def test_get_log_probs_and_entropy_bad_input_names_slimes_arguments():
+    from argparse import Namespace
+
+    args = Namespace(rollout_temperature=1.0, log_probs_chunk_size=-1, entropy_coef=0.0)
+    logits = torch.zeros(1, 5, 4)
+    ok = {"args": args, "unconcat_tokens": [torch.tensor([0, 1, 2])], "total_lengths": [3],
+          "response_lengths": [2]}  # fmt: skip
+    cases = [
+        ({"response_lengths": [2, 1]}, "one entry per sample"),
+        ({"response_lengths": [3]}, "response_lengths"),
+        ({"total_lengths": [9]}, "total_lengths"),
+        ({"top_p_token_ids": [torch.tensor([1])]}, "top_p_token_offsets"),
+        ({"top_p_token_ids": [torch.tensor([1])], "top_p_token_offsets": [torch.tensor([0, 1])]},
+         "top_p_token_offsets"),
+        ({"loss_masks": [torch.ones(3)]}, "loss_masks"),
+        ({"args": Namespace(allgather_cp=True)}, "allgather_cp"),
+    ]  # fmt: skip
+    for kw, words in cases:
+        with pytest.raises(ValueError, match=words):
+            slime.get_log_probs_and_entropy(logits, **{**ok, **kw})
+    with pytest.raises(ValueError, match="logits"):
+        slime.get_log_probs_and_entropy(logits[0], **ok)
+
+
 def test_cp_helpers_are_identities_without_a_group():
     x = torch.arange(4.0)
     assert slime.all_gather_with_cp(x, 9, 4) is x
@@ -588,6 +793,7 @@ def test_exports_are_pinned_and_documented():
         "distributed_masked_whiten",
         "get_advantages_and_returns_batch",
         "get_grpo_returns",
+        "get_log_probs_and_entropy",
         "get_reinforce_plus_plus_baseline_advantages",
         "get_reinforce_plus_plus_returns",
         "icepop_function",

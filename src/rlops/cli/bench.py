@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-SECTIONS = ("advantages", "group", "logprobs")
+SECTIONS = ("advantages", "group", "logprobs", "agentic")
 # Sizes by default, with --quick and with --full; an option given explicitly wins over them.
 # slow_limit_s: a baseline that would take longer at full length is extrapolated from T = 1024.
 DEFAULTS = dict(
@@ -86,7 +86,9 @@ def add_arguments(subparsers) -> argparse.ArgumentParser:
         description="Time rlops beside the implementations it replaces (per-token and "
         "chunk loops for GAE and returns, per-sample loops for group estimators, log_softmax "
         "for log-probs, materialised logits and a top-p keep mask for the output layer), side "
-        "by side in one run, and say in plain words what it buys.",
+        "by side in one run, and say in plain words what it buys; at agentic shapes, the fused "
+        "output layer with a row mask of a few valid rows against every row, and kept sets as "
+        "CSR against a dense keep mask.",
     )
     p.add_argument("--batch", metavar="B", type=positive_int, default=8, help="rows (default 8)")
     for flag, metavar, many, text in (
@@ -172,6 +174,11 @@ def plan(args: argparse.Namespace) -> list[tuple[str, float]]:
             steps.append((f"logprobs N={n}: over logits", 4 + 4e-8 * elements))
             steps.append((f"logprobs N={n}: output layer", 4 + linear))
             steps.append((f"logprobs N={n}: top-p output layer", 4 + linear + 2e-7 * elements))
+    if "agentic" in args.sections:
+        for n in args.logprob_tokens:
+            linear = 4e-10 * n * args.vocab * args.hidden * (2 + counts * 3)
+            steps.append((f"agentic N={n}: row mask", 8 + linear))
+            steps.append((f"agentic N={n}: kept ids", 8 + 2 * linear))
     if steps:  # the first step also pays for first calls (numba's cache, thread pools)
         steps[0] = (steps[0][0], steps[0][1] + 2.0)
     return steps
@@ -224,6 +231,14 @@ def _run(args: argparse.Namespace) -> int:
             elif section == "group":
                 new = sections.bench_group(args.group_batch, min(args.seq_len), **common)
                 progress.update()
+            elif section == "agentic":
+                new = sections.bench_agentic(
+                    args.logprob_tokens,
+                    args.vocab,
+                    hidden=args.hidden,
+                    progress=progress.update,
+                    **{**common, "repeats": 3},
+                )
             else:
                 new = sections.bench_logprobs(
                     args.logprob_tokens,
@@ -332,7 +347,7 @@ def verdicts(rows: list[Row]) -> list[str]:
         size = max(r.size for r in group)
         at = [r for r in group if r.size == size]
         ours = next(r for r in at if r.ours)
-        if section == "logprobs":
+        if section in ("logprobs", "agentic"):
             base = next(r for r in at if not r.ours)
             mem = ""
             if base.peak_bytes and ours.peak_bytes is not None:
@@ -371,7 +386,12 @@ def plot_rows(rows: list[Row], path: str) -> None:
 
     names = list(dict.fromkeys(r.section for r in rows))
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.5), squeeze=False)
-    xlabel = {"advantages": "T (tokens per row)", "group": "T", "logprobs": "tokens"}
+    xlabel = {
+        "advantages": "T (tokens per row)",
+        "group": "T",
+        "logprobs": "tokens",
+        "agentic": "tokens",
+    }
     for ax, section in zip(axes[0], names):
         mine = [r for r in rows if r.section == section]
         if len({r.size for r in mine}) == 1:

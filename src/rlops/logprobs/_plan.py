@@ -48,9 +48,9 @@ class Plan:
       ``total`` then is the original number of rows. ``row_valid`` ``[N]`` bool: a row mask not
       compacted (accelerators, ``torch.compile``: every row is computed and the masked ones are
       zeroed, no host read). At most one of the two;
-    - ``support_rows``, ``support_ids`` ``[nnz]`` int64: a CSR support as (row of the plan,
-      global vocabulary id) pairs, rows non-decreasing (:meth:`keep_rows` builds each chunk's
-      keep mask from them);
+    - ``support_rows``, ``support_ids`` ``[nnz]`` (int32 or int64 rows, int64 ids): a CSR
+      support as (row of the plan, global vocabulary id) pairs, rows non-decreasing
+      (:meth:`keep_rows` builds each chunk's keep mask from them);
     - ``threshold`` ``[N, 1]``: the sampler's support is ``z ≥ threshold``;
     - backward: ``saved``, the per-token statistics of :func:`rlops.logprobs._shard.merge`
       as ``[N, 1]`` columns ``(M, log S)`` of the log-prob distribution then ``(M, log S, H)``

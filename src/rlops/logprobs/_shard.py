@@ -125,16 +125,21 @@ def stats_chunk(
         if w is not None:
             out[:, c : c + 1] = w
         return
-    if entropy:
-        m, s, h, _ = _softmax_stats(z, False, True)
-        assert h is not None
-        out[:, 3:4], out[:, 4:5], out[:, 5:6] = m, s, h
-    zk = z.masked_fill_(~keep, float("-inf")) if own else z.masked_fill(~keep, float("-inf"))
+    # The kept distribution first, on one buffer of the chunk's size (``z`` itself when it is
+    # ours and the entropy does not need it after); that buffer is dropped before the entropy's
+    # statistics take theirs, so a support costs no more chunk buffers than the call without.
+    ninf = z.new_full((), float("-inf"))
+    zk = torch.where(keep, z, ninf, out=z) if own and not entropy else torch.where(keep, z, ninf)
     zk.scatter_(1, idx, torch.where(in_range, zy, zk.gather(1, idx)))  # the target is always kept
     mk, sk, _, wk = _softmax_stats(zk, True, False, squares)
+    del zk
     out[:, 1:2], out[:, 2:3] = mk, sk
     if wk is not None:
         out[:, c : c + 1] = wk
+    if entropy:
+        m, s, h, _ = _softmax_stats(z, own, True)
+        assert h is not None
+        out[:, 3:4], out[:, 4:5], out[:, 5:6] = m, s, h
 
 
 def _merge_lse(m: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -211,34 +216,81 @@ def grad_chunk(
     grad = None
     dst = out if out is not None and out.dtype == z.dtype else None
     c_logp = None if g_logp is None else g_logp * (-inv_tau)
+    mp, lsp = saved[0], saved[1]
+    pk = None  # the kept distribution's p, the target always kept, 0 elsewhere
+    spare = None  # a chunk buffer that is free once the entropy's terms are in ``grad``
+    if keep is not None and c_logp is not None and g_ent is not None and own:
+        # ``z`` is ours, and the entropy's log p is about to overwrite it: the kept p first
+        pk = _kept_probs(z, None, idx, in_range, keep, mp, lsp)
     if g_ent is not None:
         me, lse, h = saved[2:5]
-        d = z.sub(me) if (keep is not None or not own) else z.sub_(me)
+        d = z.sub_(me) if own else z.sub(me)
         d.sub_(lse)  # log p over the unmasked logits
-        p = d.exp()
         a = g_ent * (-inv_tau)
         b = a * h if (c_logp is None or keep is not None) else a * h + c_logp
-        d.clamp_(min=_FLOOR)
-        d = torch.addcmul(b, d, a, out=d)
-        grad = d.mul_(p) if dst is None else torch.mul(d, p, out=dst)  # p · (a·log p + b)
+        if pk is not None:  # p by column blocks: no third buffer of the chunk's size
+            grad = _entropy_terms_by_columns(d, a, b)
+        else:
+            p = d.exp()
+            d.clamp_(min=_FLOOR)
+            d = torch.addcmul(b, d, a, out=d)
+            grad = d.mul_(p) if dst is None else torch.mul(d, p, out=dst)  # p · (a·log p + b)
+            spare = p
         if keep is None:
             c_logp = None  # already folded into b
     if c_logp is not None:  # − p · g_logp / τ, p over the kept logits
-        mp, lsp = saved[0], saved[1]
-        p = (z.sub_(mp) if own else z - mp).sub_(lsp).exp_()
-        if keep is not None:
-            p_y = p.gather(1, idx)
-            p.masked_fill_(~keep, 0.0)
-            p.scatter_(1, idx, torch.where(in_range, p_y, p.gather(1, idx)))
-        if grad is not None:
-            grad.addcmul_(p, c_logp)
+        if keep is None:
+            p = (z.sub_(mp) if own else z - mp).sub_(lsp).exp_()
+        elif pk is not None:
+            p = pk
         else:
+            p = _kept_probs(z, z if own else spare, idx, in_range, keep, mp, lsp)
+        if grad is None:
             grad = p.mul_(c_logp) if dst is None else torch.mul(p, c_logp, out=dst)
+        elif dst is not None and grad is not dst:  # the entropy's terms in ``z``'s buffer
+            grad = torch.addcmul(grad, p, c_logp, out=dst)
+        else:
+            grad.addcmul_(p, c_logp)
     assert grad is not None, "grad_chunk needs g_logp or g_ent"
     if g_logp is not None:
         onehot = torch.where(in_range, g_logp * inv_tau, torch.zeros_like(g_logp))
         grad.scatter_add_(1, idx, onehot)
     return grad
+
+
+def _kept_probs(
+    z: torch.Tensor,
+    into: torch.Tensor | None,
+    idx: torch.Tensor,
+    in_range: torch.Tensor,
+    keep: torch.Tensor,
+    mp: torch.Tensor,
+    lsp: torch.Tensor,
+) -> torch.Tensor:
+    """``[C, V]`` ``exp(z − mp − lsp)`` on the kept logits (the target always kept), 0
+    elsewhere: the kept distribution's probabilities, written into ``into`` (``z`` itself, or
+    a spare buffer of its shape; None: a new one)."""
+    p = z - mp if into is None else torch.sub(z, mp, out=into)
+    p.sub_(lsp).exp_()
+    p_y = p.gather(1, idx)
+    torch.where(keep, p, p.new_zeros(()), out=p)
+    p.scatter_(1, idx, torch.where(in_range, p_y, p.gather(1, idx)))
+    return p
+
+
+def _entropy_terms_by_columns(d: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``d ← p · (a · log p + b)`` in place, ``d`` ``[C, V]`` holding ``log p``, ``p = exp(d)``
+    (``a``, ``b`` ``[C, 1]``), by blocks of columns, so that ``p`` needs an eighth of ``d``'s
+    size at a time rather than a buffer of its own (the kept distribution holds the other).
+    The same operations as on the whole chunk."""
+    v = d.shape[1]
+    width = max(256, -(-v // 512) * 64)  # an eighth, in whole 64-column steps
+    for v0 in range(0, v, width):
+        dv = d[:, v0 : v0 + width]
+        pv = dv.exp()
+        dv.clamp_(min=_FLOOR)
+        dv.copy_(torch.addcmul(b, dv, a).mul_(pv))  # no out= on a view (the compiler's rule)
+    return d
 
 
 def grad_differentiable(

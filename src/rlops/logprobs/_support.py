@@ -208,7 +208,8 @@ def csr_entries(
     ids: torch.Tensor, offsets: torch.Tensor, rows_of: torch.Tensor | None, total: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A CSR support (``ids`` ``[nnz]``, ``offsets`` ``[total + 1]``) as ``(rows, ids)``
-    ``[nnz']`` int64 pairs, rows non-decreasing.
+    ``[nnz']`` pairs, rows non-decreasing: ids int64, rows int32 (int64 from ``2³¹`` entries
+    or rows on, and where a compacted row mask renumbers them).
 
     The row of entry ``e`` is the number of ``offsets[1:]`` at or below ``e`` (a
     ``searchsorted``: no host read). ``rows_of`` (the valid rows of a compacted row mask,
@@ -216,7 +217,9 @@ def csr_entries(
     rows dropped (a host-sized selection, on the host path only)."""
     ids = ids.long()
     e = torch.arange(ids.numel(), dtype=torch.int64, device=ids.device)
-    rows = torch.searchsorted(offsets[1:].long().contiguous(), e, right=True)
+    small = ids.numel() < 2**31 and total < 2**31  # int32 rows: half the bytes kept per entry
+    rows = torch.searchsorted(offsets[1:].long().contiguous(), e, right=True, out_int32=small)
+    del e
     if rows_of is None:
         return rows, ids
     pos = torch.full((total,), -1, dtype=torch.int64, device=ids.device)
@@ -233,15 +236,23 @@ def chunk_keep(
     ``[start, start + v_local)``, from CSR pairs ``(rows, ids)`` (rows non-decreasing). A
     duplicate id sets the same entry twice: a set, the same as once.
 
-    Where values are read (CPU): the chunk's entries found by a ``searchsorted`` and set.
-    Elsewhere (no host read): every entry is tested against the chunk and the shard, those
-    outside written to one spare element (``O(nnz)`` per chunk)."""
+    Where values are read (CPU): the chunk's entries found by a ``searchsorted``, those in the
+    vocabulary range selected (a host-sized index), and set; the temporaries beside the mask
+    are a few bytes per entry of the chunk. Elsewhere (no host read): every entry is tested
+    against the chunk and the range, those outside written to one spare element (``O(nnz)``
+    per chunk, one int64 and a few bool temporaries of ``nnz``)."""
     keep = torch.zeros(c * v_local + 1, dtype=torch.bool, device=rows.device)
     if values_checked(rows):
-        bounds = torch.tensor([i, i + c], dtype=torch.int64)
+        bounds = torch.tensor([i, i + c], dtype=rows.dtype)
         lo, hi = (int(b) for b in torch.searchsorted(rows, bounds))
         rows, ids = rows[lo:hi], ids[lo:hi]
-    ok = (rows >= i) & (rows < i + c) & (ids >= start) & (ids < start + v_local)
-    flat = torch.where(ok, (rows - i) * v_local + (ids - start), c * v_local)
+        pos = ((ids >= start) & (ids < start + v_local)).nonzero().squeeze(1)
+        flat = (rows.index_select(0, pos).long() - i).mul_(v_local)
+        flat.add_(ids.index_select(0, pos)).sub_(start)
+        keep[flat] = True
+        return keep[: c * v_local].view(c, v_local)
+    flat = rows.long() - i
+    ok = (flat >= 0) & (flat < c) & (ids >= start) & (ids < start + v_local)
+    flat.mul_(v_local).add_(ids).sub_(start).masked_fill_(~ok, c * v_local)
     keep[flat] = True
     return keep[: c * v_local].view(c, v_local)

@@ -11,6 +11,9 @@ Each section is a list of :class:`Row`, measured side by side in one run:
   (log_softmax + gather, softmax entropy); from the output layer's hidden states, materialised
   logits + fused vs the fused linear op; and with a top-p support, materialised logits + a
   full keep mask vs the fused linear op with ``top_p``.
+* ``agentic``: the fused linear op as an agentic trainer calls it, forward and backward, time
+  and peak extra memory: every row vs a row ``mask`` of a few valid rows; a dense ``[N, V]``
+  ``keep_mask`` of a few kept ids per row vs the same sets as CSR (``support_ids``).
 
 Every method is timed at each of :func:`thread_counts` (on CPU, 1 and the run's count): a
 loop of small operations can stall at every intra-op join while another process holds a core.
@@ -38,13 +41,14 @@ from rlops.measure.timing import (
     time_median,
     torch_threads,
 )
-from rlops.measure.workloads import setup_linear, setup_logits
+from rlops.measure.workloads import setup_agentic, setup_linear, setup_logits
 
 __all__ = [
     "FLOOR",
     "SLOW_LIMIT_S",
     "Row",
     "bench_advantages",
+    "bench_agentic",
     "bench_group",
     "bench_logprobs",
     "thread_counts",
@@ -325,6 +329,50 @@ def bench_logprobs(
                 )
                 ours = kw["fused"]
                 rows.append(_row("logprobs", case, n, shape, label, times, ours, peak_bytes=peak))
+            if progress is not None:
+                progress()
+    return rows
+
+
+def bench_agentic(
+    token_counts: list[int],
+    vocab: int,
+    *,
+    hidden: int = 512,
+    valid: float = 0.03,
+    ids: int = 20,
+    device: torch.device | str = "cpu",
+    repeats: int = 3,
+    threads: int | None = None,
+    progress: Callback = None,
+) -> list[Row]:
+    """The fused linear op at agentic shapes (:func:`rlops.measure.workloads.setup_agentic`),
+    forward + backward, time and peak extra memory (CPU: each variant in a fresh process),
+    for each token count N:
+
+    * a fraction ``valid`` of the rows valid: every row computed vs ``mask=`` (the others cost
+      nothing);
+    * ``ids`` kept ids per row: a dense ``[N, vocab]`` ``keep_mask`` vs the CSR sets.
+
+    ``progress()`` after each of the two cases.
+    """
+    device = torch.device(device)
+    counts = thread_counts(device, threads)
+    rows = []
+    for n in token_counts:
+        shape = f"{n}x{vocab}, H={hidden}"
+        cases = [
+            (f"agentic: {valid:.0%} valid rows", (("rlops fused linear, every row", "all"),
+                                                  ("rlops fused linear, mask=", "mask"))),
+            (f"agentic: {ids} kept ids per row", (("dense keep_mask", "dense"),
+                                                  ("CSR support_ids", "csr"))),
+        ]  # fmt: skip
+        for case, methods in cases:
+            for i, (label, form) in enumerate(methods):
+                kw = {"n": n, "v": vocab, "h": hidden, "form": form, "valid": valid, "ids": ids}
+                prime = {**kw, "n": 8, "v": 64, "h": 8, "ids": min(ids, 8)}
+                times, peak = _measure_step(setup_agentic, kw, prime, device, repeats, counts)
+                rows.append(_row("agentic", case, n, shape, label, times, i == 1, peak_bytes=peak))
             if progress is not None:
                 progress()
     return rows

@@ -15,7 +15,7 @@ import torch
 from rlops import linear_logprobs_and_entropy, logprobs_and_entropy
 from rlops.measure.baselines import logprobs_entropy_unfused
 
-__all__ = ["DTYPES", "setup_linear", "setup_logits", "top_p_keep_mask"]
+__all__ = ["DTYPES", "setup_agentic", "setup_linear", "setup_logits", "top_p_keep_mask"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -97,6 +97,58 @@ def setup_linear(
             logits = hidden @ weight.T
             keep = None if top_p is None else top_p_keep_mask(logits, top_p, target)
             outs = logprobs_and_entropy(logits, target, keep_mask=keep)
+        torch.autograd.backward(list(outs), grads)
+        hidden.grad = weight.grad = None
+
+    return step
+
+
+def setup_agentic(
+    n: int,
+    v: int,
+    h: int,
+    form: str,
+    *,
+    valid: float = 0.03,
+    ids: int = 20,
+    device: str = "cpu",
+) -> Callable[[], None]:
+    """Hidden ``[n, h]`` and output weight ``[v, h]`` (float32); the step: the fused linear op's
+    log-probs + entropy, forward and backward with random upstream gradients, as an agentic
+    trainer calls it (``form``):
+
+    - ``"all"``: every row; ``"mask"``: a row ``mask`` of a fraction ``valid`` of the rows (the
+      model's tokens; tool output and padding cost nothing);
+    - ``"dense"``: ``ids`` random kept ids per row as a full ``[n, v]`` bool ``keep_mask``,
+      built in the step as a trainer builds it from the sampler's sets; ``"csr"``: the same sets
+      as ``support_ids`` / ``support_offsets``.
+    """
+    if form not in ("all", "mask", "dense", "csr"):
+        raise ValueError(f"form must be 'all', 'mask', 'dense' or 'csr', got {form!r}")
+    gen = torch.Generator().manual_seed(0)
+    hidden = _randn(n, h, gen=gen, dtype=torch.float32).to(device).requires_grad_()
+    weight = _randn(v, h, gen=gen, dtype=torch.float32, scale=h**-0.5).to(device)
+    weight.requires_grad_()
+    target = torch.randint(0, v, (n,), generator=gen).to(device)
+    grads = [torch.randn(n, generator=gen).to(device), torch.randn(n, generator=gen).to(device)]
+    mask = (torch.rand(n, generator=gen) < valid).to(device)
+    support_ids = torch.randint(0, v, (n * ids,), generator=gen).to(device)
+    offsets = torch.arange(0, n * ids + 1, ids, device=device)
+    rows = torch.arange(n, device=device).repeat_interleave(ids)
+
+    def kw() -> dict:
+        if form == "mask":
+            return {"mask": mask}
+        if form == "csr":
+            return {"support_ids": support_ids, "support_offsets": offsets}
+        if form == "dense":
+            keep = torch.zeros(n, v, dtype=torch.bool, device=device)
+            keep[rows, support_ids] = True
+            return {"keep_mask": keep}
+        return {}
+
+    def step() -> None:
+        outs = linear_logprobs_and_entropy(hidden, weight, target, **kw())
         torch.autograd.backward(list(outs), grads)
         hidden.grad = weight.grad = None
 
