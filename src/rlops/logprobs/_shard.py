@@ -221,7 +221,7 @@ def grad_chunk(
     spare = None  # a chunk buffer that is free once the entropy's terms are in ``grad``
     if keep is not None and c_logp is not None and g_ent is not None and own:
         # ``z`` is ours, and the entropy's log p is about to overwrite it: the kept p first
-        pk = _kept_probs(z, None, idx, in_range, keep, mp, lsp)
+        pk = _kept_probs(z, idx, in_range, keep, mp, lsp)
     if g_ent is not None:
         me, lse, h = saved[2:5]
         d = z.sub_(me) if own else z.sub(me)
@@ -244,7 +244,7 @@ def grad_chunk(
         elif pk is not None:
             p = pk
         else:
-            p = _kept_probs(z, z if own else spare, idx, in_range, keep, mp, lsp)
+            p = _kept_probs(z, idx, in_range, keep, mp, lsp, into=z if own else spare)
         if grad is None:
             grad = p.mul_(c_logp) if dst is None else torch.mul(p, c_logp, out=dst)
         elif dst is not None and grad is not dst:  # the entropy's terms in ``z``'s buffer
@@ -260,12 +260,13 @@ def grad_chunk(
 
 def _kept_probs(
     z: torch.Tensor,
-    into: torch.Tensor | None,
     idx: torch.Tensor,
     in_range: torch.Tensor,
     keep: torch.Tensor,
     mp: torch.Tensor,
     lsp: torch.Tensor,
+    *,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[C, V]`` ``exp(z − mp − lsp)`` on the kept logits (the target always kept), 0
     elsewhere: the kept distribution's probabilities, written into ``into`` (``z`` itself, or
