@@ -407,6 +407,10 @@ def logprobs_and_entropy(
         >>> # a row mask: row 1 (say, tool output) costs nothing and is exactly 0
         >>> logprobs_and_entropy(logits, torch.tensor([1, 0]), mask=torch.tensor([True, False]))
         (tensor([-1.3863,  0.0000]), tensor([1.3863, 0.0000]))
+        >>> # a softcap of 1 (Gemma's is 30): logits (0, 100) become (0, tanh 100 = 1)
+        >>> logprobs_and_entropy(torch.tensor([[0.0, 100.0]]), torch.tensor([0]),
+        ...                      final_logit_softcapping=1.0)[0]
+        tensor([-1.3133])
         >>> # CSR kept sets: row 0 keeps {2} (and its target 1), row 1 keeps {1, 3} and 0
         >>> ids, offsets = torch.tensor([2, 1, 3]), torch.tensor([0, 1, 3])
         >>> logprobs_and_entropy(logits, torch.tensor([1, 0]), support_ids=ids,
