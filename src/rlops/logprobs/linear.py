@@ -278,7 +278,7 @@ def _autocast(
     ``F.linear`` would multiply them: each float32 / float16 / bfloat16 tensor cast to the
     autocast dtype (differentiably: the gradients come back in each one's own dtype), float64
     left as it is. Elsewhere unchanged."""
-    if not isinstance(hidden, torch.Tensor) or not torch.is_autocast_enabled(hidden.device.type):
+    if not isinstance(hidden, torch.Tensor) or not _autocast_on(hidden.device.type):
         return hidden, weight, bias
     dtype = torch.get_autocast_dtype(hidden.device.type)
 
@@ -293,9 +293,14 @@ def _autocast(
 def _no_autocast(x: torch.Tensor) -> AbstractContextManager:
     """Autocast off on ``x``'s device where it is on (the op's own dtypes, forward and
     backward), else nothing."""
-    if torch.is_autocast_enabled(x.device.type):
+    if _autocast_on(x.device.type):
         return torch.autocast(x.device.type, enabled=False)
     return nullcontext()
+
+
+def _autocast_on(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` (never for a type without autocast: meta)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 def _rows(hidden: torch.Tensor, plan: Plan) -> torch.Tensor:
