@@ -408,9 +408,9 @@ def test_softcapped_gemma2_log_probs_are_the_models_own():
     model = transformers.Gemma2ForCausalLM(cfg).double()
     torch.nn.init.normal_(model.lm_head.weight, std=2.0)  # logits well past the cap
     model.eval()
-    head, _ = head_options(model.config.get_text_config())
+    assert head_options(model.config.get_text_config())[0]["final_logit_softcapping"] == 3.0
     fake = SimpleNamespace(
-        _rlops_use_trl=False, _rlops_head=head, _entropy_bonus_enabled=False, temperature=0.7,
+        _rlops_use_trl=False, _entropy_bonus_enabled=False, temperature=0.7,
         args=SimpleNamespace(cast_lm_head_to_fp32=False),
         accelerator=SimpleNamespace(unwrap_model=lambda m: m, autocast=contextlib.nullcontext),
     )  # fmt: skip
@@ -427,3 +427,19 @@ def test_softcapped_gemma2_log_probs_are_the_models_own():
     want_ent = -(logsm.exp() * logsm).sum(-1)
     torch.testing.assert_close(lp, want_lp, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(ent, want_ent, rtol=1e-12, atol=1e-12)
+
+
+def test_a_softcapped_gemma2_trains_with_check(tokenizer, tmp_path):
+    """One step of a tiny Gemma-2 (final softcap 3) with ``check=True``: the loss and every
+    gradient within the rule of TRL's own computation, which softcaps through the model."""
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64,
+        final_logit_softcapping=3.0, attn_logit_softcapping=None,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )  # fmt: skip
+    model = transformers.Gemma2ForCausalLM(cfg)
+    torch.nn.init.normal_(model.lm_head.weight, std=2.0)  # logits past the cap
+    _trainer(tokenizer, tmp_path, model=model, check=True).train()

@@ -103,7 +103,6 @@ class GRPOMixin:
         self._rlops_loss_checked = self._rlops_adv_checked = False
         self._rlops_use_trl = False
         self._rlops_rewards: torch.Tensor | None = None
-        self._rlops_head: dict[str, Any] = {}
         super().__init__(*args, **kwargs)
         self._rlops_check_options()
 
@@ -158,7 +157,6 @@ class GRPOMixin:
         except (TypeError, ValueError) as exc:
             value = head["final_logit_softcapping"]
             raise _unsupported("model.config.final_logit_softcapping", value, str(exc)) from None
-        self._rlops_head = head
         if args.delta is not None and t.loss_type in ("bnpo", "dapo", "dr_grpo", "grpo", "luspo"):
             if args.delta < 1 + t.epsilon_high:
                 raise _unsupported(
@@ -209,7 +207,10 @@ class GRPOMixin:
         if given:
             raise _unsupported(given[0], "...", "multimodal inputs are not supported")
         t: Any = self
-        head = t.accelerator.unwrap_model(model).get_output_embeddings()
+        unwrapped = t.accelerator.unwrap_model(model)
+        head = unwrapped.get_output_embeddings()
+        # the head's scale and softcap, as TRL's fused head reads them (checked at construction)
+        scaled, _ = head_options(unwrapped.config.get_text_config())
         weight, bias = head.weight, head.bias
         if t.args.cast_lm_head_to_fp32:
             weight = weight.float()
@@ -239,7 +240,7 @@ class GRPOMixin:
                 temperature=t.temperature,
                 with_entropy=compute_entropy,
                 entropy_grad=entropy_grad,
-                **self._rlops_head,
+                **scaled,
             )
             valid = am[:, -k:].bool()
             logps.append(torch.where(valid, lp, 0))
