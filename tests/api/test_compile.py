@@ -105,6 +105,23 @@ CASES: dict[str, Case] = {
         lambda d: rlops.logprobs_and_entropy(d["logits"], d["target"], with_sum_pi_squared=True),
         ("logits",),
     ),
+    "logprobs_and_entropy softcapped": (
+        lambda d: rlops.logprobs_and_entropy(
+            d["logits"], d["target"], temperature=0.8, logit_scale=1.5, final_logit_softcapping=3.0
+        ),
+        ("logits",),
+    ),
+    "linear_logprobs_and_entropy softcapped": (
+        lambda d: rlops.linear_logprobs_and_entropy(
+            d["hidden"],
+            d["weight"],
+            d["target"].reshape(-1),
+            bias=d["bias"],
+            logit_scale=0.5,
+            final_logit_softcapping=2.0,
+        ),
+        ("hidden", "weight", "bias"),
+    ),
     "masked_mean": (lambda d: rlops.masked_mean(d["x"], d["mask"]), ("x",)),
     "masked_var": (lambda d: rlops.masked_var(d["x"], d["mask"]), ("x",)),
     "masked_whiten": (lambda d: rlops.masked_whiten(d["x"], d["mask"]), ("x",)),

@@ -286,8 +286,9 @@ def test_check_raises_on_a_difference(tokenizer, tmp_path):
         ({"use_adaptive_entropy": True}, {}, "use_adaptive_entropy"),
         ({"off_policy_mask_threshold": 0.5}, {}, "off_policy_mask_threshold"),
         ({"delta": 1.1, "epsilon_high": 0.28}, {}, "delta=1.1"),
-        ({}, {"final_logit_softcapping": 30.0}, "final_logit_softcapping"),
-        ({}, {"logit_scale": 0.5}, "logit_scale"),
+        ({}, {"final_logit_softcapping": -30.0}, "final_logit_softcapping"),
+        ({}, {"logit_scale": 0.0}, "logit_scale"),
+        ({}, {"logits_scaling": float("inf")}, "logits_scaling"),
     ],
 )
 def test_rejected_options_raise_naming_trl(tokenizer, tmp_path, options, config, match):
@@ -370,3 +371,75 @@ def test_grpo_loss_rejects(kwargs, match):
 def test_grpo_advantages_rejects(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         rtrl.grpo_advantages(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- softcapped heads
+@pytest.mark.parametrize(
+    ("config", "want"),
+    [
+        ({"final_logit_softcapping": 30.0}, {"logit_scale": 1.0, "final_logit_softcapping": 30.0}),
+        ({"logit_scale": 0.0625}, {"logit_scale": 0.0625, "final_logit_softcapping": None}),
+        ({"logits_scaling": 8.0}, {"logit_scale": 0.125, "final_logit_softcapping": None}),
+        ({"lm_head_multiplier": 2.0}, {"logit_scale": 2.0, "final_logit_softcapping": None}),
+        ({}, {"logit_scale": 1.0, "final_logit_softcapping": None}),
+    ],
+)
+def test_head_options_are_read_as_trl_reads_them(config, want):
+    from types import SimpleNamespace
+
+    from rlops.compat._trl_mixin import head_options
+
+    assert head_options(SimpleNamespace(model_type="x", **config))[0] == want
+
+
+def test_softcapped_gemma2_log_probs_are_the_models_own():
+    """The mixin's per-token log-probs and entropies of a tiny Gemma-2 (final softcap 3, so that
+    it bites) equal ``log_softmax`` of the model's own softcapped ``logits / τ``."""
+    from types import SimpleNamespace
+
+    from rlops.compat._trl_mixin import GRPOMixin, head_options
+
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64,
+        final_logit_softcapping=3.0, attn_logit_softcapping=None, pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.Gemma2ForCausalLM(cfg).double()
+    torch.nn.init.normal_(model.lm_head.weight, std=2.0)  # logits well past the cap
+    model.eval()
+    assert head_options(model.config.get_text_config())[0]["final_logit_softcapping"] == 3.0
+    fake = SimpleNamespace(
+        _rlops_use_trl=False, _entropy_bonus_enabled=False, temperature=0.7,
+        args=SimpleNamespace(cast_lm_head_to_fp32=False),
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m, autocast=contextlib.nullcontext),
+    )  # fmt: skip
+    ids = torch.randint(1, 40, (3, 9))
+    am = torch.ones_like(ids)
+    k = 5
+    lp, ent, _ = GRPOMixin._get_per_token_logps_and_entropies(
+        fake, model, ids, am, k, compute_entropy=True
+    )
+    logits = model(input_ids=ids, attention_mask=am).logits[:, -k - 1 : -1]
+    assert float(logits.detach().abs().max()) > 2.0  # the cap is active
+    logsm = torch.log_softmax(logits / 0.7, dim=-1)
+    want_lp = logsm.gather(-1, ids[:, -k:, None])[..., 0]
+    want_ent = -(logsm.exp() * logsm).sum(-1)
+    torch.testing.assert_close(lp, want_lp, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ent, want_ent, rtol=1e-12, atol=1e-12)
+
+
+def test_a_softcapped_gemma2_trains_with_check(tokenizer, tmp_path):
+    """One step of a tiny Gemma-2 (final softcap 3) with ``check=True``: the loss and every
+    gradient within the rule of TRL's own computation, which softcaps through the model."""
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=64,
+        final_logit_softcapping=3.0, attn_logit_softcapping=None,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )  # fmt: skip
+    model = transformers.Gemma2ForCausalLM(cfg)
+    torch.nn.init.normal_(model.lm_head.weight, std=2.0)  # logits past the cap
+    _trainer(tokenizer, tmp_path, model=model, check=True).train()

@@ -577,3 +577,18 @@ def test_tensor_parallel_matches_one_process():
                 torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
             torch.testing.assert_close(got[-1], full[-1][:, cols], rtol=1e-12, atol=1e-12,
                                        msg=name)  # fmt: skip
+
+
+def test_a_scale_or_softcap_runs_the_chunked_method():
+    """The kernels apply the temperature only: with ``logit_scale`` or a softcap,
+    ``method="triton"`` is the chunked method, bit for bit (values and gradient)."""
+    g = torch.Generator().manual_seed(11)
+    x, y = torch.randn(9, 300, generator=g) * 4, torch.randint(0, 300, (9,), generator=g)
+    grads = [torch.randn(9, generator=g), torch.randn(9, generator=g)]
+    for head in ({"logit_scale": 0.5}, {"final_logit_softcapping": 3.0}):
+        kw = {"temperature": 0.8, "chunk_size": 4, **head}
+        outs = [
+            forward_backward(logprobs_and_entropy, (x, y), grads, method=m, **kw)
+            for m in ("triton", "chunked")
+        ]
+        assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True)), head

@@ -15,21 +15,35 @@ import torch
 import rlops
 from rlops._types import Group
 from rlops.compat._trl_loss import LOSS_TYPES, SUPPORTED_TRL, _loss_and_stats, grpo_advantages
+from rlops.logprobs._head import check_logit_scale, check_softcap
 
 __all__ = ["GRPOMixin", "patch"]
-
-# model-config attributes that change the logits of TRL's head; rlops's linear op has none
-_HEAD_SCALES = (
-    "final_logit_softcapping",
-    "logit_scale",
-    "output_multiplier",
-    "lm_head_multiplier",
-    "logits_scaling",
-)
 
 
 def _unsupported(option: str, value: object, why: str) -> ValueError:
     return ValueError(f"rlops.compat.trl.GRPOMixin does not support {option}={value!r}: {why}")
+
+
+def head_options(text_config: Any) -> tuple[dict[str, Any], str]:
+    """``({"logit_scale": s, "final_logit_softcapping": c}, the config attribute s came
+    from)`` of a model's text config, as TRL 1.16's fused head reads them
+    (``trl.trainer.utils.add_fused_lm_head``): ``logit_scale`` (Cohere), else
+    ``output_multiplier``, else ``lm_head_multiplier`` (Falcon-H1), else ``1 /
+    logits_scaling`` (Granite, MiniCPM3; HyperCLOVA X multiplies by it), else 1; and
+    ``final_logit_softcapping`` (Gemma-2/3) or None."""
+    name = "logit_scale"
+    scale = getattr(text_config, "logit_scale", None)
+    for alt in ("output_multiplier", "lm_head_multiplier"):
+        if scale is None:
+            name, scale = alt, getattr(text_config, alt, None)
+    if scale is None and getattr(text_config, "logits_scaling", None) is not None:
+        name, scaling = "logits_scaling", text_config.logits_scaling
+        hyperclovax = getattr(text_config, "model_type", None) == "hyperclovax"
+        scale = scaling if hyperclovax else 1 / scaling
+    if scale is None:
+        name, scale = "logit_scale", 1.0
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    return {"logit_scale": scale, "final_logit_softcapping": softcap}, name
 
 
 class GRPOMixin:
@@ -54,8 +68,12 @@ class GRPOMixin:
     Options rlops does not serve raise ``ValueError`` at construction, naming TRL's option:
     ``loss_type="vespo"``, ``use_adaptive_entropy``, ``off_policy_mask_threshold``, vLLM's
     importance-sampling correction, a Mixture-of-Experts router loss, vision-language inputs,
-    and heads with a softcap or a logit scale (``final_logit_softcapping``, ``logit_scale``,
-    ...). ``delta`` must be ``>= 1 + epsilon_high``.
+    and a head's logit scale or softcap that is not a finite positive number. ``delta`` must be
+    ``>= 1 + epsilon_high``.
+
+    Heads that scale or cap their logits (Gemma-2/3's ``final_logit_softcapping``, Cohere's
+    ``logit_scale``, Granite's ``logits_scaling``, ...) are read from the model's text config
+    as TRL's fused head reads them (:func:`head_options`) and passed to the linear op.
 
     With ``check=True`` the first loss and its gradients (one process: every trainable
     parameter's) and the first advantages are compared with TRL's own computation on the same
@@ -128,15 +146,17 @@ class GRPOMixin:
             raise _unsupported(
                 "model", type(t.model).__name__, "vision-language models are not supported"
             )
-        text_config = t.model.config.get_text_config()
-        for name in _HEAD_SCALES:
-            value = getattr(text_config, name, None)
-            if value is not None and not (name == "logit_scale" and value == 1.0):
-                raise _unsupported(
-                    f"model.config.{name}",
-                    value,
-                    "the rlops linear log-prob op has no softcap or logit scale",
-                )
+        head, scale_name = head_options(t.model.config.get_text_config())
+        try:
+            check_logit_scale(head["logit_scale"])
+        except (TypeError, ValueError) as exc:
+            value = head["logit_scale"]
+            raise _unsupported(f"model.config.{scale_name}", value, str(exc)) from None
+        try:
+            check_softcap(head["final_logit_softcapping"])
+        except (TypeError, ValueError) as exc:
+            value = head["final_logit_softcapping"]
+            raise _unsupported("model.config.final_logit_softcapping", value, str(exc)) from None
         if args.delta is not None and t.loss_type in ("bnpo", "dapo", "dr_grpo", "grpo", "luspo"):
             if args.delta < 1 + t.epsilon_high:
                 raise _unsupported(
@@ -187,7 +207,10 @@ class GRPOMixin:
         if given:
             raise _unsupported(given[0], "...", "multimodal inputs are not supported")
         t: Any = self
-        head = t.accelerator.unwrap_model(model).get_output_embeddings()
+        unwrapped = t.accelerator.unwrap_model(model)
+        head = unwrapped.get_output_embeddings()
+        # the head's scale and softcap, as TRL's fused head reads them (checked at construction)
+        scaled, _ = head_options(unwrapped.config.get_text_config())
         weight, bias = head.weight, head.bias
         if t.args.cast_lm_head_to_fp32:
             weight = weight.float()
@@ -217,6 +240,7 @@ class GRPOMixin:
                 temperature=t.temperature,
                 with_entropy=compute_entropy,
                 entropy_grad=entropy_grad,
+                **scaled,
             )
             valid = am[:, -k:].bool()
             logps.append(torch.where(valid, lp, 0))
@@ -401,8 +425,9 @@ def _compare(what: str, ours: torch.Tensor, trl_value: torch.Tensor, tol: float)
 # --------------------------------------------------------------------------- TRL's fused head
 class _RlopsChunkedLogProb:
     """Stands for TRL's ``ChunkedLogProbFunction`` (its ``apply`` signature and outputs):
-    log-probs and entropy by :func:`rlops.linear_logprobs_and_entropy`; what rlops's op does
-    not compute (a softcap, a logit scale, TRL's other outputs) goes to TRL's own function."""
+    log-probs and entropy by :func:`rlops.linear_logprobs_and_entropy` (with TRL's softcap and
+    logit scale); what rlops's op does not compute (TRL's other outputs, a scale that is not a
+    finite positive number) goes to TRL's own function."""
 
     original: Any = None
 
@@ -419,11 +444,13 @@ class _RlopsChunkedLogProb:
         logit_scale=1.0,
         outputs=("log_probs",),
     ):
-        if (
-            final_logit_softcapping is not None
-            or logit_scale != 1.0
-            or not set(outputs) <= {"log_probs", "entropy"}
-        ):
+        try:
+            check_logit_scale(logit_scale)
+            check_softcap(final_logit_softcapping)
+            served = set(outputs) <= {"log_probs", "entropy"}
+        except (TypeError, ValueError):
+            served = False
+        if not served:
             return cls.original.apply(
                 hidden,
                 weight,
@@ -442,6 +469,8 @@ class _RlopsChunkedLogProb:
             targets,
             bias=None if bias is None else bias.to(weight.dtype),
             temperature=temperature,
+            logit_scale=logit_scale,
+            final_logit_softcapping=final_logit_softcapping,
             with_entropy="entropy" in outputs,
         )
         return lp, ent, None, None, None
@@ -451,10 +480,10 @@ def patch(enabled: bool = True) -> None:
     """Serve TRL's fused LM head (``add_fused_lm_head``, every TRL trainer that calls
     ``model(..., fused_lm_head=True)``: GRPO, RLOO, DPO, KTO, SFT) by rlops's linear op.
 
-    Replaces ``trl.trainer.utils._ChunkedLogProbFunction`` for the process; heads with a
-    softcap or a logit scale, and TRL's outputs other than log-probs and entropy, still run on
-    TRL's function. ``patch(False)`` puts TRL's back. Under autocast the hidden states are cast
-    to the head's weight dtype.
+    Replaces ``trl.trainer.utils._ChunkedLogProbFunction`` for the process (a head's softcap
+    and logit scale as TRL passes them); TRL's outputs other than log-probs and entropy still
+    run on TRL's function. ``patch(False)`` puts TRL's back. Under autocast the hidden states
+    are cast to the head's weight dtype.
     """
     from trl.trainer import utils
 

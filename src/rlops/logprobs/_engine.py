@@ -78,6 +78,8 @@ class CommonOptions(TypedDict, total=False):
     ``with_sum_pi_squared`` (which choose the outputs): the overloads' ``**options``."""
 
     temperature: float
+    logit_scale: float
+    final_logit_softcapping: float | None
     keep_mask: torch.Tensor | None
     support_ids: torch.Tensor | None
     support_offsets: torch.Tensor | None
@@ -97,6 +99,8 @@ class Options:
     types are the documented ones, which the checks enforce)."""
 
     temperature: float = 1.0
+    logit_scale: float = 1.0
+    final_logit_softcapping: float | None = None
     keep_mask: torch.Tensor | None = None
     support_ids: torch.Tensor | None = None
     support_offsets: torch.Tensor | None = None
@@ -121,7 +125,8 @@ class Checked:
     int64;
     ``chunk``: tokens per chunk (the op's default when ``chunk_size`` is None); ``hidden``: the
     hidden size (0 for logits), compared across ranks; ``mask``: the row mask ``[...]`` or None;
-    ``support``: the CSR ``(support_ids, support_offsets)`` or None; ``compact``: whether the
+    ``support``: the CSR ``(support_ids, support_offsets)`` or None; ``logit_scale``,
+    ``softcap``: the head's map (:class:`rlops.logprobs._head.Head`); ``compact``: whether the
     valid rows of ``mask`` may be compacted where the host reads values (not for the Triton
     kernels, whose programs of masked rows return at once).
     """
@@ -138,6 +143,8 @@ class Checked:
     hidden: int = 0
     mask: torch.Tensor | None = None
     support: tuple[torch.Tensor, torch.Tensor] | None = None
+    logit_scale: float = 1.0
+    softcap: float | None = None
     compact: bool = True
 
 
@@ -211,6 +218,8 @@ def _prepare(
         device=inputs.x.device,
         lead=tuple(inputs.x.shape[:-1]),
         temperature=inputs.temperature,
+        logit_scale=inputs.logit_scale,
+        softcap=inputs.softcap,
         with_entropy=options.with_entropy,
         entropy_grad=options.entropy_grad,
         sum_pi_squared=options.with_sum_pi_squared,
@@ -244,6 +253,8 @@ def _header(op: str, inputs: Checked, options: Options, sampler: Sampler | None)
         row_mask=inputs.mask,
         support=inputs.support,
         temperature=inputs.temperature,
+        logit_scale=inputs.logit_scale,
+        softcap=inputs.softcap,
         sampler=sampler,
         entropy_over_support=options.entropy_over_support,
     )
@@ -324,6 +335,12 @@ class Producer:
         compute dtype; ``own``: ``z`` is a fresh buffer that may be overwritten."""
         raise NotImplementedError
 
+    def sloped(self, i: int, j: int) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
+        """``(z, own, slope)``: :meth:`logits`, and with a softcap the slope ``τ · ∂z/∂x``
+        ``[C, V_local]`` of the head's map (:meth:`rlops.logprobs._head.Head.sloped`), else
+        None (a constant, the plan's ``head.grad_scale``)."""
+        return (*self.logits(i, j), None)
+
     def stats(self, plan: Plan, i: int, j: int, out: torch.Tensor) -> None:
         """Write the statistics of tokens ``i:j`` into ``out`` ``[C, k]``: the columns of
         :func:`_shard.stats_chunk` (the target logit or 0; ``m``, ``s`` of the log-prob
@@ -351,21 +368,26 @@ class Producer:
         in the compute dtype, from the backward plan's saved statistics and upstream gradients
         (the support rebuilt from ``plan.threshold``); written into ``out`` (those rows' own
         buffer) when it is given and has the compute dtype."""
-        z, own = self.logits(i, j)
+        z, own, slope = self.sloped(i, j)
         idx, in_range = plan.target_index(i, j)
         keep = plan.keep_rows(i, j)
         if plan.threshold is not None:
             z, own, keep = support_applied(
                 z, own, idx, in_range, plan.threshold[i:j], plan.over_support
             )
-        return _shard.grad_chunk(
+        grad = _shard.grad_chunk(
             z, own, idx, in_range, keep,
             saved=[t[i:j] for t in plan.saved],
             g_logp=None if plan.g_logp is None else plan.g_logp[i:j],
             g_ent=None if plan.g_ent is None else plan.g_ent[i:j],
-            inv_tau=plan.inv_tau,
-            out=out,
+            inv_tau=plan.head.grad_scale,
+            out=out if slope is None else None,
         )  # fmt: skip
+        if slope is None:
+            return grad
+        if out is not None and out.dtype == grad.dtype:  # the chain rule through the softcap
+            return torch.mul(grad, slope, out=out)
+        return grad.mul_(slope)
 
 
 def support_applied(
@@ -562,7 +584,9 @@ def grad_with_graph(
     if plan.target is None:
         raise RuntimeError("grad_with_graph needs a plan with its target bound")
     rows = logits if plan.rows_of is None or compacted else logits.index_select(0, plan.rows_of)
-    z = rows.to(compute_dtype(logits.dtype)) / plan.temperature
+    head = plan.head
+    x = rows.to(compute_dtype(logits.dtype))
+    z = x / plan.temperature if head.plain else head.differentiable(x)
     idx = plan.target.reshape(-1, 1)
     keep = plan.keep_rows(0, plan.rows)  # the plan's rows, from the keep mask or CSR sets
     if plan.threshold is not None:  # the sampler's support, piecewise constant: no graph
@@ -571,7 +595,16 @@ def grad_with_graph(
             keep = keep.scatter(1, idx, True)
             z = z.masked_fill(~keep, float("-inf"))
             keep = None
-    grad = _shard.grad_differentiable(z, idx, keep, plan.g_logp, plan.g_ent, plan.inv_tau)
+    if head.plain:
+        grad = _shard.grad_differentiable(z, idx, keep, plan.g_logp, plan.g_ent, plan.inv_tau)
+    else:  # ∂L/∂z, times ∂z/∂x as a function of x (its own derivative enters the next order)
+        grad = _shard.grad_differentiable(z, idx, keep, plan.g_logp, plan.g_ent, 1.0)
+        u = x * head.logit_scale if head.logit_scale != 1.0 else x
+        slope = head.logit_scale / head.temperature
+        if head.softcap is not None:
+            grad = grad * ((1.0 - torch.tanh(u / head.softcap) ** 2) * slope)
+        else:
+            grad = grad * slope
     if plan.rows_of is not None and not compacted:
         grad = grad.new_zeros(logits.shape[0], grad.shape[1]).index_copy(0, plan.rows_of, grad)
     elif plan.row_valid is not None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from rlops.logprobs import _shard, _support
+from rlops.logprobs._head import Head
 from rlops.logprobs._support import Sampler
 
 __all__ = ["Plan"]
@@ -32,6 +33,8 @@ class Plan:
     - ``chunk``: tokens per chunk; ``dtype``: the compute dtype (float32, or float64);
       ``device``; ``lead``: the outputs' shape ``[...]``;
     - ``temperature`` (``inv_tau = 1 / temperature``), ``with_entropy``, ``entropy_grad``;
+    - ``logit_scale``, ``softcap``: the head's map before the temperature
+      (:class:`rlops.logprobs._head.Head`, :attr:`head`);
     - ``sum_pi_squared``: the statistics also carry each shard's own ``Σ p²`` of the log-prob
       distribution (the op's third output, ``Σ_v p_v²``);
     - ``masked``: the log-prob is over a support (a keep mask, or the sampler's without
@@ -66,6 +69,8 @@ class Plan:
     device: torch.device
     lead: tuple[int, ...] = ()
     temperature: float = 1.0
+    logit_scale: float = 1.0
+    softcap: float | None = None
     with_entropy: bool = True
     entropy_grad: bool = True
     sum_pi_squared: bool = False
@@ -89,6 +94,11 @@ class Plan:
     @property
     def inv_tau(self) -> float:
         return 1.0 / self.temperature
+
+    @property
+    def head(self) -> Head:
+        """The map from this shard's logits to the scaled ``z`` (scale, softcap, temperature)."""
+        return Head(self.temperature, self.logit_scale, self.softcap)
 
     @property
     def starts(self) -> range:

@@ -4,7 +4,8 @@ statistics.
 Every rank of a vocabulary-parallel call describes what it was asked to compute (a
 :class:`rlops.distributed.collectives.Call`: the operation, the number of tokens, the hidden
 size and whether a bias is given (linear op), the input dtype, the flags (``with_sum_pi_squared``
-among them: it adds a column to the statistics), the temperature, the sampler's scalar ``top_k``,
+among them: it adds a column to the statistics), the temperature, the head's ``logit_scale`` and
+``final_logit_softcapping``, the sampler's scalar ``top_k``,
 ``top_p``, ``min_p`` and ``entropy_over_support``, whether a row ``mask`` and a CSR support
 are given) with checksums computed on the device,
 compared bit for bit: one of the target ids, of the row mask, of the CSR support's ids and
@@ -90,6 +91,8 @@ class Call:
     entropy_grad: bool
     masked: bool
     temperature: float
+    logit_scale: float = 1.0
+    softcap: float | None = None
     sampler: Sampler | None = None
     entropy_over_support: bool = False
     sum_pi_squared: bool = False
@@ -110,6 +113,8 @@ class Call:
             "with_sum_pi_squared": self.sum_pi_squared,
             "keep_mask given": self.masked,
             "temperature": self.temperature,
+            "logit_scale": self.logit_scale,
+            "final_logit_softcapping": self.softcap,
         }
         params = (
             (None, None, None)

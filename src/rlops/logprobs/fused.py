@@ -37,6 +37,7 @@ from rlops.logprobs._checks import (
     check_temperature,
     default_chunk,
 )
+from rlops.logprobs._head import check_logit_scale, check_softcap
 from rlops.logprobs._plan import Plan
 
 __all__ = ["logprobs_and_entropy"]
@@ -44,28 +45,31 @@ __all__ = ["logprobs_and_entropy"]
 _OP = "logprobs_and_entropy"
 
 
-def _scaled(x: torch.Tensor, dtype: torch.dtype, temperature: float) -> tuple[torch.Tensor, bool]:
-    """``(x / temperature in dtype, own)``; ``own``: the result is a fresh buffer, not ``x``."""
-    if x.dtype == dtype:
-        return (x, False) if temperature == 1.0 else (torch.div(x, temperature), True)
-    z = x.to(dtype)
-    return (z if temperature == 1.0 else z.div_(temperature)), True
-
-
 class _Logits(_engine.Producer):
-    """Chunks of rows of the logits ``[N, V_local]``, scaled; over the CPU thread pool."""
+    """Chunks of rows of the logits ``[N, V_local]``, through the head's map (scale, softcap,
+    temperature: :class:`rlops.logprobs._head.Head`); over the CPU thread pool."""
 
     parallel = True
 
     def __init__(self, x: torch.Tensor, plan: Plan) -> None:
-        self.x, self.dtype, self.temperature = x, plan.dtype, plan.temperature
+        self.x, self.dtype, self.head = x, plan.dtype, plan.head
         self.rows_of = plan.rows_of
 
-    def logits(self, i: int, j: int) -> tuple[torch.Tensor, bool]:
+    def _rows(self, i: int, j: int) -> tuple[torch.Tensor, bool]:
         if self.rows_of is None:
-            return _scaled(self.x[i:j], self.dtype, self.temperature)
-        z, _ = _scaled(self.x.index_select(0, self.rows_of[i:j]), self.dtype, self.temperature)
-        return z, True  # the gathered rows are a fresh buffer
+            return self.x[i:j], False
+        return self.x.index_select(0, self.rows_of[i:j]), True  # a fresh buffer
+
+    def logits(self, i: int, j: int) -> tuple[torch.Tensor, bool]:
+        x, own = self._rows(i, j)
+        return self.head.scaled(x, self.dtype, own)
+
+    def sloped(self, i: int, j: int) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
+        if self.head.softcap is None:
+            return (*self.logits(i, j), None)
+        x, own = self._rows(i, j)
+        z, slope = self.head.sloped(x, self.dtype, own)
+        return z, True, slope
 
 
 def _producer(x: torch.Tensor, plan: Plan, kernels: bool) -> _engine.Producer:
@@ -184,6 +188,8 @@ def logprobs_and_entropy(
     target: torch.Tensor,
     *,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    final_logit_softcapping: float | None = None,
     keep_mask: torch.Tensor | None = None,
     support_ids: torch.Tensor | None = None,
     support_offsets: torch.Tensor | None = None,
@@ -210,6 +216,20 @@ def logprobs_and_entropy(
 
     With ``keep_mask`` (top-p / top-k replay), the log-prob is taken over the kept logits only
     (the target is always kept), while the entropy uses all logits.
+
+    Output heads that scale or cap their logits (Cohere, Granite, Gemma-2/3), in Hugging Face's
+    order: with ``logit_scale = s`` and ``final_logit_softcapping = c``, before the
+    temperature,
+
+    .. math::
+
+        z = c \tanh\!\left(\frac{s \cdot \mathrm{logits}}{c}\right) / \tau ,
+
+    (``z = s·logits/τ`` without ``c``), in the compute dtype, elementwise (each shard applies
+    it to its own logits). The gradient goes through the chain,
+    ``∂z/∂logits = s·(1 − tanh²(s·logits/c))/τ``; with a softcap the backward holds one more
+    ``[chunk_size, V_local]`` temporary (the slope). The defaults (``s = 1``, no cap) compute
+    nothing more: the bits of the op without them.
 
     With ``with_sum_pi_squared=True`` a third output is ``Σ_v π_v²`` per token, where ``π`` is
     the distribution whose log-prob is returned: ``softmax(z)`` over the full vocabulary, or,
@@ -308,7 +328,11 @@ def logprobs_and_entropy(
     Args:
         logits: ``[..., V_local]`` float16 / bfloat16 / float32 / float64.
         target: ``[...]`` integer ids in the global vocabulary ``[0, Σ_r V_local_r)``.
-        temperature: ``> 0``; divides the logits before everything.
+        temperature: ``> 0``; divides the logits, after the scale and the softcap.
+        logit_scale: finite ``> 0``, multiplies the logits first (Cohere's ``logit_scale``;
+            Granite's ``logits_scaling`` divides them: pass ``1 / logits_scaling``).
+        final_logit_softcapping: None (off), or a finite ``c > 0``: the logits become
+            ``c·tanh(logits / c)`` after the scale (Gemma-2/3's ``final_logit_softcapping``).
         keep_mask: ``[..., V_local]`` bool, or None (keep all). Not with the sampler filters.
         support_ids: the kept sets as CSR (the engine's form, e.g. vLLM's): int32 / int64
             ``[nnz]`` global vocabulary ids, with ``support_offsets`` int32 / int64
@@ -350,7 +374,10 @@ def logprobs_and_entropy(
             tensors, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``);
             the collectives, the merge, the sampler's threshold search and double backward
             stay the torch ones. ``"auto"``: Triton for CUDA tensors when triton can be
-            imported (chunked while ``torch.compile`` traces), else chunked. A kernel that
+            imported (chunked while ``torch.compile`` traces), else chunked. The kernels
+            apply the temperature only: with ``logit_scale ≠ 1`` or a softcap, ``"triton"``
+            and ``"auto"`` run the chunked method (the kernels' check of the arguments still
+            applies). A kernel that
             fails to build on the device warns once (``RuntimeWarning``) and the chunked
             method runs for the rest of the process.
         with_sum_pi_squared: also return ``Σ_v π_v²`` (above), detached.
@@ -380,6 +407,10 @@ def logprobs_and_entropy(
         >>> # a row mask: row 1 (say, tool output) costs nothing and is exactly 0
         >>> logprobs_and_entropy(logits, torch.tensor([1, 0]), mask=torch.tensor([True, False]))
         (tensor([-1.3863,  0.0000]), tensor([1.3863, 0.0000]))
+        >>> # a softcap of 1 (Gemma's is 30): logits (0, 100) become (0, tanh 100 = 1)
+        >>> logprobs_and_entropy(torch.tensor([[0.0, 100.0]]), torch.tensor([0]),
+        ...                      final_logit_softcapping=1.0)[0]
+        tensor([-1.3133])
         >>> # CSR kept sets: row 0 keeps {2} (and its target 1), row 1 keeps {1, 3} and 0
         >>> ids, offsets = torch.tensor([2, 1, 3]), torch.tensor([0, 1, 3])
         >>> logprobs_and_entropy(logits, torch.tensor([1, 0]), support_ids=ids,
@@ -388,6 +419,8 @@ def logprobs_and_entropy(
     """
     options = _engine.Options(
         temperature=temperature,
+        logit_scale=logit_scale,
+        final_logit_softcapping=final_logit_softcapping,
         keep_mask=keep_mask,
         support_ids=support_ids,
         support_offsets=support_offsets,
@@ -406,7 +439,10 @@ def logprobs_and_entropy(
 
     def check() -> _engine.Checked:
         inputs = _checked(logits, target, options)
-        chosen.append(_method.resolve(method, inputs.x))  # a rank's bad method joins the TP check
+        resolved = _method.resolve(method, inputs.x)  # a rank's bad method joins the TP check
+        if resolved == "triton" and (inputs.logit_scale != 1.0 or inputs.softcap is not None):
+            resolved = "chunked"  # the kernels have no scale or softcap: the torch maths
+        chosen.append(resolved)
         # the kernels' programs of masked rows return at once: no compaction for them
         return replace(inputs, compact=chosen[0] != "triton")
 
@@ -429,6 +465,8 @@ def _checked(logits: object, target: object, options: _engine.Options) -> _engin
     if v_local == 0:
         raise ValueError("logits must have a non-empty vocabulary dimension, got [..., 0]")
     temperature = check_temperature(options.temperature)
+    logit_scale = check_logit_scale(options.logit_scale)
+    softcap = check_softcap(options.final_logit_softcapping)
     check_flags(
         with_entropy=options.with_entropy,
         entropy_grad=options.entropy_grad,
@@ -453,6 +491,8 @@ def _checked(logits: object, target: object, options: _engine.Options) -> _engin
         target=target,
         keep=keep_mask,
         temperature=temperature,
+        logit_scale=logit_scale,
+        softcap=softcap,
         v_local=v_local,
         chunk=chunk if chunk is not None else default_chunk(n, v_local, logits.device),
         mask=mask,

@@ -20,7 +20,8 @@ the gradients of ``hidden`` and ``weight``.
 
 from __future__ import annotations
 
-from typing import Literal, overload
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,7 @@ from rlops.logprobs._checks import (
     check_temperature,
     default_chunk,
 )
+from rlops.logprobs._head import check_logit_scale, check_softcap
 from rlops.logprobs._plan import Plan
 
 __all__ = ["copy_to_tensor_parallel_region", "linear_logprobs_and_entropy"]
@@ -48,21 +50,41 @@ _OP = "linear_logprobs_and_entropy"
 _MIN_TILE_VOCAB = 256
 
 
+# Every matmul of the logits has a multiple of this many rows (zero rows pad the last block).
+ROW_ALIGN = 16
+
+
 def _linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``h [C, H] @ weightᵀ``, then ``+ bias``, each in the inputs' dtype (a fresh tensor).
+
+    Batch invariance: the matmul always has a multiple of :data:`ROW_ALIGN` rows, ``h``
+    padded with zero rows when ``C`` is not one (the result is the ``C`` rows). A BLAS picks
+    its kernel by the number of rows of the call, and rows left over by its row tiles (on
+    MKL: a call of 1–3 rows, the last ``C mod 4`` of a thread's rows) are summed by another
+    kernel, about one ulp apart; with every call a multiple of 16 rows each row's logits are
+    the same bits whatever ``C``, the row's place in the call and the other rows (measured
+    with MKL and oneDNN in float32 / float64 / bfloat16, at 1 and 2 threads, where the two
+    thread counts agree too: ``tests/testing/test_batch_invariance.py``).
 
     The bias is added after the matmul, not inside it (``addmm``): an elementwise add has the
     same bits however the rows and columns are tiled, whereas a fused ``addmm`` rounds its
     partial sums differently per block shape, and the backward's tiles must see the logits
     the forward's chunks saw (their mismatch enters every gradient)."""
+    c = h.shape[0]
+    pad = -c % ROW_ALIGN
+    padded = torch.compiler.is_compiling() or pad != 0  # traced: no branch on a symbolic C
+    if padded:
+        h = torch.cat([h, h.new_zeros(pad, h.shape[1])])
     z = h @ weight.T
+    if padded:
+        z = z[:c]
     return z if bias is None else z.add_(bias)
 
 
 class _Matmul(_engine.Producer):
     """Chunks of rows of ``hidden @ weightᵀ (+ bias)`` in the inputs' dtype (as a materialised
-    output layer, :func:`_linear`), then in the compute dtype and ``/ τ``; a fresh buffer each
-    time."""
+    output layer, :func:`_linear`), then in the compute dtype through the head's map (scale,
+    softcap, ``/ τ``: :class:`rlops.logprobs._head.Head`); a fresh buffer each time."""
 
     def __init__(
         self,
@@ -73,10 +95,19 @@ class _Matmul(_engine.Producer):
         row_block: int | None = None,
     ) -> None:
         self.h2, self.weight, self.bias = h2, weight, bias
-        self.dtype, self.temperature = plan.dtype, plan.temperature
+        self.dtype, self.head = plan.dtype, plan.head
         self.row_block = row_block
 
     def logits(self, i: int, j: int) -> tuple[torch.Tensor, bool]:
+        return self.head.scaled(self._raw(i, j), self.dtype, True)
+
+    def sloped(self, i: int, j: int) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
+        if self.head.softcap is None:
+            return (*self.logits(i, j), None)
+        z, slope = self.head.sloped(self._raw(i, j), self.dtype, True)
+        return z, True, slope
+
+    def _raw(self, i: int, j: int) -> torch.Tensor:
         """Rows ``i:j``. With ``row_block`` (the forward's chunk; ``i`` a multiple of it), one
         matmul per block of the forward's rows: a BLAS picks its kernel, and so the rounding of
         every logit, by the number of rows of the call, so these are the forward's bits
@@ -89,8 +120,7 @@ class _Matmul(_engine.Producer):
                 [_linear(self.h2[a : min(a + self.row_block, j)], self.weight, self.bias)
                  for a in blocks]
             )  # fmt: skip
-        z = z.to(self.dtype)
-        return (z.div_(self.temperature) if self.temperature != 1.0 else z), True
+        return z
 
 
 def _add_weight_grad(grad_w: torch.Tensor, g: torch.Tensor, hc: torch.Tensor) -> None:
@@ -205,7 +235,13 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
         restored = _engine.restore(ctx, g_logp, g_ent)
         if restored is None:
             return nothing
-        (hidden, weight, bias, *_), plan = restored
+        with _no_autocast(restored[0][0]):  # the forward's bits, whatever autocast says here
+            return _FusedLinearLogprobsEntropy._backward(ctx, *restored)
+
+    @staticmethod
+    def _backward(ctx, inputs, plan):
+        nothing = (None,) * 5
+        hidden, weight, bias = inputs[:3]
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         h2 = _rows(hidden, plan)
         if torch.is_grad_enabled():  # create_graph=True: a differentiable backward
@@ -233,6 +269,38 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
             None if grad_b is None else grad_b.to(bias.dtype),
             *nothing[3:],
         )
+
+
+def _autocast(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Under autocast (``torch.autocast`` on the hidden states' device), the three as
+    ``F.linear`` would multiply them: each float32 / float16 / bfloat16 tensor cast to the
+    autocast dtype (differentiably: the gradients come back in each one's own dtype), float64
+    left as it is. Elsewhere unchanged."""
+    if not isinstance(hidden, torch.Tensor) or not _autocast_on(hidden.device.type):
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(hidden.device.type)
+
+    def cast(t: Any) -> Any:  # not yet checked: anything that is not a tensor stays as given
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64:
+            return t.to(dtype)
+        return t
+
+    return cast(hidden), cast(weight), cast(bias)
+
+
+def _no_autocast(x: torch.Tensor) -> AbstractContextManager:
+    """Autocast off on ``x``'s device where it is on (the op's own dtypes, forward and
+    backward), else nothing."""
+    if _autocast_on(x.device.type):
+        return torch.autocast(x.device.type, enabled=False)
+    return nullcontext()
+
+
+def _autocast_on(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type`` (never for a type without autocast: meta)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 def _rows(hidden: torch.Tensor, plan: Plan) -> torch.Tensor:
@@ -336,6 +404,8 @@ def linear_logprobs_and_entropy(
     *,
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    final_logit_softcapping: float | None = None,
     keep_mask: torch.Tensor | None = None,
     support_ids: torch.Tensor | None = None,
     support_offsets: torch.Tensor | None = None,
@@ -363,6 +433,34 @@ def linear_logprobs_and_entropy(
         z = (h W^\top + b) / \tau, \qquad \log p_y = z_y - \operatorname{lse}(z), \qquad
         H = \operatorname{lse}(z) - \sum_v \operatorname{softmax}(z)_v\, z_v .
 
+    Heads that scale or cap their logits (Cohere, Granite, Gemma-2/3), in Hugging Face's order:
+    ``x = h Wᵀ + b``, then ``x·s`` (``logit_scale``), then ``c·tanh(x/c)``
+    (``final_logit_softcapping``), then ``/ τ``, in the compute dtype chunk by chunk, exactly
+    as :func:`rlops.logprobs.logprobs_and_entropy` defines them; the gradients of ``hidden``,
+    ``weight`` and ``bias`` go through ``∂z/∂x = s·(1 − tanh²(s·x/c))/τ``, one more
+    ``[tile, V]`` temporary with a softcap, never ``[N, V]``.
+
+    Autocast: under ``torch.autocast`` on the hidden states' device, the hidden states, the
+    weight and the bias are multiplied in autocast's dtype, as ``F.linear`` would (each
+    float32 / float16 / bfloat16 one cast to it, float64 left alone; their gradients return in
+    their own dtypes, those of a cast float32 weight rounded through the autocast dtype, as
+    ``F.linear``'s are), and the softmax statistics are float32 as for half-precision inputs.
+    Autocast is off inside the op, forward and backward, so the backward recomputes the
+    forward's logits whether or not it runs under autocast. Without autocast, ``weight`` and
+    ``bias`` must have ``hidden``'s dtype.
+
+    Batch invariance (CPU): every matmul of the logits has a multiple of 16 rows (a chunk's
+    last block padded with zero rows), because a BLAS sums the rows a call leaves outside its
+    row tiles with another kernel (MKL: about one float32 ulp apart); so a row's log-prob and
+    entropy are the same bits whatever the other rows, N, ``chunk_size`` and padding rows
+    (measured with MKL and oneDNN at 1 and 2 threads, which agree). The cost is the padding
+    rows: none for the default chunks (multiples of 16) but in the last one; an explicit
+    ``chunk_size`` that is no multiple of 16 pays for them in every chunk, and fewer than 16
+    rows cost the matmul of 16 (N = 1, V = 32000, H = 512: about 2x the forward and backward
+    of a one-row matrix-vector product). The gradient of the
+    hidden states is within the rule, not bitwise: its sum over the vocabulary runs in tiles
+    whose width follows N.
+
     Vocabulary-parallel over ``group``: rank ``r`` holds the rows of the output weight for the
     ids that follow the shards of ranks ``< r`` (``[r·V_local, (r+1)·V_local)`` for equal
     shards). The forward issues one collective for the statistics, after the consistency check
@@ -377,13 +475,18 @@ def linear_logprobs_and_entropy(
 
     Args:
         hidden: ``[..., H]`` (typically ``[N, H]``) float16 / bfloat16 / float32 / float64.
-        weight: ``[V_local, H]``, the output layer's weight (its shard), same dtype as hidden.
+        weight: ``[V_local, H]``, the output layer's weight (its shard), same dtype as hidden
+            (under autocast: any of autocast's, above).
         bias: ``[V_local]``, the output layer's bias (its shard, the entries of the ids of
             ``weight``'s rows), same dtype and device as hidden, or None (no bias). Its
             gradient is the logits' gradient summed over the tokens, chunk by chunk
             (accumulated in float32 for half precision).
         target: ``[...]`` integer ids in the global vocabulary ``[0, Σ_r V_local_r)``.
-        temperature: ``> 0``; divides the logits.
+        temperature: ``> 0``; divides the logits, after the scale and the softcap.
+        logit_scale: finite ``> 0``; multiplies the logits first (Cohere's ``logit_scale``;
+            Granite's ``logits_scaling`` divides them: pass ``1 / logits_scaling``).
+        final_logit_softcapping: None (off), or a finite ``c > 0``: the logits become
+            ``c·tanh(logits / c)`` after the scale (Gemma-2/3's).
         keep_mask: ``[..., V_local]`` bool (the support as a mask, e.g. from the engine), read
             chunk by chunk: the log-prob over the kept logits (the target always kept), the
             entropy over all. Not with the sampler filters.
@@ -410,7 +513,8 @@ def linear_logprobs_and_entropy(
             backward (use it when the entropy is only logged).
         group: the tensor-parallel process group, or None (one process, no collective).
         chunk_size: tokens per chunk (``>= 1``); None picks a bound of 32 MiB per
-            ``[chunk, V_local]`` float32 buffer on CPU and 128 MiB on accelerators.
+            ``[chunk, V_local]`` float32 buffer on CPU and 128 MiB on accelerators (a multiple
+            of 16 rows where it is more).
         with_sum_pi_squared: also return ``Σ_v π_v²`` of the log-prob's distribution,
             detached, as :func:`rlops.logprobs.logprobs_and_entropy` defines it (one more
             column in the same collective under a group).
@@ -434,8 +538,11 @@ def linear_logprobs_and_entropy(
         >>> linear_logprobs_and_entropy(hidden, weight, torch.tensor([0, 2]), bias=bias)[0]
         tensor([-0.4076, -0.5514])
     """
+    hidden, weight, bias = _autocast(hidden, weight, bias)
     options = _engine.Options(
         temperature=temperature,
+        logit_scale=logit_scale,
+        final_logit_softcapping=final_logit_softcapping,
         keep_mask=keep_mask,
         support_ids=support_ids,
         support_offsets=support_offsets,
@@ -453,12 +560,22 @@ def linear_logprobs_and_entropy(
     inputs, plan, sel = _engine.prepare(
         _OP, hidden, options, lambda: _checked(hidden, weight, bias, target, options)
     )
-    logp, ent, squares = _FusedLinearLogprobsEntropy.apply(
-        inputs.x, inputs.weight, inputs.bias, (inputs.target, inputs.keep, *sel), plan
-    )
+    with _no_autocast(inputs.x):
+        logp, ent, squares = _FusedLinearLogprobsEntropy.apply(
+            inputs.x, inputs.weight, inputs.bias, (inputs.target, inputs.keep, *sel), plan
+        )
     if with_sum_pi_squared:
         return logp, (ent if with_entropy else None), squares
     return logp, (ent if with_entropy else None)
+
+
+def _default_chunk(n: int, v_local: int, device: torch.device) -> int | None:
+    """The default chunk, rounded down to a multiple of :data:`ROW_ALIGN` rows where it holds
+    more (no padding rows but in the last chunk)."""
+    chunk = default_chunk(n, v_local, device, linear=True)
+    if chunk is None or chunk < ROW_ALIGN or chunk >= n:
+        return chunk
+    return chunk // ROW_ALIGN * ROW_ALIGN
 
 
 def _checked(
@@ -482,6 +599,8 @@ def _checked(
             raise shape_error("bias", f"[V_local] like weight's rows [{weight.shape[0]}]",
                               bias.shape)  # fmt: skip
     temperature = check_temperature(options.temperature)
+    logit_scale = check_logit_scale(options.logit_scale)
+    softcap = check_softcap(options.final_logit_softcapping)
     check_flags(
         with_entropy=options.with_entropy,
         entropy_grad=options.entropy_grad,
@@ -508,8 +627,10 @@ def _checked(
         target=target,
         keep=keep_mask,
         temperature=temperature,
+        logit_scale=logit_scale,
+        softcap=softcap,
         v_local=v_local,
-        chunk=chunk if chunk is not None else default_chunk(n, v_local, hidden.device, linear=True),
+        chunk=chunk if chunk is not None else _default_chunk(n, v_local, hidden.device),
         hidden=weight.shape[1],
         mask=mask,
         support=support,

@@ -77,6 +77,8 @@ def logprobs_and_entropy_reference(
     target: torch.Tensor,
     *,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    final_logit_softcapping: float | None = None,
     keep_mask: torch.Tensor | None = None,
     top_k: int | torch.Tensor | None = None,
     top_p: float | torch.Tensor | None = None,
@@ -90,7 +92,9 @@ def logprobs_and_entropy_reference(
 ):
     """Reference log-probs and entropy over the full vocabulary ``[..., V]``.
 
-    ``z = logits / temperature`` in float32 (float64 stays float64); the support ``K`` is
+    ``z = logits / temperature`` in float32 (float64 stays float64), after Hugging Face's head
+    maps: ``x = logits · logit_scale``, then with ``final_logit_softcapping = c``
+    ``x = c · tanh(x / c)``; the support ``K`` is
     ``keep_mask``, or the sampler's (:func:`sampler_keep_mask` on ``z``, in that dtype), and
     always holds the target;
     ``logp = log_softmax(z masked to K).gather(target)``;
@@ -107,7 +111,12 @@ def logprobs_and_entropy_reference(
         ...     torch.zeros(1, 4), torch.tensor([2]), top_k=2, with_entropy=False)[0]
         tensor([-1.3863])
     """
-    z = logits.to(compute_dtype(logits.dtype)) / temperature
+    x = logits.to(compute_dtype(logits.dtype))
+    if logit_scale != 1.0:
+        x = x * logit_scale
+    if final_logit_softcapping is not None:
+        x = final_logit_softcapping * torch.tanh(x / final_logit_softcapping)
+    z = x / temperature
     idx = target.long().unsqueeze(-1)
     if top_k is not None or top_p is not None or min_p is not None:
         if keep_mask is not None:
@@ -140,6 +149,8 @@ def linear_logprobs_and_entropy_reference(
     *,
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    final_logit_softcapping: float | None = None,
     keep_mask: torch.Tensor | None = None,
     top_k: int | torch.Tensor | None = None,
     top_p: float | torch.Tensor | None = None,
@@ -165,6 +176,8 @@ def linear_logprobs_and_entropy_reference(
         torch.nn.functional.linear(hidden, weight, bias),
         target,
         temperature=temperature,
+        logit_scale=logit_scale,
+        final_logit_softcapping=final_logit_softcapping,
         keep_mask=keep_mask,
         top_k=top_k,
         top_p=top_p,
