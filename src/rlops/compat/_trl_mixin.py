@@ -232,6 +232,7 @@ class GRPOMixin:
                 )
             # the hidden state at position p predicts token p + 1
             hidden = out.hidden_states[-1][:, -k - 1 : -1].to(weight.dtype)
+            valid = am[:, -k:].bool()  # padding after a completion's end costs nothing
             lp, ent = rlops.linear_logprobs_and_entropy(
                 hidden,
                 weight,
@@ -240,13 +241,13 @@ class GRPOMixin:
                 temperature=t.temperature,
                 with_entropy=compute_entropy,
                 entropy_grad=entropy_grad,
+                mask=valid,
                 **scaled,
             )
-            valid = am[:, -k:].bool()
-            logps.append(torch.where(valid, lp, 0))
+            logps.append(lp)
             if compute_entropy:
                 assert ent is not None
-                entropies.append(torch.where(valid, ent, 0))
+                entropies.append(ent)
         return (torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None)
 
     # ----------------------------------------------------------------------------- advantages
