@@ -40,6 +40,7 @@ __all__ = [
     "check_generator",
     "check_ids",
     "check_indicator",
+    "check_logit_scale",
     "check_matrix",
     "check_nonneg",
     "check_per_row",
@@ -47,6 +48,7 @@ __all__ = [
     "check_real",
     "check_same_device",
     "check_same_shape",
+    "check_softcap",
     "check_unit_interval",
     "compute_dtype",
     "is_finite",
@@ -448,3 +450,13 @@ def check_cp_rank(cp_size: object, cp_rank: object) -> None:
         raise ValueError(f"cp_size must be >= 1, got {cp_size}")
     if not 0 <= rank < size:
         raise ValueError(f"cp_rank must be in [0, {size - 1}], got {cp_rank}")
+
+
+def check_logit_scale(value: object) -> float:
+    """A finite ``logit_scale > 0`` as a float (TypeError / ValueError naming it)."""
+    return check_finite_positive("logit_scale", value)
+
+
+def check_softcap(value: object) -> float | None:
+    """None (off), or a finite ``final_logit_softcapping > 0`` as a float."""
+    return None if value is None else check_finite_positive("final_logit_softcapping", value)

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 import rlops
+from rlops._checks import check_logit_scale, check_softcap
 from rlops._types import Group
 from rlops.compat._trl_loss import LOSS_TYPES, SUPPORTED_TRL, _loss_and_stats, grpo_advantages
-from rlops.logprobs._head import check_logit_scale, check_softcap
 
 __all__ = ["GRPOMixin", "patch"]
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlops._checks import is_finite
+from rlops._checks import check_logit_scale, check_softcap
 
 __all__ = ["Head", "check_logit_scale", "check_softcap"]
 
@@ -87,26 +87,3 @@ class Head:
         if self.softcap is not None:
             z = torch.tanh(z / self.softcap) * self.softcap
         return z / self.temperature
-
-
-def _positive(name: str, value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    v = float(value)
-    if not (v > 0 and is_finite(v)):
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
-    return v
-
-
-def check_logit_scale(value: object) -> float:
-    """A finite ``logit_scale > 0`` as a float (TypeError / ValueError naming it)."""
-    v = _positive("logit_scale", value)
-    assert v is not None
-    return v
-
-
-def check_softcap(value: object) -> float | None:
-    """None (off), or a finite ``final_logit_softcapping > 0`` as a float."""
-    if value is None:
-        return None
-    return _positive("final_logit_softcapping", value)
