@@ -170,3 +170,15 @@ def test_a_function_without_global_counts_skips_micro_batches():
     assert report.ok and report["micro_batch_invariance"].ok is None
     assert "num_tokens" in report["micro_batch_invariance"].figure
     assert math.isfinite(report["values"].value)
+
+
+def test_a_function_that_counts_every_row_passes_when_told_so():
+    """TRL's convention (every row in the sequence means) is a choice, not a bug: with
+    ``empty_rows="count"`` the definition and the micro-batches' ``num_seqs`` follow it."""
+    report = check_policy_loss(
+        empty_rows_counted, agg="seq-mean-token-mean", clip_low=0.2, empty_rows="count"
+    )
+    assert report, str(report)
+    assert report["micro_batch_invariance"].ok is True, str(report)
+    with pytest.raises(ValueError, match="empty_rows must be one of"):
+        check_policy_loss(empty_rows_counted, agg="token-mean", empty_rows="all")

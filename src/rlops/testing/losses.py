@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from rlops._types import EMPTY_ROWS, EmptyRows
 from rlops.losses import AGG_MODES, policy_loss
 from rlops.testing._common import accepts, first, generator, measure, run_checks
 from rlops.testing.report import Report
@@ -64,6 +65,7 @@ def check_policy_loss(
     clip_low: float | None = None,
     clip_high: float | None = None,
     loss_scale_factor: float | None = None,
+    empty_rows: EmptyRows = "skip",
     device: str | torch.device = "cpu",
     seed: int = 0,
     **kind_params: object,
@@ -103,6 +105,10 @@ def check_policy_loss(
         kind: the policy-loss kind ``fn`` computes (see :func:`rlops.policy_loss`).
         clip_low, clip_high: the clips ``fn`` uses (None: the kind's defaults).
         loss_scale_factor: ``L`` of ``seq-mean-token-sum-norm`` (None: ``T``).
+        empty_rows: how ``fn`` counts the row without an action token in the sequence means:
+            ``"skip"`` (verl's convention) or ``"count"`` (TRL's ``grpo`` / ``dr_grpo``:
+            every row), see :func:`rlops.aggregate_loss`. The global ``num_seqs`` given to the
+            micro-batches follows it.
         device: where the inputs are made; the definition runs on the CPU in float64.
         seed: the seed of the inputs.
         **kind_params: further options of the kind (``dual_clip=3.0`` for verl's
@@ -122,6 +128,8 @@ def check_policy_loss(
     """
     if agg not in AGG_MODES:
         raise ValueError(f"agg must be one of {list(AGG_MODES)}, got {agg!r}")
+    if empty_rows not in EMPTY_ROWS:
+        raise ValueError(f"empty_rows must be one of {list(EMPTY_ROWS)}, got {empty_rows!r}")
     dev = torch.device(device)
     options: dict[str, object] = dict(kind_params)
     if clip_low is not None:
@@ -143,6 +151,7 @@ def check_policy_loss(
             kind=kind,
             agg=agg,
             loss_scale_factor=loss_scale_factor,
+            empty_rows=empty_rows,
             **extra,
         )[0]
 
@@ -210,7 +219,8 @@ def check_policy_loss(
                 "which the function does not take",
             )
         keep = mask.cpu()
-        counts_all = {"num_tokens": float(keep.sum()), "num_seqs": float(keep.any(-1).sum())}
+        seqs = keep.shape[0] if empty_rows == "count" else keep.any(-1).sum()
+        counts_all = {"num_tokens": float(keep.sum()), "num_seqs": float(seqs)}
         counts = {n: counts_all[n] for n in names}
         lp = logp.clone().requires_grad_(True)
         full = call(lp, old, adv, mask)
@@ -253,4 +263,6 @@ def check_policy_loss(
         "micro_batch_invariance": micro_batch_invariance,
     }
     shown = [f"agg={agg!r}", f"kind={kind!r}"]
+    if empty_rows != "skip":
+        shown.append(f"empty_rows={empty_rows!r}")
     return run_checks("check_policy_loss", fn, shown, POLICY_LOSS_CHECKS, _EXPLAIN, bodies)
