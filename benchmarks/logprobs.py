@@ -313,18 +313,11 @@ def _agentic_inputs(n: int, v: int, h: int, valid: float):
 
 
 def setup_agentic_linear(n: int, v: int, h: int, valid: float, masked: bool) -> Callable:
-    """The linear op forward + backward, with or without the row mask."""
-    torch, _, hidden, weight, target, mask, grads = _agentic_inputs(n, v, h, valid)
-    from rlops.logprobs import linear_logprobs_and_entropy
+    """The linear op forward + backward, with or without the row mask (``rlops bench``'s
+    workload, :func:`rlops.measure.workloads.setup_agentic`)."""
+    from rlops.measure.workloads import setup_agentic
 
-    kw = {"mask": mask} if masked else {}
-
-    def step() -> None:
-        torch.autograd.backward(list(linear_logprobs_and_entropy(hidden, weight, target, **kw)),
-                                grads)  # fmt: skip
-        hidden.grad = weight.grad = None
-
-    return step
+    return setup_agentic(n, v, h, "mask" if masked else "all", valid=valid)
 
 
 def setup_agentic_logits(n: int, v: int, h: int, valid: float, masked: bool) -> Callable:
@@ -345,28 +338,10 @@ def setup_agentic_logits(n: int, v: int, h: int, valid: float, masked: bool) -> 
 def setup_agentic_support(n: int, v: int, h: int, ids: int, form: str) -> Callable:
     """The linear op forward + backward with ``ids`` kept ids per row given as CSR, as the
     dense keep mask (built inside the step, as a trainer does from the engine's sets), or no
-    support (``form``: ``"csr"``, ``"dense"``, ``"none"``)."""
-    torch, gen, hidden, weight, target, _, grads = _agentic_inputs(n, v, h, 1.0)
-    from rlops.logprobs import linear_logprobs_and_entropy
+    support (``form``: ``"csr"``, ``"dense"``, ``"none"``): ``rlops bench``'s workload."""
+    from rlops.measure.workloads import setup_agentic
 
-    support_ids = torch.randint(0, v, (n * ids,), generator=gen)
-    offsets = torch.arange(0, n * ids + 1, ids)
-
-    def kw() -> dict:
-        if form == "csr":
-            return {"support_ids": support_ids, "support_offsets": offsets}
-        if form == "dense":
-            keep = torch.zeros(n, v, dtype=torch.bool)
-            keep[torch.arange(n).repeat_interleave(ids), support_ids] = True
-            return {"keep_mask": keep}
-        return {}
-
-    def step() -> None:
-        outs = linear_logprobs_and_entropy(hidden, weight, target, **kw())
-        torch.autograd.backward(list(outs), grads)
-        hidden.grad = weight.grad = None
-
-    return step
+    return setup_agentic(n, v, h, "all" if form == "none" else form, ids=ids)
 
 
 def agentic(
