@@ -141,3 +141,11 @@ def test_rlops_op_passes_at_the_defaults_bitwise():
     print(report)
     report.raise_if_failed()
     assert report["batch_invariance"].value == 0.0
+
+
+def test_an_op_with_a_keyword_only_temperature_is_checked_as_it_is():
+    """``rlops.logprobs_and_entropy`` takes the temperature by keyword: the check passes it so
+    (``rlops check logprobs rlops:logprobs_and_entropy`` needs no wrapper)."""
+    report = check_logprobs(rlops.logprobs_and_entropy, **SMALL)
+    assert report, str(report)
+    assert report["temperature"].ok, str(report)

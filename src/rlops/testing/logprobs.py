@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 
@@ -45,11 +46,24 @@ _EXPLAIN = {
 }
 
 
+def _keyword_only(fn: Callable) -> bool:
+    """Whether ``fn`` takes ``temperature`` as a keyword-only argument."""
+    try:
+        p = inspect.signature(fn).parameters.get("temperature")
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return p is not None and p.kind is p.KEYWORD_ONLY
+
+
 def _call(
     fn: Callable, logits: torch.Tensor, target: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``fn``'s ``(logp [N], entropy [N] | None)``, its shapes checked."""
-    out = fn(logits, target, temperature)
+    """``fn``'s ``(logp [N], entropy [N] | None)``, its shapes checked. The temperature goes
+    by keyword where ``fn`` takes it only so (``rlops.logprobs_and_entropy`` itself)."""
+    if _keyword_only(fn):
+        out = fn(logits, target, temperature=temperature)
+    else:
+        out = fn(logits, target, temperature)
     logp, ent = (
         (out[0], out[1] if len(out) > 1 else None)
         if isinstance(out, (tuple, list))
@@ -134,7 +148,8 @@ def check_logprobs(
     """Check a log-prob (and entropy) function against the definition.
 
     ``fn(logits [N, V], target [N], temperature) -> logp [N]`` or ``(logp [N], entropy [N] |
-    None)``, where ``logp = log_softmax(logits / temperature)[target]`` and
+    None)`` (a keyword-only ``temperature`` is passed by keyword), where
+    ``logp = log_softmax(logits / temperature)[target]`` and
     ``entropy = −Σ_v p_v·log p_v`` with ``p = softmax(logits / temperature)``. The definition
     is :func:`rlops.logprobs.reference.logprobs_and_entropy_reference` in float64; the rule for
     an output in dtype ``d``: every element within ``2·e + 4 ulps`` of the definition, ``e``
