@@ -134,3 +134,21 @@ def test_two_gloo_ranks_sum_to_the_whole_batch():
         if mode == "seq-mean-token-sum":  # each action token's weight is 1/S
             for rank, rows in ((0, [0, 2]), (1, [1, 3])):
                 torch.testing.assert_close(ranks[rank]["dp grad"], MASK[rows].double() / 4)
+
+
+def test_compiles_with_fullgraph_at_two_batch_sizes():
+    """``empty_rows="count"`` under ``torch.compile(fullgraph=True, dynamic=True)``: the value
+    and the gradient equal the eager call's, by hand-computed S = B."""
+
+    def fn(x, m):
+        return rlops.aggregate_loss(x, m, "seq-mean-token-sum", empty_rows="count")
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager", dynamic=True)
+    for b in (4, 6):
+        x = torch.arange(b * 3, dtype=torch.float64).reshape(b, 3).requires_grad_(True)
+        m = torch.zeros(b, 3, dtype=torch.bool)
+        m[0, :2] = True  # one row with action tokens, b - 1 without
+        got = compiled(x, m)
+        assert got.item() == pytest.approx((0.0 + 1.0) / b, rel=1e-15)
+        got.backward()
+        torch.testing.assert_close(x.grad, m.double() / b, rtol=0, atol=0)
