@@ -1,7 +1,8 @@
 """PPO-family losses on ``[B, T]`` token tensors: KL estimators, policy and value losses, and the
 aggregation of a per-token loss matrix into a scalar.
 
-Modules: ``aggregation`` (:func:`aggregate_loss`, the modes and the global normalisers),
+Modules: ``aggregation`` (:func:`aggregate_loss`, the modes, the global normalisers and
+:class:`AggregationOptions`, the keywords every loss passes to its aggregation),
 ``kl`` (:func:`kl_penalty`), ``entropy`` (:func:`entropy_loss`), ``kinds`` (the per-token
 loss of each policy-loss kind), ``policy`` (:func:`policy_loss`), ``value`` (:func:`value_loss`);
 ``_checks`` holds the package's argument checks (each public function checks once, then calls
@@ -24,10 +25,10 @@ Numerical rules:
 """
 
 from rlops.losses._common import MAX_EXP_ARG
-from rlops.losses.aggregation import AGG_MODES, aggregate_loss
+from rlops.losses.aggregation import AGG_MODES, AggregationOptions, aggregate_loss
 from rlops.losses.entropy import entropy_loss
 from rlops.losses.kl import KL_KINDS, kl_penalty
-from rlops.losses.policy import POLICY_KINDS, policy_loss
+from rlops.losses.policy import POLICY_KINDS, PolicyLossOptions, policy_loss
 from rlops.losses.value import value_loss
 
 __all__ = [
@@ -35,6 +36,8 @@ __all__ = [
     "KL_KINDS",
     "MAX_EXP_ARG",
     "POLICY_KINDS",
+    "AggregationOptions",
+    "PolicyLossOptions",
     "aggregate_loss",
     "entropy_loss",
     "kl_penalty",

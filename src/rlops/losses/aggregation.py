@@ -5,8 +5,12 @@ for packed rows (``seq_ids``)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TypedDict, cast
 
 import torch
+from typing_extensions import Unpack  # torch's own dependency (typing.Unpack: 3.11+)
 
 from rlops._checks import (
     as_bool_mask,
@@ -22,71 +26,173 @@ from rlops.losses._checks import AGG_MODES, check_agg, check_normalisers
 
 __all__ = [
     "AGG_MODES",
-    "aggregate",
+    "Aggregation",
+    "AggregationOptions",
     "aggregate_loss",
-    "describe",
     "loss_and_metrics",
-    "make_rows",
 ]
 
 
+class AggregationOptions(TypedDict, total=False):
+    """The keyword arguments that every loss of the package passes to its aggregation
+    (:func:`aggregate_loss`, :func:`~rlops.losses.policy_loss`,
+    :func:`~rlops.losses.value_loss`, :func:`~rlops.losses.entropy_loss`): the global
+    normalisers, the data- and context-parallel groups, the packed sequences and the rule for
+    rows without an action token. Each is optional; :func:`aggregate_loss` explains what they
+    mean together.
+
+    Attributes:
+        loss_scale_factor: ``L`` for ``seq-mean-token-sum-norm`` (``> 0``); ignored otherwise.
+            Default None (``T``).
+        num_tokens: action tokens of the global batch, for ``token-mean``: a finite number
+            ``>= 0`` or a 0-dim tensor (a constant: detached). 0 is for a call without action
+            tokens (its loss is 0, with gradient 0: a rank with nothing to do still joins);
+            with action tokens it raises ``ValueError``. Negative, NaN or infinite counts raise
+            ``ValueError`` when given as a number or a CPU tensor; a tensor on an accelerator
+            is not read (no host synchronisation, unless ``RLOPS_CHECK_VALUES=1``): there such a
+            count gives a non-finite loss instead (``x/0``, NaN). A tensor on the meta device
+            raises ``ValueError`` unless the loss is on the meta device too. Default None (this
+            call's own count).
+        num_seqs: rows with an action token in the global batch, for the seq-mean modes; the
+            same rules as ``num_tokens``.
+        group: a data-parallel process group with one micro-batch per rank, instead of the two
+            counts (DP×CP with ``cp_group``). Default None.
+        cp_group: the context-parallel group whose ranks hold pieces of the same rows (the
+            ranks' losses sum to the whole rows' loss, each rank's gradient is the whole rows'
+            gradient on its tokens), or None (the default).
+        cp_layout: ``"zigzag"`` (the default) or ``"contiguous"``: how rows are split over
+            ``cp_group``.
+        seq_ids: None, or ``[B, T]`` integer ids of the packed sequences (ids of mask-0 tokens
+            are ignored; those of action tokens must lie in ``[0, seqs_per_row)``).
+        seqs_per_row: with ``seq_ids``, the number ``K`` of sequence slots per row (an int,
+            the same on every rank).
+        empty_rows: ``"skip"`` (the default) or ``"count"``: whether rows without an action
+            token count in ``S`` (not with ``seq_ids``: pass ``num_seqs`` there).
+    """
+
+    loss_scale_factor: float | None
+    num_tokens: float | torch.Tensor | None
+    num_seqs: float | torch.Tensor | None
+    group: Group
+    cp_group: Group
+    cp_layout: CPLayout
+    seq_ids: torch.Tensor | None
+    seqs_per_row: int | None
+    empty_rows: EmptyRows
+
+
+#: the keys of :class:`AggregationOptions`
+AGGREGATION_KEYS = frozenset(AggregationOptions.__annotations__)
+
+
 # --------------------------------------------------------------------------- normalisers
-def describe(
-    op: str,
-    agg: str | None,
-    loss_scale_factor: float | None,
-    t: int,
-    implied: dict | None = None,
-    rows: Rows | None = None,
-    **fields: object,
-) -> Call:
-    """What a call on a group must agree on: the function, its aggregation mode, the
-    normaliser ``L`` of ``seq-mean-token-sum-norm`` (``loss_scale_factor``, else ``T``: the same
-    on every micro-batch), the rows' context-parallel and packing arguments and the function's
-    own ``fields``. Sets ``rows.call``."""
-    norm = None
-    if agg == "seq-mean-token-sum-norm":
-        norm = loss_scale_factor if loss_scale_factor is not None else float(t)
-    extra = rows.fields() if rows is not None else {}
-    call = Call(
-        op, implied=implied, agg=agg, **{"loss_scale_factor (or T)": norm}, **extra, **fields
-    )
-    if rows is not None:
-        rows.call = call
-    return call
+@dataclass
+class Aggregation:
+    """A loss call's checked aggregation: its mode, the normaliser ``L`` of
+    ``seq-mean-token-sum-norm``, the global counts, the data-parallel ``group`` and the rows
+    (:class:`Rows`: the bool mask, the context-parallel group and layout, the packed
+    sequences). Made once per public call by :meth:`checked`; :meth:`describe` then says what
+    the ranks of a group must agree on, and :meth:`reduce` aggregates the per-token loss and
+    the metrics."""
 
+    mode: str | None
+    loss_scale_factor: float | None
+    num_tokens: float | torch.Tensor | None
+    num_seqs: float | torch.Tensor | None
+    group: Group
+    rows: Rows
+    dtype: torch.dtype
 
-def make_rows(
-    keep: torch.Tensor,
-    dtype: torch.dtype,
-    agg: str | None,
-    loss_scale_factor: float | None,
-    group: Group,
-    cp_group: Group,
-    cp_layout: object,
-    seq_ids: object,
-    seqs_per_row: object,
-    empty_rows: object = "skip",
-) -> Rows:
-    """The checked :class:`Rows` of a loss call; under context parallelism
-    ``seq-mean-token-sum-norm`` needs ``loss_scale_factor`` (a shard does not know the whole
-    row's ``T``)."""
-    rows = Rows(
-        keep,
-        dtype,
-        cp_group=cp_group,
-        cp_layout=cp_layout,
-        seq_ids=seq_ids,
-        seqs_per_row=seqs_per_row,
-        group=group,
-        empty_rows=empty_rows,
-    )
-    if rows.cp and agg == "seq-mean-token-sum-norm" and loss_scale_factor is None:
-        raise ValueError(
-            "agg='seq-mean-token-sum-norm' with cp_group needs loss_scale_factor (the constant "
-            "L, e.g. the whole row's length): a shard's own T is not the row's"
+    @classmethod
+    def checked(
+        cls,
+        fn: str,
+        keep: torch.Tensor,
+        ref: torch.Tensor,
+        mode: object,
+        options: Mapping[str, object],
+        *,
+        mode_name: str = "agg",
+        optional: bool = True,
+    ) -> Aggregation:
+        """Check ``mode`` (``None`` allowed where ``optional``: the per-token matrix) and the
+        :class:`AggregationOptions` of a call of ``fn`` (``keep``: its bool mask; ``ref``: its
+        loss input, whose dtype gives the computation's). Under context parallelism
+        ``seq-mean-token-sum-norm`` needs ``loss_scale_factor`` (a shard does not know the
+        whole row's ``T``)."""
+        unknown = sorted(set(options) - AGGREGATION_KEYS)
+        if unknown:
+            raise TypeError(
+                f"{fn}() got unexpected keyword argument(s) {unknown}; the aggregation's are "
+                f"{sorted(AGGREGATION_KEYS)}"
+            )
+        opt = cast(AggregationOptions, options)
+        lsf = check_agg(mode_name, mode, opt.get("loss_scale_factor"), optional=optional)
+        group = opt.get("group")
+        counts = check_normalisers(opt.get("num_tokens"), opt.get("num_seqs"), group, ref)
+        dtype = compute_dtype(ref.dtype)
+        rows = Rows(
+            keep,
+            dtype,
+            cp_group=opt.get("cp_group"),
+            cp_layout=opt.get("cp_layout", "zigzag"),
+            seq_ids=opt.get("seq_ids"),
+            seqs_per_row=opt.get("seqs_per_row"),
+            group=group,
+            empty_rows=opt.get("empty_rows", "skip"),
         )
-    return rows
+        if rows.cp and mode == "seq-mean-token-sum-norm" and lsf is None:
+            raise ValueError(
+                "agg='seq-mean-token-sum-norm' with cp_group needs loss_scale_factor (the "
+                "constant L, e.g. the whole row's length): a shard's own T is not the row's"
+            )
+        return cls(cast(str | None, mode), lsf, *counts, group, rows, dtype)
+
+    def describe(self, op: str, implied: dict | None = None, **fields: object) -> Call:
+        """What a call on a group must agree on: the function ``op``, its aggregation mode,
+        the normaliser ``L`` of ``seq-mean-token-sum-norm`` (``loss_scale_factor``, else
+        ``T``: the same on every micro-batch), the rows' context-parallel and packing
+        arguments and the function's own ``fields``. Sets ``rows.call``."""
+        norm = None
+        if self.mode == "seq-mean-token-sum-norm":
+            lsf = self.loss_scale_factor
+            norm = lsf if lsf is not None else float(self.rows.keep.shape[-1])
+        call = Call(
+            op,
+            implied=implied,
+            agg=self.mode,
+            **{"loss_scale_factor (or T)": norm},
+            **self.rows.fields(),
+            **fields,
+        )
+        self.rows.call = call
+        return call
+
+    def masked(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` in the computation dtype, 0 off the action tokens (before any arithmetic:
+        NaN or inf there reaches neither the loss nor its gradient)."""
+        return torch.where(self.rows.keep, x.to(self.dtype), 0)
+
+    def reduce(
+        self,
+        loss_mat: torch.Tensor,
+        call: Call,
+        metric_sums: dict[str, tuple[torch.Tensor, str]] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The aggregated ``loss_mat`` (0 off the action tokens) and the metrics of
+        ``metric_sums``: :func:`loss_and_metrics`."""
+        return loss_and_metrics(
+            loss_mat,
+            self.rows,
+            self.mode,
+            self.loss_scale_factor,
+            self.dtype,
+            self.num_tokens,
+            self.num_seqs,
+            self.group,
+            call,
+            metric_sums or {},
+        )
 
 
 _SEQ_MODES = ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -253,40 +359,12 @@ def loss_and_metrics(
     return _aggregate(loss_mat, rows, agg, loss_scale_factor, denom), metrics
 
 
-def aggregate(
-    loss_mat: torch.Tensor,
-    rows: Rows,
-    mode: str,
-    loss_scale_factor: float | None,
-    num_tokens: float | torch.Tensor | None,
-    num_seqs: float | torch.Tensor | None,
-    group: Group,
-    call: Call,
-) -> torch.Tensor:
-    """:func:`aggregate_loss` on checked arguments (``rows``: the bool mask and the rows), for
-    the package's public functions that check their own; ``call`` describes the public call."""
-    dtype = compute_dtype(loss_mat.dtype)
-    x = torch.where(rows.keep, loss_mat.to(dtype), 0)
-    return loss_and_metrics(
-        x, rows, mode, loss_scale_factor, dtype, num_tokens, num_seqs, group, call, {}
-    )[0]
-
-
 @fails_together()
 def aggregate_loss(
     loss_mat: torch.Tensor,
     mask: torch.Tensor,
     mode: str = "token-mean",
-    *,
-    loss_scale_factor: float | None = None,
-    num_tokens: float | torch.Tensor | None = None,
-    num_seqs: float | torch.Tensor | None = None,
-    group: Group = None,
-    cp_group: Group = None,
-    cp_layout: CPLayout = "zigzag",
-    seq_ids: torch.Tensor | None = None,
-    seqs_per_row: int | None = None,
-    empty_rows: EmptyRows = "skip",
+    **options: Unpack[AggregationOptions],
 ) -> torch.Tensor:
     """Reduce a per-token loss ``[B, T]`` to a scalar, with verl's ``loss_agg_mode`` names.
 
@@ -350,27 +428,10 @@ def aggregate_loss(
         loss_mat: ``[B, T]`` per-token loss.
         mask: ``[B, T]`` 0/1 action mask.
         mode: one of :data:`AGG_MODES`.
-        loss_scale_factor: ``L`` for ``seq-mean-token-sum-norm`` (``> 0``); ignored otherwise.
-        num_tokens: action tokens of the global batch, for ``token-mean``: a finite number
-            ``>= 0`` or a 0-dim tensor (a constant: detached). 0 is for a call without action
-            tokens (its loss is 0, with gradient 0: a rank with nothing to do still joins);
-            with action tokens it raises ``ValueError``. Negative, NaN or infinite counts raise
-            ``ValueError`` when given as a number or a CPU tensor; a tensor on an accelerator
-            is not read (no host synchronisation, unless ``RLOPS_CHECK_VALUES=1``): there such a
-            count gives a non-finite loss instead (``x/0``, NaN). A tensor on the meta device
-            raises ``ValueError`` unless the loss is on the meta device too.
-        num_seqs: rows with an action token in the global batch, for the seq-mean modes; the
-            same rules as ``num_tokens``.
-        group: a data-parallel process group with one micro-batch per rank, instead of the two
-            counts (DP×CP with ``cp_group``).
-        cp_group: the context-parallel group whose ranks hold pieces of the same rows, or None.
-        cp_layout: ``"zigzag"`` or ``"contiguous"``: how rows are split over ``cp_group``.
-        seq_ids: None, or ``[B, T]`` integer ids of the packed sequences (ids of mask-0 tokens
-            are ignored; those of action tokens must lie in ``[0, seqs_per_row)``).
-        seqs_per_row: with ``seq_ids``, the number ``K`` of sequence slots per row (an int,
-            the same on every rank).
-        empty_rows: ``"skip"`` or ``"count"``: whether rows without an action token count in
-            ``S`` (not with ``seq_ids``: pass ``num_seqs`` there).
+        **options: the global normalisers (``num_tokens``, ``num_seqs``,
+            ``loss_scale_factor``), the groups (``group``, ``cp_group``, ``cp_layout``), the
+            packed sequences (``seq_ids``, ``seqs_per_row``) and ``empty_rows``, each
+            described in :class:`AggregationOptions`; another keyword is a ``TypeError``.
 
     Returns:
         0-dim tensor, float32 for half inputs, else ``loss_mat``'s dtype. Differentiable.
@@ -395,9 +456,7 @@ def aggregate_loss(
     """
     check_2d("loss_mat", loss_mat)
     keep = as_bool_mask("mask", mask, loss_mat.shape, "loss_mat", loss_mat)
-    loss_scale_factor = check_agg("mode", mode, loss_scale_factor, optional=False)
-    num_tokens, num_seqs = check_normalisers(num_tokens, num_seqs, group, loss_mat)
-    layout = (group, cp_group, cp_layout, seq_ids, seqs_per_row, empty_rows)
-    rows = make_rows(keep, compute_dtype(loss_mat.dtype), mode, loss_scale_factor, *layout)
-    call = describe("aggregate_loss", mode, loss_scale_factor, loss_mat.shape[-1], rows=rows)
-    return aggregate(loss_mat, rows, mode, loss_scale_factor, num_tokens, num_seqs, group, call)
+    agg = Aggregation.checked(
+        "aggregate_loss", keep, loss_mat, mode, options, mode_name="mode", optional=False
+    )
+    return agg.reduce(agg.masked(loss_mat), agg.describe("aggregate_loss"))[0]

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
+from typing_extensions import Unpack  # torch's own dependency (typing.Unpack: 3.11+)
 
-from rlops._checks import as_bool_mask, check_2d, compute_dtype
-from rlops._types import CPLayout, EmptyRows, Group
+from rlops._checks import as_bool_mask, check_2d
 from rlops.distributed.collectives import fails_together
-from rlops.losses._checks import check_agg, check_coef, check_normalisers
-from rlops.losses.aggregation import aggregate, describe, make_rows
+from rlops.losses._checks import check_coef
+from rlops.losses.aggregation import Aggregation, AggregationOptions
 
 __all__ = ["entropy_loss"]
 
@@ -20,15 +20,7 @@ def entropy_loss(
     *,
     agg: str = "token-mean",
     coef: float | torch.Tensor = 1.0,
-    loss_scale_factor: float | None = None,
-    num_tokens: float | torch.Tensor | None = None,
-    num_seqs: float | torch.Tensor | None = None,
-    group: Group = None,
-    cp_group: Group = None,
-    cp_layout: CPLayout = "zigzag",
-    seq_ids: torch.Tensor | None = None,
-    seqs_per_row: int | None = None,
-    empty_rows: EmptyRows = "skip",
+    **options: Unpack[AggregationOptions],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Entropy bonus ``−coef·aggregate_loss(H, mask, agg)``, a term to *add* to the loss.
 
@@ -48,19 +40,12 @@ def entropy_loss(
             :func:`aggregate_loss`.
         coef: the bonus coefficient, a finite number, or a 0-dim floating tensor on the
             device (not read on the host; it may require grad).
-        loss_scale_factor: see :func:`aggregate_loss`.
-        num_tokens: see :func:`aggregate_loss` (global normalisers: with ``num_tokens``,
-            ``num_seqs`` or ``group``, the micro-batch losses then *sum* to the full-batch
-            loss).
-        num_seqs: see :func:`aggregate_loss`.
-        group: see :func:`aggregate_loss`.
-        cp_group: see :func:`aggregate_loss` (rows split
-            over context-parallel ranks: the ranks' losses sum to the whole rows' loss, each
-            rank's gradient is the whole rows' gradient on its tokens).
-        cp_layout: see :func:`aggregate_loss`.
-        seq_ids: see :func:`aggregate_loss` (packed sequences).
-        seqs_per_row: see :func:`aggregate_loss`.
-        empty_rows: see :func:`aggregate_loss` (rows without an action token in ``S``).
+        **options: the aggregation's normalisers, groups and packing
+            (:class:`rlops.losses.AggregationOptions`, as
+            :func:`aggregate_loss`): with ``num_tokens``, ``num_seqs`` or ``group`` the
+            micro-batch losses *sum* to the full-batch loss; with ``cp_group`` (rows split
+            over context-parallel ranks) the ranks' losses sum to the whole rows' loss, each
+            rank's gradient the whole rows' gradient on its tokens.
 
     Returns:
         ``(loss, metrics)``: the 0-dim loss (float32 for half inputs) and ``entropy``, the
@@ -82,15 +67,10 @@ def entropy_loss(
     """
     check_2d("entropy", entropy)
     keep = as_bool_mask("mask", mask, entropy.shape, "entropy", entropy)
-    loss_scale_factor = check_agg("agg", agg, loss_scale_factor, optional=False)
-    num_tokens, num_seqs = check_normalisers(num_tokens, num_seqs, group, entropy)
+    aggregation = Aggregation.checked("entropy_loss", keep, entropy, agg, options, optional=False)
     coef = check_coef(coef, entropy)
-    layout = (group, cp_group, cp_layout, seq_ids, seqs_per_row, empty_rows)
-    rows = make_rows(keep, compute_dtype(entropy.dtype), agg, loss_scale_factor, *layout)
-    call = describe("entropy_loss", agg, loss_scale_factor, entropy.shape[-1], rows=rows)
-    agg_entropy = aggregate(
-        entropy, rows, agg, loss_scale_factor, num_tokens, num_seqs, group, call
-    )
+    call = aggregation.describe("entropy_loss")
+    agg_entropy = aggregation.reduce(aggregation.masked(entropy), call)[0]
     if isinstance(coef, torch.Tensor):
         coef = coef.to(agg_entropy.dtype)
     return -coef * agg_entropy, {"entropy": agg_entropy.detach()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from typing_extensions import Unpack  # torch's own dependency (typing.Unpack: 3.11+)
 
 from rlops._checks import (
     as_bool_mask,
@@ -13,14 +14,39 @@ from rlops._checks import (
     check_same_shape,
     compute_dtype,
 )
-from rlops._types import CPLayout, EmptyRows, Group
 from rlops.distributed.collectives import fails_together
-from rlops.losses._checks import check_agg, check_normalisers, check_options
+from rlops.losses._checks import check_options
 from rlops.losses._common import constant
-from rlops.losses.aggregation import describe, loss_and_metrics, make_rows
+from rlops.losses.aggregation import AGGREGATION_KEYS, Aggregation, AggregationOptions
 from rlops.losses.kinds import CP_INEXACT, POLICY_KINDS, token_losses
 
-__all__ = ["POLICY_KINDS", "policy_loss", "row_geometric_mean"]
+__all__ = ["POLICY_KINDS", "PolicyLossOptions", "policy_loss", "row_geometric_mean"]
+
+
+class PolicyLossOptions(AggregationOptions, total=False):
+    """The keyword arguments of :func:`policy_loss` beside ``kind``, ``rollout_is_weights`` and
+    ``agg``: the aggregation's (:class:`rlops.losses.AggregationOptions`) and
+    the kinds' options, each a number, a numpy scalar or a 0-dim tensor (which kind takes
+    which, with its default and range: :func:`policy_loss`)."""
+
+    clip_low: float | torch.Tensor
+    clip_high: float | torch.Tensor | None
+    dual_clip: float | torch.Tensor | None
+    clip_ratio_c: float | torch.Tensor
+    level: str
+    tau_pos: float | torch.Tensor
+    tau_neg: float | torch.Tensor
+    clip_cov_ratio: float | torch.Tensor
+    clip_cov_lb: float | torch.Tensor
+    clip_cov_ub: float | torch.Tensor
+    generator: torch.Generator | None
+    kl_cov_ratio: float | torch.Tensor
+    ppo_kl_coef: float | torch.Tensor
+    k_pos: float | torch.Tensor
+    k_neg: float | torch.Tensor
+    lambda_pos: float | torch.Tensor
+    lambda_neg: float | torch.Tensor
+    dro_beta: float | torch.Tensor
 
 
 @fails_together()
@@ -33,16 +59,7 @@ def policy_loss(
     kind: str = "ppo",
     rollout_is_weights: torch.Tensor | None = None,
     agg: str | None = "token-mean",
-    loss_scale_factor: float | None = None,
-    num_tokens: float | torch.Tensor | None = None,
-    num_seqs: float | torch.Tensor | None = None,
-    group: Group = None,
-    cp_group: Group = None,
-    cp_layout: CPLayout = "zigzag",
-    seq_ids: object = None,
-    seqs_per_row: object = None,
-    empty_rows: EmptyRows = "skip",
-    **kind_params: object,
+    **options: Unpack[PolicyLossOptions],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy-gradient loss of one of :data:`POLICY_KINDS`: a per-token loss ``ℓ [B, T]``, times
     ``rollout_is_weights``, then ``aggregate_loss(ℓ, mask, agg)``.
@@ -166,18 +183,12 @@ def policy_loss(
             (detached inside).
         agg: aggregation mode, see :func:`aggregate_loss`; ``None`` returns the per-token loss
             matrix ``[B, T]`` (0 on mask-0 tokens).
-        loss_scale_factor: see :func:`aggregate_loss`.
-        num_tokens: see :func:`aggregate_loss` (global normalisers: with ``num_tokens``,
-            ``num_seqs`` or ``group``, the micro-batch losses then *sum* to the full-batch
-            loss).
-        num_seqs: see :func:`aggregate_loss`.
-        group: see :func:`aggregate_loss`.
-        cp_group: see :func:`aggregate_loss` and above.
-        cp_layout: see :func:`aggregate_loss`.
-        seq_ids: see :func:`aggregate_loss`.
-        seqs_per_row: see :func:`aggregate_loss`.
-        empty_rows: see :func:`aggregate_loss` (rows without an action token in ``S``).
-        **kind_params: the kind's options (numbers, numpy scalars or 0-dim tensors):
+        **options: the aggregation's normalisers, groups and packing
+            (:class:`rlops.losses.AggregationOptions`, as
+            :func:`aggregate_loss`; ``cp_group`` as above): with ``num_tokens``,
+            ``num_seqs`` or ``group`` the micro-batch losses *sum* to the full-batch loss.
+            And the kind's options (numbers, numpy scalars or 0-dim tensors;
+            :class:`PolicyLossOptions`):
             ppo: ``clip_low`` (in (0, 1) or inf; 0.2), ``clip_high`` (> 0), ``dual_clip``
             (None or > 1); gspo, cispo: ``clip_low``, ``clip_high``; sapo: ``tau_pos``,
             ``tau_neg`` (> 0); clip_cov: ``clip_low``, ``clip_high``, ``clip_cov_ratio``
@@ -220,14 +231,13 @@ def policy_loss(
     check_same_shape("logp", logp, old_logp=old_logp, advantages=advantages)
     keep = as_bool_mask("mask", mask, logp.shape, "logp", logp)
     check_choice("kind", kind, POLICY_KINDS)
-    options = check_options(kind, kind_params)
+    given = {k: v for k, v in options.items() if k not in AGGREGATION_KEYS}
+    kind_options = check_options(kind, given)
     if rollout_is_weights is not None:
         check_same_shape("logp", logp, rollout_is_weights=rollout_is_weights)
-    loss_scale_factor = check_agg("agg", agg, loss_scale_factor)
-    num_tokens, num_seqs = check_normalisers(num_tokens, num_seqs, group, logp)
-    dtype = compute_dtype(logp.dtype)
-    layout = (group, cp_group, cp_layout, seq_ids, seqs_per_row, empty_rows)
-    rows = make_rows(keep, dtype, agg, loss_scale_factor, *layout)
+    aggregated = {k: v for k, v in options.items() if k in AGGREGATION_KEYS}
+    aggregation = Aggregation.checked("policy_loss", keep, logp, agg, aggregated)
+    rows, dtype = aggregation.rows, aggregation.dtype
     if rows.cp and kind in CP_INEXACT:
         raise ValueError(
             f"policy_loss(kind={kind!r}) cannot be exact with cp_group: it selects among all "
@@ -238,13 +248,9 @@ def policy_loss(
     old_logp, advantages = constant(old_logp), constant(advantages)
     rollout_is_weights = constant(rollout_is_weights)
     # a rank's generator is its own: every other option must agree across the group
-    shown = tuple((k, v) for k, v in options.items() if k != "generator")
-    call = describe(
+    shown = tuple((k, v) for k, v in kind_options.items() if k != "generator")
+    call = aggregation.describe(
         "policy_loss",
-        agg,
-        loss_scale_factor,
-        logp.shape[-1],
-        rows=rows,
         kind=kind,
         options=shown,
         rollout_is_weights=rollout_is_weights is not None,
@@ -255,7 +261,7 @@ def policy_loss(
     lp = torch.where(keep, logp.to(dtype), 0)
     log_ratio = torch.where(keep, logp.to(dtype) - old_logp.to(dtype), 0)
     adv = torch.where(keep, advantages.to(dtype), 0)
-    loss_mat, sums = token_losses(kind, lp, log_ratio, adv, rows, options)
+    loss_mat, sums = token_losses(kind, lp, log_ratio, adv, rows, kind_options)
     none = (torch.zeros((), dtype=torch.int64, device=logp.device), "tokens")
     sums = {
         "pg_clipfrac": sums.pop("pg_clipfrac", none),
@@ -268,9 +274,7 @@ def policy_loss(
         weights = torch.where(keep, rollout_is_weights.to(dtype), 0)
         loss_mat = loss_mat * weights
     loss_mat = _keep_nan(loss_mat, lp, log_ratio, adv, weights)
-    return loss_and_metrics(
-        loss_mat, rows, agg, loss_scale_factor, dtype, num_tokens, num_seqs, group, call, sums
-    )
+    return aggregation.reduce(loss_mat, call, sums)
 
 
 def _keep_nan(

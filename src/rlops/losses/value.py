@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import torch
+from typing_extensions import Unpack  # torch's own dependency (typing.Unpack: 3.11+)
 
-from rlops._checks import as_bool_mask, check_2d, check_positive, check_same_shape, compute_dtype
-from rlops._types import CPLayout, EmptyRows, Group
+from rlops._checks import as_bool_mask, check_2d, check_positive, check_same_shape
 from rlops.distributed.collectives import fails_together
-from rlops.losses._checks import check_agg, check_normalisers
 from rlops.losses._common import constant
-from rlops.losses.aggregation import describe, loss_and_metrics, make_rows
+from rlops.losses.aggregation import Aggregation, AggregationOptions
 
 __all__ = ["value_loss"]
 
@@ -23,15 +22,7 @@ def value_loss(
     *,
     clip: float | None = None,
     agg: str | None = "token-mean",
-    loss_scale_factor: float | None = None,
-    num_tokens: float | torch.Tensor | None = None,
-    num_seqs: float | torch.Tensor | None = None,
-    group: Group = None,
-    cp_group: Group = None,
-    cp_layout: CPLayout = "zigzag",
-    seq_ids: torch.Tensor | None = None,
-    seqs_per_row: int | None = None,
-    empty_rows: EmptyRows = "skip",
+    **options: Unpack[AggregationOptions],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss: ``0.5·agg(max((V − R)², (V_clip − R)²))``.
 
@@ -49,19 +40,11 @@ def value_loss(
         agg: aggregation mode, see :func:`aggregate_loss`; ``None`` returns the per-token loss
             matrix ``[B, T]`` (0 on mask-0 tokens) instead of a scalar, for callers that
             aggregate themselves.
-        loss_scale_factor: see :func:`aggregate_loss`.
-        num_tokens: see :func:`aggregate_loss` (global normalisers: with ``num_tokens``,
-            ``num_seqs`` or ``group``, the micro-batch losses then sum to the full-batch
-            loss).
-        num_seqs: see :func:`aggregate_loss`.
-        group: see :func:`aggregate_loss`.
-        cp_group: see :func:`aggregate_loss` (rows split
-            over context-parallel ranks: the ranks' losses sum to the whole rows' loss, each
-            rank's gradient is the whole rows' gradient on its tokens).
-        cp_layout: see :func:`aggregate_loss`.
-        seq_ids: see :func:`aggregate_loss` (packed sequences).
-        seqs_per_row: see :func:`aggregate_loss`.
-        empty_rows: see :func:`aggregate_loss` (rows without an action token in ``S``).
+        **options: the aggregation's normalisers, groups and packing
+            (:class:`rlops.losses.AggregationOptions`, as
+            :func:`aggregate_loss`): with ``num_tokens``, ``num_seqs`` or ``group`` the
+            micro-batch losses sum to the full-batch loss; with ``cp_group`` the ranks'
+            losses sum to the whole rows' loss.
 
     Returns:
         ``(loss, metrics)``: a 0-dim loss (float32 for half inputs; the ``[B, T]`` matrix
@@ -82,33 +65,18 @@ def value_loss(
     keep = as_bool_mask("mask", mask, values.shape, "values", values)
     if clip is not None:
         clip = check_positive("clip", clip)
-    loss_scale_factor = check_agg("agg", agg, loss_scale_factor)
-    num_tokens, num_seqs = check_normalisers(num_tokens, num_seqs, group, values)
+    aggregation = Aggregation.checked("value_loss", keep, values, agg, options)
     # The values at sampling time and the targets are constants: no gradient into them.
     old_values, returns = constant(old_values), constant(returns)
 
-    dtype = compute_dtype(values.dtype)
-    layout = (group, cp_group, cp_layout, seq_ids, seqs_per_row, empty_rows)
-    rows = make_rows(keep, dtype, agg, loss_scale_factor, *layout)
-    v, ret = (torch.where(keep, x.to(dtype), 0) for x in (values, returns))
+    v, ret = (aggregation.masked(x) for x in (values, returns))
     loss_mat = (v - ret).square()
     if clip is None:
         hits = torch.zeros((), dtype=torch.int64, device=values.device)
     else:
-        old = torch.where(keep, old_values.to(dtype), 0)
+        old = aggregation.masked(old_values)
         clipped = (torch.clamp(v, old - clip, old + clip) - ret).square()
         hits = ((clipped > loss_mat) & keep).sum()
         loss_mat = torch.maximum(loss_mat, clipped)
-    call = describe("value_loss", agg, loss_scale_factor, values.shape[-1], rows=rows, clip=clip)
-    return loss_and_metrics(
-        0.5 * loss_mat,
-        rows,
-        agg,
-        loss_scale_factor,
-        dtype,
-        num_tokens,
-        num_seqs,
-        group,
-        call,
-        {"vf_clipfrac": (hits, "tokens")},
-    )
+    call = aggregation.describe("value_loss", clip=clip)
+    return aggregation.reduce(0.5 * loss_mat, call, {"vf_clipfrac": (hits, "tokens")})
