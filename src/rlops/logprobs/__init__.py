@@ -9,10 +9,12 @@
 The unfused reference lives in :mod:`rlops.logprobs.reference`.
 """
 
+from rlops.logprobs._options import LogprobOptions
 from rlops.logprobs.fused import logprobs_and_entropy
 from rlops.logprobs.linear import copy_to_tensor_parallel_region, linear_logprobs_and_entropy
 
 __all__ = [
+    "LogprobOptions",
     "copy_to_tensor_parallel_region",
     "linear_logprobs_and_entropy",
     "logprobs_and_entropy",

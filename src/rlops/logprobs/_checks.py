@@ -102,32 +102,34 @@ def check_temperature(temperature: object) -> float:
     return t
 
 
+def _bool_tensor(
+    name: str, value: object, shape: tuple[int, ...], dtype_hint: str, expected: str
+) -> torch.Tensor | None:
+    """None, or ``value`` as a bool tensor of ``shape``; else the error naming ``name`` (with
+    ``dtype_hint`` after "bool tensor" for a wrong dtype, ``expected`` for a wrong shape)."""
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a bool tensor or None, got {type(value).__name__}")
+    if value.dtype != torch.bool:
+        raise TypeError(f"{name} must be a bool tensor{dtype_hint}, got {value.dtype}")
+    if tuple(value.shape) != tuple(shape):
+        raise shape_error(name, expected, value.shape)
+    return value
+
+
 def check_keep_mask(
     keep_mask: object, shape: tuple[int, ...], like: str = "logits"
 ) -> torch.Tensor | None:
     """None, or a bool tensor of the logits' ``shape`` (``like`` names them in the error)."""
-    if keep_mask is None:
-        return None
-    if not isinstance(keep_mask, torch.Tensor):
-        raise TypeError(f"keep_mask must be a bool tensor or None, got {type(keep_mask).__name__}")
-    if keep_mask.dtype != torch.bool:
-        raise TypeError(f"keep_mask must be a bool tensor, got {keep_mask.dtype}")
-    if tuple(keep_mask.shape) != tuple(shape):
-        raise shape_error("keep_mask", f"[..., V_local] like {like} {list(shape)}", keep_mask.shape)
-    return keep_mask
+    expected = f"[..., V_local] like {like} {list(shape)}"
+    return _bool_tensor("keep_mask", keep_mask, shape, "", expected)
 
 
 def check_row_mask(mask: object, shape: tuple[int, ...], like: str) -> torch.Tensor | None:
     """None, or a bool tensor ``[...]`` of the target's ``shape`` (the rows the loss reads)."""
-    if mask is None:
-        return None
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"mask must be a bool tensor or None, got {type(mask).__name__}")
-    if mask.dtype != torch.bool:
-        raise TypeError(f"mask must be a bool tensor [...] like target, got {mask.dtype}")
-    if tuple(mask.shape) != tuple(shape):
-        raise shape_error("mask", f"[...] like target {list(shape)} ({like})", mask.shape)
-    return mask
+    expected = f"[...] like target {list(shape)} ({like})"
+    return _bool_tensor("mask", mask, shape, " [...] like target", expected)
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any, TypedDict, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from rlops._checks import check_same_device, compute_dtype, values_checked
 from rlops._threads import for_each
+from rlops._types import Group
 from rlops.distributed.groups import group_rank_size
 from rlops.logprobs import _radix, _shard, _support, _tp
 from rlops.logprobs._checks import (
@@ -42,12 +43,12 @@ from rlops.logprobs._checks import (
     check_support_range,
     check_target_range,
 )
+from rlops.logprobs._options import LogprobOptions
 from rlops.logprobs._plan import Plan
 from rlops.logprobs._support import Sampler
 
 __all__ = [
     "Checked",
-    "CommonOptions",
     "Options",
     "Outputs",
     "Producer",
@@ -73,26 +74,6 @@ Outputs = (
 )
 
 
-class CommonOptions(TypedDict, total=False):
-    """The keyword arguments that both public ops take, beside ``with_entropy`` and
-    ``with_sum_pi_squared`` (which choose the outputs): the overloads' ``**options``."""
-
-    temperature: float
-    logit_scale: float
-    final_logit_softcapping: float | None
-    keep_mask: torch.Tensor | None
-    support_ids: torch.Tensor | None
-    support_offsets: torch.Tensor | None
-    mask: torch.Tensor | None
-    top_k: int | torch.Tensor | None
-    top_p: float | torch.Tensor | None
-    min_p: float | torch.Tensor | None
-    entropy_over_support: bool
-    entropy_grad: bool
-    group: object
-    chunk_size: int | None
-
-
 @dataclass(frozen=True, kw_only=True)
 class Options:
     """The keyword arguments of a public log-prob op, as the caller gave them (unchecked: the
@@ -112,8 +93,23 @@ class Options:
     with_entropy: bool = True
     entropy_grad: bool = True
     with_sum_pi_squared: bool = False
-    group: object = None
+    group: Group = None
     chunk_size: int | None = None
+
+    @classmethod
+    def given(
+        cls, op: str, options: LogprobOptions, *, with_entropy: bool, with_sum_pi_squared: bool
+    ) -> Options:
+        """The options of a call of ``op`` (its ``**options`` and the two output switches);
+        a keyword that is none of :class:`~rlops.logprobs._options.LogprobOptions` is a
+        ``TypeError`` naming it."""
+        unknown = sorted(set(options) - set(LogprobOptions.__annotations__))
+        if unknown:
+            raise TypeError(
+                f"{op}() got unexpected keyword argument(s) {unknown}; its options are "
+                f"{sorted(LogprobOptions.__annotations__)}"
+            )
+        return cls(**options, with_entropy=with_entropy, with_sum_pi_squared=with_sum_pi_squared)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -38,6 +38,7 @@ from rlops.logprobs._checks import (
     default_chunk,
 )
 from rlops.logprobs._head import check_logit_scale, check_softcap
+from rlops.logprobs._options import LogprobOptions
 from rlops.logprobs._plan import Plan
 
 __all__ = ["logprobs_and_entropy"]
@@ -111,7 +112,7 @@ class _FusedLogprobsEntropy(torch.autograd.Function):
         return grad.view(logits.shape), *nothing[1:]
 
 
-class _Options(_engine.CommonOptions, total=False):
+class _Options(LogprobOptions, total=False):
     """The keyword arguments of :func:`logprobs_and_entropy` beside the two that choose its
     outputs (for the overloads)."""
 
@@ -187,23 +188,10 @@ def logprobs_and_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
     *,
-    temperature: float = 1.0,
-    logit_scale: float = 1.0,
-    final_logit_softcapping: float | None = None,
-    keep_mask: torch.Tensor | None = None,
-    support_ids: torch.Tensor | None = None,
-    support_offsets: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
-    top_k: int | torch.Tensor | None = None,
-    top_p: float | torch.Tensor | None = None,
-    min_p: float | torch.Tensor | None = None,
-    entropy_over_support: bool = False,
     with_entropy: bool = True,
-    entropy_grad: bool = True,
-    group: object = None,
-    chunk_size: int | None = None,
-    method: str = "auto",
     with_sum_pi_squared: bool = False,
+    method: str = "auto",
+    **options: Unpack[LogprobOptions],
 ) -> _engine.Outputs:
     r"""Log-probabilities of the targets and the entropy of the softmax, fused and chunked.
 
@@ -328,6 +316,24 @@ def logprobs_and_entropy(
     Args:
         logits: ``[..., V_local]`` float16 / bfloat16 / float32 / float64.
         target: ``[...]`` integer ids in the global vocabulary ``[0, Σ_r V_local_r)``.
+        with_entropy: if False, skip all entropy work and return ``None`` for it.
+        method: ``"auto"`` (default), ``"chunked"`` or ``"triton"``. ``"chunked"``: torch
+            operations on each chunk. ``"triton"``: Triton kernels (the ``gpu`` extra) compute
+            each chunk's statistics and gradient in one pass over vocabulary tiles, on CUDA
+            tensors, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``);
+            the collectives, the merge, the sampler's threshold search and double backward
+            stay the torch ones. ``"auto"``: Triton for CUDA tensors when triton can be
+            imported (chunked while ``torch.compile`` traces), else chunked. The kernels
+            apply the temperature only: with ``logit_scale ≠ 1`` or a softcap, ``"triton"``
+            and ``"auto"`` run the chunked method (the kernels' check of the arguments still
+            applies). A kernel that
+            fails to build on the device warns once (``RuntimeWarning``) and the chunked
+            method runs for the rest of the process.
+        with_sum_pi_squared: also return ``Σ_v π_v²`` (above), detached.
+
+        **options: the keyword options of :class:`~rlops.logprobs.LogprobOptions`, below.
+
+    Other Parameters:
         temperature: ``> 0``; divides the logits, after the scale and the softcap.
         logit_scale: finite ``> 0``, multiplies the logits first (Cohere's ``logit_scale``;
             Granite's ``logits_scaling`` divides them: pass ``1 / logits_scaling``).
@@ -360,7 +366,6 @@ def logprobs_and_entropy(
         min_p: float in ``[0, 1]`` or a floating tensor ``[...]``; 0 keeps all.
         entropy_over_support: take the entropy over the sampler's support (requires one of
             ``top_k``, ``top_p``, ``min_p``).
-        with_entropy: if False, skip all entropy work and return ``None`` for it.
         entropy_grad: if False, the entropy is returned detached and nothing is saved for its
             backward (use it when the entropy is only logged).
         group: the tensor-parallel process group over which the vocabulary is sharded, or None.
@@ -368,20 +373,6 @@ def logprobs_and_entropy(
             ``[chunk, V_local]`` float32 buffer on CPU and 128 MiB on accelerators (with
             ``method="triton"`` and no sampler filter, one chunk of all tokens: the kernels
             hold no such buffer).
-        method: ``"auto"`` (default), ``"chunked"`` or ``"triton"``. ``"chunked"``: torch
-            operations on each chunk. ``"triton"``: Triton kernels (the ``gpu`` extra) compute
-            each chunk's statistics and gradient in one pass over vocabulary tiles, on CUDA
-            tensors, or on CPU tensors under the Triton interpreter (``TRITON_INTERPRET=1``);
-            the collectives, the merge, the sampler's threshold search and double backward
-            stay the torch ones. ``"auto"``: Triton for CUDA tensors when triton can be
-            imported (chunked while ``torch.compile`` traces), else chunked. The kernels
-            apply the temperature only: with ``logit_scale ≠ 1`` or a softcap, ``"triton"``
-            and ``"auto"`` run the chunked method (the kernels' check of the arguments still
-            applies). A kernel that
-            fails to build on the device warns once (``RuntimeWarning``) and the chunked
-            method runs for the rest of the process.
-        with_sum_pi_squared: also return ``Σ_v π_v²`` (above), detached.
-
     Returns:
         ``(logp, entropy)``, each ``[...]``, float32 (float64 for float64 logits);
         ``entropy`` is None when ``with_entropy=False``. Differentiable w.r.t. ``logits``.
@@ -417,28 +408,16 @@ def logprobs_and_entropy(
         ...                      support_offsets=offsets)[0]
         tensor([-0.6931, -0.1698])
     """
-    options = _engine.Options(
-        temperature=temperature,
-        logit_scale=logit_scale,
-        final_logit_softcapping=final_logit_softcapping,
-        keep_mask=keep_mask,
-        support_ids=support_ids,
-        support_offsets=support_offsets,
-        mask=mask,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        entropy_over_support=entropy_over_support,
+    given = _engine.Options.given(
+        "logprobs_and_entropy",
+        options,
         with_entropy=with_entropy,
-        entropy_grad=entropy_grad,
         with_sum_pi_squared=with_sum_pi_squared,
-        group=group,
-        chunk_size=chunk_size,
     )
     chosen: list[str] = []
 
     def check() -> _engine.Checked:
-        inputs = _checked(logits, target, options)
+        inputs = _checked(logits, target, given)
         resolved = _method.resolve(method, inputs.x)  # a rank's bad method joins the TP check
         if resolved == "triton" and (inputs.logit_scale != 1.0 or inputs.softcap is not None):
             resolved = "chunked"  # the kernels have no scale or softcap: the torch maths
@@ -446,9 +425,9 @@ def logprobs_and_entropy(
         # the kernels' programs of masked rows return at once: no compaction for them
         return replace(inputs, compact=chosen[0] != "triton")
 
-    inputs, plan, sel = _engine.prepare(_OP, logits, options, check)
+    inputs, plan, sel = _engine.prepare(_OP, logits, given, check)
     kernels = chosen[0] == "triton"
-    if kernels and chunk_size is None and plan.sampler is None and plan.support_rows is None:
+    if kernels and given.chunk_size is None and plan.sampler is None and plan.support_rows is None:
         plan = replace(plan, chunk=max(plan.rows, 1))  # the kernels need no [chunk, V] buffer
     logp, ent, squares = _FusedLogprobsEntropy.apply(
         inputs.x, inputs.target, (inputs.keep, *sel), plan, kernels

@@ -41,6 +41,7 @@ from rlops.logprobs._checks import (
     default_chunk,
 )
 from rlops.logprobs._head import check_logit_scale, check_softcap
+from rlops.logprobs._options import LogprobOptions
 from rlops.logprobs._plan import Plan
 
 __all__ = ["copy_to_tensor_parallel_region", "linear_logprobs_and_entropy"]
@@ -131,72 +132,54 @@ def _add_weight_grad(grad_w: torch.Tensor, g: torch.Tensor, hc: torch.Tensor) ->
         grad_w += g.T @ hc
 
 
-def _grads_by_rows(
+def _grads(
     plan: Plan,
     h2: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
 ) -> None:
-    """The backward over token chunks of the whole vocabulary row, in the forward's chunks:
-    each chunk's logits have the forward's bits, so that the saved threshold of the sampler's
-    support selects the same tokens. ``grads``: the buffers of the hidden, weight and bias
-    gradients (None: not asked for)."""
-    grad_h, grad_w, grad_b = grads
-    producer = _Matmul(h2, weight, bias, plan)
-    for i in plan.starts:
-        j = i + plan.chunk
-        g = producer.grad(plan, i, j)
-        plan.zero_masked(g, i)
-        if grad_b is not None:  # the sum over the rows, in the compute dtype
-            grad_b += g.sum(dim=0)
-        g = g.to(h2.dtype)
-        if grad_h is not None:
-            torch.mm(g, weight, out=grad_h[i:j])
-        if grad_w is not None:
-            _add_weight_grad(grad_w, g, h2[i:j])
+    """The backward's gradients into ``grads`` (the buffers of the hidden, weight and bias
+    gradients; None: not asked for), over ``[tokens, vocabulary]`` tiles.
 
-
-def _grads_by_tiles(
-    plan: Plan,
-    h2: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
-) -> None:
-    """The backward over ``[tokens, vocabulary]`` tiles of the forward chunk's size (no sampler
-    threshold: every tile's gradient is local, given the saved per-token statistics).
-
-    A tile spans as many whole forward chunks of tokens as fit (all of them when they do) and
-    a slice of the vocabulary, so the weight and its gradient are read and written once per
-    token block rather than once per chunk: with a 152K vocabulary a chunk holds ~55 tokens,
-    and streaming the weight and its gradient per chunk made the backward memory-bound. The
-    tile's logits are made chunk by chunk (:class:`_Matmul` with ``row_block``), so they have
-    the forward's bits: recomputed softmax values that differ from the forward's by an ulp of
-    the logits, against statistics saved from the forward, cost the gradients several times
-    the reference's error.
+    With the sampler's saved threshold, the tiles are the forward's chunks of whole vocabulary
+    rows: each chunk's logits have the forward's bits, so that the threshold selects the same
+    tokens. Otherwise every tile's gradient is local, given the saved per-token statistics: a
+    tile spans as many whole forward chunks of tokens as fit (all of them when they do) and a
+    slice of the vocabulary of the forward chunk's size, so the weight and its gradient are
+    read and written once per token block rather than once per chunk: with a 152K vocabulary
+    a chunk holds ~55 tokens, and streaming the weight and its gradient per chunk made the
+    backward memory-bound. The tile's logits are made chunk by chunk (:class:`_Matmul` with
+    ``row_block``), so they have the forward's bits: recomputed softmax values that differ
+    from the forward's by an ulp of the logits, against statistics saved from the forward,
+    cost the gradients several times the reference's error.
     """
     grad_h, grad_w, grad_b = grads
     n, v_local = plan.rows, plan.v_local
-    budget = plan.chunk * v_local  # elements of one forward chunk
-    vb = min(v_local, max(_MIN_TILE_VOCAB, budget // max(n, 1)))
-    if plan.chunk is plan.rows:  # one chunk (as under torch.compile): one block of all rows
-        ct, row_block = max(n, 1), None
-    else:  # whole forward chunks per block, each tile's logits made chunk by chunk
-        row_block = max(plan.chunk, 1)
-        ct = max(row_block, (budget // vb) // row_block * row_block)
-    tiles = [(v0, min(v0 + vb, v_local)) for v0 in range(0, v_local, vb)]
-    producers = [
-        _Matmul(h2, weight[v0:v1], None if bias is None else bias[v0:v1], plan, row_block)
-        for v0, v1 in tiles
-    ]
-    plans = [plan.tile(v0, v1) for v0, v1 in tiles]
-    for i in range(0, n, ct):
-        j = min(i + ct, n)
+    if plan.threshold is not None:  # the forward's chunks of whole rows
+        tiles, plans = [(0, v_local)], [plan]
+        producers = [_Matmul(h2, weight, bias, plan)]
+        blocks = [(i, i + plan.chunk) for i in plan.starts]
+    else:
+        budget = plan.chunk * v_local  # elements of one forward chunk
+        vb = min(v_local, max(_MIN_TILE_VOCAB, budget // max(n, 1)))
+        if plan.chunk is plan.rows:  # one chunk (as under torch.compile): one block of all rows
+            ct, row_block = max(n, 1), None
+        else:  # whole forward chunks per block, each tile's logits made chunk by chunk
+            row_block = max(plan.chunk, 1)
+            ct = max(row_block, (budget // vb) // row_block * row_block)
+        tiles = [(v0, min(v0 + vb, v_local)) for v0 in range(0, v_local, vb)]
+        plans = [plan.tile(v0, v1) for v0, v1 in tiles]
+        producers = [
+            _Matmul(h2, weight[v0:v1], None if bias is None else bias[v0:v1], plan, row_block)
+            for v0, v1 in tiles
+        ]
+        blocks = [(i, min(i + ct, n)) for i in range(0, n, ct)]
+    for i, j in blocks:
         dst = None if grad_h is None else grad_h[i:j]
-        # half inputs: the hidden gradient's rows summed over the tiles in float32
+        # half inputs: the hidden gradient's rows summed over several tiles in float32
         acc = None
-        if dst is not None and dst.dtype != plan.dtype:
+        if dst is not None and dst.dtype != plan.dtype and len(tiles) > 1:
             acc = torch.zeros_like(dst, dtype=plan.dtype)
         for (v0, v1), producer, tile in zip(tiles, producers, plans, strict=True):
             g = producer.grad(tile, i, j)
@@ -261,8 +244,7 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
             grad_w = torch.zeros(weight.shape, dtype=plan.dtype, device=weight.device)
         if need_b:
             grad_b = torch.zeros(bias.shape, dtype=plan.dtype, device=bias.device)
-        by = _grads_by_tiles if plan.threshold is None else _grads_by_rows
-        by(plan, h2, weight, bias, (grad_h, grad_w, grad_b))
+        _grads(plan, h2, weight, bias, (grad_h, grad_w, grad_b))
         return (
             None if grad_h is None else _scattered(grad_h, hidden, plan),
             None if grad_w is None else grad_w.to(weight.dtype),
@@ -318,7 +300,7 @@ def _scattered(grad_h: torch.Tensor, hidden: torch.Tensor, plan: Plan) -> torch.
     return grad_h.view(hidden.shape)
 
 
-class _Options(_engine.CommonOptions, total=False):
+class _Options(LogprobOptions, total=False):
     """The keyword arguments of :func:`linear_logprobs_and_entropy` beside the two that choose
     its outputs (for the overloads)."""
 
@@ -403,22 +385,9 @@ def linear_logprobs_and_entropy(
     target: torch.Tensor,
     *,
     bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    logit_scale: float = 1.0,
-    final_logit_softcapping: float | None = None,
-    keep_mask: torch.Tensor | None = None,
-    support_ids: torch.Tensor | None = None,
-    support_offsets: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
-    top_k: int | torch.Tensor | None = None,
-    top_p: float | torch.Tensor | None = None,
-    min_p: float | torch.Tensor | None = None,
-    entropy_over_support: bool = False,
     with_entropy: bool = True,
-    entropy_grad: bool = True,
-    group: object = None,
-    chunk_size: int | None = None,
     with_sum_pi_squared: bool = False,
+    **options: Unpack[LogprobOptions],
 ) -> _engine.Outputs:
     r"""Log-probs and entropy of ``softmax((hidden @ weightᵀ + bias) / τ)`` without building the
     logits.
@@ -482,6 +451,14 @@ def linear_logprobs_and_entropy(
             gradient is the logits' gradient summed over the tokens, chunk by chunk
             (accumulated in float32 for half precision).
         target: ``[...]`` integer ids in the global vocabulary ``[0, Σ_r V_local_r)``.
+        with_entropy: if False, skip the entropy and return ``None`` for it.
+        with_sum_pi_squared: also return ``Σ_v π_v²`` of the log-prob's distribution,
+            detached, as :func:`rlops.logprobs.logprobs_and_entropy` defines it (one more
+            column in the same collective under a group).
+
+        **options: the keyword options of :class:`~rlops.logprobs.LogprobOptions`, below.
+
+    Other Parameters:
         temperature: ``> 0``; divides the logits, after the scale and the softcap.
         logit_scale: finite ``> 0``; multiplies the logits first (Cohere's ``logit_scale``;
             Granite's ``logits_scaling`` divides them: pass ``1 / logits_scaling``).
@@ -508,16 +485,12 @@ def linear_logprobs_and_entropy(
             ``top_k`` or ``min_p`` alone; for ``top_p`` without ``top_k`` or a per-token
             ``top_k``, the radix select's fixed number of all-reduces, each round one more
             pass over the chunks that recomputes each chunk's matmul ``hidden @ weightᵀ``).
-        with_entropy: if False, skip the entropy and return ``None`` for it.
         entropy_grad: if False, the entropy is returned detached and nothing is saved for its
             backward (use it when the entropy is only logged).
         group: the tensor-parallel process group, or None (one process, no collective).
         chunk_size: tokens per chunk (``>= 1``); None picks a bound of 32 MiB per
             ``[chunk, V_local]`` float32 buffer on CPU and 128 MiB on accelerators (a multiple
             of 16 rows where it is more).
-        with_sum_pi_squared: also return ``Σ_v π_v²`` of the log-prob's distribution,
-            detached, as :func:`rlops.logprobs.logprobs_and_entropy` defines it (one more
-            column in the same collective under a group).
 
     Returns:
         ``(logp, entropy)``, each ``[...]``, float32 (float64 for float64 inputs); entropy is
@@ -539,26 +512,14 @@ def linear_logprobs_and_entropy(
         tensor([-0.4076, -0.5514])
     """
     hidden, weight, bias = _autocast(hidden, weight, bias)
-    options = _engine.Options(
-        temperature=temperature,
-        logit_scale=logit_scale,
-        final_logit_softcapping=final_logit_softcapping,
-        keep_mask=keep_mask,
-        support_ids=support_ids,
-        support_offsets=support_offsets,
-        mask=mask,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        entropy_over_support=entropy_over_support,
+    given = _engine.Options.given(
+        "linear_logprobs_and_entropy",
+        options,
         with_entropy=with_entropy,
-        entropy_grad=entropy_grad,
         with_sum_pi_squared=with_sum_pi_squared,
-        group=group,
-        chunk_size=chunk_size,
     )
     inputs, plan, sel = _engine.prepare(
-        _OP, hidden, options, lambda: _checked(hidden, weight, bias, target, options)
+        _OP, hidden, given, lambda: _checked(hidden, weight, bias, target, given)
     )
     with _no_autocast(inputs.x):
         logp, ent, squares = _FusedLinearLogprobsEntropy.apply(

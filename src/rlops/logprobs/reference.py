@@ -9,8 +9,10 @@ baseline they are measured against (benchmarks). Not exported from :mod:`rlops`.
 from __future__ import annotations
 
 import torch
+from typing_extensions import Unpack  # torch's own dependency (typing.Unpack: 3.11+)
 
 from rlops._checks import compute_dtype
+from rlops.logprobs._options import ReferenceOptions
 
 __all__ = [
     "linear_logprobs_and_entropy_reference",
@@ -148,22 +150,14 @@ def linear_logprobs_and_entropy_reference(
     target: torch.Tensor,
     *,
     bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    logit_scale: float = 1.0,
-    final_logit_softcapping: float | None = None,
-    keep_mask: torch.Tensor | None = None,
-    top_k: int | torch.Tensor | None = None,
-    top_p: float | torch.Tensor | None = None,
-    min_p: float | torch.Tensor | None = None,
-    entropy_over_support: bool = False,
-    with_entropy: bool = True,
-    with_sum_pi_squared: bool = False,
+    **options: Unpack[ReferenceOptions],
 ) -> (
     tuple[torch.Tensor, torch.Tensor | None]
     | tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
 ):
     """The reference on materialised logits: ``F.linear(hidden [N, H], weight [V, H], bias
-    [V])``, ``hidden @ weightᵀ + bias``, in their dtype.
+    [V])``, ``hidden @ weightᵀ + bias``, in their dtype; the keyword ``options`` are
+    :func:`logprobs_and_entropy_reference`'s.
 
     Example:
         >>> import torch
@@ -173,16 +167,5 @@ def linear_logprobs_and_entropy_reference(
         tensor([-1.0986])
     """
     return logprobs_and_entropy_reference(
-        torch.nn.functional.linear(hidden, weight, bias),
-        target,
-        temperature=temperature,
-        logit_scale=logit_scale,
-        final_logit_softcapping=final_logit_softcapping,
-        keep_mask=keep_mask,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        entropy_over_support=entropy_over_support,
-        with_entropy=with_entropy,
-        with_sum_pi_squared=with_sum_pi_squared,
+        torch.nn.functional.linear(hidden, weight, bias), target, **options
     )

@@ -185,6 +185,18 @@ def _stats_tile(
 
 
 @triton.jit
+def _block_rows(N, valid_ptr, BLOCK_N: tl.constexpr, ROWMASK: tl.constexpr):
+    # this program's BLOCK_N rows: their indices, which exist (< N), and which are read (with
+    # ROWMASK, only those whose valid_ptr entry is True: the op's row mask)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_in = rows < N
+    row_ok = row_in
+    if ROWMASK:
+        row_ok = row_in & (tl.load(valid_ptr + rows, mask=row_in, other=0) != 0)
+    return rows, row_in, row_ok
+
+
+@triton.jit
 def _stats_kernel(
     x_ptr, tgt_ptr, keep_ptr, thr_ptr, tau_ptr, valid_ptr, out_ptr, part_ptr, N, V, stride_x,
     stride_k, stride_o, offset, N_SLICES, ALIGN_V: tl.constexpr, ALIGN_X: tl.constexpr,
@@ -201,13 +213,10 @@ def _stats_kernel(
     # slice j of its rows from fresh accumulators. PARTIAL (more
     # than one slice): each slice's accumulators go to part_ptr [N, N_SLICES, NP] (float64)
     # and _merge_kernel folds them in slice order; else the one slice's columns go to out_ptr
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_in = rows < N
-    row_ok = row_in
+    rows, row_in, row_ok = _block_rows(N, valid_ptr, BLOCK_N, ROWMASK)
     rows64 = rows.to(tl.int64)
     base = out_ptr + rows64 * stride_o
     if ROWMASK:
-        row_ok = row_in & (tl.load(valid_ptr + rows, mask=row_in, other=0) != 0)
         if tl.max(row_ok.to(tl.int32), axis=0) == 0:  # a masked row (GPU: one per program)
             if not PARTIAL:  # (else the merge writes it)
                 zero = tl.zeros([BLOCK_N], ACC)
@@ -310,11 +319,7 @@ def _merge_kernel(
 ):  # fmt: skip
     # the rows' slices of _stats_kernel (PARTIAL) folded in slice order, whichever program
     # reduced each: a row's statistics do not depend on how the vocabulary was split
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_in = rows < N
-    row_ok = row_in
-    if ROWMASK:
-        row_ok = row_in & (tl.load(valid_ptr + rows, mask=row_in, other=0) != 0)
+    rows, row_in, row_ok = _block_rows(N, valid_ptr, BLOCK_N, ROWMASK)
     rows64 = rows.to(tl.int64)
     tau = tl.load(tau_ptr).to(ACC)
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=0) - offset
@@ -380,9 +385,7 @@ def _grad_kernel(
     HAS_LP: tl.constexpr, HAS_ENT: tl.constexpr, SCALE: tl.constexpr, PEEL: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_in = rows < N
-    row_ok = row_in
+    rows, row_in, row_ok = _block_rows(N, valid_ptr, BLOCK_N, ROWMASK)
     rows64 = rows.to(tl.int64)
     V = V * ALIGN_V  # V and the strides come in units of ALIGN: rows start 16-byte aligned
     stride_x = stride_x * ALIGN_X  # and a tile's bound is known per vector, so tiles load
@@ -394,7 +397,6 @@ def _grad_kernel(
     v_lo = tl.program_id(1) * (PER * BLOCK_V)
     v_hi = tl.minimum(v_lo + PER * BLOCK_V, V)
     if ROWMASK:  # rows whose valid_ptr entry is False: a zero gradient, nothing read
-        row_ok = row_in & (tl.load(valid_ptr + rows, mask=row_in, other=0) != 0)
         if tl.max(row_ok.to(tl.int32), axis=0) == 0:  # a masked row (GPU: one per program)
             zeros = tl.zeros([BLOCK_N, BLOCK_V], dx_ptr.dtype.element_ty)
             for v0 in range(v_lo, v_hi, BLOCK_V):

@@ -47,12 +47,25 @@ _EXPLAIN = {
 
 
 def _keyword_only(fn: Callable) -> bool:
-    """Whether ``fn`` takes ``temperature`` as a keyword-only argument."""
+    """Whether ``fn`` takes ``temperature`` only as a keyword: a keyword-only ``temperature``,
+    or a ``**options`` and no third positional parameter to take it."""
     try:
-        p = inspect.signature(fn).parameters.get("temperature")
+        params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin without a signature
         return False
-    return p is not None and p.kind is p.KEYWORD_ONLY
+    p = params.get("temperature")
+    if p is not None:
+        return p.kind is p.KEYWORD_ONLY
+    kinds = [q.kind for q in params.values()]
+    positional = sum(
+        k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        for k in kinds
+    )
+    return (
+        inspect.Parameter.VAR_KEYWORD in kinds
+        and positional < 3
+        and (inspect.Parameter.VAR_POSITIONAL not in kinds)
+    )
 
 
 def _call(
