@@ -37,33 +37,16 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 SECTIONS = ("advantages", "group", "logprobs", "agentic")
 # Sizes by default, with --quick and with --full; an option given explicitly wins over them.
 # slow_limit_s: a baseline that would take longer at full length is extrapolated from T = 1024.
-DEFAULTS = dict(
-    seq_len=[2048, 32768],
-    logprob_tokens=[512],
-    vocab=32000,
-    hidden=256,
-    group_batch=256,
-    repeats=5,
-    slow_limit_s=1.0,
-)
-QUICK = dict(
-    seq_len=[256, 2048],
-    logprob_tokens=[256],
-    vocab=4096,
-    hidden=64,
-    group_batch=64,
-    repeats=3,
-    slow_limit_s=0.5,
-)
-FULL = dict(
-    seq_len=[4096, 32768, 131072],
-    logprob_tokens=[1024, 4096],
-    vocab=32000,
-    hidden=512,
-    group_batch=256,
-    repeats=10,
-    slow_limit_s=10.0,
-)
+_PRESETS = {  # setting: (default, --quick, --full)
+    "seq_len": ([2048, 32768], [256, 2048], [4096, 32768, 131072]),
+    "logprob_tokens": ([512], [256], [1024, 4096]),
+    "vocab": (32000, 4096, 32000),
+    "hidden": (256, 64, 512),
+    "group_batch": (256, 64, 256),
+    "repeats": (5, 3, 10),
+    "slow_limit_s": (1.0, 0.5, 10.0),
+}
+DEFAULTS, QUICK, FULL = ({name: v[i] for name, v in _PRESETS.items()} for i in range(3))
 MOVES = 2.0  # a ratio to rlops that moves more than this between thread counts is flagged
 
 
@@ -73,9 +56,8 @@ def _sizes(name: str) -> str:
     def text(v) -> str:
         return " ".join(map(str, v)) if isinstance(v, list) else str(v)
 
-    return f"(default {text(DEFAULTS[name])}; --quick: {text(QUICK[name])}; --full: " + (
-        text(FULL[name]) + ")"
-    )
+    default, quick, full = map(text, _PRESETS[name])
+    return f"(default {default}; --quick: {quick}; --full: {full})"
 
 
 def add_arguments(subparsers) -> argparse.ArgumentParser:

@@ -223,16 +223,10 @@ def add_arguments(subparsers) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:
-    """The :class:`DemoConfig` for parsed ``rlops demo`` options."""
-    return DemoConfig(
-        iterations=args.iterations,
-        batch=args.batch,
-        epochs=args.epochs,
-        length=args.length,
-        symbols=args.symbols,
-        multi_turn=args.multi_turn,
-        seed=args.seed,
-    )
+    """The :class:`DemoConfig` for parsed ``rlops demo`` options: each option sets the field of
+    its name; the fields without an option keep their defaults."""
+    given = (f.name for f in dataclasses.fields(DemoConfig) if hasattr(args, f.name))
+    return DemoConfig(**{name: getattr(args, name) for name in given})
 
 
 def summary(result: dict, cfg: DemoConfig, target: float = 0.8) -> str:

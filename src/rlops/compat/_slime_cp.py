@@ -18,6 +18,7 @@ pass through.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,7 @@ __all__ = [
     "all_gather_with_cp",
     "check_length_pair",
     "check_lengths",
+    "check_samples",
     "held_response_index",
     "local_columns",
     "response_values",
@@ -152,6 +154,23 @@ def check_lengths(total_lengths: Sequence[int], response_lengths: Sequence[int])
     _ragged.check_counts(total_lengths=total_lengths, response_lengths=response_lengths)
     for i, (t, r) in enumerate(zip(total_lengths, response_lengths)):
         check_length_pair(t, r, f"total_lengths[{i}]", f"response_lengths[{i}]")
+
+
+def check_samples(tensor_lists: Sequence[str], **per_sample: Any) -> list[list[torch.Tensor]]:
+    """slime's per-sample arguments, checked under their names: the ones named in
+    ``tensor_lists`` are lists of 1-D tensors, every argument has one entry per sample, and
+    ``per_sample`` holds ``total_lengths`` and ``response_lengths``, each pair valid (see
+    :func:`check_lengths`). Returns the tensor lists as lists, in the order of ``tensor_lists``.
+
+    Example:
+        >>> import torch
+        >>> check_samples(("kl",), kl=(torch.zeros(2),), total_lengths=[3], response_lengths=[2])
+        [[tensor([0., 0.])]]
+    """
+    lists = {name: _ragged.as_1d_list(name, per_sample[name]) for name in tensor_lists}
+    _ragged.check_counts(**{**per_sample, **lists})
+    check_lengths(per_sample["total_lengths"], per_sample["response_lengths"])
+    return [lists[name] for name in tensor_lists]
 
 
 def held_response_index(
@@ -316,14 +335,13 @@ def add_outcome_rewards(
         >>> add_outcome_rewards([torch.zeros(3)], [1.0], [8], [3])
         [tensor([0., 0., 1.])]
     """
-    xs = _ragged.as_1d_list("token_level_rewards", token_level_rewards)
-    _ragged.check_counts(
-        token_level_rewards=xs,
+    (xs,) = check_samples(
+        ("token_level_rewards",),
+        token_level_rewards=token_level_rewards,
         rewards=rewards,
         total_lengths=total_lengths,
         response_lengths=response_lengths,
     )
-    check_lengths(total_lengths, response_lengths)
     if not xs:
         return []
     flat = torch.cat(xs)

@@ -41,7 +41,7 @@ from rlops.compat import _ragged
 from rlops.compat._slime_cp import (
     add_outcome_rewards,
     all_gather_with_cp,
-    check_lengths,
+    check_samples,
     local_columns,
     response_values,
     slice_log_prob_with_cp,
@@ -182,15 +182,13 @@ def get_advantages_and_returns_batch(
         >>> adv
         [tensor([0.5000, 0.5000]), tensor([2.])]
     """
-    values_list = _ragged.as_1d_list("values_list", values_list)
-    rewards_list = _ragged.as_1d_list("rewards_list", rewards_list)
-    _ragged.check_counts(
+    values_list, rewards_list = check_samples(
+        ("values_list", "rewards_list"),
         total_lengths=total_lengths,
         response_lengths=response_lengths,
         values_list=values_list,
         rewards_list=rewards_list,
     )
-    check_lengths(total_lengths, response_lengths)
     gamma = check_unit_interval("gamma", gamma)
     lambd = check_unit_interval("lambd", lambd)
     if not values_list:
@@ -254,16 +252,14 @@ def get_reinforce_plus_plus_returns(
         ...     kl_coef=0.1, gamma=0.5)
         [tensor([0.5000, 0.0000, 1.0000, 0.0000])]
     """
-    kl = _ragged.as_1d_list("kl", kl)
-    loss_masks = _ragged.as_1d_list("loss_masks", loss_masks)
-    _ragged.check_counts(
+    kl, loss_masks = check_samples(
+        ("kl", "loss_masks"),
         rewards=rewards,
         kl=kl,
         loss_masks=loss_masks,
         response_lengths=response_lengths,
         total_lengths=total_lengths,
     )
-    check_lengths(total_lengths, response_lengths)
     kl_coef = as_real("kl_coef", kl_coef)
     gamma = check_unit_interval("gamma", gamma)
     if not kl:
