@@ -242,6 +242,7 @@ def test_exports():
     import rlops.logprobs
 
     assert rlops.logprobs.__all__ == [
+        "LogprobOptions",
         "copy_to_tensor_parallel_region",
         "linear_logprobs_and_entropy",
         "logprobs_and_entropy",
