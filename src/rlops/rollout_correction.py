@@ -109,7 +109,7 @@ class _Batch:
         rollout_logp: torch.Tensor,
         mask: torch.Tensor,
         cp_group: Group,
-        cp_layout: object,
+        cp_layout: CPLayout,
         seq_ids: object,
         seqs_per_row: object,
         group: Group,

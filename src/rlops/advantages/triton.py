@@ -47,6 +47,7 @@ from rlops.advantages.masking import GaeInputs
 from rlops.scan.triton import (
     acc_dtype,
     block_carries,
+    block_cell,
     block_head,
     block_size,
     cast_to,
@@ -67,13 +68,7 @@ def _estimator_block(
     MODE: tl.constexpr, HAS_MASK: tl.constexpr, HAS_DONES: tl.constexpr, HAS_CUT: tl.constexpr,
     FINAL: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
-    cell = tl.program_id(0).to(tl.int64)  # row * NB + block, one flat grid
-    row = cell // NB
-    blk = cell - row * NB
-    i = tl.arange(0, BLOCK)
-    t = blk * BLOCK + i  # contiguous: vector loads; the scan runs from the block's end
-    ok = t < T
-    base = row * T
+    cell, row, i, t, ok, base = block_cell(T, NB, BLOCK)
     act = ok
     if HAS_MASK:
         act = act & (tl.load(m_ptr + base + t, mask=ok, other=0) != 0)

@@ -6,28 +6,7 @@ The estimators take ``cp_group=`` directly (``rlops.gae(..., cp_group=g)``); thi
 holds the layout helpers.
 """
 
-from rlops.distributed.layout import (
-    CP_LAYOUTS,
-    contiguous_indices,
-    contiguous_shard,
-    contiguous_unshard,
-    cp_indices,
-    cp_shard,
-    cp_unshard,
-    zigzag_indices,
-    zigzag_shard,
-    zigzag_unshard,
-)
+from rlops.distributed import layout
+from rlops.distributed.layout import *  # noqa: F403 (the layout helpers: layout.__all__)
 
-__all__ = [
-    "CP_LAYOUTS",
-    "contiguous_indices",
-    "contiguous_shard",
-    "contiguous_unshard",
-    "cp_indices",
-    "cp_shard",
-    "cp_unshard",
-    "zigzag_indices",
-    "zigzag_shard",
-    "zigzag_unshard",
-]
+__all__ = layout.__all__

@@ -27,17 +27,16 @@ from rlops._checks import as_tensor, check_choice, check_cp_rank, check_dim
 from rlops._types import CPLayout, Group
 from rlops.distributed.groups import group_rank_size
 
+# the public names (re-exported by rlops.distributed); check_cp_layout, rank_chunks and
+# holds_row_end serve the context-parallel scans
 __all__ = [
     "CP_LAYOUTS",
-    "check_cp_layout",
     "contiguous_indices",
     "contiguous_shard",
     "contiguous_unshard",
     "cp_indices",
     "cp_shard",
     "cp_unshard",
-    "holds_row_end",
-    "rank_chunks",
     "zigzag_indices",
     "zigzag_shard",
     "zigzag_unshard",

@@ -289,7 +289,7 @@ def vocab_layout(
     target: torch.Tensor,
     sampler: Sampler | None,
     *,
-    group: object,
+    group: Group,
     rank: int,
     world: int,
     v_local: int,
@@ -461,7 +461,7 @@ def _statistics(plan: Plan, producer: Producer) -> tuple[torch.Tensor, torch.Ten
     return stats, thr
 
 
-def gather_stats(stats: torch.Tensor, group: object, world: int) -> torch.Tensor:
+def gather_stats(stats: torch.Tensor, group: Group, world: int) -> torch.Tensor:
     """``[N, k]`` local statistics → ``[world, N, k]``: the forward's one data collective."""
     if world == 1:
         return stats.unsqueeze(0)

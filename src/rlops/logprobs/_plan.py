@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from rlops._types import Group
 from rlops.logprobs import _shard, _support
 from rlops.logprobs._head import Head
 from rlops.logprobs._support import Sampler
@@ -77,7 +78,7 @@ class Plan:
     masked: bool = False
     sampler: Sampler | None = None
     over_support: bool = False
-    group: object = None
+    group: Group = None
     world: int = 1
     target: torch.Tensor | None = None
     keep: torch.Tensor | None = None

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from typing_extensions import Unpack  # torch's own dependency (typing.Unpack: 3.11+)
 
 from rlops._checks import check_chunk_size, check_same_device, shape_error
+from rlops._types import Group
 from rlops.distributed.groups import group_rank_size
 from rlops.logprobs import _engine
 from rlops.logprobs._checks import (
@@ -612,7 +613,7 @@ class _CopyToTensorParallelRegion(torch.autograd.Function):
         return grad, None
 
 
-def copy_to_tensor_parallel_region(x: torch.Tensor, group: object = None) -> torch.Tensor:
+def copy_to_tensor_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Identity in the forward; all-reduce (sum) of the gradient over ``group`` in the backward.
 
     The input op of a column-parallel layer: apply it to the replicated hidden states before

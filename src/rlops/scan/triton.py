@@ -53,6 +53,7 @@ __all__ = [
     "ReverseScan",
     "acc_dtype",
     "block_carries",
+    "block_cell",
     "block_head",
     "block_size",
     "cast_to",
@@ -110,17 +111,25 @@ def block_head(v, i):
 
 
 @triton.jit
-def _scan_block(
-    x_ptr, a_ptr, y_ptr, summ_ptr, carry_ptr, B, T, NB,
-    PER_TOKEN: tl.constexpr, FINAL: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr,
-):  # fmt: skip
+def block_cell(T, NB, BLOCK: tl.constexpr):
+    """This ``(row, block)`` program's place in the flat grid of ``B·NB`` programs:
+    ``(cell, row, i, t, ok, base)`` with ``i`` the lanes ``0..BLOCK-1``, ``t`` their time
+    indices (contiguous: vector loads; the scan runs from the block's end), ``ok`` those inside
+    ``T`` and ``base`` the row's offset in a ``[B, T]`` tensor."""
     cell = tl.program_id(0).to(tl.int64)  # row * NB + block, one flat grid
     row = cell // NB
     blk = cell - row * NB
     i = tl.arange(0, BLOCK)
-    t = blk * BLOCK + i  # contiguous: vector loads; the scan runs from the block's end
-    ok = t < T
-    base = row * T
+    t = blk * BLOCK + i
+    return cell, row, i, t, t < T, row * T
+
+
+@triton.jit
+def _scan_block(
+    x_ptr, a_ptr, y_ptr, summ_ptr, carry_ptr, B, T, NB,
+    PER_TOKEN: tl.constexpr, FINAL: tl.constexpr, BLOCK: tl.constexpr, ACC: tl.constexpr,
+):  # fmt: skip
+    cell, row, i, t, ok, base = block_cell(T, NB, BLOCK)
     x = tl.load(x_ptr + base + t, mask=ok, other=0.0).to(ACC)
     if PER_TOKEN:
         a = tl.load(a_ptr + base + t, mask=ok, other=1.0).to(ACC)
