@@ -433,48 +433,46 @@ class _RlopsChunkedLogProb:
     original: Any = None
 
     @classmethod
-    def apply(
-        cls,
+    def apply(cls, *args):
+        """TRL's positional call: ``(hidden, weight, bias, targets, temperature, chunk_size,
+        final_logit_softcapping=None, logit_scale=1.0, outputs=("log_probs",))``."""
+        served = _linear_head(*args)
+        return cls.original.apply(*args) if served is None else served
+
+
+def _linear_head(
+    hidden,
+    weight,
+    bias,
+    targets,
+    temperature,
+    chunk_size,
+    final_logit_softcapping=None,
+    logit_scale=1.0,
+    outputs=("log_probs",),
+):
+    """TRL's head outputs ``(log_probs, entropy, None, None, None)`` by rlops's linear op, or
+    ``None`` where the call asks for what the op does not compute."""
+    try:
+        check_logit_scale(logit_scale)
+        check_softcap(final_logit_softcapping)
+        served = set(outputs) <= {"log_probs", "entropy"}
+    except (TypeError, ValueError):
+        served = False
+    if not served:
+        return None
+    hidden = hidden.to(weight.dtype)  # autocast: the head in the weight's dtype
+    lp, ent = rlops.linear_logprobs_and_entropy(
         hidden,
         weight,
-        bias,
         targets,
-        temperature,
-        chunk_size,
-        final_logit_softcapping=None,
-        logit_scale=1.0,
-        outputs=("log_probs",),
-    ):
-        try:
-            check_logit_scale(logit_scale)
-            check_softcap(final_logit_softcapping)
-            served = set(outputs) <= {"log_probs", "entropy"}
-        except (TypeError, ValueError):
-            served = False
-        if not served:
-            return cls.original.apply(
-                hidden,
-                weight,
-                bias,
-                targets,
-                temperature,
-                chunk_size,
-                final_logit_softcapping,
-                logit_scale,
-                outputs,
-            )
-        hidden = hidden.to(weight.dtype)  # autocast: the head in the weight's dtype
-        lp, ent = rlops.linear_logprobs_and_entropy(
-            hidden,
-            weight,
-            targets,
-            bias=None if bias is None else bias.to(weight.dtype),
-            temperature=temperature,
-            logit_scale=logit_scale,
-            final_logit_softcapping=final_logit_softcapping,
-            with_entropy="entropy" in outputs,
-        )
-        return lp, ent, None, None, None
+        bias=None if bias is None else bias.to(weight.dtype),
+        temperature=temperature,
+        logit_scale=logit_scale,
+        final_logit_softcapping=final_logit_softcapping,
+        with_entropy="entropy" in outputs,
+    )
+    return lp, ent, None, None, None
 
 
 def patch(enabled: bool = True) -> None:
