@@ -27,7 +27,7 @@ cache keeps them apart and later processes load them instead of compiling.
 import numba
 import numpy as np
 
-from rlops.scan.exact_arith import fma, set_llvm_optsize
+from rlops.scan.exact_arith import fma, lanes, set_llvm_optsize
 
 _jit = numba.njit(cache=True, nogil=True)
 
@@ -68,23 +68,22 @@ def step(t, r, v, m, d, c, e, o, g, gl, nxt, acc, has_values, has_mask, has_done
 
 @numba.njit(inline="always")
 def body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, hv, hm, hd, hc):
-    i0, i1, i2, i3 = rows
-    r0, r1, r2, r3 = r[i0], r[i1], r[i2], r[i3]
-    v0, v1, v2, v3 = v[i0], v[i1], v[i2], v[i3]
-    m0, m1, m2, m3 = mask[i0], mask[i1], mask[i2], mask[i3]
-    d0, d1, d2, d3 = dones[i0], dones[i1], dones[i2], dones[i3]
-    c0, c1, c2, c3 = cut[i0], cut[i1], cut[i2], cut[i3]
-    e0, e1, e2, e3 = adv[i0], adv[i1], adv[i2], adv[i3]
-    o0, o1, o2, o3 = ret[i0], ret[i1], ret[i2], ret[i3]
-    g0, g1, g2, g3 = g[i0], g[i1], g[i2], g[i3]
-    l0, l1, l2, l3 = gl[i0], gl[i1], gl[i2], gl[i3]
+    r0, r1, r2, r3 = lanes(r, rows)
+    v0, v1, v2, v3 = lanes(v, rows)
+    m0, m1, m2, m3 = lanes(mask, rows)
+    d0, d1, d2, d3 = lanes(dones, rows)
+    c0, c1, c2, c3 = lanes(cut, rows)
+    e0, e1, e2, e3 = lanes(adv, rows)
+    o0, o1, o2, o3 = lanes(ret, rows)
+    g0, g1, g2, g3 = lanes(g, rows)
+    l0, l1, l2, l3 = lanes(gl, rows)
     if hv:  # the row's end value starts the next-value carry (GAE) or the return (returns)
-        n0, n1, n2, n3 = init[i0], init[i1], init[i2], init[i3]
+        n0, n1, n2, n3 = lanes(init, rows)
         a0 = a1 = a2 = a3 = np.float64(0)
     else:
         n0 = n1 = n2 = n3 = ret.dtype.type(0)
-        a0, a1 = np.float64(init[i0]), np.float64(init[i1])
-        a2, a3 = np.float64(init[i2]), np.float64(init[i3])
+        b0, b1, b2, b3 = lanes(init, rows)
+        a0, a1, a2, a3 = np.float64(b0), np.float64(b1), np.float64(b2), np.float64(b3)
     for t in range(r.shape[1] - 1, -1, -1):
         n0, a0 = step(t, r0, v0, m0, d0, c0, e0, o0, g0, l0, n0, a0, hv, hm, hd, hc)
         n1, a1 = step(t, r1, v1, m1, d1, c1, e1, o1, g1, l1, n1, a1, hv, hm, hd, hc)
@@ -164,19 +163,11 @@ def gae_1111(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, True, True, True, True)
 
 
+#: ``(values, mask, dones, cut)`` -> the kernel for those inputs: the digits of its name
 GAE = {
-    (False, False, False, False): gae_0000,
-    (False, False, True, False): gae_0010,
-    (False, False, True, True): gae_0011,
-    (False, True, False, False): gae_0100,
-    (False, True, True, False): gae_0110,
-    (False, True, True, True): gae_0111,
-    (True, False, False, False): gae_1000,
-    (True, False, True, False): gae_1010,
-    (True, False, True, True): gae_1011,
-    (True, True, False, False): gae_1100,
-    (True, True, True, False): gae_1110,
-    (True, True, True, True): gae_1111,
+    tuple(digit == "1" for digit in name[4:]): kernel
+    for name, kernel in globals().items()
+    if name.startswith("gae_")
 }
 
 
@@ -200,12 +191,11 @@ def returns_kl(kl, outcome, ck, mask, gl, ret, rows):
     # ret[n, t] = REINFORCE++ return; ``outcome`` [N] and ``ck`` in the input dtype, ``gl`` [N]
     # the float64 discount (never 0: such rows go to the chunked method).
     set_llvm_optsize()
-    i0, i1, i2, i3 = rows
-    k0, k1, k2, k3 = kl[i0], kl[i1], kl[i2], kl[i3]
-    m0, m1, m2, m3 = mask[i0], mask[i1], mask[i2], mask[i3]
-    o0, o1, o2, o3 = ret[i0], ret[i1], ret[i2], ret[i3]
-    p0, p1, p2, p3 = outcome[i0], outcome[i1], outcome[i2], outcome[i3]
-    l0, l1, l2, l3 = gl[i0], gl[i1], gl[i2], gl[i3]
+    k0, k1, k2, k3 = lanes(kl, rows)
+    m0, m1, m2, m3 = lanes(mask, rows)
+    o0, o1, o2, o3 = lanes(ret, rows)
+    p0, p1, p2, p3 = lanes(outcome, rows)
+    l0, l1, l2, l3 = lanes(gl, rows)
     c = ck[0]
     a0 = a1 = a2 = a3 = np.float64(0)
     for t in range(kl.shape[1] - 1, -1, -1):

@@ -20,7 +20,7 @@ scanned again with it.
 import numba
 import numpy as np
 
-from rlops.scan.exact_arith import fma, set_llvm_optsize
+from rlops.scan.exact_arith import fma, lanes, set_llvm_optsize
 
 _jit = numba.njit(cache=True, nogil=True)
 
@@ -29,10 +29,9 @@ _jit = numba.njit(cache=True, nogil=True)
 def scan_rows(x, w, y, rows):
     # y[n, t] = x[n, t] + w[n] * y[n, t+1]; the decay constant along time, float64, never 0.
     set_llvm_optsize()
-    i0, i1, i2, i3 = rows
-    x0, x1, x2, x3 = x[i0], x[i1], x[i2], x[i3]
-    y0, y1, y2, y3 = y[i0], y[i1], y[i2], y[i3]
-    w0, w1, w2, w3 = w[i0], w[i1], w[i2], w[i3]
+    x0, x1, x2, x3 = lanes(x, rows)
+    y0, y1, y2, y3 = lanes(y, rows)
+    w0, w1, w2, w3 = lanes(w, rows)
     c0 = c1 = c2 = c3 = np.float64(0)
     out = y.dtype.type
     for t in range(x.shape[1] - 1, -1, -1):
@@ -56,10 +55,9 @@ def _token(xt, at, c, cut):
 @numba.njit(inline="always")
 def _tokens(x, a, y, rows, cut):
     # y[n, t] = x[n, t] + a[n, t] * y[n, t+1]; returns the sum of the carries
-    i0, i1, i2, i3 = rows
-    x0, x1, x2, x3 = x[i0], x[i1], x[i2], x[i3]
-    a0, a1, a2, a3 = a[i0], a[i1], a[i2], a[i3]
-    y0, y1, y2, y3 = y[i0], y[i1], y[i2], y[i3]
+    x0, x1, x2, x3 = lanes(x, rows)
+    a0, a1, a2, a3 = lanes(a, rows)
+    y0, y1, y2, y3 = lanes(y, rows)
     c0 = c1 = c2 = c3 = np.float64(0)
     s0 = s1 = s2 = s3 = np.float64(0)
     out = y.dtype.type

@@ -10,12 +10,17 @@ it first and converts the register, which costs an extra shuffle-port micro-op; 
 conversions per token on that port (the input, and the output's rounding) the float64 carry
 was then bound by that port rather than by the carry's latency. The kernels are single loops,
 so the unrolling that size optimisation gives up is not missed.
+
+``lanes(x, rows)`` is the four rows ``rows`` of ``x`` (views, or the numbers of a 1-D ``x``):
+every kernel runs four rows at once, four independent carry chains, and reads its inputs as
+``x0, x1, x2, x3 = lanes(x, rows)``.
 """
 
+import numba
 from numba.core import types
 from numba.extending import intrinsic
 
-__all__ = ["fma", "set_llvm_optsize"]
+__all__ = ["fma", "lanes", "set_llvm_optsize"]
 
 
 @intrinsic
@@ -37,3 +42,10 @@ def set_llvm_optsize(typingctx):
         return context.get_dummy_value()
 
     return types.void(), codegen
+
+
+@numba.njit(inline="always")
+def lanes(x, rows):
+    """``x[rows[0]], ..., x[rows[3]]``: the four rows a kernel runs at once."""
+    i0, i1, i2, i3 = rows
+    return x[i0], x[i1], x[i2], x[i3]
