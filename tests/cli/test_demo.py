@@ -1,17 +1,14 @@
-import argparse
 import json
 
 import pytest
 import torch
 
-from rlops.cli import demo
+from rlops.cli import demo, parser
 from rlops.cli.model import TinyTransformer
 
 
 def parse(argv):
-    parser = argparse.ArgumentParser(prog="rlops")
-    demo.add_arguments(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(["demo", *argv])
+    return parser().parse_args(["demo", *argv])
 
 
 def start_end(curve, n=5):

@@ -1,11 +1,10 @@
-import argparse
 import contextlib
 import json
 
 import pytest
 import torch
 
-from rlops.cli import profile
+from rlops.cli import parser, profile
 from rlops.cli.model import ModelConfig, TinyTransformer
 
 TINY = "--batch 2 --seq-len 16 --vocab 32 --layers 1 --d-model 16 --heads 2 --repeats 1".split()
@@ -13,9 +12,7 @@ TINY += ["--device", "cpu"]
 
 
 def parse(argv):
-    parser = argparse.ArgumentParser(prog="rlops")
-    profile.add_arguments(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(["profile", *argv])
+    return parser().parse_args(["profile", *argv])
 
 
 def test_profile_tiny_config_writes_json_and_png(tmp_path, capsys):

@@ -60,18 +60,8 @@ def _sizes(name: str) -> str:
     return f"(default {default}; --quick: {quick}; --full: {full})"
 
 
-def add_arguments(subparsers) -> argparse.ArgumentParser:
-    """Register ``bench`` on an ``argparse`` subparsers object; returns its parser."""
-    p = subparsers.add_parser(
-        "bench",
-        help="time rlops against the loops it replaces, on your shapes",
-        description="Time rlops beside the implementations it replaces (per-token and "
-        "chunk loops for GAE and returns, per-sample loops for group estimators, log_softmax "
-        "for log-probs, materialised logits and a top-p keep mask for the output layer), side "
-        "by side in one run, and say in plain words what it buys; at agentic shapes, the fused "
-        "output layer with a row mask of a few valid rows against every row, and kept sets as "
-        "CSR against a dense keep mask.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``rlops bench``'s options, on its parser ``p``."""
     p.add_argument("--batch", metavar="B", type=positive_int, default=8, help="rows (default 8)")
     for flag, metavar, many, text in (
         ("--seq-len", "T", True, "sequence lengths T for the advantages"),
@@ -129,7 +119,6 @@ def add_arguments(subparsers) -> argparse.ArgumentParser:
     options.add_outputs(
         p, json="also write the measurements as JSON", plot="also draw time vs size"
     )
-    return p
 
 
 def plan(args: argparse.Namespace) -> list[tuple[str, float]]:

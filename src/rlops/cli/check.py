@@ -73,14 +73,8 @@ def _param(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"expected NAME=NUMBER, got {text!r}") from None
 
 
-def add_arguments(subparsers) -> argparse.ArgumentParser:
-    """Register ``check`` and its three contracts on an ``argparse`` subparsers object."""
-    p = subparsers.add_parser(
-        "check",
-        help="run rlops' numerics contract on your trainer's function",
-        description="Check a function of your trainer against rlops' definitions "
-        "(rlops.testing); prints the report and exits 1 if a check failed.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``rlops check``'s three contracts and their options, on its parser ``p``."""
     contracts = p.add_subparsers(
         dest="contract", required=True, metavar="{" + ",".join(_CHECKS) + "}"
     )
@@ -143,7 +137,6 @@ def add_arguments(subparsers) -> argparse.ArgumentParser:
     adv.add_argument("--gamma", type=float, default=0.99)
     adv.add_argument("--lam", type=float, default=0.95)
     adv.add_argument("--long-length", type=int, default=32768)
-    return p
 
 
 def run(args: argparse.Namespace) -> int:

@@ -186,15 +186,9 @@ def check_config(cfg: DemoConfig) -> None:
         raise ValueError(f"--multi-turn needs an even --length >= 2, got {cfg.length}")
 
 
-def add_arguments(subparsers) -> argparse.ArgumentParser:
-    """Register ``demo`` on an ``argparse`` subparsers object; returns its parser."""
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``rlops demo``'s options, on its parser ``p``."""
     d = DemoConfig()
-    p = subparsers.add_parser(
-        "demo",
-        help="train a tiny policy with PPO on an exactly scored task",
-        description="Train a tiny transformer with PPO to reverse strings of symbols (reward: "
-        "fraction reversed correctly, max 1), with every RL computation from rlops.",
-    )
     for name, text in (
         ("iterations", "PPO iterations"),
         ("batch", "rollouts per iteration"),
@@ -219,7 +213,6 @@ def add_arguments(subparsers) -> argparse.ArgumentParser:
     options.add_outputs(
         p, json="write the reward curve as JSON", plot="save the reward curve as a PNG"
     )
-    return p
 
 
 def config_from_args(args: argparse.Namespace) -> DemoConfig:

@@ -49,14 +49,8 @@ SAME_CODE = ("forward", "value head")  # both run the same code here (forward: r
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def add_arguments(subparsers) -> argparse.ArgumentParser:
-    """Register ``profile`` on an ``argparse`` subparsers object; returns its parser."""
-    p = subparsers.add_parser(
-        "profile",
-        help="time and measure each stage of one PPO step, naive beside rlops",
-        description="One PPO training step on a tiny transformer: per-stage time and peak "
-        "memory, the common naive implementations beside rlops.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``rlops profile``'s options, on its parser ``p``."""
     for name, metavar, default, text in (
         ("batch", "B", 2, "rows"),
         ("seq-len", "T", 1024, "tokens per row"),
@@ -103,7 +97,6 @@ def add_arguments(subparsers) -> argparse.ArgumentParser:
         json="also write the measurements as JSON",
         plot="save time and memory per stage as a PNG",
     )
-    return p
 
 
 def _check(args: argparse.Namespace) -> str | None:
