@@ -433,11 +433,12 @@ class _RlopsChunkedLogProb:
     original: Any = None
 
     @classmethod
-    def apply(cls, *args):
-        """TRL's positional call: ``(hidden, weight, bias, targets, temperature, chunk_size,
-        final_logit_softcapping=None, logit_scale=1.0, outputs=("log_probs",))``."""
-        served = _linear_head(*args)
-        return cls.original.apply(*args) if served is None else served
+    def apply(cls, *args, **kwargs):
+        """TRL's call: ``(hidden, weight, bias, targets, temperature, chunk_size,
+        final_logit_softcapping=None, logit_scale=1.0, outputs=("log_probs",))``, passed on to
+        TRL's function as it came where rlops's op does not serve it."""
+        served = _linear_head(*args, **kwargs)
+        return cls.original.apply(*args, **kwargs) if served is None else served
 
 
 def _linear_head(
@@ -452,7 +453,8 @@ def _linear_head(
     outputs=("log_probs",),
 ):
     """TRL's head outputs ``(log_probs, entropy, None, None, None)`` by rlops's linear op, or
-    ``None`` where the call asks for what the op does not compute."""
+    ``None`` where the call asks for what the op does not compute. ``chunk_size`` is TRL's
+    tiling; rlops's op bounds its own temporaries."""
     try:
         check_logit_scale(logit_scale)
         check_softcap(final_logit_softcapping)
