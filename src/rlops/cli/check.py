@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -30,7 +31,7 @@ _CHECKS: dict[str, Callable] = {
     "advantages": check_advantages,
 }
 # the parsed arguments that are not options of the check
-_NOT_OPTIONS = ("command", "contract", "function", "param")
+_NOT_OPTIONS = ("command", "contract", "function", "param", "usage")
 
 
 def load_function(spec: str) -> Callable:
@@ -43,7 +44,13 @@ def load_function(spec: str) -> Callable:
         )
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    obj: object = importlib.import_module(module_name)
+    try:
+        obj: object = importlib.import_module(module_name)
+    except ImportError:
+        raise
+    except Exception as e:  # a syntax error, or the module raised while it was imported
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"importing {module_name} raised {type(e).__name__}: {reason}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"{module_name} has no attribute {attr!r}")
@@ -82,14 +89,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     def contract(name: str, help_text: str) -> argparse.ArgumentParser:
         c = contracts.add_parser(name, help=help_text, description=help_text)
         c.add_argument("function", metavar="MODULE:FUNCTION", help="the function under test")
-        c.add_argument("--device", default="cpu", help="where the inputs are made (default cpu)")
-        c.add_argument("--seed", type=int, default=0, help="seed of the inputs (default 0)")
+        c.add_argument(
+            "--device", default="cpu", help="where the inputs are made (default %(default)s)"
+        )
+        c.add_argument(
+            "--seed", type=int, default=0, help="seed of the inputs, >= 0 (default %(default)s)"
+        )
+        c.set_defaults(usage=c.format_usage())
         return c
 
     lp = contract(
         "logprobs", "fn(logits [N, V], target [N], temperature) -> logp [N] or (logp, entropy)"
     )
-    lp.add_argument("--temperature", type=float, default=1.0)
+    lp.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        metavar="TAU",
+        help="the sampling temperature fn applies, > 0 (default %(default)s); a fn that takes "
+        "no temperature is checked at 1",
+    )
     lp.add_argument(
         "--vocab-sizes",
         type=_csv(int),
@@ -115,10 +134,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     loss.add_argument(
         "--agg", default="token-mean", help="the aggregation mode fn applies (default token-mean)"
     )
-    loss.add_argument("--kind", default="ppo", help="the policy-loss kind (default ppo)")
-    loss.add_argument("--clip-low", type=float, default=None)
-    loss.add_argument("--clip-high", type=float, default=None)
-    loss.add_argument("--loss-scale-factor", type=float, default=None)
+    loss.add_argument(
+        "--kind", default="ppo", help="the policy-loss kind fn computes (default %(default)s)"
+    )
+    loss.add_argument(
+        "--clip-low",
+        type=float,
+        default=None,
+        metavar="EPS",
+        help="the lower clip fn uses, ratio >= 1 - EPS (default: the kind's)",
+    )
+    loss.add_argument(
+        "--clip-high",
+        type=float,
+        default=None,
+        metavar="EPS",
+        help="the upper clip fn uses, ratio <= 1 + EPS (default: --clip-low, or the kind's)",
+    )
+    loss.add_argument(
+        "--loss-scale-factor",
+        type=float,
+        default=None,
+        metavar="L",
+        help="L of seq-mean-token-sum-norm (default: T, the batch's length)",
+    )
     loss.add_argument(
         "--param",
         type=_param,
@@ -133,19 +172,52 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "fn(rewards, values, mask, gamma, lam) -> advantages "
         "(gae), fn(rewards, mask, gamma) -> returns",
     )
-    adv.add_argument("--estimator", choices=("gae", "returns"), default="gae")
-    adv.add_argument("--gamma", type=float, default=0.99)
-    adv.add_argument("--lam", type=float, default=0.95)
-    adv.add_argument("--long-length", type=int, default=32768)
+    adv.add_argument(
+        "--estimator",
+        choices=("gae", "returns"),
+        default="gae",
+        help="gae: fn(rewards, values, mask, gamma, lam); returns: fn(rewards, mask, gamma) "
+        "(default %(default)s)",
+    )
+    adv.add_argument(
+        "--gamma", type=float, default=0.99, help="the discount, in [0, 1] (default %(default)s)"
+    )
+    adv.add_argument(
+        "--lam", type=float, default=0.95, help="GAE's lambda, in [0, 1] (default %(default)s)"
+    )
+    adv.add_argument(
+        "--long-length",
+        type=int,
+        default=32768,
+        metavar="T",
+        help="the length of the long_rows check's rows, >= 1 (default %(default)s)",
+    )
+
+
+def _usage_error(args: argparse.Namespace, message: str) -> int:
+    """Print the contract's usage and ``message`` as argparse does, naming the command-line
+    option where the message names its keyword (``clip_low`` -> ``--clip-low``); return 2."""
+    for name in vars(args):
+        if name not in _NOT_OPTIONS and re.match(rf"{name}\b", message):
+            message = f"argument --{name.replace('_', '-')}: {message}"
+            break
+    else:
+        for name, _ in getattr(args, "param", ()):
+            if re.search(rf"\b{re.escape(name)}\b", message):
+                message = f"argument --param {name}: {message}"
+                break
+    usage = getattr(args, "usage", "")
+    print(f"{usage}rlops check {args.contract}: error: {message}", file=sys.stderr)
+    return 2
 
 
 def run(args: argparse.Namespace) -> int:
-    """``rlops check``: 0 if every check passed, 1 if one failed, 2 on a usage error."""
+    """``rlops check``: 0 if every check passed, 1 if one failed, 2 on a usage error (a bad
+    option value, a function that cannot be loaded or whose signature fits no form)."""
     try:
         fn = load_function(args.function)
     except (ImportError, ValueError) as e:
-        print(f"rlops check: error: {e}", file=sys.stderr)
-        return 2
+        return _usage_error(args, str(e))
     # every option of a contract is its check's keyword of the same name (device and seed too)
     options = {k: v for k, v in vars(args).items() if k not in _NOT_OPTIONS}
     kind_params = dict(getattr(args, "param", ()))  # loss: the kind's further options
@@ -153,8 +225,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = _CHECKS[args.contract](fn, **options, **kind_params)
     except (TypeError, ValueError) as e:
-        print(f"rlops check: error: {e}", file=sys.stderr)
-        return 2
+        return _usage_error(args, str(e))
     print(report)
     print(f"({time.perf_counter() - start:.1f} s)")
     return 0 if report.ok else 1

@@ -1,30 +1,21 @@
-"""What the three contracts share: the tolerance rule, the calling of the user's function and
-the conversion of a check's outcome (or its exception) into a :class:`Check`."""
+"""What the three contracts share: the tolerance rule, the checking of a contract's options,
+the reading of the user's function's signature, and the conversion of a check's outcome (or
+its exception) into a :class:`Check`."""
 
 from __future__ import annotations
 
 import inspect
-import math
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from rlops._checks import as_int
 from rlops.testing.report import Check, Report
 
-__all__ = [
-    "FLOOR_ULPS",
-    "Measured",
-    "accepts",
-    "first",
-    "generator",
-    "measure",
-    "run_check",
-    "run_checks",
-]
-
-#: the floor of the rule: a few units of the output dtype's precision at each value
+#: the floor of the rule: a few units of the output dtype's precision at the magnitude of the
+#: terms the definition combines
 FLOOR_ULPS = 4
 
 
@@ -47,25 +38,75 @@ def first(out: object, name: str) -> torch.Tensor:
     return out
 
 
+def signature(fn: Callable) -> inspect.Signature | None:
+    """``fn``'s signature, or None where it has none to read (some builtins)."""
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def binds(sig: inspect.Signature, *args: object, **kwargs: object) -> bool:
+    """Whether a call with these arguments fits ``sig`` (nothing is called)."""
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError:
+        return False
+    return True
+
+
 def accepts(fn: Callable, name: str) -> bool:
     """Whether ``fn`` takes a keyword argument ``name`` (or ``**kwargs``)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # a builtin without a signature
+    sig = signature(fn)
+    if sig is None:
         return False
     return any(
         p.kind is p.VAR_KEYWORD or (p.name == name and p.kind is not p.POSITIONAL_ONLY)
-        for p in params
+        for p in sig.parameters.values()
     )
+
+
+def fn_name(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def check_device(device: object) -> torch.device:
+    """``device`` as a :class:`torch.device` that can hold a tensor here (a ``ValueError``
+    naming ``device`` otherwise: a misspelt name, CUDA on a machine without it)."""
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+        torch.empty(1, device=dev)
+    except (RuntimeError, AssertionError, ValueError) as e:
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"device={str(device)!r} is not usable here: {reason}") from None
+    return dev
+
+
+def check_seed(seed: object) -> int:
+    """A seed: an int >= 0."""
+    return as_int("seed", seed, 0, tensor=False)
+
+
+def preflight(call: Callable[[], object], what: str) -> None:
+    """Call the user's function once on small inputs: a result that is not a tensor (or a
+    tuple starting with one) is one ``TypeError`` before any check runs. An exception from the
+    function is left to the checks, which report it."""
+    try:
+        out = call()
+    except Exception:  # the checks run it again and report what it raised
+        return
+    first(out, what)
 
 
 @dataclass(frozen=True)
 class Measured:
     """The rule applied to one output: ``err`` the largest error against the float64
     definition, ``plain`` the same for the plain computation in the same dtype, ``bound``
-    the bound (``2·plain`` plus the floor) of the element nearest to (or furthest past) its
-    bound, ``worst`` that element's error, ``ok`` whether every element is within its bound
-    (and finite where the definition is)."""
+    the bound of the element nearest to (or furthest past) its bound, ``worst`` that
+    element's error, ``ok`` whether every element is within its bound (and finite where the
+    definition is)."""
 
     err: float
     plain: float
@@ -80,36 +121,43 @@ class Measured:
         return text if self.worst == self.err else f"{text}, max error {self.err:.2e}"
 
 
-def _ulps(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``FLOOR_ULPS`` units of ``dtype``'s precision at each of ``ref``'s values."""
-    fi = torch.finfo(dtype)
-    return FLOOR_ULPS * fi.eps * ref.abs().clamp_min(fi.tiny)
-
-
 def measure(
-    out: torch.Tensor, ref: torch.Tensor, plain: torch.Tensor, where: torch.Tensor | None = None
+    out: torch.Tensor,
+    ref: torch.Tensor,
+    plain: torch.Tensor,
+    where: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
 ) -> Measured:
-    """The rule: every element of ``out`` within ``2·max|plain − ref| + FLOOR_ULPS ulps``
-    of the float64 definition ``ref`` (ulps of ``out``'s dtype; elements where ``where`` is
-    False, or the definition is not finite, are not compared). A non-finite ``out`` where
-    the definition is finite is an infinite error."""
+    """The rule: every element of ``out`` within
+
+        2·max|plain − ref| + FLOOR_ULPS·eps(dtype)·max(|ref|, scale)
+
+    of the float64 definition ``ref``: ``plain`` the plain computation in ``out``'s dtype,
+    ``scale`` (broadcast to ``ref``'s shape) the magnitude of the terms the definition combines
+    for each element (a log-prob's largest ``|z|/τ`` and log-normaliser, a loss's summands, an
+    advantage's running sum of ``|δ|``). The shapes must be equal: nothing is broadcast.
+    Elements where ``where`` is False, or the definition is not finite, are not compared; a
+    non-finite ``out`` where the definition is finite is an infinite error."""
+    if tuple(out.shape) != tuple(ref.shape):
+        raise ValueError(
+            f"the function returned shape {list(out.shape)}, the definition's is {list(ref.shape)}"
+        )
     ref = ref.detach().to("cpu", torch.float64)
     o = out.detach().to("cpu", torch.float64)
     p = plain.detach().to("cpu", torch.float64)
-    if o.shape != ref.shape:
-        raise ValueError(
-            f"the function returned shape {tuple(o.shape)}, the definition's is {tuple(ref.shape)}"
-        )
     keep = torch.isfinite(ref)
     if where is not None:
         keep &= where.to("cpu").bool()
     if not bool(keep.any()):
         return Measured(0.0, 0.0, 0.0, 0.0, True)
-    diff = torch.where(torch.isfinite(o), (o - ref).abs(), math.inf)[keep]
-    plain_err = torch.where(torch.isfinite(p), (p - ref).abs(), math.inf)[keep]
+    size = ref.abs()
+    if scale is not None:
+        size = torch.maximum(size, scale.detach().to("cpu", torch.float64).expand_as(ref))
+    diff = torch.where(torch.isfinite(o), (o - ref).abs(), torch.inf)[keep]
+    plain_err = torch.where(torch.isfinite(p), (p - ref).abs(), torch.inf)[keep]
     e_plain = float(plain_err.max())
-    floor = _ulps(ref[keep], out.dtype if out.is_floating_point() else torch.float32)
-    bound = 2 * e_plain + floor
+    fi = torch.finfo(out.dtype if out.is_floating_point() else torch.float32)
+    bound = 2 * e_plain + FLOOR_ULPS * fi.eps * size[keep].clamp_min(fi.tiny)
     at = int(torch.argmax(diff / bound))  # the element nearest to (or furthest past) its bound
     return Measured(
         float(diff.max()), e_plain, float(bound[at]), float(diff[at]), bool((diff <= bound).all())
@@ -138,13 +186,10 @@ def run_checks(
     contract: str,
     fn: Callable,
     shown: Sequence[str],
-    names: Sequence[str],
     explain: Mapping[str, str],
     bodies: Mapping[str, Callable[[], tuple[bool | None, float | None, str]]],
 ) -> Report:
-    """The report of ``contract`` on ``fn``: the checks ``names`` run in that order (each one's
-    ``bodies[name]``, explained by ``explain[name]``), titled ``contract(fn, *shown)``."""
-    checks = [run_check(name, explain[name], bodies[name]) for name in names]
-    return Report(
-        f"{contract}({', '.join([getattr(fn, '__qualname__', repr(fn)), *shown])})", checks
-    )
+    """The report of ``contract`` on ``fn``: the checks ``bodies`` run in their order (each
+    explained by ``explain[name]``), titled ``contract(fn, *shown)``."""
+    checks = [run_check(name, explain[name], body) for name, body in bodies.items()]
+    return Report(f"{contract}({', '.join([fn_name(fn), *shown])})", checks)

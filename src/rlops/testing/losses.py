@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from rlops._checks import check_choice
 from rlops._types import EMPTY_ROWS, EmptyRows
 from rlops.losses import AGG_MODES, policy_loss
-from rlops.testing._common import accepts, first, generator, measure, run_checks
+from rlops.testing._common import (
+    accepts,
+    binds,
+    check_device,
+    check_seed,
+    first,
+    fn_name,
+    generator,
+    measure,
+    preflight,
+    run_checks,
+    signature,
+)
 from rlops.testing.report import Report
 
 __all__ = ["POLICY_LOSS_CHECKS", "check_policy_loss"]
@@ -17,7 +31,8 @@ POLICY_LOSS_CHECKS = ("values", "gradients", "constants", "micro_batch_invarianc
 
 _EXPLAIN = {
     "values": "the loss differs from the kind's definition with these clips and this "
-    "aggregation (a wrong clip side, empty rows counted, padding not masked)",
+    "aggregation (a wrong clip side, empty rows counted, padding not masked), or is not a "
+    "0-dim tensor",
     "gradients": "the gradient differs from the definition's (a fused backward written "
     "apart from the forward and drifted, a clip mask missing in the backward)",
     "constants": "old_logp or the advantages carry gradient (e.g. old_logp = logp without "
@@ -57,6 +72,177 @@ def _batch(seed: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     return tuple(x.to(device) for x in (logp, old, adv, mask))
 
 
+@dataclass(frozen=True)
+class _Setup:
+    """One run of the contract: the function, the definition's options, the batch."""
+
+    fn: Callable
+    kind: str
+    agg: str
+    options: dict
+    loss_scale_factor: float | None
+    empty_rows: EmptyRows
+    batch: tuple[torch.Tensor, ...]
+
+    def definition(
+        self,
+        lp: torch.Tensor,
+        dtype: torch.dtype,
+        rows: slice = slice(None),
+        magnitude: bool = False,
+        **counts: object,
+    ) -> torch.Tensor:
+        """:func:`rlops.policy_loss` in ``dtype`` on rows ``rows``; with ``magnitude``, on the
+        advantages' absolute values (every summand of one sign: the magnitude of the sum)."""
+        _, old, adv, mask = self.batch
+        adv = adv.abs() if magnitude else adv
+        extra: dict = {**counts, **self.options}  # counts and the kind's options, by keyword
+        return policy_loss(
+            lp,
+            old[rows].to("cpu", dtype),
+            adv[rows].to("cpu", dtype),
+            mask[rows].cpu(),
+            kind=self.kind,
+            agg=self.agg,
+            loss_scale_factor=self.loss_scale_factor,
+            empty_rows=self.empty_rows,
+            **extra,
+        )[0]
+
+    def call(self, lp, o, a, m, **counts: object) -> torch.Tensor:
+        """``fn``'s loss, which must be a 0-dim tensor (nothing is reshaped)."""
+        loss = first(self.fn(lp, o, a, m, **counts), "the loss")
+        if loss.dim() != 0:
+            raise ValueError(
+                f"the function's loss has shape {list(loss.shape)}, the definition's is [] "
+                "(a 0-dim tensor)"
+            )
+        return loss
+
+    def size(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """The magnitude of the loss's summands (see :meth:`definition`)."""
+        lp = self.batch[0].to("cpu", dtype)
+        return self.definition(lp, dtype, magnitude=True).abs()
+
+
+def _grad_of(loss: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    if not loss.requires_grad:
+        return None
+    return torch.autograd.grad(loss, x, allow_unused=True)[0]
+
+
+def _row_scale(grad: torch.Tensor) -> torch.Tensor:
+    """Each row's largest gradient element: the magnitude a sequence-level kind's gradient
+    terms combine at."""
+    return grad.detach().abs().amax(-1, keepdim=True)
+
+
+# --------------------------------------------------------------------------- the checks
+def _values(s: _Setup):
+    logp, old, adv, mask = s.batch
+    got = s.call(logp, old, adv, mask)
+    ref = s.definition(logp.to("cpu", torch.float64), torch.float64)
+    m = measure(got, ref, s.definition(logp.cpu(), torch.float32), scale=s.size())
+    return m.ok, m.err, f"loss {float(got.detach()):.6g}; {m.text()}"
+
+
+def _gradients(s: _Setup):
+    logp, old, adv, mask = s.batch
+    lp = logp.clone().requires_grad_(True)
+    got = _grad_of(s.call(lp, old, adv, mask), lp)
+    if got is None:
+        return False, None, "no gradient reaches logp"
+    refs = []
+    for dt in (torch.float64, torch.float32):
+        x = logp.to("cpu", dt).requires_grad_(True)
+        refs.append(torch.autograd.grad(s.definition(x, dt), x)[0])
+    m = measure(got, refs[0], refs[1], scale=_row_scale(refs[0]))
+    return m.ok, m.err, f"dloss/dlogp {m.text()}"
+
+
+def _constants(s: _Setup):
+    logp, old, adv, mask = s.batch
+    lp = logp.clone().requires_grad_(True)
+    o = old.clone().requires_grad_(True)
+    a = adv.clone().requires_grad_(True)
+    loss = s.call(lp, o, a, mask)
+    parts, worst = [], 0.0
+    if loss.requires_grad:
+        grads = torch.autograd.grad(loss, (o, a), allow_unused=True)
+        for name, gr in zip(("old_logp", "advantages"), grads, strict=True):
+            size = 0.0 if gr is None else float(gr.abs().max())
+            worst = max(worst, size)
+            parts.append(f"|d/d{name}| {size:.2e}")
+    lp = logp.clone().requires_grad_(True)
+    same = _grad_of(s.call(lp, lp, adv, mask), lp)
+    lp2 = logp.clone().requires_grad_(True)
+    detached = _grad_of(s.call(lp2, lp2.detach(), adv, mask), lp2)
+    if same is not None and detached is not None:
+        d = float((same - detached).abs().max())
+        parts.append(f"old_logp=logp vs logp.detach(): grad difference {d:.2e}")
+        worst = max(worst, d)
+    return worst == 0.0, worst, "; ".join(parts)
+
+
+def _micro_batch_invariance(s: _Setup):
+    logp, old, adv, mask = s.batch
+    names = _COUNTS[s.agg]
+    missing = [n for n in names if not accepts(s.fn, n)]
+    if missing:
+        return (
+            None,
+            None,
+            f"skipped: {s.agg} needs {missing[0]}= (the global count), "
+            "which the function does not take",
+        )
+    keep = mask.cpu()
+    seqs = keep.shape[0] if s.empty_rows == "count" else keep.any(-1).sum()
+    counts_all = {"num_tokens": float(keep.sum()), "num_seqs": float(seqs)}
+    counts = {n: counts_all[n] for n in names}
+    lp = logp.clone().requires_grad_(True)
+    full = s.call(lp, old, adv, mask)
+    full_grad = _grad_of(full, lp)
+    pieces = [logp[a:b].clone().requires_grad_(True) for a, b in _SPLITS]
+    losses = [
+        s.call(p, old[a:b], adv[a:b], mask[a:b], **counts)
+        for p, (a, b) in zip(pieces, _SPLITS, strict=True)
+    ]
+    total = torch.stack([x.to(torch.float64) for x in losses]).sum()
+    grads = [_grad_of(x, p) for x, p in zip(losses, pieces, strict=True)]
+
+    x64 = logp.to("cpu", torch.float64).requires_grad_(True)
+    ref64 = s.definition(x64, torch.float64)
+    (grad64,) = torch.autograd.grad(ref64, x64)
+    x32 = logp.cpu().requires_grad_(True)  # the definition split, in float32: the plain
+    sum32 = torch.stack(
+        [s.definition(x32[a:b], torch.float32, slice(a, b), **counts) for a, b in _SPLITS]
+    ).sum()
+    (grad32,) = torch.autograd.grad(sum32, x32)
+    m = measure(total.to(torch.float32), ref64, sum32, scale=s.size())
+    ok, worst = m.ok, m.err
+    text = (
+        f"sum of micro-batch losses {float(total.detach()):.6g} (full batch "
+        f"{float(full.detach()):.6g}): " + m.text()
+    )
+    if full_grad is not None and all(gr is not None for gr in grads):
+        got = torch.cat([gr for gr in grads if gr is not None])
+        mg = measure(got, grad64, grad32, scale=_row_scale(grad64))
+        ok, worst = ok and mg.ok, max(worst, mg.err)
+        text += f"; gradient {mg.text()}"
+    else:
+        ok = False
+        text += "; no gradient reaches logp in a micro-batch"
+    return ok, worst, text
+
+
+_BODIES = {
+    "values": _values,
+    "gradients": _gradients,
+    "constants": _constants,
+    "micro_batch_invariance": _micro_batch_invariance,
+}
+
+
 def check_policy_loss(
     fn: Callable,
     *,
@@ -78,8 +264,9 @@ def check_policy_loss(
     (``token-mean``) or ``num_seqs=`` (the ``seq-mean`` modes), with
     :func:`rlops.aggregate_loss`'s meaning. The definition is :func:`rlops.policy_loss` with
     ``kind``, the clips, ``kind_params`` and ``agg`` in float64; the rule: within
-    ``2·e + 4 ulps`` of it, ``e`` the error of :func:`rlops.policy_loss` in float32 on the
-    same inputs.
+    ``2·e + 4·eps·M`` of it, ``e`` the error of :func:`rlops.policy_loss` in float32 on the
+    same inputs, ``M`` the magnitude of the summands (the same loss on ``|advantages|``; for a
+    gradient, its row's largest element). The loss must be a 0-dim tensor.
 
     The batch: 8 rows of lengths 48, 31, 0, 17, 1, 40, 25, 9 (one without an action token),
     a gap of mask 0 inside the first row, ratios ``exp(N(0, 0.3))`` (many clipped) and
@@ -117,6 +304,12 @@ def check_policy_loss(
     Returns:
         a :class:`rlops.testing.Report` with the four checks above.
 
+    Raises:
+        ValueError, TypeError: ``agg``, ``kind``, a clip, ``loss_scale_factor``,
+            ``empty_rows`` or a ``kind_params`` entry that :func:`rlops.policy_loss` rejects
+            (naming it); ``fn``'s signature takes no four tensors; ``fn`` returns something
+            other than a tensor or a tuple starting with one.
+
     Example:
         >>> import rlops
         >>> from rlops.testing import check_policy_loss
@@ -126,143 +319,25 @@ def check_policy_loss(
         >>> check_policy_loss(loss_fn, agg="token-mean", clip_low=0.2).failed
         []
     """
-    if agg not in AGG_MODES:
-        raise ValueError(f"agg must be one of {list(AGG_MODES)}, got {agg!r}")
-    if empty_rows not in EMPTY_ROWS:
-        raise ValueError(f"empty_rows must be one of {list(EMPTY_ROWS)}, got {empty_rows!r}")
-    dev = torch.device(device)
+    check_choice("agg", agg, AGG_MODES)
+    check_choice("empty_rows", empty_rows, EMPTY_ROWS)
+    dev, s0 = check_device(device), check_seed(seed)
+    sig = signature(fn)
+    if sig is not None and not binds(sig, 0, 0, 0, 0):
+        raise TypeError(
+            f"check_policy_loss: {fn_name(fn)}{sig} takes no (logp, old_logp, advantages, "
+            "mask): expected fn(logp, old_logp, advantages, mask[, num_tokens=, num_seqs=])"
+        )
     options: dict[str, object] = dict(kind_params)
     if clip_low is not None:
         options["clip_low"] = clip_low
     if clip_high is not None:
         options["clip_high"] = clip_high
-    logp, old, adv, mask = _batch(seed, dev)
-
-    def definition(
-        lp: torch.Tensor, dtype: torch.dtype, rows: slice = slice(None), **counts: object
-    ) -> torch.Tensor:
-        cast = [x[rows].to("cpu", dtype) for x in (old, adv)]
-        extra: dict = {**counts, **options}  # counts and the kind's options, by keyword
-        return policy_loss(
-            lp,
-            cast[0],
-            cast[1],
-            mask[rows].cpu(),
-            kind=kind,
-            agg=agg,
-            loss_scale_factor=loss_scale_factor,
-            empty_rows=empty_rows,
-            **extra,
-        )[0]
-
-    def call(
-        lp: torch.Tensor, o: torch.Tensor, a: torch.Tensor, m: torch.Tensor, **counts: object
-    ) -> torch.Tensor:
-        loss = first(fn(lp, o, a, m, **counts), "the loss")
-        if loss.numel() != 1:
-            raise ValueError(f"the loss must be a scalar (0-dim), got shape {tuple(loss.shape)}")
-        return loss.reshape(())
-
-    def grad_of(loss: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
-        if not loss.requires_grad:
-            return None
-        return torch.autograd.grad(loss, x, allow_unused=True)[0]
-
-    def values():
-        got = call(logp, old, adv, mask)
-        ref = definition(logp.to("cpu", torch.float64), torch.float64)
-        m = measure(got, ref, definition(logp.cpu(), torch.float32))
-        return m.ok, m.err, f"loss {float(got.detach()):.6g}; {m.text()}"
-
-    def gradients():
-        lp = logp.clone().requires_grad_(True)
-        got = grad_of(call(lp, old, adv, mask), lp)
-        if got is None:
-            return False, None, "no gradient reaches logp"
-        refs = []
-        for dt in (torch.float64, torch.float32):
-            x = logp.to("cpu", dt).requires_grad_(True)
-            refs.append(torch.autograd.grad(definition(x, dt), x)[0])
-        m = measure(got, refs[0], refs[1])
-        return m.ok, m.err, f"dloss/dlogp {m.text()}"
-
-    def constants():
-        lp = logp.clone().requires_grad_(True)
-        o = old.clone().requires_grad_(True)
-        a = adv.clone().requires_grad_(True)
-        loss = call(lp, o, a, mask)
-        parts, worst = [], 0.0
-        if loss.requires_grad:
-            grads = torch.autograd.grad(loss, (o, a), allow_unused=True)
-            for name, gr in zip(("old_logp", "advantages"), grads, strict=True):
-                size = 0.0 if gr is None else float(gr.abs().max())
-                worst = max(worst, size)
-                parts.append(f"|d/d{name}| {size:.2e}")
-        lp = logp.clone().requires_grad_(True)
-        same = grad_of(call(lp, lp, adv, mask), lp)
-        lp2 = logp.clone().requires_grad_(True)
-        detached = grad_of(call(lp2, lp2.detach(), adv, mask), lp2)
-        if same is not None and detached is not None:
-            d = float((same - detached).abs().max())
-            parts.append(f"old_logp=logp vs logp.detach(): grad difference {d:.2e}")
-            worst = max(worst, d)
-        return worst == 0.0, worst, "; ".join(parts)
-
-    def micro_batch_invariance():
-        names = _COUNTS[agg]
-        missing = [n for n in names if not accepts(fn, n)]
-        if missing:
-            return (
-                None,
-                None,
-                f"skipped: {agg} needs {missing[0]}= (the global count), "
-                "which the function does not take",
-            )
-        keep = mask.cpu()
-        seqs = keep.shape[0] if empty_rows == "count" else keep.any(-1).sum()
-        counts_all = {"num_tokens": float(keep.sum()), "num_seqs": float(seqs)}
-        counts = {n: counts_all[n] for n in names}
-        lp = logp.clone().requires_grad_(True)
-        full = call(lp, old, adv, mask)
-        full_grad = grad_of(full, lp)
-        pieces = [logp[a:b].clone().requires_grad_(True) for a, b in _SPLITS]
-        losses = [
-            call(p, old[a:b], adv[a:b], mask[a:b], **counts)
-            for p, (a, b) in zip(pieces, _SPLITS, strict=True)
-        ]
-        total = torch.stack([x.to(torch.float64) for x in losses]).sum()
-        grads = [grad_of(x, p) for x, p in zip(losses, pieces, strict=True)]
-
-        x64 = logp.to("cpu", torch.float64).requires_grad_(True)
-        ref64 = definition(x64, torch.float64)
-        (grad64,) = torch.autograd.grad(ref64, x64)
-        x32 = logp.cpu().requires_grad_(True)  # the definition split, in float32: the plain
-        sum32 = torch.stack(
-            [definition(x32[a:b], torch.float32, slice(a, b), **counts) for a, b in _SPLITS]
-        ).sum()
-        (grad32,) = torch.autograd.grad(sum32, x32)
-        m = measure(total.to(torch.float32), ref64, sum32)
-        ok, worst = m.ok, m.err
-        text = (
-            f"sum of micro-batch losses {float(total.detach()):.6g} (full batch "
-            f"{float(full.detach()):.6g}): " + m.text()
-        )
-        if full_grad is not None and all(gr is not None for gr in grads):
-            mg = measure(torch.cat([gr for gr in grads if gr is not None]), grad64, grad32)
-            ok, worst = ok and mg.ok, max(worst, mg.err)
-            text += f"; gradient {mg.text()}"
-        else:
-            ok = False
-            text += "; no gradient reaches logp in a micro-batch"
-        return ok, worst, text
-
-    bodies = {
-        "values": values,
-        "gradients": gradients,
-        "constants": constants,
-        "micro_batch_invariance": micro_batch_invariance,
-    }
+    s = _Setup(fn, kind, agg, options, loss_scale_factor, empty_rows, _batch(s0, dev))
+    s.size()  # the definition once: a bad kind, clip or option raises here, naming it
+    preflight(lambda: fn(*s.batch), "the loss")
     shown = [f"agg={agg!r}", f"kind={kind!r}"]
     if empty_rows != "skip":
         shown.append(f"empty_rows={empty_rows!r}")
-    return run_checks("check_policy_loss", fn, shown, POLICY_LOSS_CHECKS, _EXPLAIN, bodies)
+    bodies = {name: (lambda body=body: body(s)) for name, body in _BODIES.items()}
+    return run_checks("check_policy_loss", fn, shown, _EXPLAIN, bodies)
