@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 import rlops
 from rlops._checks import (
     as_bool_mask,
+    as_int,
+    as_real,
+    as_real_vector,
     check_2d,
     check_choice,
-    check_fraction,
+    check_count,
+    check_finite_positive,
     check_nonneg,
     check_positive,
     check_same_shape,
+    is_finite,
     shape_error,
 )
 from rlops._types import Group
@@ -39,9 +44,18 @@ def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     dims = tuple(range(x.dim())) if dim is None else (dim,)
     mean = torch.nanmean(x, dim=dims, keepdim=True)
     var = torch.nanmean((x - mean) ** 2, dim=dims, keepdim=True)
-    n = (~torch.isnan(x)).sum(dim=dims, keepdim=True)
+    # the count in x's dtype: Bessel's factor n / (n − 1) of int64 counts would be computed in
+    # torch's default float32 (TRL's nanstd does so), a float32 error in float64 rewards
+    n = (~torch.isnan(x)).sum(dim=dims, keepdim=True).to(x.dtype)
     var = var * torch.where(n > 1, n / (n - 1).clamp_min(1), math.nan)
     return var.sqrt().squeeze(dims) if dim is None else var.sqrt()
+
+
+def _check_reward_weights(reward_weights: object, f: int) -> torch.Tensor:
+    """TRL's ``reward_weights``: ``F`` finite numbers. TRL 1.16 does not check them, and its
+    ``nansum`` over ``rewards_per_func · w`` drops the column of a NaN weight (weight 0, the
+    function ignored without a word): a NaN or infinite weight raises here."""
+    return as_real_vector("reward_weights", reward_weights, f, "rewards_per_func")
 
 
 def grpo_advantages(
@@ -74,14 +88,20 @@ def grpo_advantages(
         rewards_per_func: ``[B, F]`` (or ``[B]``: one function) floating rewards, NaN where a
             function gave none.
         num_generations: ``G >= 1`` completions per prompt, dividing ``B``.
-        reward_weights: ``[F]`` weights (TRL's ``reward_weights``), default all 1.
+        reward_weights: ``[F]`` finite weights (TRL's ``reward_weights``), default all 1. A
+            NaN or infinite weight raises ``ValueError`` (TRL 1.16 takes a NaN weight as 0:
+            its ``nansum`` drops the column; a NaN weight is a configuration error, not an
+            unscored reward). A weight tensor on an accelerator is checked where rlops reads
+            values (``RLOPS_CHECK_VALUES=1``).
         scale_rewards: ``"group"``, ``"batch"`` or ``"none"`` (``True`` is ``"group"``,
             ``False`` ``"none"``, as TRL's config reads them).
         multi_objective_aggregation: ``"sum_then_normalize"`` or ``"normalize_then_sum"``.
         eps: ``>= 0`` added to the std (TRL: 1e-4).
 
     Returns:
-        ``[B]`` advantages in the rewards' dtype (float32 for integer rewards).
+        ``[B]`` advantages in the rewards' dtype (float32 for integer rewards), computed in
+        it: float64 rewards get float64 accuracy (TRL's ``nanstd`` takes Bessel's factor in
+        float32).
 
     Example:
         >>> import torch
@@ -111,12 +131,8 @@ def grpo_advantages(
     w = (
         torch.ones(f, dtype=r.dtype, device=r.device)
         if reward_weights is None
-        else (torch.as_tensor(reward_weights, dtype=r.dtype, device=r.device))
+        else _check_reward_weights(reward_weights, f).to(device=r.device, dtype=r.dtype)
     )
-    if w.shape != (f,):
-        raise shape_error(
-            "reward_weights", f"[F] = [{f}] (one per reward function)", tuple(w.shape)
-        )
     g = num_generations
     unscorable = torch.isnan(r).all(dim=1)
     if multi_objective_aggregation == "sum_then_normalize":
@@ -144,21 +160,49 @@ def grpo_advantages(
 
 
 # --------------------------------------------------------------------------- loss
-def _options(
+class _Plan(NamedTuple):
+    """TRL's loss options, checked, as rlops's arguments (:func:`_check_options`)."""
+
+    kind: str  # rlops.policy_loss's kind
+    options: dict[str, Any]  # its options
+    cap: float | None  # cispo's cap <= 1 (reinforce with the weight sg(min(r, cap))), else None
+    level: str  # importance_sampling_level
+    beta: float
+    rho: float  # top_entropy_quantile
+    entropy_coef: float
+    max_completion_length: int | None
+    num_processes: int
+    steps_per_generation: int | None
+
+
+def _check_options(
+    *,
     loss_type: str,
     epsilon: float,
     epsilon_high: float | None,
     delta: float | None,
-    level: str,
+    importance_sampling_level: str,
+    beta: float,
+    top_entropy_quantile: float,
+    entropy_coef: float,
     sapo_temperature_pos: float,
     sapo_temperature_neg: float,
-) -> tuple[str, dict[str, Any], float | None]:
-    """rlops's ``(kind, options, cap)`` for TRL's options; ``cap`` is cispo's cap ≤ 1 (served
-    as reinforce with the weight ``sg(min(r, cap))``), else None. Errors name TRL's options."""
+    max_completion_length: int | None,
+    num_processes: int,
+    steps_per_generation: int | None,
+) -> _Plan:
+    """TRL's loss options (Python numbers, read on the host) as a :class:`_Plan`; errors name
+    TRL's option, its range and the value given (:class:`GRPOMixin` runs this at
+    construction, :func:`grpo_loss` at each call)."""
+    check_choice("loss_type", loss_type, LOSS_TYPES)
+    level = check_choice(
+        "importance_sampling_level", importance_sampling_level, ("token", "sequence")
+    )
     eps_low = check_positive("epsilon", epsilon)
     eps_high = eps_low if epsilon_high is None else check_positive("epsilon_high", epsilon_high)
-    seq = level == "sequence"
+    cap = None
     if loss_type in _PPO_FAMILY:
+        kind = "gspo" if level == "sequence" else "ppo"
         options: dict[str, Any] = {"clip_low": eps_low, "clip_high": eps_high}
         if delta is not None:
             delta = check_positive("delta", delta)
@@ -169,14 +213,55 @@ def _options(
                     f"epsilon), got {delta}"
                 )
             options["dual_clip"] = delta
-        return ("gspo" if seq else "ppo"), options, None
-    if loss_type == "cispo":
+    elif loss_type == "cispo":
         if eps_high > 1:
-            return "cispo", {"clip_low": math.inf, "clip_high": eps_high - 1, "level": level}, None
-        return "reinforce", {}, eps_high
-    tau_pos = check_positive("sapo_temperature_pos", sapo_temperature_pos)
-    tau_neg = check_positive("sapo_temperature_neg", sapo_temperature_neg)
-    return "sapo", {"tau_pos": tau_pos, "tau_neg": tau_neg, "level": level}, None
+            kind, options = (
+                "cispo",
+                {"clip_low": math.inf, "clip_high": eps_high - 1, "level": level},
+            )
+        else:
+            kind, options, cap = "reinforce", {}, eps_high
+    else:
+        tau_pos = check_finite_positive("sapo_temperature_pos", sapo_temperature_pos)
+        tau_neg = check_finite_positive("sapo_temperature_neg", sapo_temperature_neg)
+        kind, options = "sapo", {"tau_pos": tau_pos, "tau_neg": tau_neg, "level": level}
+    beta = check_nonneg("beta", beta)
+    rho = as_real("top_entropy_quantile", top_entropy_quantile)
+    if not 0 <= rho <= 1:  # NaN too
+        raise ValueError(
+            "top_entropy_quantile must be in [0, 1] (TRL's range: the top quantile of the tokens "
+            f"by entropy kept; 0 keeps the highest-entropy token, 1 every token), got "
+            f"{top_entropy_quantile}"
+        )
+    coef = as_real("entropy_coef", entropy_coef)
+    if not is_finite(coef):
+        raise ValueError(f"entropy_coef must be a finite number, got {entropy_coef}")
+    length = (
+        None
+        if max_completion_length is None
+        else as_int("max_completion_length", max_completion_length, 1, tensor=False)
+    )
+    if loss_type == "dr_grpo" and length is None:
+        raise ValueError(
+            "loss_type='dr_grpo' needs max_completion_length, an int >= 1 (TRL divides the "
+            "token sums by it), got None"
+        )
+    return _Plan(
+        kind=kind,
+        options=options,
+        cap=cap,
+        level=level,
+        beta=beta,
+        rho=rho,
+        entropy_coef=coef,
+        max_completion_length=length,
+        num_processes=as_int("num_processes", num_processes, 1, tensor=False),
+        steps_per_generation=(
+            None
+            if steps_per_generation is None
+            else as_int("steps_per_generation", steps_per_generation, 1, tensor=False)
+        ),
+    )
 
 
 def _row_mean(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -233,18 +318,32 @@ def _loss_and_stats(
     if adv.shape not in ((b, 1), (b, t)):
         raise shape_error("advantages", f"[B] = [{b}] or [B, T] = [{b}, {t}]", tuple(adv.shape))
     adv = adv.detach().to(lp.dtype).expand(b, t)
-    check_choice("loss_type", loss_type, LOSS_TYPES)
-    level = check_choice(
-        "importance_sampling_level", importance_sampling_level, ("token", "sequence")
+    plan = _check_options(
+        loss_type=loss_type,
+        epsilon=epsilon,
+        epsilon_high=epsilon_high,
+        delta=delta,
+        importance_sampling_level=importance_sampling_level,
+        beta=beta,
+        top_entropy_quantile=top_entropy_quantile,
+        entropy_coef=entropy_coef,
+        sapo_temperature_pos=sapo_temperature_pos,
+        sapo_temperature_neg=sapo_temperature_neg,
+        max_completion_length=max_completion_length,
+        num_processes=num_processes,
+        steps_per_generation=steps_per_generation,
     )
-    kind, options, cap = _options(
-        loss_type, epsilon, epsilon_high, delta, level, sapo_temperature_pos, sapo_temperature_neg
+    options, cap, beta, rho, entropy_coef = (
+        plan.options,
+        plan.cap,
+        plan.beta,
+        plan.rho,
+        plan.entropy_coef,
     )
-    beta = check_nonneg("beta", beta)
-    rho = check_fraction("top_entropy_quantile", top_entropy_quantile)
-    ga = 1 if not training else gradient_accumulation_steps
-    if isinstance(ga, bool) or not isinstance(ga, int) or ga < 1:
-        raise ValueError(f"gradient_accumulation_steps must be an int >= 1, got {ga!r}")
+    accumulation = as_int(
+        "gradient_accumulation_steps", gradient_accumulation_steps, 1, tensor=False
+    )
+    ga = accumulation if training else 1
     if (entropy_coef != 0 or rho < 1) and entropies is None:
         raise ValueError(
             "entropies ([B, T]) are needed with entropy_coef != 0 or top_entropy_quantile < 1"
@@ -253,7 +352,7 @@ def _loss_and_stats(
         check_same_shape("per_token_logps", lp, entropies=entropies)
 
     log_ratio = torch.where(keep, lp - old.detach(), 0)
-    seq = level == "sequence"
+    seq = plan.level == "sequence"
     coef_1 = torch.exp(_row_mean(log_ratio, keep) if seq else log_ratio)  # TRL's ratio
 
     weights = entropy_keep = None
@@ -265,7 +364,7 @@ def _loss_and_stats(
         capped = coef_1.detach().clamp(max=cap).expand(b, t)
         weights = capped if weights is None else weights * capped
     loss_mat = rlops.policy_loss(
-        lp, old, adv, keep, kind=kind, rollout_is_weights=weights, agg=None, **options
+        lp, old, adv, keep, kind=plan.kind, rollout_is_weights=weights, agg=None, **options
     )[0]
     sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     tokens = keep.sum().to(lp.dtype)
@@ -291,25 +390,21 @@ def _loss_and_stats(
     elif loss_type == "bnpo":
         mode, lsf, nt = "token-mean", None, None
     elif loss_type == "dr_grpo":
-        if max_completion_length is None:
-            raise ValueError("loss_type='dr_grpo' needs max_completion_length")
-        mode, lsf, nt = "seq-mean-token-sum-norm", float(max_completion_length), None
+        assert plan.max_completion_length is not None
+        mode, lsf, nt = "seq-mean-token-sum-norm", float(plan.max_completion_length), None
     elif loss_type == "luspo":
         mode, lsf, nt = "seq-mean-token-sum", None, None
     else:  # dapo, cispo: num_items_in_batch spans the generation batch
         mode, lsf = "token-mean", None
-        if num_items_in_batch is None:
+        count = check_count("num_items_in_batch", num_items_in_batch, lp)
+        if count is None:
             nt = None
         else:
-            spg = (
-                gradient_accumulation_steps
-                if steps_per_generation is None
-                else (steps_per_generation)
-            )
-            n = torch.as_tensor(num_items_in_batch, dtype=lp.dtype, device=lp.device)
-            nt = n.clamp(min=1.0) / num_processes
+            spg = plan.steps_per_generation or accumulation
+            n = torch.as_tensor(count, dtype=lp.dtype, device=lp.device)
+            nt = n.clamp(min=1.0) / plan.num_processes
             if training:
-                nt = nt * gradient_accumulation_steps / spg
+                nt = nt * accumulation / spg
     # TRL's sequence means divide by every row, with an action token or not
     policy = rlops.aggregate_loss(
         loss_mat, keep, mode, loss_scale_factor=lsf, num_tokens=nt, empty_rows="count"
@@ -402,15 +497,18 @@ def grpo_loss(
         use_bias_correction_kl: multiply the KL by the ratio (TRL's default True).
         entropies: ``[B, T]`` per-token entropies, needed with ``top_entropy_quantile < 1`` or
             ``entropy_coef != 0`` (with their gradient for the latter).
-        top_entropy_quantile: in ``[0, 1]``: train on the tokens in the top quantile of entropy
-            over every process of ``group``.
-        entropy_coef: the entropy bonus coefficient (TRL's static one).
-        sapo_temperature_pos, sapo_temperature_neg: sapo's ``τ`` (``> 0``).
-        max_completion_length: dr_grpo's constant length.
+        top_entropy_quantile: ``ρ`` in ``[0, 1]`` (TRL's range): train on the tokens whose
+            entropy is at least the ``1 − ρ`` quantile (``torch.quantile``'s) over every
+            process of ``group``; 1 keeps every token, 0 those tied with the largest entropy.
+        entropy_coef: the entropy bonus coefficient (TRL's static one), a finite number.
+        sapo_temperature_pos, sapo_temperature_neg: sapo's ``τ`` (finite, ``> 0``).
+        max_completion_length: None or an int ``>= 1``, dr_grpo's constant length (needed
+            there).
         num_items_in_batch: completion tokens of the generation batch over every process (TRL's
-            gathered count), for dapo and cispo; None: this call's own count.
-        num_processes, gradient_accumulation_steps, steps_per_generation: TRL's (defaults 1, 1,
-            ``gradient_accumulation_steps``).
+            gathered count, a number or a 0-dim tensor ``>= 0``), for dapo and cispo; None: this
+            call's own count.
+        num_processes, gradient_accumulation_steps, steps_per_generation: TRL's, ints ``>= 1``
+            (defaults 1, 1, ``gradient_accumulation_steps``).
         training: False for TRL's evaluation mode (no accumulation scaling).
         group: the process group of the data-parallel processes, for the entropy quantile, or
             None (this process only).

@@ -13,9 +13,16 @@ from typing import Any
 import torch
 
 import rlops
-from rlops._checks import check_logit_scale, check_softcap
+from rlops._checks import check_finite_positive, check_logit_scale, check_softcap
 from rlops._types import Group
-from rlops.compat._trl_loss import LOSS_TYPES, SUPPORTED_TRL, _loss_and_stats, grpo_advantages
+from rlops.compat._trl_loss import (
+    LOSS_TYPES,
+    SUPPORTED_TRL,
+    _check_options,
+    _check_reward_weights,
+    _loss_and_stats,
+    grpo_advantages,
+)
 
 __all__ = ["GRPOMixin", "patch"]
 
@@ -46,6 +53,22 @@ def head_options(text_config: Any) -> tuple[dict[str, Any], str]:
     return {"logit_scale": scale, "final_logit_softcapping": softcap}, name
 
 
+def _is_trl_grpo_trainer(cls: type) -> bool:
+    """Whether ``cls`` is TRL's ``GRPOTrainer``, told by its name and package: TRL is not
+    imported (``import rlops.compat.trl`` works without it)."""
+    return cls.__name__ == "GRPOTrainer" and cls.__module__.split(".")[0] == "trl"
+
+
+def _bases_error(cls: type, why: str) -> TypeError:
+    """What :class:`GRPOMixin` needs of the class it is mixed into, and what ``cls`` has."""
+    name = "Trainer" if cls is GRPOMixin else cls.__name__
+    bases = ", ".join(b.__name__ for b in cls.__bases__)
+    return TypeError(
+        f"GRPOMixin must come before trl.GRPOTrainer in the bases: class {name}(GRPOMixin, "
+        f"trl.GRPOTrainer); {why} (class {cls.__name__}({bases}))"
+    )
+
+
 class GRPOMixin:
     """TRL's GRPO trainer with rlops's log-probs, advantages and loss: put it first.
 
@@ -69,7 +92,14 @@ class GRPOMixin:
     ``loss_type="vespo"``, ``use_adaptive_entropy``, ``off_policy_mask_threshold``, vLLM's
     importance-sampling correction, a Mixture-of-Experts router loss, vision-language inputs,
     and a head's logit scale or softcap that is not a finite positive number. ``delta`` must be
-    ``>= 1 + epsilon_high``.
+    ``>= 1 + epsilon_high``. TRL's config does not check its numbers; here a value out of range
+    raises at construction, naming TRL's option (``temperature``, ``epsilon``, ``beta``,
+    ``top_entropy_quantile`` in ``[0, 1]``, ``max_completion_length``, a NaN or infinite
+    ``reward_weights`` entry, ...: :func:`rlops.compat.trl.grpo_loss`'s checks).
+
+    The mixin must come first in the bases, before ``trl.GRPOTrainer``: a class that puts TRL's
+    trainer first raises ``TypeError`` when it is defined, one without TRL's trainer when it is
+    instantiated.
 
     Heads that scale or cap their logits (Gemma-2/3's ``final_logit_softcapping``, Cohere's
     ``logit_scale``, Granite's ``logits_scaling``, ...) are read from the model's text config
@@ -98,7 +128,20 @@ class GRPOMixin:
         trainer.train()
     """
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        trainer = next((i for i, c in enumerate(mro) if _is_trl_grpo_trainer(c)), None)
+        if trainer is not None and trainer < mro.index(GRPOMixin):
+            raise _bases_error(
+                cls, f"{cls.__name__} puts trl.GRPOTrainer first, whose methods hide the mixin's"
+            )
+
     def __init__(self, *args: Any, check: bool = False, **kwargs: Any) -> None:
+        # checked here, not at class creation: a class between (class M(GRPOMixin)) is fine
+        if not any(_is_trl_grpo_trainer(c) for c in type(self).__mro__):
+            name = type(self).__name__
+            raise _bases_error(type(self), f"{name} does not derive from trl.GRPOTrainer")
         self._rlops_check = bool(check)
         self._rlops_loss_checked = self._rlops_adv_checked = False
         self._rlops_use_trl = False
@@ -162,6 +205,24 @@ class GRPOMixin:
                 raise _unsupported(
                     "delta", args.delta, f"delta must be >= 1 + epsilon_high = {1 + t.epsilon_high}"
                 )
+        # TRL's config checks none of these: a bad value raises now, naming TRL's option
+        check_finite_positive("temperature", t.temperature)
+        _check_reward_weights(t.reward_weights, len(t.reward_funcs))
+        _check_options(
+            loss_type=t.loss_type,
+            epsilon=t.epsilon_low,
+            epsilon_high=t.epsilon_high,
+            delta=args.delta,
+            importance_sampling_level=t.importance_sampling_level,
+            beta=t.beta,
+            top_entropy_quantile=t.top_entropy_quantile,
+            entropy_coef=t.entropy_coef,
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            max_completion_length=t.max_completion_length,
+            num_processes=t.accelerator.num_processes,
+            steps_per_generation=args.steps_per_generation,
+        )
 
     @contextmanager
     def _rlops_as_trl(self):

@@ -4,7 +4,12 @@ Names, arguments and semantics follow TRL 1.16's ``trl/trainer/grpo_trainer.py``
 (``GRPOTrainer._generate_and_score_completions`` for the advantages, ``_compute_loss`` for the
 loss, ``_get_per_token_logps_and_entropies`` for the log-probs) and ``GRPOConfig``'s options.
 Supported and tested: TRL 1.16.x (:data:`SUPPORTED_TRL`). TRL is imported only when
-:class:`GRPOMixin` is used; the two functions need torch alone.
+:class:`GRPOMixin` is used; the two functions need torch alone. Arguments are checked first
+and errors name TRL's options, their range and the value given (TRL's ``GRPOConfig`` checks
+none of these numbers; :class:`GRPOMixin` checks them when the trainer is built). Where TRL
+is silent on a value: a NaN or infinite ``reward_weights`` entry raises (TRL's ``nansum``
+takes a NaN weight as 0: the function is dropped without a word); ``top_entropy_quantile=0``
+is served as TRL documents it (the highest-entropy token, and any tied with it).
 
 * :func:`grpo_advantages` — TRL's advantages ``[B]`` from the rewards of every reward function:
   group or batch scaling, ``eps = 1e-4``, unscorable (NaN) rewards left out of the group
