@@ -801,7 +801,24 @@ def test_exports_are_pinned_and_documented():
         "value_loss_function",
         "vanilla_gae",
         "vanilla_tis_function",
+        "zigzag_response_mask",
+        "zigzag_shard_response",
+        "zigzag_unshard_response",
     ]
     for name in slime.__all__:
         doc = getattr(slime, name).__doc__
         assert doc and ">>>" in doc, name
+
+
+@pytest.mark.parametrize(
+    "name", ["zigzag_response_mask", "zigzag_shard_response", "zigzag_unshard_response"]
+)
+def test_the_response_layout_helpers_are_public_in_compat_slime(name):
+    """The CHANGELOG's "moved to rlops.compat.slime": importable there; the old path under
+    rlops.distributed says where they went rather than a bare AttributeError."""
+    import rlops.compat.slime
+    import rlops.distributed
+
+    assert callable(getattr(rlops.compat.slime, name))
+    with pytest.raises(AttributeError, match=f"rlops.compat.slime.{name}"):
+        getattr(rlops.distributed, name)

@@ -100,6 +100,12 @@ def zigzag_shard_response(
     of response token ``i`` and 0 elsewhere; ``mask`` ``[T_local]`` marks those positions.
     Run the estimators on ``local`` with ``mask`` (and ``cp_group``): prompt and padding
     positions are skipped.
+
+    Example:
+        >>> import torch
+        >>> x = torch.tensor([[1.0, 2.0, 3.0]])  # 3 response tokens of a 6-token sequence
+        >>> zigzag_shard_response(x, total_length=6, response_length=3, cp_size=2, cp_rank=1)
+        (tensor([[1., 2., 3., 0.]]), tensor([ True,  True,  True, False]))
     """
     if x.shape[-1] != response_length:
         raise ValueError(
@@ -124,7 +130,18 @@ def zigzag_unshard_response(
     response_length: int,
 ) -> torch.Tensor:
     """Inverse of :func:`zigzag_shard_response`: the response-aligned ``[..., R]`` on every
-    rank (one ``all_gather``). A first response token without a log-prob position is 0."""
+    rank (one ``all_gather``). A first response token without a log-prob position is 0.
+
+    Example:
+        >>> import torch
+        >>> x = torch.tensor([[1.0, 2.0, 3.0]])
+        >>> local, _ = zigzag_shard_response(
+        ...     x, total_length=6, response_length=3, cp_size=1, cp_rank=0)
+        >>> local
+        tensor([[0., 0., 1., 2., 3., 0.]])
+        >>> zigzag_unshard_response(local, group=None, total_length=6, response_length=3)
+        tensor([[1., 2., 3.]])
+    """
     start = _response_start(total_length, response_length)
     full = zigzag_unshard(local, group=group, length=total_length)
     out = full[..., max(start, 0) : total_length - 1]

@@ -45,6 +45,9 @@ from rlops.compat._slime_cp import (
     local_columns,
     response_values,
     slice_log_prob_with_cp,
+    zigzag_response_mask,
+    zigzag_shard_response,
+    zigzag_unshard_response,
 )
 from rlops.compat._slime_kinds import (
     compute_cispo_loss,
@@ -75,6 +78,9 @@ __all__ = [
     "value_loss_function",
     "vanilla_gae",
     "vanilla_tis_function",
+    "zigzag_response_mask",
+    "zigzag_shard_response",
+    "zigzag_unshard_response",
 ]
 
 

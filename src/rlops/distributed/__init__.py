@@ -10,3 +10,15 @@ from rlops.distributed import layout
 from rlops.distributed.layout import *  # noqa: F403 (the layout helpers: layout.__all__)
 
 __all__ = layout.__all__
+
+#: slime's response-layout helpers, which moved to :mod:`rlops.compat.slime`
+_MOVED = ("zigzag_response_mask", "zigzag_shard_response", "zigzag_unshard_response")
+
+
+def __getattr__(name: str) -> object:
+    if name in _MOVED:
+        raise AttributeError(
+            f"rlops.distributed.{name} moved to rlops.compat.slime.{name} "
+            "(slime's response layout): import it from there"
+        )
+    raise AttributeError(f"module 'rlops.distributed' has no attribute {name!r}")
