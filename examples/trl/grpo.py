@@ -7,7 +7,8 @@ steps on CPU; the reward is the share of the word "yes" in the completion, so it
     python examples/trl/grpo.py --check    # the first step compared with TRL's own computation
     python examples/trl/grpo.py --small    # 2 steps (CI)
 
-Needs the ``trl`` extra: ``pip install 'rlops[trl]'`` (TRL 1.16).
+Needs the ``trl`` extra (TRL 1.16), installed from the checkout:
+``pip install torch==2.13.0 -e '.[trl]'``. Without it the script exits 1, saying so.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ def main() -> None:
         from datasets import Dataset
         from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     except ImportError as e:
-        print(f"this example needs the trl extra (pip install 'rlops[trl]'): {e}")
-        print("skipped")
-        return
+        sys.exit(
+            f"{e}: this example needs the trl extra; from the checkout, "
+            "pip install torch==2.13.0 -e '.[trl]'"
+        )
     from rlops.compat.trl import GRPOMixin
 
     # the one-line change: rlops's mixin first, then TRL's trainer

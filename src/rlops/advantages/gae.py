@@ -293,6 +293,16 @@ def gae(
         tensor([[0.0000, 0.0000, 0.5000]])
         >>> rlops.gae(r, v, gamma=1.0, lam=1.0, bootstrap=torch.tensor([2.0]))[0]  # cut
         tensor([[2.5000, 2.5000, 2.5000]])
+
+        Three responses packed in one row (``dones`` at each one's last token; the second
+        has a tool output at token 3), V = 0, γ = λ = 1: each token's reward-to-go within
+        its own response, nothing crossing a done:
+
+        >>> r = torch.tensor([[0.0, 1.0, 0.0, 9.0, 2.0, 3.0]])
+        >>> dones = torch.tensor([[0, 1, 0, 0, 1, 1]])
+        >>> m = torch.tensor([[1, 1, 1, 0, 1, 1]])
+        >>> rlops.gae(r, torch.zeros_like(r), gamma=1.0, lam=1.0, mask=m, dones=dones)[0]
+        tensor([[1., 1., 2., 0., 2., 3.]])
     """
     rewards = check_2d("rewards", rewards)
     values = as_float_tensor("values", values)

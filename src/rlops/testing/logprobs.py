@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -132,9 +133,8 @@ def _definition(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference log-prob and entropy of ``logits``' values computed in ``dtype``, on the
     CPU (differentiable)."""
-    logp, ent = logprobs_and_entropy_reference(
-        logits.to("cpu", dtype), target.to("cpu"), temperature=tau
-    )
+    out = logprobs_and_entropy_reference(logits.to("cpu", dtype), target.to("cpu"), temperature=tau)
+    logp, ent = out[0], out[1]
     assert ent is not None
     return logp, ent
 
@@ -362,7 +362,7 @@ def _batch_invariance(s: _Setup):
     pad_t = torch.zeros(16, dtype=target.dtype)
     # (label, logits, target, positions of base rows idx in the batch, idx)
     every = torch.arange(16)
-    cases: list[tuple[str, torch.Tensor, torch.Tensor, object, object]] = [
+    cases: list[tuple[str, torch.Tensor, torch.Tensor, Any, Any]] = [
         (f"row {i} alone", logits[i : i + 1], target[i : i + 1], [0], [i]) for i in (0, 7, 15)
     ]
     cases += [

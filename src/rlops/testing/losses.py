@@ -89,14 +89,14 @@ class _Setup:
         lp: torch.Tensor,
         dtype: torch.dtype,
         rows: slice = slice(None),
+        counts: dict[str, float] | None = None,
         magnitude: bool = False,
-        **counts: object,
     ) -> torch.Tensor:
         """:func:`rlops.policy_loss` in ``dtype`` on rows ``rows``; with ``magnitude``, on the
         advantages' absolute values (every summand of one sign: the magnitude of the sum)."""
         _, old, adv, mask = self.batch
         adv = adv.abs() if magnitude else adv
-        extra: dict = {**counts, **self.options}  # counts and the kind's options, by keyword
+        extra: dict = {**(counts or {}), **self.options}  # counts and the kind's options
         return policy_loss(
             lp,
             old[rows].to("cpu", dtype),
@@ -215,7 +215,7 @@ def _micro_batch_invariance(s: _Setup):
     (grad64,) = torch.autograd.grad(ref64, x64)
     x32 = logp.cpu().requires_grad_(True)  # the definition split, in float32: the plain
     sum32 = torch.stack(
-        [s.definition(x32[a:b], torch.float32, slice(a, b), **counts) for a, b in _SPLITS]
+        [s.definition(x32[a:b], torch.float32, slice(a, b), counts) for a, b in _SPLITS]
     ).sum()
     (grad32,) = torch.autograd.grad(sum32, x32)
     m = measure(total.to(torch.float32), ref64, sum32, scale=s.size())
