@@ -521,18 +521,23 @@ def gdpo_advantages(
     k = cols.shape[1]
     if k == 0:
         raise shape_error("scores", "[B, K] with at least one reward column (K >= 1)", scores.shape)
-    if weights is None:
-        w = torch.ones(k, dtype=torch.float64)
-    else:
+    # the weights: Python numbers where they were given so (they enter the products as
+    # numbers: no host-to-device copy per column), else the [K] tensor on the scores' device
+    w: list[float] | torch.Tensor = [1.0] * k
+    if weights is not None:
         w = as_real_vector("weights", weights, k, "scores")
-        check_same_device("scores", scores, weights=w)
+        if isinstance(weights, torch.Tensor):
+            check_same_device("scores", scores, weights=w)
+        else:
+            w = w.tolist()  # a CPU tensor made from the given numbers: no device involved
     gid = None
     total = None
     for j in range(k):  # a few reward components, never tokens or samples
         s = _prepare(cols[:, j], index, mask)
         gid = _dense_group_ids(index) if gid is None else gid
         a = _standardized(s, gid, norm_std, eps)
-        part = w[j].to(a.device, a.dtype) * a
+        wj = w[j]
+        part = (wj.to(a.dtype) if isinstance(wj, torch.Tensor) else wj) * a
         total = part if total is None else total + part
     assert total is not None
     total = weighted_moments(total, mask.sum(-1).to(total.dtype)).standardize(total, whiten_eps)

@@ -207,6 +207,6 @@ def next_action_value(
 def td_residual(r, v, next_value, gamma, mask) -> torch.Tensor:
     """``δ = r + γ·V_next − V`` on action tokens, 0 on the others (their rewards are ignored);
     a zero ``γ`` cuts ``V_next`` exactly (selected away, so an inf bootstrap gives no NaN)."""
-    g = torch.as_tensor(gamma, dtype=r.dtype, device=r.device)
+    g = gamma.to(r.dtype) if isinstance(gamma, torch.Tensor) else gamma  # a float stays one
     delta = r + decayed(g, next_value) - v
     return delta if mask is None else torch.where(mask, delta, 0.0)

@@ -214,8 +214,9 @@ def _given(
     dtype: torch.dtype,
     num_tokens: float | torch.Tensor | None,
     num_seqs: float | torch.Tensor | None,
-) -> torch.Tensor | None:
-    """The given count of ``mode`` (``num_tokens`` / ``num_seqs``), else None.
+) -> float | torch.Tensor | None:
+    """The given count of ``mode`` (``num_tokens`` / ``num_seqs``), else None: a positive
+    number stays a Python number, a tensor stays on its device (no host round trip).
 
     A given count of 0 is 1 when this call has no action token (its loss is 0 and so is its
     gradient: a rank with nothing to do in data parallelism) and a ``ValueError`` when it has
@@ -227,8 +228,13 @@ def _given(
     name, value = ("num_tokens", num_tokens) if mode == "token-mean" else ("num_seqs", num_seqs)
     if value is None:
         return None
-    n = torch.as_tensor(value, dtype=dtype, device=keep.device)
-    known = value if isinstance(value, float) else read_value(value)
+    if not isinstance(value, torch.Tensor):  # a number enters the division as a number
+        if value > 0:
+            return float(value)
+        n = torch.zeros((), dtype=dtype, device=keep.device)  # made on the device, no copy
+    else:
+        n = value.to(dtype)
+    known = value if not isinstance(value, torch.Tensor) else read_value(value)
     if known is not None and known > 0:
         return n
     if known == 0 and keep.device.type != "meta" and values_checked(keep):
@@ -249,7 +255,7 @@ def _aggregate(
     rows: Rows,
     mode: str | None,
     loss_scale_factor: float | None,
-    denom: torch.Tensor | None = None,
+    denom: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``mode`` reduction of ``x``, which must already be 0 where ``rows.keep`` is False;
     ``mode=None`` returns ``x`` itself (the per-token matrix). ``denom`` is the global

@@ -20,6 +20,10 @@ def is_per_token(decay: float | torch.Tensor, t_len: int) -> TypeGuard[torch.Ten
     return isinstance(decay, torch.Tensor) and decay.shape[-1] == t_len and t_len > 1
 
 
-def decayed(a: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``a * y`` with an exact cut where ``a == 0``: ``y`` is selected away there."""
+def decayed(a: float | torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``a * y`` with an exact cut where ``a == 0``: ``y`` is selected away there. A float
+    ``a`` enters the multiply as a Python number (no tensor is made of it: on an accelerator
+    that would be a host-to-device copy)."""
+    if not isinstance(a, torch.Tensor):
+        return a * y if a != 0 else torch.zeros_like(y)
     return a * torch.where(a == 0, 0.0, y)

@@ -23,10 +23,11 @@ def scan_reference(x: torch.Tensor, decay: float | torch.Tensor) -> torch.Tensor
     carry = x.new_zeros(n)
     out = []
     for t in reversed(range(t_len)):
-        if isinstance(decay, torch.Tensor):
-            a_t = decay[:, t] if per_token else decay[:, 0]
-        else:
-            a_t = torch.tensor(decay, dtype=x.dtype, device=x.device)
+        a_t = (
+            (decay[:, t] if per_token else decay[:, 0])
+            if isinstance(decay, torch.Tensor)
+            else decay
+        )
         carry = x[:, t] + decayed(a_t, carry)
         out.append(carry)
     if not out:
