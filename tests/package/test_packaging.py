@@ -162,6 +162,7 @@ def test_sdist_carries_what_the_tests_read(tmp_path):
         "LICENSE",
         "CHANGELOG.md",
         "pyproject.toml",
+        "mkdocs.yml",
         ".ci/run",
         "src/rlops/py.typed",
     }

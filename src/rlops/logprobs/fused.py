@@ -193,25 +193,21 @@ def logprobs_and_entropy(
     method: str = "auto",
     **options: Unpack[LogprobOptions],
 ) -> _engine.Outputs:
-    r"""Log-probabilities of the targets and the entropy of the softmax, fused and chunked.
+    """Log-probabilities of the targets and the entropy of the softmax, fused and chunked.
 
-    With ``z = logits / temperature`` over the full vocabulary, for every token:
+    With ``z = logits / τ`` (``τ = temperature``) over the full vocabulary and
+    ``lse(z) = log Σ_v exp(z_v)``, for every token::
 
-    .. math::
-
-        \log p_y = z_y - \operatorname{lse}(z), \qquad
-        H = \operatorname{lse}(z) - \sum_v \operatorname{softmax}(z)_v\, z_v .
+        log p_y = z_y − lse(z)        H = lse(z) − Σ_v softmax(z)_v · z_v
 
     With ``keep_mask`` (top-p / top-k replay), the log-prob is taken over the kept logits only
     (the target is always kept), while the entropy uses all logits.
 
     Output heads that scale or cap their logits (Cohere, Granite, Gemma-2/3), in Hugging Face's
     order: with ``logit_scale = s`` and ``final_logit_softcapping = c``, before the
-    temperature,
+    temperature::
 
-    .. math::
-
-        z = c \tanh\!\left(\frac{s \cdot \mathrm{logits}}{c}\right) / \tau ,
+        z = c·tanh(s·logits / c) / τ
 
     (``z = s·logits/τ`` without ``c``), in the compute dtype, elementwise (each shard applies
     it to its own logits). The gradient goes through the chain,
@@ -225,7 +221,7 @@ def logprobs_and_entropy(
     support (target included), so ``log π_y`` is ``logp`` — whatever ``entropy_over_support``
     says about the entropy. Then ``‖∂logp/∂z‖² = 1 − 2π_y + Σ_v π_v²`` (times ``1/τ²`` for the
     logits), the squared norm of the log-prob's gradient that the optimal token baseline
-    (`arXiv 2602.07078 <https://arxiv.org/abs/2602.07078>`_) sums into its weights. It is
+    (OTB, https://arxiv.org/abs/2602.07078) sums into its weights. It is
     computed in the same chunk loop, relative to the same maxima: each shard's own
     ``ρ_r = Σ (e / Σ e)²`` with ``e = exp(z − m_r)``, merged in float64 as ``Σ_r q_r² ρ_r``
     with ``q_r`` the shard's probability mass (the Triton kernels accumulate ``Σ e`` and

@@ -390,18 +390,16 @@ def linear_logprobs_and_entropy(
     with_sum_pi_squared: bool = False,
     **options: Unpack[LogprobOptions],
 ) -> _engine.Outputs:
-    r"""Log-probs and entropy of ``softmax((hidden @ weightᵀ + bias) / τ)`` without building the
+    """Log-probs and entropy of ``softmax((hidden @ weightᵀ + bias) / τ)`` without building the
     logits.
 
     Equal to ``logprobs_and_entropy(hidden @ weight.T + bias, target, ...)`` (the matmul, then
     the bias, in the inputs' dtype, as a materialised output layer computes them; ``F.linear``
     fuses the two and may round once less), but only ``[chunk, V_local]`` logits exist at a
-    time, in the forward and again in the backward (the bias is added to each chunk there):
+    time, in the forward and again in the backward (the bias is added to each chunk there),
+    with ``lse(z) = log Σ_v exp(z_v)``::
 
-    .. math::
-
-        z = (h W^\top + b) / \tau, \qquad \log p_y = z_y - \operatorname{lse}(z), \qquad
-        H = \operatorname{lse}(z) - \sum_v \operatorname{softmax}(z)_v\, z_v .
+        z = (h·Wᵀ + b) / τ        log p_y = z_y − lse(z)        H = lse(z) − Σ_v softmax(z)_v · z_v
 
     Heads that scale or cap their logits (Cohere, Granite, Gemma-2/3), in Hugging Face's order:
     ``x = h Wᵀ + b``, then ``x·s`` (``logit_scale``), then ``c·tanh(x/c)``

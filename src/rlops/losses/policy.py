@@ -114,7 +114,7 @@ def policy_loss(
         clip_cov  ppo (no dual clip), but 0 on a random set of tokens not clipped by PPO whose
                   cov = (A − mean A)·(log π − mean log π) (means over the micro-batch's action
                   tokens) lies in (clip_cov_lb, clip_cov_ub): max(⌊clip_cov_ratio·N⌋, 1) of them
-                  (fewer if fewer qualify), drawn with ``generator`` (on logp's device)
+                  (fewer if fewer qualify), drawn with the generator option (on logp's device)
         kl_cov    −A·r, plus ppo_kl_coef·|lr| on the max(⌊kl_cov_ratio·N⌋, 1) action tokens of
                   largest cov. clip_cov and kl_cov: https://arxiv.org/abs/2505.22617
         geo_mean  −A·R_t, R_t = sg(R_i)·exp(l_t − sg(l_t)), R_i = exp(mean_i l) with l_t the
