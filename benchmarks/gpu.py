@@ -1,5 +1,5 @@
-"""The prepared GPU check: the Triton kernels against the references and the chunked paths at
-production shapes, and their speed side by side, in one process within a few minutes.
+"""The prepared GPU check: everything docs/gpu.md promises, measured in one process, sized to
+fit a 10-minute device run.
 
     PYTHONPATH=src python benchmarks/gpu.py       # on a CUDA device (no install, no extras)
     python benchmarks/gpu.py --dry-run            # the same script on CPU under the Triton
@@ -8,34 +8,49 @@ production shapes, and their speed side by side, in one process within a few min
 The report goes to ``--json`` (default ``$OUT/gpu.json`` when ``OUT`` is set, else
 ``gpu.json``) and is written again after every section, each run under its own ``try``: a
 Triton error or running out of memory in one section leaves the figures of the others.
+Sections, in order (:data:`SECTIONS`):
 
-Correctness (errors against float64, the rule of ``tests/tolerances.py``: at most twice the
-float32 yardstick's error plus a few ulps of the output's magnitude):
-
-* GAE with a mask and dones at 8 x 131072 and 256 x 8192, float32: Triton and the chunked
-  path against a float64 oracle (the chunked path run in float64); the yardstick is the serial
-  float32 reference where it is affordable (256 x 8192), else the chunked float32 path;
-* log-prob + entropy, forward and backward, at N = 32768, V = 151936 in float32 and bfloat16:
-  Triton and the chunked path (``rlops.logprobs_and_entropy`` with ``method="triton"`` and
-  ``method="chunked"``) against the unfused reference in float64, row block by row block
-  (the float32 reference is the yardstick).
-
-Timings, side by side: the median over a few windows, each one pair of CUDA events around many
-back-to-back calls (enough for ~20 ms of device work), so the host's dispatch of a call
-overlaps the device's work on the previous ones instead of being timed with it:
-
-* GAE at 256 x 131072 float32: Triton, the chunked path, the chunk loop trainers ship (a
-  C x C decay matmul per chunk, carries passed by a Python loop over chunks), torchrl's
-  vectorised GAE when installed; and the bare Triton scan. Each as effective bandwidth (the
-  bytes a single pass must move) over the device's measured copy bandwidth;
-* log-prob + entropy forward + backward at N = 32768, V = 151936 bfloat16: Triton against
-  ``log_softmax`` + gather (and with the entropy), against Liger's cross entropy when
-  installed; the peak memory beyond the inputs and their gradient (``x.grad``, N·V, which
+* ``copy_bandwidth``: bytes per second of a 1 GiB device copy (read + write), the yardstick of
+  the bandwidth figures.
+* ``correctness_gae``, ``correctness_logprobs``: errors against float64, the rule of
+  ``tests/tolerances.py`` (at most twice the float32 yardstick's error plus a few ulps of the
+  output's magnitude). GAE with a mask and dones at 8 x 131072 and 256 x 8192, float32: Triton
+  and the chunked path against a float64 oracle (the chunked path run in float64); the
+  yardstick is the serial float32 reference where it is affordable (256 x 8192), else the
+  chunked float32 path. Log-prob + entropy, forward and backward, at N = 32768, V = 151936 in
+  float32 and bfloat16: Triton and the chunked path against the unfused reference in float64,
+  row block by row block (the float32 reference is the yardstick).
+* ``host_syncs``: each public call of the two families (Triton and chunked; the log-prob ops
+  forward and backward), after a warm-up, under ``torch.cuda.set_sync_debug_mode("warn")``
+  (every synchronising operation counted) and again under ``"error"`` (the call must finish).
+  docs/gpu.md and DESIGN §14: none may stop the host.
+* ``batch_invariance``: a row's bits alone (B = 1), in a batch of 3 (another order), of 64 and
+  of 256: the scan family (GAE with a mask, dones, a bootstrap and truncation; returns;
+  REINFORCE++; ``discounted_cumsum`` and its gradient) at T = 8192, where a block chosen from
+  the number of rows would differ, and padded to the right with mask 0; the log-prob ops
+  (log-prob, entropy, gradient) at V = 151936, bfloat16. Bitwise, or the largest difference.
+* ``timings_gae``: GAE and the bare scan at 256 x 131072 and 8 x 131072 float32 — Triton, the
+  chunked path, the chunk loop trainers ship (a C x C decay matmul per chunk, carries passed by
+  a Python loop over chunks), torchrl's vectorised GAE when installed — as effective bandwidth
+  (the bytes a single pass must move) over the copy's; and at 256 x 131072 the kernels with
+  1024-step blocks (``block_t=1024``, the block a size chosen from the batch gave there), the
+  cost of batch invariance.
+* ``timings_logprobs``: log-prob + entropy forward + backward at N = 32768, V = 151936 bfloat16:
+  Triton against ``log_softmax`` + gather (and with the entropy), against Liger's cross entropy
+  when installed; the peak memory beyond the inputs and their gradient (``x.grad``, N·V, which
   every path allocates), from ``torch.cuda.max_memory_allocated``, for every side.
 
-Writes one JSON file and prints a short verdict. Goals (``docs/gpu.md``): the scan at >= 50%
-of copy bandwidth at 256 x 131072; the fused log-prob forward + backward at <= 1.2x the time
-of ``log_softmax`` + gather with <= 0.1x its extra memory at N = 32768, V = 151936, bfloat16.
+Timings: the variants compared are interleaved (one window of each in turn, per repeat), each
+window one pair of CUDA events around many back-to-back calls (enough for ~20 ms of device
+work), so the host's dispatch of a call overlaps the device's work on the previous ones; the
+median window per variant.
+
+Writes one JSON file and prints a short verdict; exits 1 when a correctness case, a batch
+invariance case or a section failed, or a kernel fell back to the chunked path. Goals
+(``docs/gpu.md``, reported, not the exit status): the scan at >= 50% of copy bandwidth at
+256 x 131072; the fused log-prob forward + backward at <= 1.2x the time of ``log_softmax`` +
+gather with <= 0.1x its extra memory at N = 32768, V = 151936, bfloat16; no host
+synchronisation in any call.
 """
 
 from __future__ import annotations
@@ -62,14 +77,22 @@ from rlops.measure.baselines import gae_chunk_loop  # noqa: E402
 from rlops.scan.triton import reverse_scan  # noqa: E402
 
 FLOOR_ULPS = 4
+SCAN = "triton scan (discounted_cumsum)"
 
 FULL = {
     "gae_cases": [(8, 131072), (256, 8192)],
     "serial_max_t": 8192,
     "lp_case": (32768, 151936),
     "lp_rows": 2048,
-    "gae_time": (256, 131072),
+    "gae_time": [(256, 131072), (8, 131072)],
     "lp_time": (32768, 151936),
+    "sync_scan": (64, 8192),
+    "sync_lp": (1024, 151936),
+    "inv_batches": (1, 3, 64, 256),
+    "inv_rows": (0, 37, 63),
+    "inv_t": 8192,
+    "inv_pad": 1000,
+    "inv_v": 151936,
     "reps": 5,
 }
 TINY = {
@@ -77,8 +100,15 @@ TINY = {
     "serial_max_t": 8192,
     "lp_case": (12, 300),
     "lp_rows": 5,
-    "gae_time": (2, 256),
+    "gae_time": [(2, 256), (1, 300)],
     "lp_time": (8, 300),
+    "sync_scan": (2, 300),
+    "sync_lp": (4, 300),
+    "inv_batches": (1, 3, 8),
+    "inv_rows": (0, 5, 7),
+    "inv_t": 600,
+    "inv_pad": 100,
+    "inv_v": 300,
     "reps": 1,
 }
 
@@ -118,34 +148,77 @@ def sync(device):
 WINDOW_S = 0.02  # device time per timed window
 
 
-def timed(fn, device, reps):
-    """Median seconds per call of ``fn()``: ``reps`` windows of back-to-back calls between one
-    pair of CUDA events (as many calls as fill ~20 ms, from a first timed call), after a
-    warm-up. On CPU (the dry run) one call per window."""
-    fn()
-    sync(device)
+def _calls_per_window(fn, device):
+    """How many back-to-back calls of ``fn()`` fill ~20 ms of device time (1 on CPU)."""
     if device.type != "cuda":
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return 1
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn()
     end.record()
     torch.cuda.synchronize(device)
-    calls = max(1, min(200, int(WINDOW_S / max(start.elapsed_time(end) / 1e3, 1e-6))))
-    times = []
-    for _ in range(reps):
-        start.record()
-        for _ in range(calls):
+    return max(1, min(200, int(WINDOW_S / max(start.elapsed_time(end) / 1e3, 1e-6))))
+
+
+def _window(fn, calls, device):
+    """Seconds per call over one window of ``calls`` back-to-back calls."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / 1e3 / calls
+
+
+def timed_many(fns, device, reps):
+    """Median seconds per call of each ``fns[name]()``, the variants interleaved: after a
+    warm-up of each, ``reps`` rounds of one window per variant in turn (as many calls as fill
+    ~20 ms, between one pair of CUDA events), so a neighbour's load on a shared device falls on
+    every variant alike. A variant that raises (its warm-up or a window) gets its error
+    instead of a time; the others go on. On CPU (the dry run) one call per window."""
+    out, live = {}, {}
+    for name, fn in fns.items():
+        try:
             fn()
-        end.record()
-        torch.cuda.synchronize(device)
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return statistics.median(times)
+            sync(device)
+            live[name] = (fn, _calls_per_window(fn, device))
+        except (RuntimeError, torch.OutOfMemoryError) as exc:
+            out[name] = exc
+            _free(device)
+    times: dict[str, list[float]] = {name: [] for name in live}
+    for _ in range(reps):
+        for name, (fn, calls) in list(live.items()):
+            try:
+                times[name].append(_window(fn, calls, device))
+            except (RuntimeError, torch.OutOfMemoryError) as exc:
+                out[name] = exc
+                del live[name]
+                _free(device)
+    for name in live:
+        out[name] = statistics.median(times[name])
+    return {name: out[name] for name in fns}
+
+
+def timed(fn, device, reps):
+    """Median seconds per call of ``fn()`` (:func:`timed_many` of one variant)."""
+    sec = timed_many({"fn": fn}, device, reps)["fn"]
+    if isinstance(sec, BaseException):
+        raise sec
+    return sec
+
+
+def _free(device):
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _error(exc):
+    return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
 
 
 def peak_extra(fn, device, beyond=0):
@@ -273,39 +346,271 @@ def check_logprobs(cfg, device):
     return rows
 
 
+# ------------------------------------------------------------------ host synchronisation
+SYNC_WARNING = "synchronizing"  # torch's warning under set_sync_debug_mode("warn")
+
+
+def host_syncs(cfg, device):
+    """Each public call of the two families (Triton and chunked), after a warm-up that builds
+    its kernels: the synchronising operations it makes, counted under
+    ``torch.cuda.set_sync_debug_mode("warn")``, and whether it finishes under ``"error"``.
+    On CPU (the dry run) the calls run and nothing is counted."""
+    b, t = cfg["sync_scan"]
+    n, v = cfg["sync_lp"]
+    gen = torch.Generator(device=device).manual_seed(4)
+    r, val, mask, dones = gae_inputs(b, t, device, seed=4)
+    boot = torch.randn(b, t, generator=gen, device=device)
+    trunc = dones & (torch.rand(b, t, generator=gen, device=device) < 0.5)
+    decay = 0.99 * (1 - 0.1 * torch.rand(b, t, generator=gen, device=device))
+    outcome = torch.randn(b, generator=gen, device=device)
+    logits = (3 * torch.randn(n, v, generator=gen, device=device)).to(torch.bfloat16)
+    target = torch.randint(0, v, (n,), generator=gen, device=device)
+    g = torch.randn(n, generator=gen, device=device)
+
+    def calls(method):
+        def scan():
+            x = r.detach().requires_grad_()
+            rlops.discounted_cumsum(x, decay, method=method).backward(val)
+
+        def lp():
+            x = logits.detach().requires_grad_()
+            lp, ent = rlops.logprobs_and_entropy(x, target, method=method)
+            torch.autograd.backward([lp, ent], [g, g])
+
+        kw = dict(mask=mask, dones=dones, method=method)
+        return {
+            "discounted_cumsum per-token fwd+bwd": scan,
+            "gae mask+dones+bootstrap+truncated": lambda: rlops.gae(
+                r, val, gamma=0.99, lam=0.95, bootstrap=boot, truncated=trunc, **kw
+            ),
+            "discounted_returns mask+dones": lambda: rlops.discounted_returns(r, gamma=0.99, **kw),
+            "reinforce_plus_plus_returns": lambda: rlops.reinforce_plus_plus_returns(
+                outcome, r, mask, kl_coef=0.05, gamma=0.99, method=method
+            ),
+            f"logprobs_and_entropy V={v} bfloat16 fwd+bwd": lp,
+        }
+
+    out = {}
+    for method in ("triton", "chunked"):
+        for name, fn in calls(method).items():
+            out[f"{name} {method}"] = _count_syncs(fn, device)
+    return out
+
+
+def _count_syncs(fn, device):
+    try:
+        fn()  # builds the kernels: a first launch may wait for the compiler, not the device
+        sync(device)
+    except (RuntimeError, torch.OutOfMemoryError) as exc:
+        _free(device)
+        return _error(exc)
+    if device.type != "cuda":
+        return {"syncs": None, "error_mode_ok": None}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    found = [str(w.message) for w in caught if SYNC_WARNING in str(w.message)]
+    for w in caught:  # the others (a kernel set aside) go on to the report's record
+        if SYNC_WARNING not in str(w.message):
+            warnings.warn(w.message, w.category, stacklevel=1)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        raised = None
+    except RuntimeError as exc:
+        raised = f"{type(exc).__name__}: {str(exc)[:200]}"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    sync(device)
+    return {"syncs": len(found), "first": found[0][:200] if found else None,
+            "error_mode_ok": raised is None, "error_mode": raised}  # fmt: skip
+
+
+# ------------------------------------------------------------------ batch invariance
+def batch_invariance(cfg, device):
+    """A row's bits alone, in a batch of 3 (another order) and in the first 64 and 256 rows,
+    for the scan family (and, for its forward passes, padded to the right) and the log-prob
+    ops: per case the largest difference from the row alone, and whether all are bitwise."""
+    nmax, t, pad = max(cfg["inv_batches"]), cfg["inv_t"], cfg["inv_pad"]
+    gen = torch.Generator(device=device).manual_seed(5)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=gen, device=device)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device)
+
+    tt = t + pad  # inputs past T: the padding (its values replaced where they would count)
+    u = rand(nmax, tt)
+    decay = torch.where(u < 0.1, rand(nmax, tt), torch.full_like(u, 0.97))
+    dones = rand(nmax, tt) < 0.005
+    data = {
+        "x": randn(nmax, tt),
+        "a_row": 0.9 + 0.1 * rand(nmax, 1),
+        "a_tok": torch.where(u < 0.01, 0.0, decay),  # exact cuts
+        "g": randn(nmax, tt),
+        "r": randn(nmax, tt),
+        "v": randn(nmax, tt),
+        "mask": rand(nmax, tt) < 0.8,
+        "dones": dones,
+        "truncated": dones & (rand(nmax, tt) < 0.5),
+        "boot": randn(nmax, tt),
+        "boot_row": randn(nmax),
+        "outcome": randn(nmax),
+    }
+    out = {}
+    for name, (fn, padding) in _SCAN_FAMILY.items():
+        out[name] = _invariance(fn, data, t, cfg, padding)
+    v = cfg["inv_v"]
+    logits = (3 * randn(nmax, v)).to(torch.bfloat16)
+    lp_data = {"logits": logits, "target": torch.randint(0, v, (nmax,), generator=gen,
+               device=device), "g_lp": randn(nmax), "g_ent": randn(nmax)}  # fmt: skip
+    out[f"logprobs_and_entropy V={v} bfloat16 fwd+bwd triton"] = _invariance(
+        _lp_rows, lp_data, None, cfg, None
+    )
+    return out
+
+
+def _at(d, rows, t=None):
+    """The inputs of ``rows``, their time axis cut to ``t``."""
+    out = {}
+    for k, x in d.items():
+        x = x[rows]
+        out[k] = x[:, :t] if t is not None and x.dim() == 2 and x.shape[1] > t else x
+    return out
+
+
+def _invariance(fn, data, t, cfg, padding):
+    picks = list(cfg["inv_rows"])
+    alone = [fn(_at(data, [i], t)) for i in picks]
+    diffs = {}
+    for b in cfg["inv_batches"]:
+        if b == 1:
+            continue
+        rows = picks[::-1] if b == len(picks) else list(range(b))
+        got = fn(_at(data, rows, t))
+        diffs[f"B={b}"] = max(
+            _diff([o[rows.index(i) : rows.index(i) + 1] for o in got], want)
+            for i, want in zip(picks, alone, strict=True)
+        )
+    if padding is not None:
+        padded = {k: x.clone() for k, x in _at(data, picks).items()}
+        for k, value in padding.items():
+            padded[k][:, t:] = value
+        got = fn(padded)
+        diffs["padded"] = max(
+            _diff([o[j : j + 1, :t] for o in got], want) for j, want in enumerate(alone)
+        )
+    return {"max_abs_diff": diffs, "bitwise": all(d == 0.0 for d in diffs.values())}
+
+
+def _diff(got, want):
+    """The largest difference of outputs; 0 where they are equal as ``torch.equal`` has it (a
+    zero of either sign), NaN matching NaN."""
+    worst = 0.0
+    for g, w in zip(got, want, strict=True):
+        if g.shape != w.shape:
+            return float("inf")
+        same = (g == w) | (g.isnan() & w.isnan())
+        if not bool(same.all()):
+            worst = max(worst, float((g.double() - w.double()).abs().nan_to_num(float("inf"))
+                                     .max()))  # fmt: skip
+            worst = worst or float("inf")
+    return worst
+
+
+def _scan_rows(d):
+    x = d["x"].clone().requires_grad_()
+    a = d["a_tok"].clone().requires_grad_()
+    y = rlops.discounted_cumsum(x, a, method="triton")
+    y.backward(d["g"])
+    return y.detach(), x.grad, a.grad
+
+
+_SCAN_FAMILY = {
+    "discounted_cumsum per-row decay triton": (
+        lambda d: (rlops.discounted_cumsum(d["x"], d["a_row"], method="triton"),),
+        {"x": 0.0},
+    ),
+    "discounted_cumsum per-token decay fwd+bwd triton": (_scan_rows, None),
+    "gae mask+dones+bootstrap+truncated triton": (
+        lambda d: rlops.gae(d["r"], d["v"], gamma=0.99, lam=0.95, mask=d["mask"],
+                            dones=d["dones"], bootstrap=d["boot"], truncated=d["truncated"],
+                            method="triton"),
+        {"mask": False, "dones": False, "truncated": False},
+    ),
+    "discounted_returns mask+dones+bootstrap triton": (
+        lambda d: (rlops.discounted_returns(d["r"], gamma=0.99, mask=d["mask"],
+                                            dones=d["dones"], bootstrap=d["boot_row"],
+                                            method="triton"),),
+        {"mask": False, "dones": False},
+    ),
+    "reinforce_plus_plus_returns triton": (
+        lambda d: (rlops.reinforce_plus_plus_returns(d["outcome"], d["r"], d["mask"],
+                                                     kl_coef=0.05, gamma=0.99, method="triton"),),
+        {"mask": False},
+    ),
+}  # fmt: skip
+
+
+def _lp_rows(d):
+    x = d["logits"].detach().requires_grad_()
+    lp, ent = lp_triton(x, d["target"])
+    torch.autograd.backward([lp, ent], [d["g_lp"], d["g_ent"]])
+    return lp.detach(), ent.detach(), x.grad
+
+
 # ------------------------------------------------------------------ timings
 def time_gae(cfg, device, copy_bw):
-    b, t = cfg["gae_time"]
-    reps = cfg["reps"]
+    """GAE and the bare scan at each shape of ``cfg["gae_time"]``, the variants interleaved, as
+    effective bandwidth over the copy's; at the first shape the kernels with 1024-step blocks
+    too (the cost of a block that does not follow the batch)."""
+    out = {}
+    for k, (b, t) in enumerate(cfg["gae_time"]):
+        out[f"{b}x{t}"] = _time_gae_shape(b, t, cfg["reps"], device, copy_bw, big_blocks=k == 0)
+        _free(device)
+    return out
+
+
+def _time_gae_shape(b, t, reps, device, copy_bw, big_blocks):
     r, v, _, _ = gae_inputs(b, t, device, seed=2)
     gamma, lam = 0.999, 0.95
     g = torch.full((b,), gamma, device=device)
-    gl = torch.full((b,), gamma * lam, device=device)
+    plain = GaeInputs(r, v, None, None, g, torch.full((b,), gamma * lam, device=device))
     gae_bytes = 4 * r.numel() * 4  # read r, v; write advantages, returns (float32)
+    scan_bytes = 2 * r.numel() * 4  # read x, write y
     variants = {
-        "triton": lambda: gae_triton(GaeInputs(r, v, None, None, g, gl)),
-        "chunked": lambda: rlops.gae(r, v, gamma=gamma, lam=lam, method="chunked"),
-        "chunk loop (trainers')": lambda: gae_chunk_loop(r, v, gamma, lam),
+        "triton": (lambda: gae_triton(plain), gae_bytes),
+        "chunked": (lambda: rlops.gae(r, v, gamma=gamma, lam=lam, method="chunked"), gae_bytes),
+        "chunk loop (trainers')": (lambda: gae_chunk_loop(r, v, gamma, lam), gae_bytes),
+        SCAN: (lambda: reverse_scan(r, gamma * lam), scan_bytes),
     }
     trl = torchrl_gae()
     if trl is not None:
-        variants["torchrl vectorised"] = lambda: trl(r, v, gamma, lam)
-    out = {}
-    for name, fn in variants.items():
-        try:
-            sec = timed(fn, device, reps)
-            out[name] = {"seconds": sec, "fraction_of_copy_bandwidth": gae_bytes / sec / copy_bw}
-        except (RuntimeError, torch.OutOfMemoryError) as exc:  # report, keep going
-            out[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    scan_bytes = 2 * r.numel() * 4  # read x, write y
-    sec = timed(lambda: reverse_scan(r, gamma * lam), device, reps)
-    out["triton scan (discounted_cumsum)"] = {
-        "seconds": sec,
-        "fraction_of_copy_bandwidth": scan_bytes / sec / copy_bw,
-    }
-    return out
+        variants["torchrl vectorised"] = (lambda: trl(r, v, gamma, lam), gae_bytes)
+    if big_blocks:
+        variants["triton block_t=1024"] = (lambda: gae_triton(plain, block_t=1024), gae_bytes)
+        variants[f"{SCAN} block_t=1024"] = (
+            lambda: reverse_scan(r, gamma * lam, block_t=1024),
+            scan_bytes,
+        )
+    secs = timed_many({name: fn for name, (fn, _) in variants.items()}, device, reps)
+    rows = {}
+    for name, sec in secs.items():
+        if isinstance(sec, BaseException):
+            rows[name] = _error(sec)
+        else:
+            frac = variants[name][1] / sec / copy_bw
+            rows[name] = {"seconds": sec, "fraction_of_copy_bandwidth": frac}
+    for name in ("triton", SCAN):
+        big, base = rows.get(f"{name} block_t=1024", {}), rows.get(name, {})
+        if "seconds" in big and "seconds" in base:
+            base["time_over_1024_step_blocks"] = base["seconds"] / big["seconds"]
+    return rows
 
 
 def time_logprobs(cfg, device):
@@ -337,7 +642,7 @@ def time_logprobs(cfg, device):
     lig = liger_logprobs()
     if lig is not None:
         variants["liger cross entropy (logp)"] = (lig, False)
-    out = {}
+    steps = {}
     for name, (fn, two) in variants.items():
 
         def step(fn=fn, two=two):
@@ -349,17 +654,19 @@ def time_logprobs(cfg, device):
                 res.backward(g)
             return x.grad
 
-        grad_bytes = logits.numel() * logits.element_size()  # x.grad: every path's
+        steps[name] = step
+    grad_bytes = logits.numel() * logits.element_size()  # x.grad: every path's
+    out = {}
+    for name, sec in timed_many(steps, device, reps).items():
+        if isinstance(sec, BaseException):
+            out[name] = _error(sec)
+            continue
         try:
-            sec = timed(step, device, reps)
-            out[name] = {
-                "seconds": sec,
-                "peak_extra_bytes": peak_extra(step, device, beyond=grad_bytes),
-            }
+            extra = peak_extra(steps[name], device, beyond=grad_bytes)
+            out[name] = {"seconds": sec, "peak_extra_bytes": extra}
         except (RuntimeError, torch.OutOfMemoryError) as exc:
-            out[name] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+            out[name] = {"seconds": sec, **_error(exc)}
+        _free(device)
     return out
 
 
@@ -379,17 +686,34 @@ def verdict(report):
         lines.append(f"SECTION FAILED {name}: {message}")
     for message in report.get("fallbacks", []):
         lines.append(f"FALLBACK (the Triton timings are the chunked path's): {message}")
-    gae = report.get("timings_gae") or {}
-    for name, row in gae.items():
-        if "fraction_of_copy_bandwidth" in row:
-            lines.append(f"{name}: {row['seconds'] * 1e3:.3f} ms, "
-                         f"{row['fraction_of_copy_bandwidth']:.1%} of copy bandwidth")  # fmt: skip
+    inv = report.get("batch_invariance") or {}
+    varying = {k: r["max_abs_diff"] for k, r in inv.items() if not r.get("bitwise", False)}
+    if inv:
+        lines.append("batch invariance: bitwise in every case" if not varying
+                     else f"BATCH-DEPENDENT BITS: {varying}")  # fmt: skip
+    syncs = report.get("host_syncs") or {}
+    counted = {k: r for k, r in syncs.items() if r.get("syncs") is not None}
+    stopping = {k: r["syncs"] for k, r in counted.items()
+                if r["syncs"] or not r["error_mode_ok"]}  # fmt: skip
+    if counted:
+        lines.append("host syncs: none in any call" if not stopping
+                     else f"HOST SYNCS per call: {stopping}")  # fmt: skip
+    gae_shapes = report.get("timings_gae") or {}
+    for shape, rows in gae_shapes.items():
+        for name, row in rows.items():
+            if "fraction_of_copy_bandwidth" in row:
+                ms, frac = row["seconds"] * 1e3, row["fraction_of_copy_bandwidth"]
+                lines.append(f"{shape} {name}: {ms:.3f} ms, {frac:.1%} of copy bandwidth")
+            if "time_over_1024_step_blocks" in row:
+                lines.append(f"{shape} {name}: {row['time_over_1024_step_blocks']:.2f}x the "
+                             "time with 1024-step blocks")  # fmt: skip
     lp = report.get("timings_logprobs") or {}
     base, fused = lp.get("log_softmax + gather", {}), lp.get("triton logp + entropy", {})
     t_ratio = _ratio(fused, base, "seconds")
     m_ratio = _ratio(fused, base, "peak_extra_bytes")
     goals = report["goals"]
-    scan = gae.get("triton scan (discounted_cumsum)", {}).get("fraction_of_copy_bandwidth")
+    first = next(iter(gae_shapes.values()), {})
+    scan = first.get(SCAN, {}).get("fraction_of_copy_bandwidth")
     goals["scan >= 50% of copy bandwidth"] = None if scan is None else bool(scan >= 0.5)
     goals["fused fwd+bwd <= 1.2x log_softmax + gather"] = (
         None if t_ratio is None else bool(t_ratio <= 1.2)
@@ -397,6 +721,7 @@ def verdict(report):
     goals["fused extra memory <= 0.1x log_softmax + gather"] = (
         None if m_ratio is None else bool(m_ratio <= 0.1)
     )
+    goals["no host sync in any call"] = None if not counted else not stopping
     if t_ratio is not None:
         lines.append(
             f"triton logp + entropy / log_softmax + gather: time {t_ratio:.2f}x"
@@ -408,8 +733,8 @@ def verdict(report):
     return lines
 
 
-SECTIONS = ("copy_bandwidth", "correctness_gae", "correctness_logprobs", "timings_gae",
-            "timings_logprobs")  # fmt: skip
+SECTIONS = ("copy_bandwidth", "correctness_gae", "correctness_logprobs", "host_syncs",
+            "batch_invariance", "timings_gae", "timings_logprobs")  # fmt: skip
 
 
 def default_json() -> str:
@@ -450,18 +775,22 @@ def main(argv=None):
         "triton": _version("triton"),
         "goals": {},
         "errors": {},
+        "section_seconds": {},
     }
     state: dict = {}
     work = {
         "copy_bandwidth": lambda: state.setdefault("bw", copy_bandwidth(device, cfg["reps"])),
         "correctness_gae": lambda: check_gae(cfg, device),
         "correctness_logprobs": lambda: check_logprobs(cfg, device),
+        "host_syncs": lambda: host_syncs(cfg, device),
+        "batch_invariance": lambda: batch_invariance(cfg, device),
         "timings_gae": lambda: time_gae(cfg, device, state["bw"]),
         "timings_logprobs": lambda: time_logprobs(cfg, device),
     }
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
         for name in SECTIONS:
+            start = time.perf_counter()
             try:
                 if name == args.kill_section:
                     os._exit(3)
@@ -476,6 +805,7 @@ def main(argv=None):
             # a kernel that failed to build here ran the chunked path instead: say so
             report["fallbacks"] = sorted({str(w.message) for w in caught
                                           if str(w.message).startswith("rlops:")})  # fmt: skip
+            report["section_seconds"][name] = time.perf_counter() - start
             report["seconds"] = time.perf_counter() - t0
             _write(args.json, report)
     report["verdict"] = verdict(report)
@@ -484,7 +814,9 @@ def main(argv=None):
     print(f"wrote {args.json} ({report['seconds']:.0f} s)")
     correct = all(r["pass"] for k in ("correctness_gae", "correctness_logprobs")
                   for r in report.get(k) or [])  # fmt: skip
-    ok = correct and not report["fallbacks"] and not report["errors"]
+    invariant = all(r.get("bitwise", False) for r in (report.get("batch_invariance") or {})
+                    .values())  # fmt: skip
+    ok = correct and invariant and not report["fallbacks"] and not report["errors"]
     return 0 if ok else 1
 
 

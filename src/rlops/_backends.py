@@ -17,6 +17,12 @@ nor running out of device memory (a property of the call, not of the machine).
 Launch arguments are device tensors and Python numbers only (scalars as kernel arguments or
 ``torch.full`` fills): no host-to-device copy, so no stream synchronisation and nothing that
 breaks CUDA-graph capture.
+
+**ROCm.** A ROCm build of torch (``torch.version.hip`` set) names its devices ``cuda`` too.
+The kernels build for AMD's gfx942 and gfx950 (``tests/gpu/test_build_targets.py``) but have
+never run on an AMD device, and their reductions follow wave64 trees, so their bits are not
+NVIDIA's: :func:`auto_triton` keeps ``method="auto"`` on the chunked path there, while an
+explicit ``method="triton"`` runs them (docs/gpu.md, "ROCm").
 """
 
 from __future__ import annotations
@@ -32,14 +38,17 @@ import torch
 
 __all__ = [
     "KernelBuildError",
+    "auto_triton",
     "device_guard",
     "failed",
     "failures",
     "interpreted",
     "is_build_error",
     "launch",
+    "rocm",
     "set_failed",
     "triton_importable",
+    "warp_size",
 ]
 
 _lock = threading.Lock()
@@ -85,6 +94,28 @@ def triton_importable() -> bool:
     except ImportError:
         return False
     return True
+
+
+def rocm() -> bool:
+    """Whether this torch is a ROCm build (its ``cuda`` devices are AMD GPUs)."""
+    return getattr(torch.version, "hip", None) is not None
+
+
+def auto_triton(device: torch.device) -> bool:
+    """Whether ``method="auto"`` may pick the Triton kernels for tensors on ``device``: CUDA
+    devices of an NVIDIA build of torch; not a ROCm build's (module docstring)."""
+    return device.type == "cuda" and not rocm()
+
+
+def warp_size() -> int:
+    """Threads per warp of the target triton compiles for (64 on AMD's wave64 GPUs), from its
+    active driver; 32 where no driver is active (the interpreter on a machine without one)."""
+    from triton.runtime.driver import driver
+
+    try:
+        return int(driver.active.get_current_target().warp_size)
+    except RuntimeError:  # no GPU driver: the interpreter, where warps mean nothing
+        return 32
 
 
 def interpreted() -> bool:

@@ -30,8 +30,11 @@ Rows whose inputs are half precision accumulate in float32; float64 in float64.
 
 Each block is loaded with contiguous time indices and scanned with
 ``tl.associative_scan(..., reverse=True)`` (vector loads), the ``(row, block)`` programs on one
-flat grid. Scalars reach the kernels as arguments or ``torch.full`` fills (no host
-synchronisation), launched under the tensors' device (:func:`rlops._backends.launch`).
+flat grid. The block, the carry pass's tile and the warps are constants, as in
+:mod:`rlops.scan.triton`: a row's advantages and returns have the same bits whatever the batch
+(its size, the other rows, padding to the right with mask 0). Scalars reach the kernels as
+arguments or ``torch.full`` fills (no host synchronisation), launched under the tensors'
+device (:func:`rlops._backends.launch`).
 
 Forward only: where a gradient is needed, the chunked path keeps it.
 """
@@ -53,6 +56,8 @@ from rlops.scan.triton import (
     cast_to,
     compose1,
     compose2,
+    num_warps,
+    plane_size,
     tl_dtype,
 )
 
@@ -81,7 +86,7 @@ def _estimator_block(
     gamma = tl.load(g_ptr + row).to(ACC)
     zero = tl.zeros([BLOCK], ACC)
     one = zero + 1.0
-    plane = B * NB
+    plane = plane_size(B, NB)  # int64: the fifth plane's offset 4·B·NB passes 2³¹ first
     boot = zero  # gamma * the value after a done (0 without a cut value, or where gamma is 0)
     cv = zero
     if HAS_CUT:
@@ -147,7 +152,7 @@ def _run(mode, r, v, mask, dones, gamma, gamma_lam, ck, init, adv, ret, block_t,
     if b == 0 or t_len == 0:
         return
     acc = init.dtype
-    block = block_size(b, t_len, block_t)
+    block = block_size(block_t)
     nb = triton.cdiv(t_len, block)
     two = mode != RETURNS
     dummy = ret
@@ -170,7 +175,7 @@ def _run(mode, r, v, mask, dones, gamma, gamma_lam, ck, init, adv, ret, block_t,
         HAS_CUT=cut is not None,
         BLOCK=block,
         ACC=tl_dtype(acc),
-        num_warps=4,
+        num_warps=num_warps(block, acc),
     )
     if nb == 1:
         carries = init.reshape(init.shape[0], b, 1)

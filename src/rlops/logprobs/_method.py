@@ -4,7 +4,8 @@
 - ``"triton"``: the Triton kernels (:mod:`rlops.logprobs.triton`) on CUDA tensors, or on CPU
   tensors under the Triton interpreter (``TRITON_INTERPRET=1`` set before triton is imported),
   so that tests and users can reach them without a GPU. Needs the ``gpu`` extra.
-- ``"auto"``: Triton on CUDA tensors when triton can be imported, else chunked; chunked while
+- ``"auto"``: Triton on CUDA tensors when triton can be imported, else chunked; chunked on
+  ROCm (the kernels build for AMD but have not run on one: see docs/gpu.md) and while
   ``torch.compile`` traces the call (the chunk engine is plain torch there).
 
 A kernel that fails to build on this machine (whatever its first launch raises while it builds:
@@ -48,7 +49,7 @@ def resolve(method: object, x: torch.Tensor) -> str:
         return "chunked"
     if method == "auto":
         usable = (
-            x.device.type == "cuda"
+            _backends.auto_triton(x.device)
             and failed() is None
             and not torch.compiler.is_compiling()
             and triton_available()

@@ -18,9 +18,10 @@ device, differentiable), ``compiled`` (numba kernels, CPU) and ``triton`` (Trito
 CUDA tensors, or CPU tensors under the Triton interpreter, ``TRITON_INTERPRET=1``; the ``gpu``
 extra). :data:`TRITON` has a gradient (the scan's adjoint kernels); :data:`TRITON_FORWARD`,
 the same backend for the forward-only estimator kernels, is refused where an input requires
-grad, as ``compiled`` is. Auto picks triton on CUDA tensors only, never while
-``torch.compile`` traces. Adding a backend to a family is a row in its table plus the file
-that implements it.
+grad, as ``compiled`` is. Auto picks triton on CUDA tensors of an NVIDIA build of torch only
+(not on ROCm, where an explicit ``"triton"`` runs them: :func:`rlops._backends.auto_triton`),
+never while ``torch.compile`` traces. Adding a backend to a family is a row in its table plus
+the file that implements it.
 
 A backend whose implementation raises one of its compile errors (the kernel cannot be built
 on this machine: numba's errors; for triton a :class:`rlops._backends.KernelBuildError`, which
@@ -121,8 +122,8 @@ def _anywhere(case: Case) -> bool:
     return True
 
 
-def _on_cuda(case: Case) -> bool:
-    return case.device.type == "cuda"
+def _auto_triton(case: Case) -> bool:
+    return _backends.auto_triton(case.device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,10 +196,10 @@ def _triton_errors() -> tuple[type[BaseException], ...]:
 REFERENCE = Backend("reference")
 CHUNKED = Backend("chunked")
 COMPILED = Backend("compiled", _compiled_requires, traceable=False, compile_errors=_numba_errors)
-# auto picks triton on CUDA only: under TRITON_INTERPRET=1 it runs CPU tensors, for tests.
-# Not traced by torch.compile (the kernels are not registered as custom ops).
+# auto picks triton on NVIDIA's CUDA devices only (not ROCm's): under TRITON_INTERPRET=1 it runs
+# CPU tensors, for tests. Not traced by torch.compile (the kernels are not custom ops).
 TRITON = Backend(
-    "triton", _triton_requires, traceable=False, compile_errors=_triton_errors, auto=_on_cuda
+    "triton", _triton_requires, traceable=False, compile_errors=_triton_errors, auto=_auto_triton
 )
 # the same backend where the kernels are forward only: refused under autograd, as compiled
 TRITON_FORWARD = Backend(
@@ -206,7 +207,7 @@ TRITON_FORWARD = Backend(
     _triton_forward_requires,
     traceable=False,
     compile_errors=_triton_errors,
-    auto=_on_cuda,
+    auto=_auto_triton,
 )
 
 

@@ -18,9 +18,18 @@ two-level scan, so that one long row fills the device):
 The inputs are read twice and the output written once; nothing ``[B, T]``-sized is written
 but ``y``. The ``(row, block)`` programs form one flat grid (``B·NB`` programs, within the
 2³¹ − 1 of grid dimension 0 at any length; dimension 1 would stop at 65,535 blocks).
+
 :func:`compose2` is the same machinery for a two-number state
 (``A' = c + p·A + q·W``, ``W' = e + s·W``), on which :mod:`rlops.advantages.triton` builds GAE
 and REINFORCE++ returns in one kernel each.
+
+**Batch invariance.** Everything that orders a row's sums is a constant: the block
+(:data:`BLOCK_T` steps from ``t = 0``), the carry pass's tile (:data:`_CARRY_BLOCK` block maps
+from block 0) and the warps per program (16 bytes of carries per thread, :func:`num_warps`).
+None follows the number of rows, so a row's bits do not depend on the batch
+(``tests/scan/test_batch_invariance_triton.py``); nor, forward, on padding to the right, which
+adds identity maps (exact) after the row's own (the backward runs on the reversed row: its
+blocks end at the row's end). Offsets that multiply three sizes (``k·B·NB``) are int64.
 
 A decay of exactly 0 is an exact cut: every product of a coefficient with a value *selects*
 the value away where the coefficient is 0 (``p·where(p == 0, 0, y)``), so NaN or inf beyond a
@@ -47,9 +56,10 @@ import torch
 import triton
 import triton.language as tl
 
-from rlops._backends import KernelBuildError, failed, launch, set_failed
+from rlops._backends import KernelBuildError, failed, launch, set_failed, warp_size
 
 __all__ = [
+    "BLOCK_T",
     "ReverseScan",
     "acc_dtype",
     "block_carries",
@@ -59,14 +69,18 @@ __all__ = [
     "cast_to",
     "compose1",
     "compose2",
+    "num_warps",
+    "plane_size",
     "reverse_scan",
 ]
 
-# Rows x blocks of time to have in flight before blocks get large (an H100 has 132 SMs).
-_MIN_PROGRAMS = 1024
-_MAX_BLOCK = 1024
-_MIN_BLOCK = 256
-_CARRY_BLOCK = 1024
+# Time steps per block. A constant, never chosen from the shape: a block size that followed the
+# number of rows (as one did: 256 steps at B = 1, 1024 at B = 256) moved a row's block
+# boundaries, so its bits, with the batch. 256 keeps one long row's device full (512 programs
+# at T = 131072); docs/gpu.md weighs it against larger blocks at large B.
+BLOCK_T = 256
+# Block maps per tile of the carry pass, counted from block 0 (a constant for the same reason).
+_CARRY_BLOCK = 256
 
 
 @triton.jit
@@ -99,12 +113,6 @@ def cast_to(v, ty: tl.constexpr):
 
 
 @triton.jit
-def _first(v, i, BLOCK: tl.constexpr):
-    # the value at scan position BLOCK - 1 (the earliest time of the block): exact, NaN-safe
-    return tl.sum(tl.where(i == BLOCK - 1, v, 0.0), axis=0)
-
-
-@triton.jit
 def block_head(v, i):
     # the value at the block's earliest time (lane 0 of a reverse scan): exact, NaN-safe
     return tl.sum(tl.where(i == 0, v, 0.0), axis=0)
@@ -115,13 +123,19 @@ def block_cell(T, NB, BLOCK: tl.constexpr):
     """This ``(row, block)`` program's place in the flat grid of ``B·NB`` programs:
     ``(cell, row, i, t, ok, base)`` with ``i`` the lanes ``0..BLOCK-1``, ``t`` their time
     indices (contiguous: vector loads; the scan runs from the block's end), ``ok`` those inside
-    ``T`` and ``base`` the row's offset in a ``[B, T]`` tensor."""
+    ``T`` and ``base`` the row's offset in a ``[B, T]`` tensor (all int64)."""
     cell = tl.program_id(0).to(tl.int64)  # row * NB + block, one flat grid
     row = cell // NB
     blk = cell - row * NB
     i = tl.arange(0, BLOCK)
     t = blk * BLOCK + i
     return cell, row, i, t, t < T, row * T
+
+
+@triton.jit
+def plane_size(B, NB):
+    """``B·NB`` in int64: one plane of block maps (``k`` planes are offsets of three sizes)."""
+    return tl.cast(B, tl.int64) * NB
 
 
 @triton.jit
@@ -142,42 +156,46 @@ def _scan_block(
         tl.store(y_ptr + base + t, cast_to(y, y_ptr.dtype.element_ty), mask=ok)
     else:
         tl.store(summ_ptr + cell, block_head(p, i))
-        tl.store(summ_ptr + B * NB + cell, block_head(c, i))
+        tl.store(summ_ptr + plane_size(B, NB) + cell, block_head(c, i))
 
 
 @triton.jit
 def _carry_kernel(summ_ptr, init_ptr, carry_ptr, B, NB, TWO: tl.constexpr, BLOCK: tl.constexpr):
-    # One program per row: the state entering each block from the right. Lane k composes the
-    # maps of blocks k+1 .. (end of tile) and applies them to the state entering the tile.
-    row = tl.program_id(0)
+    # One program per row: the state entering each block from the right. The row's blocks go
+    # in tiles of BLOCK from block 0 (a block's lane never depends on NB: padding to the right
+    # adds identity maps after the row's own), the last tile first. Lane i of a tile composes
+    # the maps of blocks k+1 .. the tile's end (a reverse scan) and applies them to the state
+    # entering the tile from the right: lane 0 of the tile after it.
+    row = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK)
-    plane = B * NB
-    rb = row.to(tl.int64) * NB
+    plane = plane_size(B, NB)
+    rb = row * NB
     a_in = tl.load(init_ptr + row)
     w_in = a_in
     if TWO:
         w_in = tl.load(init_ptr + B + row)
-    for j in range(tl.cdiv(NB, BLOCK)):
-        k = NB - 1 - j * BLOCK - i
+    tiles = tl.cdiv(NB, BLOCK)
+    for j in range(tiles):
+        k = (tiles - 1 - j) * BLOCK + i
         src = k + 1
-        ok = (src < NB) & (k >= 0)
+        ok = src < NB
         p = tl.load(summ_ptr + rb + src, mask=ok, other=1.0)
         if TWO:
             q = tl.load(summ_ptr + plane + rb + src, mask=ok, other=0.0)
             s = tl.load(summ_ptr + 2 * plane + rb + src, mask=ok, other=1.0)
             c = tl.load(summ_ptr + 3 * plane + rb + src, mask=ok, other=0.0)
             e = tl.load(summ_ptr + 4 * plane + rb + src, mask=ok, other=0.0)
-            p, q, s, c, e = tl.associative_scan((p, q, s, c, e), 0, compose2)
+            p, q, s, c, e = tl.associative_scan((p, q, s, c, e), 0, compose2, reverse=True)
             a = c + p * tl.where(p == 0, 0.0, a_in) + q * tl.where(q == 0, 0.0, w_in)
             w = e + s * tl.where(s == 0, 0.0, w_in)
-            tl.store(carry_ptr + plane + rb + k, w, mask=k >= 0)
-            w_in = _first(w, i, BLOCK)
+            tl.store(carry_ptr + plane + rb + k, w, mask=k < NB)
+            w_in = block_head(w, i)
         else:
             c = tl.load(summ_ptr + plane + rb + src, mask=ok, other=0.0)
-            p, c = tl.associative_scan((p, c), 0, compose1)
+            p, c = tl.associative_scan((p, c), 0, compose1, reverse=True)
             a = c + p * tl.where(p == 0, 0.0, a_in)
-        tl.store(carry_ptr + rb + k, a, mask=k >= 0)
-        a_in = _first(a, i, BLOCK)
+        tl.store(carry_ptr + rb + k, a, mask=k < NB)
+        a_in = block_head(a, i)
 
 
 def acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -190,19 +208,23 @@ def tl_dtype(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-def block_size(rows: int, t_len: int, block_t: int | None = None) -> int:
-    """Time steps per program: ``block_t`` (a power of two) if given, else 1024, halved down
-    to 256 while fewer than ~1024 programs would run (one long row still fills the device);
-    never more than ``t_len`` rounded up to a power of two (at least 16)."""
-    cap = max(16, triton.next_power_of_2(max(t_len, 1)))
-    if block_t is not None:
-        if block_t < 1 or block_t & (block_t - 1):
-            raise ValueError(f"block_t must be a power of two >= 1, got {block_t}")
-        return min(max(block_t, 16), cap)
-    block = _MAX_BLOCK
-    while block > _MIN_BLOCK and rows * triton.cdiv(t_len, block) < _MIN_PROGRAMS:
-        block //= 2
-    return min(block, cap)
+def block_size(block_t: int | None = None) -> int:
+    """Time steps per program: ``block_t`` (a power of two, at least 16) if given, else
+    :data:`BLOCK_T`. Never chosen from the shape (module docstring: batch invariance)."""
+    if block_t is None:
+        return BLOCK_T
+    if block_t < 1 or block_t & (block_t - 1):
+        raise ValueError(f"block_t must be a power of two >= 1, got {block_t}")
+    return max(block_t, 16)
+
+
+def num_warps(block: int, acc: torch.dtype) -> int:
+    """Warps per program of ``block`` lanes carried in ``acc``: 16 bytes of each input per
+    thread, one 128-bit vector (for 256 lanes of float32, two warps of 32 on NVIDIA, one wave
+    of 64 on AMD; float64 takes twice the warps: at four float64 a thread, ptxas for sm_80
+    spilled the float64 GAE), at least one warp. A function of the block, the dtype and the
+    target, never of the shape."""
+    return max(1, block * acc.itemsize // (16 * warp_size()))
 
 
 def block_carries(summaries: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
@@ -218,10 +240,10 @@ def block_carries(summaries: torch.Tensor, init: torch.Tensor) -> torch.Tensor:
         return carries
     if nb == 1:
         return carries.copy_(init.unsqueeze(-1))
-    block = min(_CARRY_BLOCK, max(16, triton.next_power_of_2(nb)))
+    block = _CARRY_BLOCK
     init = init.to(summaries.dtype).contiguous()
     launch(_carry_kernel, (b,), summaries, init, carries, b, nb, TWO=two, BLOCK=block,
-           num_warps=4)  # fmt: skip
+           num_warps=num_warps(block, summaries.dtype))  # fmt: skip
     return carries
 
 
@@ -234,9 +256,10 @@ def _scan_forward(x, a, y_boot, block_t):
         return y
     acc = acc_dtype(x.dtype, a.dtype)
     per_token = a.dim() == 2
-    block = block_size(b, t_len, block_t)
+    block = block_size(block_t)
     nb = triton.cdiv(t_len, block)
-    common = dict(PER_TOKEN=per_token, BLOCK=block, ACC=tl_dtype(acc), num_warps=4)
+    warps = num_warps(block, acc)
+    common = dict(PER_TOKEN=per_token, BLOCK=block, ACC=tl_dtype(acc), num_warps=warps)
     grid = (b * nb,)
     if nb == 1:
         carries = y_boot.reshape(1, b, 1)
@@ -353,8 +376,8 @@ def reverse_scan(
         a: a float, a per-row tensor ``[B]`` / ``[B, 1]`` or a per-token ``[B, T]`` tensor.
             A decay of exactly 0 is an exact cut.
         y_boot: the value past the end of each row: a float or ``[B]`` / ``[B, 1]`` (0).
-        block_t: time steps per program (a power of two); default by shape
-            (:func:`block_size`).
+        block_t: time steps per program (a power of two); default :data:`BLOCK_T`, whatever
+            the shape (:func:`block_size`).
 
     Returns:
         ``y`` ``[B, T]`` in ``x``'s dtype; differentiable w.r.t. ``x``, a tensor ``a`` and a
