@@ -13,6 +13,9 @@ the fast tier (the Triton kernels: ``tests/logprobs/test_mask_triton.py``,
 which examples one run happened to draw. Counterexamples found locally become fixes and, where
 useful, explicit ``@example`` cases.
 
+**Triton** runs under its CPU interpreter everywhere in the suite (``TRITON_INTERPRET=1``, set
+below before anything imports a kernel); the GPU build tests build for real targets apart.
+
 **pytest-xdist** (``-n 2``): each worker compiles into its own Inductor cache, so two workers
 never write the same cache entry at once.
 """
@@ -20,6 +23,12 @@ never write the same cache entry at once.
 import os
 import tempfile
 from pathlib import Path
+
+# Triton decides between its interpreter and a real build when a kernel is decorated, from
+# TRITON_INTERPRET as first read: set it before any test module (or a peer such as TRL, which
+# imports triton itself) imports a kernel module, so that a subset of the suite run in any
+# order gets the interpreter as the whole suite does (tests/_triton_interp.py sets it too)
+os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 from hypothesis import settings
