@@ -17,6 +17,7 @@ pass through.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,8 +38,11 @@ __all__ = [
     "check_samples",
     "held_response_index",
     "local_columns",
+    "place_runs",
     "response_values",
+    "runs",
     "slice_log_prob_with_cp",
+    "take_runs",
     "zigzag_response_mask",
     "zigzag_shard_response",
     "zigzag_unshard_response",
@@ -250,6 +254,51 @@ def local_columns(
     return held, cols, 2 * chunk
 
 
+# --------------------------------------------------------------------------- index runs
+# The layout is computed on the host (CPU index tensors from Python ints); the data stays on
+# the device. An index tensor moved to the device would be a host-to-device copy per call, so
+# the layout's indices, a few contiguous runs (one per zigzag chunk), cut the data by slicing.
+Runs = list[tuple[int, int]]
+
+
+def runs(index: torch.Tensor) -> Runs:
+    """The contiguous increasing runs of a CPU int64 ``index`` ``[n]``, as ``(start, stop)``
+    pairs: ``index`` is the concatenation of ``range(start, stop)`` over them.
+
+    Example:
+        >>> runs(torch.tensor([3, 4, 5, 9, 10, 2]))
+        [(3, 6), (9, 11), (2, 3)]
+    """
+    if index.numel() == 0:
+        return []
+    cut = ((index[1:] != index[:-1] + 1).nonzero().flatten() + 1).tolist()
+    bounds = [0, *cut, index.numel()]
+    first = index[bounds[:-1]].tolist()
+    return [(a, a + (j - i)) for a, i, j in zip(first, bounds[:-1], bounds[1:])]
+
+
+def take_runs(x: torch.Tensor, spans: Runs) -> torch.Tensor:
+    """``x`` at the indices of ``spans`` along dim 0, a new tensor (``index_select`` by
+    slicing)."""
+    return torch.cat([x[a:b] for a, b in spans]) if spans else x[:0].clone()
+
+
+def place_runs(x: torch.Tensor, spans: Runs, size: int) -> torch.Tensor:
+    """A zero ``[size, ...]`` tensor holding the rows of ``x`` at the indices of ``spans``
+    (increasing, disjoint): the inverse of :func:`take_runs`, differentiable."""
+    pieces, at, read = [x[:0]], 0, 0  # (x[:0]: the result depends on x even with no run)
+    for a, b in spans:
+        if a < at:
+            raise ValueError(f"place_runs needs increasing disjoint runs, got {spans}")
+        if a > at:
+            pieces.append(x.new_zeros((a - at, *x.shape[1:])))
+        pieces.append(x[read : read + b - a])
+        at, read = b, read + b - a
+    if at < size:
+        pieces.append(x.new_zeros((size - at, *x.shape[1:])))
+    return torch.cat(pieces)
+
+
 # --------------------------------------------------------------------------- slime's helpers
 class _AllReduceSum(torch.autograd.Function):
     """Sum over the group; the backward sums the upstream gradients over the group too (every
@@ -294,8 +343,7 @@ def all_gather_with_cp(
             f"tensor holds {tensor.shape[0]} tokens but this rank's piece of a response of "
             f"{response_length} (total {total_length}) has {held.numel()}"
         )
-    full = tensor.new_zeros((response_length, *tensor.shape[1:]))
-    full = full.index_put((held.to(tensor.device),), tensor)
+    full = place_runs(tensor, runs(held), response_length)
     return _AllReduceSum.apply(full, cp_group)
 
 
@@ -330,7 +378,7 @@ def slice_log_prob_with_cp(
     held, _ = held_response_index(total_length, response_length, size, rank, seq_len)
     if isinstance(log_prob, list):
         return [log_prob[i] for i in held.tolist()]
-    return log_prob.index_select(0, held.to(log_prob.device))
+    return take_runs(log_prob, runs(held))
 
 
 def add_outcome_rewards(
@@ -361,13 +409,18 @@ def add_outcome_rewards(
     )
     if not xs:
         return []
-    flat = torch.cat(xs)
-    scores = torch.as_tensor(rewards, device=flat.device).to(flat.dtype)
+    dtype = functools.reduce(torch.promote_types, [x.dtype for x in xs])
+    device = xs[0].device
     rank, size = group_rank_size(cp_group, "cp_group")
-    offsets = [0]
-    for x in xs:
-        offsets.append(offsets[-1] + x.numel())
-    where, which = [], []
+    # A reward is added as a Python number (rounded to the tokens' dtype first, as slime's
+    # tensor of rewards is) or as a one-element slice of rewards already on the device: no
+    # index tensor, no copy of host data to the device.
+    on_device = isinstance(rewards, torch.Tensor) and rewards.device == device
+    if on_device:
+        scores: list[Any] = list(rewards.to(dtype).reshape(-1, 1).unbind(0))
+    else:
+        scores = torch.as_tensor(rewards, device="cpu").to(dtype).reshape(-1).tolist()
+    out = []
     for i, x in enumerate(xs):
         if size == 1:
             local = x.numel() - 1
@@ -378,15 +431,13 @@ def add_outcome_rewards(
                     f"token_level_rewards[{i}] has {x.numel()} entries but this "
                     f"rank holds {held.numel()} of that response"
                 )
-            hit = (held == response_lengths[i] - 1).nonzero()
+            hit = (held == response_lengths[i] - 1).nonzero()  # (a CPU index: host data)
             local = int(hit[0, 0]) if hit.numel() else -1
+        y = x.to(dtype=dtype, copy=True)
         if local >= 0:
-            where.append(offsets[i] + local)
-            which.append(i)
-    if where:
-        idx = torch.as_tensor(where, device=flat.device)
-        flat = flat.index_add(0, idx, scores[torch.as_tensor(which, device=flat.device)])
-    return list(flat.split([x.numel() for x in xs]))
+            y[local : local + 1] += scores[i]
+        out.append(y)
+    return out
 
 
 def response_values(
@@ -421,33 +472,47 @@ def response_values(
         )
     rank, size = group_rank_size(cp_group, "cp_group")
     packed = size == 1 or allgather_cp
-    masks = []
+    # Each sample's response positions in the layout, on the host: one run packed, one per
+    # zigzag chunk with CP (read by slicing: no index tensor on the device).
+    spans, counts, base = [], [], 0
     for total, response in zip(total_lengths, response_lengths):
         mask = zigzag_response_mask(
             total, response, cp_size=1 if packed else size, cp_rank=0 if packed else rank
         )
-        masks.append(mask[:total] if packed else mask)
-    where = torch.cat(masks).nonzero().flatten() if masks else torch.zeros(0, dtype=torch.long)
-    counts = [int(m.sum()) for m in masks]
+        mask = mask[:total] if packed else mask
+        spans.append([(base + a, base + b) for a, b in runs(mask.nonzero().flatten())])
+        counts.append(int(mask.sum()))
+        base += mask.numel()
     local = logits.shape[1]
-    offset = rank * local if packed and size > 1 else 0  # allgather_cp: this rank's part
+    column = logits[0, :, 0]
     if not packed or size == 1:
-        if where.numel() and int(where[-1]) >= local:
-            raise ValueError(
-                f"logits hold {local} positions but the samples' layout needs {int(where[-1]) + 1}"
-            )
-        return list(logits[0, where.to(logits.device), 0].split(counts))
-    # allgather_cp: scatter this rank's part of every response, sum over the group, re-slice.
-    mine = (where >= offset) & (where < offset + local)
-    full = logits.new_zeros(where.numel())
-    full = full.index_put(
-        (mine.nonzero().flatten().to(logits.device),),
-        logits[0, (where[mine] - offset).to(logits.device), 0],
-    )
-    full = _AllReduceSum.apply(full, cp_group)
+        end = max((b for s in spans for _, b in s), default=0)
+        if end > local:
+            raise ValueError(f"logits hold {local} positions but the samples' layout needs {end}")
+        return [take_runs(column, s) for s in spans]
+    # allgather_cp: this rank's part of the packed sequence is [offset, offset + local): each
+    # response's positions there are taken, the others are zeros; one sum over the group, then
+    # the pieces are re-sliced to the zigzag layout.
+    offset = rank * local
+    # (column[:0]: every rank's sum depends on its logits, so every rank joins the backward's
+    # all-reduce, holding a response position or not)
+    pieces, zeros = [column[:0]], 0
+    for a, b in (span for s in spans for span in s):
+        lo, hi = max(a, offset), min(b, offset + local)
+        if lo >= hi:
+            zeros += b - a
+            continue
+        zeros += lo - a
+        if zeros:
+            pieces.append(column.new_zeros(zeros))
+        pieces.append(column[lo - offset : hi - offset])
+        zeros = b - hi
+    if zeros:
+        pieces.append(column.new_zeros(zeros))
+    full = _AllReduceSum.apply(torch.cat(pieces), cp_group)
     out = []
     for piece, total, response in zip(full.split(counts), total_lengths, response_lengths):
         held, _ = held_response_index(total, response, size, rank)
         # a response filling its whole sequence has no position for token 0: held skips it
-        out.append(piece[(held - (response - piece.numel())).to(piece.device)])
+        out.append(take_runs(piece, runs(held - (response - piece.numel()))))
     return out

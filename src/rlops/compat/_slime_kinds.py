@@ -246,11 +246,10 @@ def compute_opsm_mask(args, full_log_probs, full_old_log_probs, advantages, loss
         torch.zeros_like(scaled), scaled, -torch.ones_like(scaled), on, delta=delta
     )
     # a row with no weight has kl 0: masked only when delta < 0 (slime)
-    rejected = torch.where(on.any(-1), ~keep.any(-1), torch.tensor(0.0 > delta)).to(device)
+    rejected = torch.where(on.any(-1), ~keep.any(-1), bool(0.0 > delta)).to(device)
     a = _ragged.pad(adv)
     lengths = [x.numel() for x in adv]
-    ends = torch.as_tensor(lengths, device=device)[:, None]
-    valid = torch.arange(a.shape[1], device=device) < ends
-    masked = ((a < 0) & rejected[:, None] & valid).float()
+    # the right padding is 0, never < 0: no token past a sample's length is masked
+    masked = ((a < 0) & rejected[:, None]).float()
     clipfrac = (masked.sum(-1) / weight.to(device=device, dtype=torch.float32)).sum()
     return torch.cat(_ragged.split(1.0 - masked, lengths)), clipfrac

@@ -128,11 +128,7 @@ def grpo_advantages(
     check_choice("scale_rewards", scale_rewards, _SCALES)
     check_choice("multi_objective_aggregation", multi_objective_aggregation, _AGGREGATIONS)
     eps = check_nonneg("eps", eps)
-    w = (
-        torch.ones(f, dtype=r.dtype, device=r.device)
-        if reward_weights is None
-        else _check_reward_weights(reward_weights, f).to(device=r.device, dtype=r.dtype)
-    )
+    w = _weights(None if reward_weights is None else _check_reward_weights(reward_weights, f), r)
     g = num_generations
     unscorable = torch.isnan(r).all(dim=1)
     if multi_objective_aggregation == "sum_then_normalize":
@@ -157,6 +153,24 @@ def grpo_advantages(
         std = _nanstd(rewards).expand(b) if b > 1 else torch.zeros_like(rewards)
         adv = (rewards - torch.nanmean(rewards)) / (std + eps)
     return torch.nan_to_num(adv, nan=0.0)
+
+
+def _weights(w: torch.Tensor | None, r: torch.Tensor) -> torch.Tensor:
+    """The reward weights ``[F]`` on the rewards' device, in their dtype. Weights on the host
+    (TRL keeps them in a CPU tensor; a list is checked into one) are read there and filled in
+    on the device as numbers: no copy of host data to the device."""
+    f = r.shape[1]
+    if w is None:
+        return torch.ones(f, dtype=r.dtype, device=r.device)
+    if w.device == r.device:
+        return w.to(r.dtype)
+    values = w.to(r.dtype).tolist() if w.device.type == "cpu" else None
+    if values is None:  # another accelerator: a device-to-device copy
+        return w.to(device=r.device, dtype=r.dtype)
+    out = torch.empty(f, dtype=r.dtype, device=r.device)
+    for j, v in enumerate(values):
+        out[j] = v
+    return out
 
 
 # --------------------------------------------------------------------------- loss
@@ -561,9 +575,18 @@ def grpo_loss(
     for name, (s, n) in sums.items():
         metrics[name] = s / n.clamp_min(1)
     for name, x in per_row.items():
-        finite = x[~torch.isnan(x)]  # (metrics only: TRL's nanmin / nanmax)
-        if finite.numel() == 0:
-            metrics[name] = torch.tensor(math.nan, device=x.device)
-        else:
-            metrics[name] = finite.min() if name.endswith("_min") else finite.max()
+        metrics[name] = _nan_extreme(x, largest=not name.endswith("_min"))
     return loss, metrics
+
+
+def _nan_extreme(x: torch.Tensor, largest: bool) -> torch.Tensor:
+    """TRL's ``nanmin`` / ``nanmax`` of ``x`` ``[B]``: the extreme of its non-NaN entries, NaN
+    when there is none. A masked reduction (NaN made ``±inf``, then put back where every entry
+    was NaN): no selection of a data-dependent size, no host read."""
+    if x.numel() == 0:
+        return x.new_full((), math.nan)
+    nan = torch.isnan(x)
+    fill = -math.inf if largest else math.inf
+    filled = torch.where(nan, fill, x)
+    out = filled.amax() if largest else filled.amin()
+    return torch.where(nan.all(), math.nan, out)

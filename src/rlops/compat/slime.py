@@ -44,7 +44,9 @@ from rlops.compat._slime_cp import (
     check_samples,
     local_columns,
     response_values,
+    runs,
     slice_log_prob_with_cp,
+    take_runs,
     zigzag_response_mask,
     zigzag_shard_response,
     zigzag_unshard_response,
@@ -284,7 +286,7 @@ def get_reinforce_plus_plus_returns(
         out = rlops.reinforce_plus_plus_returns(scores, k, m != 0, kl_coef=kl_coef, gamma=gamma)
         return _ragged.split(out, [x.numel() for x in kl])
     held, cols, width = local_columns(total_lengths, response_lengths, size, rank)
-    local_masks = [m.to(kl[0].device)[h.to(kl[0].device)] for m, h in zip(loss_masks, held)]
+    local_masks = [take_runs(m.to(kl[0].device), runs(h)) for m, h in zip(loss_masks, held)]
     k, real, index = _ragged.place(kl, cols, width)
     m, _, _ = _ragged.place([x.to(k.dtype) for x in local_masks], cols, width)
     out = rlops.reinforce_plus_plus_returns(
@@ -334,10 +336,11 @@ def get_grpo_returns(rewards, kl) -> list[torch.Tensor]:
     if not kl:
         return []
     scores = _scores(rewards, kl[0].device)
-    counts = torch.as_tensor([x.numel() for x in kl], device=scores.device)
     dtype = torch.promote_types(kl[0].dtype, scores.dtype)
-    flat = torch.repeat_interleave(scores, counts).to(dtype)
-    return list(flat.split(counts.tolist()))
+    # each score expanded to its sample's length (host ints: no count on the device, no sync)
+    counts = [x.numel() for x in kl]
+    flat = torch.cat([s.expand(n) for s, n in zip(scores.unbind(0), counts)]).to(dtype)
+    return list(flat.split(counts))
 
 
 # --------------------------------------------------------------------------- KL, losses, stats
@@ -643,6 +646,9 @@ def _keep_sets(
         top_p_token_offsets=top_p_token_offsets,
         response_lengths=lengths,
     )
+    # The sets are the rollout's, host data in slime (lists per sample): the offsets are read
+    # and the rows' CSR built on the host, then copied to the device once (offsets given on
+    # the device are read back: one copy each). Ids already on the device stay there.
     counts = torch.zeros(n_rows, dtype=torch.int64)
     ids = []
     for i, (sid, off, start, n) in enumerate(
@@ -656,10 +662,14 @@ def _keep_sets(
             )
         counts[start : start + n] = off.diff()
         sid = torch.as_tensor(sid).reshape(-1)
-        ids.append(sid[int(off[0]) : int(off[-1])].to(device=device, dtype=torch.int64))
+        ids.append(sid[int(off[0]) : int(off[-1])])
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(device)
-    flat = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64, device=device)
-    return flat, offsets
+    if not ids:
+        return torch.zeros(0, dtype=torch.int64, device=device), offsets
+    on_host = [x.device.type == "cpu" for x in ids]
+    if all(on_host):  # one copy of every sample's set
+        return torch.cat(ids).to(device=device, dtype=torch.int64), offsets
+    return torch.cat([x.to(device=device, dtype=torch.int64) for x in ids]), offsets
 
 
 def get_log_probs_and_entropy(

@@ -159,7 +159,7 @@ def prepare(
     rank then joins one header exchange that either gives this shard's place in the
     vocabulary or raises the same ``ValueError`` on every rank (:mod:`rlops.logprobs._tp`).
 
-    With a row ``mask`` where the host reads values (CPU, not while compiling) and
+    With a row ``mask`` on CPU where the host reads values (not while compiling) and
     ``inputs.compact``: the valid rows are found (their number read on the host) and the plan's
     rows are those only; elsewhere every row stays in the plan, with the mask as
     ``row_valid`` (no host read). ``selection``: the tensors to bind (:meth:`Plan.bound`)."""
@@ -168,7 +168,9 @@ def prepare(
     rows, total = plan.rows, plan.rows
     if inputs.mask is not None:
         flat = inputs.mask.reshape(-1)
-        if inputs.compact and values_checked(flat):
+        # CPU only: on an accelerator RLOPS_CHECK_VALUES=1 makes the value checks read, it
+        # does not switch the hot path to a host-sized compaction
+        if inputs.compact and flat.device.type == "cpu" and values_checked(flat):
             sel = flat.nonzero().squeeze(1)  # a host-sized result: CPU only
             rows = sel.numel()
             sampler = None if sampler is None else sampler.compacted(sel)

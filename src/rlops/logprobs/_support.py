@@ -236,13 +236,16 @@ def chunk_keep(
     ``[start, start + v_local)``, from CSR pairs ``(rows, ids)`` (rows non-decreasing). A
     duplicate id sets the same entry twice: a set, the same as once.
 
-    Where values are read (CPU): the chunk's entries found by a ``searchsorted``, those in the
-    vocabulary range selected (a host-sized index), and set; the temporaries beside the mask
-    are a few bytes per entry of the chunk. Elsewhere (no host read): every entry is tested
-    against the chunk and the range, those outside written to one spare element (``O(nnz)``
-    per chunk, one int64 and a few bool temporaries of ``nnz``)."""
+    On CPU where values are read (:func:`values_checked`): the chunk's entries found by a
+    ``searchsorted``, those in the vocabulary range selected (a host-sized index), and set; the
+    temporaries beside the mask are a few bytes per entry of the chunk. Elsewhere, accelerators
+    with ``RLOPS_CHECK_VALUES=1`` included (no host read): every entry is tested against the
+    chunk and the range, those outside written to one spare element (``O(nnz)`` per chunk, one
+    int64 and a few bool temporaries of ``nnz``)."""
     keep = torch.zeros(c * v_local + 1, dtype=torch.bool, device=rows.device)
-    if values_checked(rows):
+    # the host path on CPU only: on an accelerator RLOPS_CHECK_VALUES=1 makes the value checks
+    # read, never this path (its CPU bounds would meet device rows; the hot path must not change)
+    if rows.device.type == "cpu" and values_checked(rows):
         bounds = torch.tensor([i, i + c], dtype=rows.dtype)
         lo, hi = (int(b) for b in torch.searchsorted(rows, bounds))
         rows, ids = rows[lo:hi], ids[lo:hi]
