@@ -145,35 +145,49 @@ def _plain_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.float32 if logits.dtype in (torch.float16, torch.bfloat16) else logits.dtype
 
 
-def _plain(
-    logits: torch.Tensor, target: torch.Tensor, tau: float, ref: tuple[torch.Tensor, ...]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plain computation in the logits' dtype (float32 for half logits): of the two common
-    correct forms, elementwise the one further from the definition ``ref``, so the rule
-    allows the rounding either form makes. The reference's form, ``−Σ p·log p`` (in float64,
-    the definition's own dtype, on the vocabulary rotated by one column: the same sums in
-    another order, so its difference from the definition measures float64's rounding), and
-    the log-normaliser form, ``lse(z) − Σ p·z`` (a difference of terms of size ``|z|``)."""
+def _forms(
+    logits: torch.Tensor, target: torch.Tensor, tau: float
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The two common correct forms of ``(logp, entropy)`` in the plain dtype (float32 for half
+    logits), differentiable in ``logits``: the reference's, ``−Σ p·log p`` (in float64, the
+    definition's own dtype, on the vocabulary rotated by one column: the same sums in another
+    order, so that its difference from the definition measures float64's rounding), and the
+    log-normaliser form, ``lse(z) − Σ p·z`` (a difference of terms of size ``|z|``)."""
     dt = _plain_dtype(logits)
+    x = logits.to("cpu", dt)
     v = logits.shape[-1]
     rolled = dt == torch.float64
-    a = _definition(logits.roll(1, -1) if rolled else logits, (target + rolled) % v, tau, dt)
-    z = logits.detach().to("cpu", dt) / tau
+    a = _definition(x.roll(1, -1) if rolled else x, (target + rolled) % v, tau, dt)
+    z = x / tau
     lse = torch.logsumexp(z, -1)
     b_logp = z.gather(-1, target.to("cpu").long()[:, None])[:, 0] - lse
     b_ent = lse - (torch.softmax(z, -1) * z.masked_fill(~torch.isfinite(z), 0.0)).sum(-1)
-    return tuple(  # type: ignore[return-value]
-        torch.where((x.detach().double() - r).abs() >= (y.double() - r).abs(), x.detach(), y)
-        for x, y, r in zip(a, (b_logp, b_ent), ref, strict=True)
-    )
+    return a, (b_logp, b_ent)
+
+
+def _further(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Elementwise, whichever of ``a`` and ``b`` is further from ``ref``."""
+    a, b = a.detach(), b.detach()
+    return torch.where((a.double() - ref).abs() >= (b.double() - ref).abs(), a, b)
+
+
+def _plain(
+    logits: torch.Tensor, target: torch.Tensor, tau: float, ref: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain computation: of the two common correct forms (:func:`_forms`), elementwise
+    the one further from the definition ``ref``, so that the rule allows the rounding either
+    form makes."""
+    a, b = _forms(logits.detach(), target, tau)
+    return _further(a[0], b[0], ref[0]), _further(a[1], b[1], ref[1])
 
 
 def _magnitude(logits: torch.Tensor, tau: float) -> torch.Tensor:
-    """``[N]``: the magnitude of the terms a row's log-prob and entropy combine, the largest
-    finite ``|z|/τ`` and the log-normaliser ``|lse(z/τ)|``."""
+    """``[N]``: the magnitude of the terms a row's log-prob and entropy combine: the largest
+    finite ``|z|/τ`` plus the log-normaliser ``|lse(z/τ)|``, which bounds every
+    ``|log p_v| = |z_v/τ − lse|`` the entropy sums (and the log-prob is one of)."""
     z = logits.detach().to("cpu", torch.float64) / tau
     largest = torch.where(torch.isfinite(z), z.abs(), 0.0).amax(-1)
-    return torch.maximum(largest, torch.logsumexp(z, -1).abs())
+    return largest + torch.logsumexp(z, -1).abs()
 
 
 @dataclass(frozen=True)
@@ -305,11 +319,8 @@ def _gradients(s: _Setup):
     zr = logits.to(torch.float64).requires_grad_(True)
     ref = grad_of(zr, *_definition(zr, target, tau))
     zp = logits.to(_plain_dtype(logits)).requires_grad_(True)
-    if zp.dtype == torch.float64:  # the same sums in another order (see _plain)
-        v = logits.shape[-1]
-        plain = grad_of(zp, *_definition(zp.roll(1, -1), (target + 1) % v, tau, zp.dtype))
-    else:
-        plain = grad_of(zp, *_definition(zp, target, tau, zp.dtype))
+    form_a, form_b = _forms(zp, target, tau)  # the plain gradient: of either form (see _plain)
+    plain = _further(grad_of(zp, *form_a), grad_of(zp, *form_b), ref)
     # each element of the gradient is made of its row's probabilities, each rounded at the
     # row's magnitude: the floor is ulps of that magnitude times the row's largest element
     scale = _magnitude(logits, tau)[:, None] * ref.detach().abs().amax(-1, keepdim=True)
@@ -497,8 +508,8 @@ def check_logprobs(
     ``2·e + 4·eps(d)·M`` of the definition, ``e`` the largest error of the plain computation
     (the reference in the logits' dtype, float32 for half logits, rounded to ``d``; in float64,
     the reference on the vocabulary in another order) on the same inputs and ``M`` the row's
-    largest ``|z|/τ`` or ``|log Σ exp(z/τ)|``, whichever is larger (the magnitude of the terms a
-    log-prob and an entropy combine).
+    largest ``|z|/τ`` plus ``|log Σ exp(z/τ)|`` (which bounds every ``|log p_v|``: the
+    magnitude of the terms a log-prob and an entropy combine).
 
     Checks (in this order, with these names):
 
