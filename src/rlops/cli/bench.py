@@ -1,8 +1,9 @@
 """``rlops bench``: on your shapes and machine, rlops beside the implementations it replaces.
 
 The options, the run (one table per case and shape, printed as each section completes, with a
-warning where a figure cannot be right), the closing verdict in plain words, and the optional
-JSON and plot. What is measured, and how, is :mod:`rlops.measure.sections`.
+warning where a figure cannot be right), the closing verdict in plain words (each method at its
+own faster thread count; for log-probs, where rlops pays off), and the optional JSON and plot.
+What is measured, and how, is :mod:`rlops.measure.sections`; the plot, :mod:`rlops.measure.plot`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from collections import defaultdict
 
 import torch
@@ -18,6 +20,7 @@ import torch
 from rlops.cli.display import Progress, fmt_mib, fmt_ms, print_table, say, wrap
 from rlops.measure import options, sections
 from rlops.measure.options import positive_int
+from rlops.measure.plot import plot_rows
 from rlops.measure.sections import FLOOR, Row
 from rlops.measure.timing import keep_freed_memory, torch_threads
 
@@ -27,8 +30,10 @@ __all__ = [
     "QUICK",
     "SECTIONS",
     "add_arguments",
+    "pays_off",
     "plot_rows",
     "run",
+    "tables",
     "verdicts",
     "warnings",
 ]
@@ -39,7 +44,7 @@ SECTIONS = ("advantages", "group", "logprobs", "agentic")
 # slow_limit_s: a baseline that would take longer at full length is extrapolated from T = 1024.
 _PRESETS = {  # setting: (default, --quick, --full)
     "seq_len": ([2048, 32768], [256, 2048], [4096, 32768, 131072]),
-    "logprob_tokens": ([512], [256], [1024, 4096]),
+    "logprob_tokens": ([2048], [256], [1024, 4096]),
     "vocab": (32000, 4096, 32000),
     "hidden": (256, 64, 512),
     "group_batch": (256, 64, 256),
@@ -48,6 +53,9 @@ _PRESETS = {  # setting: (default, --quick, --full)
 }
 DEFAULTS, QUICK, FULL = ({name: v[i] for name, v in _PRESETS.items()} for i in range(3))
 MOVES = 2.0  # a ratio to rlops that moves more than this between thread counts is flagged
+SAME_TIME = 1.15  # times within 15% of each other read "about as fast" in the verdict
+LEANER = 0.9  # a peak below 0.9x the baseline's is a memory saving in the verdict
+WORTH = 0.5  # a slower rlops path pays off where memory binds if it at least halves the peak
 
 
 def _sizes(name: str) -> str:
@@ -101,7 +109,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     options.add_device(p)
     options.add_threads(
-        p, "every method is also timed at 1 thread, and a baseline compared at its faster"
+        p, "every method is also timed at 1 thread, and each compared at its faster count"
     )
     p.add_argument("--gamma", type=float, default=1.0, help="discount, in [0, 1] (default 1.0)")
     p.add_argument("--lam", type=float, default=0.95, help="GAE lambda, in [0, 1] (default 0.95)")
@@ -137,19 +145,20 @@ def plan(args: argparse.Namespace) -> list[tuple[str, float]]:
             steps.append((f"advantages T={t}", 0.3 + counts * (loop(4e-5, t) + loop(1.2e-4, t))))
     if "group" in args.sections:
         steps.append(("group", 0.3 + 2e-4 * args.group_batch))
+    # a case of two variants: three fresh processes (the memory of each, then their times)
+    runs = 2 + counts * 3  # per variant: memory, warm-up, then the timed runs at each count
     if "logprobs" in args.sections:
-        runs = 2 + counts * 3  # memory, warm-up, then the timed runs at each count
         for n in args.logprob_tokens:
             elements = n * args.vocab * runs
             linear = 4e-10 * elements * args.hidden
-            steps.append((f"logprobs N={n}: over logits", 4 + 4e-8 * elements))
-            steps.append((f"logprobs N={n}: output layer", 4 + linear))
-            steps.append((f"logprobs N={n}: top-p output layer", 4 + linear + 2e-7 * elements))
+            steps.append((f"logprobs N={n}: over logits", 6 + 4e-8 * elements))
+            steps.append((f"logprobs N={n}: output layer", 6 + linear))
+            steps.append((f"logprobs N={n}: top-p output layer", 6 + linear + 2e-7 * elements))
     if "agentic" in args.sections:
         for n in args.logprob_tokens:
-            linear = 4e-10 * n * args.vocab * args.hidden * (2 + counts * 3)
-            steps.append((f"agentic N={n}: row mask", 8 + linear))
-            steps.append((f"agentic N={n}: kept ids", 8 + 2 * linear))
+            linear = 4e-10 * n * args.vocab * args.hidden * runs
+            steps.append((f"agentic N={n}: row mask", 6 + linear))
+            steps.append((f"agentic N={n}: kept ids", 6 + 2 * linear))
     if steps:  # the first step also pays for first calls (numba's cache, thread pools)
         steps[0] = (steps[0][0], steps[0][1] + 2.0)
     return steps
@@ -170,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
     tuned = keep_freed_memory()
     dev, dtype = torch.device(args.device), DTYPES[args.dtype]
     counts = sections.thread_counts(dev, args.threads)
@@ -178,9 +188,9 @@ def _run(args: argparse.Namespace) -> int:
         f"lam={args.lam}, device={dev}, torch threads={torch.get_num_threads()}"
         + (", malloc keeps freed memory" if tuned else ""),
         *wrap(
-            "Each method is timed at "
-            + " and ".join(f"{n} thread{'s' * (n > 1)}" for n in counts)
-            + f"; time / rlops is a baseline's faster time over rlops' at {counts[-1]}."
+            "Methods compared are timed interleaved (each repeat calls every one in turn), at "
+            + " and ".join(map(_threads, counts))
+            + ("; time / rlops compares each at its own faster count." if len(counts) > 1 else ".")
         ),
     )
     rows: list[Row] = []
@@ -221,14 +231,21 @@ def _run(args: argparse.Namespace) -> int:
                 )
             found += print_rows(new, counts)
             rows += new
-    say("", "Verdict:", *(part for line in verdicts(rows) for part in wrap(line)))
+    verdict = verdicts(rows)
+    wall_s = time.perf_counter() - start
+    say("", "Verdict:", *(part for line in verdict for part in wrap(line)))
+    say(f"{len(tables(rows))} tables, {wall_s:.1f} s of wall time")
     if args.json:
         payload = {
             "command": "bench",
             "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
             "thread_counts": list(counts),
+            "timing": "interleaved: each repeat times every method of a comparison in turn; "
+            "seconds: each method at its own fastest thread count (threads)",
             "rows": [dataclasses.asdict(r) for r in rows],
             "warnings": found,
+            "verdict": verdict,
+            "wall_s": wall_s,
         }
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=2)
@@ -242,7 +259,7 @@ def _run(args: argparse.Namespace) -> int:
 def warnings(rows: list[Row]) -> list[str]:
     """What cannot be right in one table (one case at one shape): a memory floor slower than a
     method it bounds, or a method whose time over rlops' moves more than 2x between thread
-    counts (a thread stall: the comparison then rests on its faster count)."""
+    counts (a thread stall: the comparison then rests on each one's faster count)."""
     out = []
     floor = next((r for r in rows if r.method == FLOOR), None)
     bounded = [r for r in rows if r is not floor and not r.extrapolated]
@@ -262,7 +279,7 @@ def warnings(rows: list[Row]) -> list[str]:
             continue
         ratio = {n: r.times[n] / ours.times[n] for n in both}
         if max(ratio.values()) > MOVES * min(ratio.values()):
-            at = " and ".join(f"{ratio[n]:,.2f} at {n} thread{'s' * (n > 1)}" for n in both)
+            at = " and ".join(f"{ratio[n]:,.2f} at {_threads(n)}" for n in both)
             out.append(
                 f"{r.method} / rlops moves more than {MOVES:g}x between thread counts: {at} "
                 "(a thread stall in one of the two; see their times)"
@@ -270,14 +287,16 @@ def warnings(rows: list[Row]) -> list[str]:
     return out
 
 
+def _threads(n: int | None) -> str:
+    return f"{n} thread{'s' * (n != 1)}"
+
+
 def print_rows(rows: list[Row], counts: tuple[int, ...]) -> list[str]:
-    """One table per (case, shape): median time at each thread count, time over rlops', peak
-    extra memory, and its warnings under it. Returns the warnings, each after its table's
-    title."""
+    """One table per (case, shape): median time at each thread count, the count each method is
+    compared at (its faster), time over rlops', peak extra memory, and its warnings under it.
+    Returns the warnings, each after its table's title."""
     found = []
-    keys = list(dict.fromkeys((r.case, r.shape) for r in rows))
-    for case, shape in keys:
-        group = [r for r in rows if (r.case, r.shape) == (case, shape)]
+    for title, group in tables(rows).items():
         ours = next((r for r in group if r.ours), group[-1])
         lines = []
         for r in group:
@@ -285,11 +304,12 @@ def print_rows(rows: list[Row], counts: tuple[int, ...]) -> list[str]:
             if r.unit_bytes and r.peak_bytes is not None:
                 peak += f" ({r.peak_bytes / r.unit_bytes:.2f} x [B,T])"
             ms = [("~" if r.extrapolated else "") + fmt_ms(r.times[n]) for n in counts]
-            lines.append([r.method, *ms, f"{r.seconds / ours.seconds:,.2f}", peak])
-        title = f"{case} [{shape}]"
+            best = [_threads(r.threads)] if len(counts) > 1 else []
+            lines.append([r.method, *ms, *best, f"{r.seconds / ours.seconds:,.2f}", peak])
         notes = warnings(group)
         found += [f"{title}: {w}" for w in notes]
-        header = ["method", *(f"ms, {n} thread{'s' * (n > 1)}" for n in counts)]
+        header = ["method", *(f"ms, {_threads(n)}" for n in counts)]
+        header += ["fastest at"] if len(counts) > 1 else []
         print_table(
             title,
             [*header, "time / rlops", "peak extra MiB"],
@@ -299,17 +319,62 @@ def print_rows(rows: list[Row], counts: tuple[int, ...]) -> list[str]:
     return found
 
 
+def tables(rows: list[Row]) -> dict[str, list[Row]]:
+    """The rows of each table, by its title ``case [shape]``, in the order they are printed."""
+    out: dict[str, list[Row]] = {}
+    for r in rows:
+        out.setdefault(f"{r.case} [{r.shape}]", []).append(r)
+    return out
+
+
 def _speed(base: float, ours: float) -> str:
     x = base / ours
+    if 1 / SAME_TIME <= x <= SAME_TIME:
+        return f"about as fast: {1 / x:.2f}x slower" if x < 1 else f"about as fast: {x:.2f}x faster"
     if x < 1:
         return f"{1 / x:.1f}x slower"
     return f"{x:,.0f}x faster" if x >= 10 else f"{x:.1f}x faster"
 
 
+def _ms(r: Row) -> str:
+    """A row's compared time, with its thread count where it was timed at several."""
+    at = f" at {_threads(r.threads)}" if r.threads is not None and len(r.times) > 1 else ""
+    return f"{fmt_ms(r.seconds)} ms{at}{' (extrapolated)' if r.extrapolated else ''}"
+
+
+def pays_off(time_x: float, memory_x: float | None) -> str:
+    """The verdict's judgement of a log-prob case from rlops' time over the baseline's
+    (``time_x``, above 1: slower) and its peak memory over the baseline's (``memory_x``; None:
+    not measured). Times within ``SAME_TIME`` of each other are as fast; a peak below
+    ``LEANER`` times the baseline's is a saving, worth more time where it is at most ``WORTH``
+    times the baseline's (a small saving for more time does not pay off at that shape)."""
+    faster, slower = time_x < 1 / SAME_TIME, time_x > SAME_TIME
+    leaner = memory_x is not None and memory_x < LEANER
+    heavier = memory_x is not None and memory_x > 1 / LEANER
+    grows = "the saving grows with N x V"
+    if slower and memory_x is not None and memory_x <= WORTH:
+        return (
+            f"rlops trades time for memory: it pays off where memory binds ({grows}), not "
+            "where memory is plentiful and time matters."
+        )
+    if faster and leaner:
+        return "rlops pays off in time and in memory."
+    if faster:
+        return "rlops pays off in time" + (", at more memory." if heavier else ".")
+    if leaner and not slower:
+        return "rlops pays off in memory, at no cost in time."
+    return (
+        "rlops does not pay off at this shape"
+        + ("" if memory_x is None else f"; {grows} (raise --logprob-tokens or --vocab)")
+        + "."
+    )
+
+
 def verdicts(rows: list[Row]) -> list[str]:
-    """One line per case at its largest size: each baseline's ``X ms -> Y ms (Z x faster)``
-    (or slower); for advantages, how close rlops is to the memory floor; for log-probs, the
-    memory too."""
+    """One line per case at its largest size, each method at its own fastest thread count.
+    Advantages and group: each baseline's ``X ms -> Y ms (Z x faster)`` (or slower, or about
+    as fast), and how close rlops is to the memory floor. Log-probs: time and peak memory
+    before and after, and in words where rlops pays off (:func:`pays_off`)."""
     out = []
     by_case = defaultdict(list)
     for r in rows:
@@ -320,20 +385,21 @@ def verdicts(rows: list[Row]) -> list[str]:
         ours = next(r for r in at if r.ours)
         if section in ("logprobs", "agentic"):
             base = next(r for r in at if not r.ours)
-            mem = ""
-            if base.peak_bytes and ours.peak_bytes is not None:
-                mem = (
-                    f"; peak extra memory {fmt_mib(base.peak_bytes)} MiB -> "
-                    f"{fmt_mib(ours.peak_bytes)} MiB ({ours.peak_bytes / base.peak_bytes:.2f}x)"
-                )
-            out.append(
-                f"- {case} [{ours.shape}], forward + backward: {fmt_ms(base.seconds)} ms -> "
-                f"{fmt_ms(ours.seconds)} ms ({_speed(base.seconds, ours.seconds)}){mem}."
+            line = (
+                f"- {case} [{ours.shape}], forward + backward: {_ms(base)} -> {_ms(ours)} "
+                f"({_speed(base.seconds, ours.seconds)})"
             )
+            memory_x = None
+            if base.peak_bytes and ours.peak_bytes is not None:
+                memory_x = ours.peak_bytes / base.peak_bytes
+                line += (
+                    f"; peak extra memory {fmt_mib(base.peak_bytes)} MiB -> "
+                    f"{fmt_mib(ours.peak_bytes)} MiB ({memory_x:.2f}x)"
+                )
+            out.append(f"{line}. {pays_off(ours.seconds / base.seconds, memory_x)}")
             continue
         parts = [
-            f"{r.method} {fmt_ms(r.seconds)} ms{' (extrapolated)' if r.extrapolated else ''} -> "
-            f"{fmt_ms(ours.seconds)} ms ({_speed(r.seconds, ours.seconds)})"
+            f"{r.method} {_ms(r)} -> {_ms(ours)} ({_speed(r.seconds, ours.seconds)})"
             for r in at
             if not (r.ours or r.method.startswith("rlops") or r.method == FLOOR)
         ]
@@ -345,71 +411,3 @@ def verdicts(rows: list[Row]) -> list[str]:
             line += " The memory floor measured slower than rlops (see the table's warning)."
         out.append(line)
     return out
-
-
-def plot_rows(rows: list[Row], path: str) -> None:
-    """One panel per section: time vs size, log-log, where a section has several sizes (hollow
-    markers: extrapolated); bars from zero where it has one. Legends below the panels."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(dict.fromkeys(r.section for r in rows))
-    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4.5), squeeze=False)
-    xlabel = {
-        "advantages": "T (tokens per row)",
-        "group": "T",
-        "logprobs": "tokens",
-        "agentic": "tokens",
-    }
-    for ax, section in zip(axes[0], names):
-        mine = [r for r in rows if r.section == section]
-        if len({r.size for r in mine}) == 1:
-            _bars(ax, mine)
-            ax.set_title(f"{section} [{mine[0].shape}]")
-        else:
-            _lines(ax, mine)
-            ax.set_xlabel(xlabel.get(section, "size"))
-            ax.set_title(section)
-        ax.set_ylabel("median time (ms)")
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-
-
-def _lines(ax, rows) -> None:
-    lines = defaultdict(list)
-    for r in rows:
-        lines[f"{r.case}: {r.method}"].append(r)
-    for label, pts in lines.items():
-        pts.sort(key=lambda r: r.size)
-        ms = [r.seconds * 1e3 for r in pts]
-        width = 2 if pts[0].ours else 1
-        (line,) = ax.plot([r.size for r in pts], ms, marker="o", label=label, lw=width)
-        hollow = [(r.size, r.seconds * 1e3) for r in pts if r.extrapolated]
-        if hollow:
-            ax.plot(*zip(*hollow), ls="", marker="o", mfc="white", color=line.get_color())
-    sizes = sorted({r.size for r in rows})
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xticks(sizes, [f"{s:,}" for s in sizes])
-    ax.minorticks_off()
-    ax.grid(True, which="major", alpha=0.3)
-
-
-def _bars(ax, rows) -> None:
-    cases = list(dict.fromkeys(r.case for r in rows))
-    methods = list(dict.fromkeys(r.method for r in rows))
-    width = 0.8 / len(methods)
-    for j, method in enumerate(methods):
-        pts = [
-            (i, r) for i, c in enumerate(cases) for r in rows if (r.case, r.method) == (c, method)
-        ]
-        xs = [i + (j - (len(methods) - 1) / 2) * width for i, _ in pts]
-        bars = ax.bar(xs, [r.seconds * 1e3 for _, r in pts], width, label=method)
-        ax.bar_label(bars, [f"{fmt_ms(r.seconds)} ms" for _, r in pts], fontsize=7)
-    ax.set_xticks(range(len(cases)), cases)
-    ax.margins(y=0.12)
-    ax.grid(True, axis="y", alpha=0.3)

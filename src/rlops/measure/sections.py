@@ -15,12 +15,17 @@ Each section is a list of :class:`Row`, measured side by side in one run:
   and peak extra memory: every row vs a row ``mask`` of a few valid rows; a dense ``[N, V]``
   ``keep_mask`` of a few kept ids per row vs the same sets as CSR (``support_ids``).
 
-Every method is timed at each of :func:`thread_counts` (on CPU, 1 and the run's count): a
-loop of small operations can stall at every intra-op join while another process holds a core.
-A row's ``seconds`` is what the tables compare: a baseline's (and the floor's) faster time,
-rlops' time at the run's count. Slow baselines are timed at a short length and extrapolated
-(linear in T) when the full length would take more than ``slow_limit_s``; such rows are marked
-``extrapolated``.
+The methods of a section (of a case, for log-probs) are timed interleaved
+(:func:`~rlops.measure.timing.time_interleaved`): every repeat calls each of them once, in
+turn, so load from other processes falls on all of them alike. Each is timed at each of
+:func:`thread_counts` (on CPU, 1 and the run's count): a loop of small operations can stall at
+every intra-op join while another process holds a core. A row's ``seconds`` is what the tables
+compare: its time at its own faster count (``threads``), for rlops as for the baselines. Slow
+baselines are timed at a short length and extrapolated (linear in T) when the full length would
+take more than ``slow_limit_s``; such rows are marked ``extrapolated``. Fast methods
+repeat for about ``BUDGET_S`` each (a median of many calls). Peak memory is measured
+apart from the timing: in this process after it (advantages, group; CUDA), or for log-probs on
+CPU in a fresh process per variant.
 """
 
 from __future__ import annotations
@@ -35,15 +40,18 @@ import rlops
 from rlops.measure import baselines
 from rlops.measure.timing import (
     PeakMemory,
-    measure_in_fresh_process,
+    Setup,
+    peak_in_fresh_process,
     sync,
-    time_by_threads,
+    time_in_fresh_process,
+    time_interleaved,
     time_median,
     torch_threads,
 )
 from rlops.measure.workloads import setup_agentic, setup_linear, setup_logits
 
 __all__ = [
+    "BUDGET_S",
     "FLOOR",
     "SLOW_LIMIT_S",
     "Row",
@@ -55,23 +63,28 @@ __all__ = [
 ]
 
 SLOW_LIMIT_S = 10.0
+# Seconds of calls each method gets: a method of a few milliseconds repeats until then (up to
+# 100 times, interleaved with the others), so a burst of load from another process moves a few
+# of its calls, not its median; a method of seconds keeps its ``repeats``.
+BUDGET_S = 1.0
 FLOOR = "memory floor"
 Callback = Callable[[], None] | None
 
 
 @dataclasses.dataclass
 class Row:
-    section: str  # "advantages", "group", "logprobs"
+    section: str  # "advantages", "group", "logprobs", "agentic"
     case: str  # "gae", "reinforce++ returns", "grpo", "log-prob + entropy", ...
     size: int  # T (or tokens for logprobs)
     shape: str
     method: str
-    seconds: float  # compared: a baseline's fastest over ``times``, rlops' at the run's count
+    seconds: float  # compared: the fastest over ``times`` (each method at its own best count)
     ours: bool = False
     extrapolated: bool = False
     peak_bytes: int | None = None
     times: dict[int, float] = dataclasses.field(default_factory=dict)  # seconds per threads
     unit_bytes: int | None = None  # bytes of one [B, T] tensor of the case (memory multiples)
+    threads: int | None = None  # the thread count ``seconds`` was timed at
 
 
 def thread_counts(device: torch.device | str, threads: int | None = None) -> tuple[int, ...]:
@@ -84,48 +97,49 @@ def thread_counts(device: torch.device | str, threads: int | None = None) -> tup
 def _row(
     section: str, case: str, size: int, shape: str, method: str, times: dict, ours=False, **kw
 ) -> Row:
-    seconds = times[max(times)] if ours else min(times.values())
-    return Row(section, case, size, shape, method, seconds, ours, times=times, **kw)
+    """A row compared at its own fastest thread count."""
+    best = min(times, key=times.__getitem__)
+    return Row(
+        section, case, size, shape, method, times[best], ours, times=times, threads=best, **kw
+    )
 
 
-def _time_or_extrapolate(
-    make: Callable[[int], tuple],
-    fn: Callable,
-    t_len: int,
-    device,
-    repeats: int,
-    counts: tuple[int, ...],
-    slow_limit_s: float,
-) -> tuple[dict[int, float], bool]:
-    """Time a baseline linear in T at each thread count; extrapolate from a shorter T where
-    the full length would take more than ``slow_limit_s``."""
-    probe = min(t_len, 1024)
-    args, full = make(probe), None
-    times, extrapolated = {}, False
-    for n in counts:
-        with torch_threads(n):
-            t_probe = time_median(lambda: fn(*args), device, repeats=1, warmup=0)
-            estimate = t_probe * t_len / probe
-            if probe == t_len:
-                times[n] = time_median(lambda: fn(*args), device, repeats=repeats)
-            elif estimate > slow_limit_s:
-                times[n], extrapolated = estimate, True
-            else:
-                full = full or make(t_len)
-                # one run is enough for a baseline this slow (the probe warmed it up)
-                runs = 1 if estimate > 1.0 else max(1, min(repeats, 3))
-                step = lambda full=full: fn(*full)  # noqa: E731
-                times[n] = time_median(step, device, repeats=runs, warmup=min(runs - 1, 1))
-    return times, extrapolated
-
-
-def _ours(fn: Callable, device, repeats: int, counts) -> tuple[dict[int, float], int | None]:
-    times = time_by_threads(fn, device, counts, repeats=repeats)
-    with torch_threads(counts[-1]), PeakMemory(device) as peak:
+def _peak(fn: Callable, device: torch.device, threads: int) -> int | None:
+    """Peak extra bytes of one call of ``fn`` in this process, at ``threads`` torch threads."""
+    with torch_threads(threads), PeakMemory(device) as peak:
         out = fn()
         sync(device)
     del out
-    return times, peak.bytes
+    return peak.bytes
+
+
+def _baseline_call(
+    make: Callable[[int], tuple],
+    fn: Callable,
+    t_len: int,
+    device: torch.device,
+    counts: tuple[int, ...],
+    repeats: int,
+    slow_limit_s: float,
+) -> tuple[Callable[[], object], int, int, float]:
+    """How to time a baseline linear in T within the interleaved repeats: ``(call, repeats,
+    warm-up calls, scale)``. One call at T = 1024 (at each count) estimates the full length;
+    over ``slow_limit_s``, the call stays at T = 1024 and its times are scaled by T / 1024
+    (extrapolated); over 1 s, the full length runs once."""
+    probe = min(t_len, 1024)
+    args = make(probe)
+    if probe == t_len:
+        return (lambda: fn(*args)), repeats, 1, 1.0
+    t_probe = []
+    for n in counts:
+        with torch_threads(n):
+            t_probe.append(time_median(lambda: fn(*args), device, repeats=1, warmup=0))
+    estimate = min(t_probe) * t_len / probe
+    if estimate > slow_limit_s:
+        return (lambda: fn(*args)), repeats, 0, t_len / probe
+    full = make(t_len)
+    runs = 1 if estimate > 1.0 else max(1, min(repeats, 3))  # the probe warmed it up
+    return (lambda: fn(*full)), runs, min(runs - 1, 1), 1.0
 
 
 def bench_advantages(
@@ -141,8 +155,8 @@ def bench_advantages(
     slow_limit_s: float = SLOW_LIMIT_S,
     progress: Callback = None,
 ) -> list[Row]:
-    """GAE and REINFORCE++ returns at ``[batch, T]`` for each T, every method side by side;
-    ``progress()`` after each T's baselines."""
+    """GAE and REINFORCE++ returns at ``[batch, T]`` for each T, every method of both timed
+    interleaved; ``progress()`` after each T."""
     device = torch.device(device)
     counts = thread_counts(device, threads)
     rows: list[Row] = []
@@ -161,42 +175,13 @@ def bench_advantages(
     rlops.gae(r0, v0, gamma=gamma, lam=lam)  # compile / warm every path once
     rlops.reinforce_plus_plus_returns(r0[:, 0], r0, r0 > 0, kl_coef=0.1, gamma=gamma)
     outcome = torch.ones(batch, dtype=dtype, device=device)
-    data = {t_len: (*make(t_len), *make_returns(t_len)) for t_len in seq_lens}
     itemsize = torch.empty(0, dtype=dtype).element_size()
-
-    def row(t_len, case, method, times, ours=False, extra=False, peak=None):
-        shape, unit = f"{batch}x{t_len}", batch * t_len * itemsize
-        kw = dict(extrapolated=extra, peak_bytes=peak, unit_bytes=unit)
-        rows.append(_row("advantages", case, t_len, shape, method, times, ours, **kw))
 
     def token_rewards(kl):
         tr = -0.1 * kl
         tr[:, -1] += 1.0
         return tr
 
-    # rlops and the floor first, for every length: the slow baselines below leave the heap
-    # fragmented by millions of tiny tensors, which would slow every later allocation
-    for t_len, (r, v, kl) in data.items():
-        for method in ("chunked", "auto"):
-            times, peak = _ours(
-                lambda m=method, r=r, v=v: rlops.gae(r, v, gamma=gamma, lam=lam, method=m),
-                device,
-                repeats,
-                counts,
-            )
-            row(t_len, "gae", f"rlops {method}", times, ours=method == "auto", peak=peak)
-        floor = lambda r=r, v=v: (torch.add(r, v), r.clone())  # noqa: E731
-        row(t_len, "gae", FLOOR, time_by_threads(floor, device, counts, repeats=repeats))
-        mask = torch.ones(batch, t_len, dtype=torch.bool, device=device)
-        times, peak = _ours(
-            lambda kl=kl, mask=mask: rlops.reinforce_plus_plus_returns(
-                outcome, kl, mask, kl_coef=0.1, gamma=gamma
-            ),
-            device,
-            repeats,
-            counts,
-        )
-        row(t_len, "reinforce++ returns", "rlops auto", times, ours=True, peak=peak)
     loops = (
         ("gae", "chunk loop (C=256)", make,
          lambda a, b: baselines.gae_chunk_loop(a, b, gamma, lam)),
@@ -206,12 +191,44 @@ def bench_advantages(
         ("reinforce++ returns", "per-sample token loop", make_returns,
          lambda kl: baselines.returns_token_loop(list(token_rewards(kl)), gamma)),
     )  # fmt: skip
+
+    def ours(t_len: int) -> dict[tuple[str, str], Callable[[], object]]:
+        r, v = make(t_len)
+        (kl,) = make_returns(t_len)
+        mask = torch.ones(batch, t_len, dtype=torch.bool, device=device)
+        return {
+            ("gae", "rlops chunked"): lambda: rlops.gae(r, v, gamma=gamma, lam=lam,
+                                                        method="chunked"),
+            ("gae", "rlops auto"): lambda: rlops.gae(r, v, gamma=gamma, lam=lam, method="auto"),
+            ("gae", FLOOR): lambda: (torch.add(r, v), r.clone()),
+            ("reinforce++ returns", "rlops auto"): lambda: rlops.reinforce_plus_plus_returns(
+                outcome, kl, mask, kl_coef=0.1, gamma=gamma),
+        }  # fmt: skip
+
     for t_len in seq_lens:
+        fns = ours(t_len)
+        runs = dict.fromkeys(fns, repeats)
+        warm = dict.fromkeys(fns, 1)
+        scale = dict.fromkeys(fns, 1.0)
         for case, method, inputs, fn in loops:
-            times, x = _time_or_extrapolate(
-                inputs, fn, t_len, device, repeats, counts, slow_limit_s
+            key = (case, method)
+            fns[key], runs[key], warm[key], scale[key] = _baseline_call(
+                inputs, fn, t_len, device, counts, repeats, slow_limit_s
             )
-            row(t_len, case, method, times, extra=x)
+        timed = time_interleaved(fns, device, counts, repeats=runs, warmup=warm, budget_s=BUDGET_S)
+        shape, unit = f"{batch}x{t_len}", batch * t_len * itemsize
+        for (case, method), times in timed.items():
+            mine = method.startswith("rlops")
+            rows.append(
+                _row(
+                    "advantages", case, t_len, shape, method,
+                    {n: t * scale[case, method] for n, t in times.items()},
+                    ours=method == "rlops auto",
+                    extrapolated=scale[case, method] != 1.0,
+                    peak_bytes=_peak(fns[case, method], device, counts[-1]) if mine else None,
+                    unit_bytes=unit,
+                )
+            )  # fmt: skip
         if progress is not None:
             progress()
     order = [
@@ -235,7 +252,8 @@ def bench_group(
     repeats: int = 10,
     threads: int | None = None,
 ) -> list[Row]:
-    """GRPO and RLOO at ``[group_batch, t_len]`` (bool mask, arbitrary group ids)."""
+    """GRPO and RLOO at ``[group_batch, t_len]`` (bool mask, arbitrary group ids), the
+    per-sample loop and rlops of both timed interleaved."""
     device = torch.device(device)
     counts = thread_counts(device, threads)
     gen = torch.Generator().manual_seed(0)
@@ -247,37 +265,55 @@ def bench_group(
     ids = index.tolist()
     fmask = mask.float()
     shape, unit = f"{b}x{t_len}", b * t_len * scores.element_size()
+    fns: dict[tuple[str, str], Callable[[], object]] = {
+        ("grpo", "per-sample loop"): lambda: baselines.group_loop(scores, ids, fmask, "grpo"),
+        ("grpo", "rlops"): lambda: rlops.grpo_advantages(scores, index, mask),
+        ("rloo", "per-sample loop"): lambda: baselines.group_loop(scores, ids, fmask, "rloo"),
+        ("rloo", "rlops"): lambda: rlops.rloo_advantages(scores, index, mask),
+    }
+    timed = time_interleaved(fns, device, counts, repeats=repeats, budget_s=BUDGET_S)
     rows = []
-    for case, ours, kind in (
-        ("grpo", rlops.grpo_advantages, "grpo"),
-        ("rloo", rlops.rloo_advantages, "rloo"),
-    ):
-        loop = lambda k=kind: baselines.group_loop(scores, ids, fmask, k)  # noqa: E731
-        times = time_by_threads(loop, device, counts, repeats=repeats)
-        rows.append(_row("group", case, t_len, shape, "per-sample loop", times, unit_bytes=unit))
-        times, peak = _ours(lambda f=ours: f(scores, index, mask), device, repeats, counts)
+    for (case, method), times in timed.items():
+        mine = method == "rlops"
+        peak = _peak(fns[case, method], device, counts[-1]) if mine else None
         kw = dict(peak_bytes=peak, unit_bytes=unit)
-        rows.append(_row("group", case, t_len, shape, "rlops", times, True, **kw))
+        rows.append(_row("group", case, t_len, shape, method, times, mine, **kw))
     return rows
 
 
-def _measure_step(
-    setup: Callable, kwargs: dict, prime: dict, device: torch.device, repeats: int, counts
-) -> tuple[dict[int, float], int | None]:
-    """Median seconds per thread count and peak extra bytes of ``setup(**kwargs)``'s step: on
-    CPU in a fresh process (after the tiny ``prime`` instance; memory at the run's count), on
-    CUDA here with the allocator's peak."""
+def _measure_case(
+    variants: dict[str, Setup], device: torch.device, repeats: int, counts: tuple[int, ...]
+) -> tuple[dict[str, dict[int, float]], dict[str, int | None]]:
+    """``({label: {n: median seconds}}, {label: peak extra bytes})`` of the variants of one
+    case, ``label: (setup, kwargs, prime_kwargs)``, timed interleaved. CPU: the times in one
+    fresh process, the memory of each in a fresh process of its own (after its tiny prime
+    instance, at the run's count). CUDA: here, the memory with the allocator's peak."""
     if device.type == "cuda":
-        step = setup(**kwargs, device=str(device))
-        step()
-        times = time_by_threads(step, device, counts, repeats=5)
-        with PeakMemory(device) as peak:
-            step()
-        return times, peak.bytes
-    m = measure_in_fresh_process(
-        setup, kwargs, prime_kwargs=prime, threads=counts[::-1], repeats=repeats
-    )
-    return m["time_s_by_threads"], int(m["peak_extra_bytes"])
+        steps = {k: setup(**kw, device=str(device)) for k, (setup, kw, _) in variants.items()}
+        times = time_interleaved(steps, device, counts, repeats=max(repeats, 5), budget_s=BUDGET_S)
+        peaks = {}
+        for label, step in steps.items():
+            with PeakMemory(device) as peak:
+                step()
+            peaks[label] = peak.bytes
+        return times, peaks
+    peaks = {
+        label: peak_in_fresh_process(setup, kw, prime_kwargs=prime, threads=counts[-1])
+        for label, (setup, kw, prime) in variants.items()
+    }
+    return time_in_fresh_process(variants, counts, repeats=repeats, budget_s=BUDGET_S), peaks
+
+
+def _case_rows(
+    section: str, case: str, n: int, shape: str, variants: dict[str, Setup], ours: str, **kw
+) -> list[Row]:
+    """The rows of one case (``ours``: the label of rlops' variant); ``kw``: device, repeats
+    and counts of :func:`_measure_case`."""
+    times, peaks = _measure_case(variants, **kw)
+    return [
+        _row(section, case, n, shape, label, times[label], label == ours, peak_bytes=peaks[label])
+        for label in variants
+    ]
 
 
 def bench_logprobs(
@@ -291,8 +327,8 @@ def bench_logprobs(
     threads: int | None = None,
     progress: Callback = None,
 ) -> list[Row]:
-    """Log-prob + entropy, forward + backward with random upstream gradients, time and peak
-    extra memory (CPU: each variant in a fresh process), for each token count N:
+    """Log-prob + entropy, forward + backward with random upstream gradients, time (the two
+    variants of a case interleaved) and peak extra memory, for each token count N:
 
     * over ``[N, vocab]`` fp32 logits: unfused (``log_softmax``) vs rlops fused;
     * from ``[N, hidden]`` hidden states and a ``[vocab, hidden]`` output weight: the logits
@@ -303,32 +339,35 @@ def bench_logprobs(
     ``progress()`` after each of the three cases.
     """
     device = torch.device(device)
-    counts = thread_counts(device, threads)
+    kw: dict[str, Any] = dict(device=device, repeats=repeats, counts=thread_counts(device, threads))
     rows = []
-    cases: list[tuple[Any, ...]]
-    linear_case = "output layer + log-prob + entropy"
-    top_p_case = f"top-p {top_p} output layer"
     for n in token_counts:
-        cases = [
-            ("log-prob + entropy", f"{n}x{vocab}", setup_logits, {"t": n, "v": vocab},
-             {"t": 8, "v": 64}, (("unfused (log_softmax)", {"fused": False}),
-                                 ("rlops fused", {"fused": True}))),
-            (linear_case, f"{n}x{vocab}, H={hidden}", setup_linear,
-             {"n": n, "v": vocab, "h": hidden}, {"n": 8, "v": 64, "h": 8},
-             (("materialised logits + rlops fused", {"fused": False}),
-              ("rlops fused linear", {"fused": True}))),
-            (top_p_case, f"{n}x{vocab}, H={hidden}", setup_linear,
-             {"n": n, "v": vocab, "h": hidden}, {"n": 8, "v": 64, "h": 8},
-             (("materialised + keep mask", {"fused": False, "top_p": top_p}),
-              ("rlops fused linear top-p", {"fused": True, "top_p": top_p}))),
+        logits, tiny = {"t": n, "v": vocab}, {"t": 8, "v": 64}
+        linear, tiny_linear = {"n": n, "v": vocab, "h": hidden}, {"n": 8, "v": 64, "h": 8}
+        cases: list[tuple[str, str, dict[str, Setup]]] = [
+            ("log-prob + entropy", f"{n}x{vocab}", {
+                "unfused (log_softmax)": (setup_logits, {**logits, "fused": False},
+                                          {**tiny, "fused": False}),
+                "rlops fused": (setup_logits, {**logits, "fused": True}, {**tiny, "fused": True}),
+            }),
+            ("output layer + log-prob + entropy", f"{n}x{vocab}, H={hidden}", {
+                "materialised logits + rlops fused": (
+                    setup_linear, {**linear, "fused": False}, {**tiny_linear, "fused": False}),
+                "rlops fused linear": (
+                    setup_linear, {**linear, "fused": True}, {**tiny_linear, "fused": True}),
+            }),
+            (f"top-p {top_p} output layer", f"{n}x{vocab}, H={hidden}", {
+                "materialised + keep mask": (
+                    setup_linear, {**linear, "fused": False, "top_p": top_p},
+                    {**tiny_linear, "fused": False, "top_p": top_p}),
+                "rlops fused linear top-p": (
+                    setup_linear, {**linear, "fused": True, "top_p": top_p},
+                    {**tiny_linear, "fused": True, "top_p": top_p}),
+            }),
         ]  # fmt: skip
-        for case, shape, setup, kwargs, prime, methods in cases:
-            for label, kw in methods:
-                times, peak = _measure_step(
-                    setup, {**kwargs, **kw}, {**prime, **kw}, device, repeats, counts
-                )
-                ours = kw["fused"]
-                rows.append(_row("logprobs", case, n, shape, label, times, ours, peak_bytes=peak))
+        for case, shape, variants in cases:
+            ours = list(variants)[1]
+            rows += _case_rows("logprobs", case, n, shape, variants, ours, **kw)
             if progress is not None:
                 progress()
     return rows
@@ -347,7 +386,7 @@ def bench_agentic(
     progress: Callback = None,
 ) -> list[Row]:
     """The fused linear op at agentic shapes (:func:`rlops.measure.workloads.setup_agentic`),
-    forward + backward, time and peak extra memory (CPU: each variant in a fresh process),
+    forward + backward, time (the two variants of a case interleaved) and peak extra memory,
     for each token count N:
 
     * a fraction ``valid`` of the rows valid: every row computed vs ``mask=`` (the others cost
@@ -357,7 +396,7 @@ def bench_agentic(
     ``progress()`` after each of the two cases.
     """
     device = torch.device(device)
-    counts = thread_counts(device, threads)
+    kw: dict[str, Any] = dict(device=device, repeats=repeats, counts=thread_counts(device, threads))
     rows = []
     for n in token_counts:
         shape = f"{n}x{vocab}, H={hidden}"
@@ -368,11 +407,12 @@ def bench_agentic(
                                                   ("CSR support_ids", "csr"))),
         ]  # fmt: skip
         for case, methods in cases:
-            for i, (label, form) in enumerate(methods):
-                kw = {"n": n, "v": vocab, "h": hidden, "form": form, "valid": valid, "ids": ids}
-                prime = {**kw, "n": 8, "v": 64, "h": 8, "ids": min(ids, 8)}
-                times, peak = _measure_step(setup_agentic, kw, prime, device, repeats, counts)
-                rows.append(_row("agentic", case, n, shape, label, times, i == 1, peak_bytes=peak))
+            variants: dict[str, Setup] = {}
+            for label, form in methods:
+                step = {"n": n, "v": vocab, "h": hidden, "form": form, "valid": valid, "ids": ids}
+                prime = {**step, "n": 8, "v": 64, "h": 8, "ids": min(ids, 8)}
+                variants[label] = (setup_agentic, step, prime)
+            rows += _case_rows("agentic", case, n, shape, variants, methods[1][0], **kw)
             if progress is not None:
                 progress()
     return rows

@@ -9,12 +9,17 @@ Two ways to see peak memory on CPU, where torch has no allocator statistics:
   its resident-set high-water mark minus the high-water once the inputs exist. A tiny
   instance of the same workload runs first, so code paged in by a first call is not counted.
   This sees every allocation torch makes on CPU (plain malloc, no cache to hide a peak).
+  :func:`peak_in_fresh_process` measures the memory alone, with large blocks mapped and
+  unmapped as they come and go (:func:`map_large_blocks`), so that a figure repeats.
 
-Time is always the median wall time of repeated calls after warm-up. A time can be taken at
-several torch thread counts (:func:`time_by_threads`): a loop of many small operations can
+Time is always the median wall time of repeated calls after warm-up. What is compared is timed
+interleaved (:func:`time_interleaved`, in this process or a fresh one with
+:func:`time_in_fresh_process`): each repeat calls every method once, in turn, so a neighbour's
+burst of load falls on all of them alike instead of on whichever block ran then. A time can be
+taken at several torch thread counts, interleaved too: a loop of many small operations can
 wait at every intra-op join while another process holds a core, so one thread can beat many,
-and a comparison is only fair against the faster of the two. :func:`torch_threads` sets the
-count for a block and puts it back after.
+and a comparison is only fair between each method's faster count. :func:`torch_threads` sets
+the count for a block and puts it back after.
 """
 
 from __future__ import annotations
@@ -26,8 +31,8 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -35,14 +40,23 @@ __all__ = [
     "METHOD",
     "PeakMemory",
     "keep_freed_memory",
+    "map_large_blocks",
     "measure",
     "measure_in_fresh_process",
+    "peak_in_fresh_process",
     "peak_rss_bytes",
+    "run_in_fresh_process",
     "sync",
     "time_by_threads",
+    "time_in_fresh_process",
+    "time_interleaved",
     "time_median",
     "torch_threads",
 ]
+
+K = TypeVar("K")
+# A workload built in a fresh process: (module-level setup, its kwargs, a tiny prime's kwargs).
+Setup = tuple[Callable[..., Callable[[], Any]], dict, dict | None]
 
 
 def sync(device: torch.device) -> None:
@@ -97,6 +111,69 @@ def time_by_threads(
         with torch_threads(n):
             out[n] = time_median(fn, device, **kwargs)
     return out
+
+
+def _each(value: int | Mapping[K, int], key: K) -> int:
+    return value if isinstance(value, int) else value[key]
+
+
+def time_interleaved(
+    fns: Mapping[K, Callable[[], object]],
+    device: torch.device,
+    counts: Sequence[int | None] = (None,),
+    *,
+    repeats: int | Mapping[K, int] = 5,
+    warmup: int | Mapping[K, int] = 1,
+    budget_s: float = 0.0,
+    max_repeats: int = 100,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[K, dict[int, float]]:
+    """``{key: {n: median seconds}}`` of each ``fns[key]()`` at each torch thread count ``n``
+    (``None``: torch's count as it is), timed interleaved.
+
+    First ``warmup`` calls of each function at the largest count. Then in repeat ``r``, for
+    each count (set for that block and put back after), each function with repeats left is
+    called and timed once; odd repeats go through the counts and the functions in reverse
+    order (A B, B A), so neither is always the one that runs after the other. ``repeats``
+    and ``warmup``: one number for every function or one per key (a slow baseline may run
+    once while the others repeat). ``budget_s``: at each count, each function repeats more,
+    as many times (up to ``max_repeats``) as its calls at the first repeat's pace fit in its
+    share of ``budget_s`` (split evenly over the counts): a function of a few milliseconds gets
+    enough calls for a median that a burst of load cannot move, while a slow one (or one
+    stalled at a count) keeps its ``repeats``. ``clock``: seconds, for tests.
+    """
+    order = list(fns)
+    known = [n for n in counts if n is not None]
+    with torch_threads(max(known) if known else None):
+        for key in order:
+            for _ in range(_each(warmup, key)):
+                fns[key]()
+        sync(device)
+    times: dict[K, dict[int, list[float]]] = {key: {} for key in order}
+    cells = [(key, i) for key in order for i in range(len(counts))]
+    runs = {(key, i): _each(repeats, key) for key, i in cells}
+    share = budget_s / max(len(counts), 1)
+    r = 0
+    while any(r < runs[cell] for cell in cells):
+        flip = -1 if r % 2 else 1
+        for i in list(range(len(counts)))[::flip]:
+            with torch_threads(counts[i]):
+                at = torch.get_num_threads()
+                for key in order[::flip]:
+                    if r >= runs[key, i]:
+                        continue
+                    t0 = clock()
+                    fns[key]()
+                    sync(device)
+                    times[key].setdefault(at, []).append(clock() - t0)
+                    if r == 0 and share > 0:
+                        pace = times[key][at][0]
+                        fit = int(share / pace) if pace > 0 else max_repeats
+                        runs[key, i] = max(runs[key, i], min(max_repeats, fit))
+        r += 1
+    return {
+        key: {n: statistics.median(ts) for n, ts in sorted(by.items())} for key, by in times.items()
+    }
 
 
 def _status_kib(field: str) -> int | None:
@@ -205,6 +282,13 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
 
 
+def _first_call_peak(step: Callable[[], Any]) -> int:
+    """Bytes the process's resident high-water rises by over one call of ``step``."""
+    base = peak_rss_bytes()
+    step()
+    return peak_rss_bytes() - base
+
+
 def measure(
     step: Callable[[], Any],
     *,
@@ -224,9 +308,7 @@ def measure(
     not the page faults of blocks ``mmap``-ed afresh on every call (which glibc does for any
     block over 32 MiB whatever it allocated before, e.g. one ``[chunk, V]`` buffer).
     """
-    base = peak_rss_bytes()
-    step()
-    extra = peak_rss_bytes() - base
+    extra = _first_call_peak(step)
     keep_freed_memory()
     by_threads: dict[int, list[float]] = {}
     for k, n in enumerate(threads or [None]):
@@ -245,27 +327,60 @@ def measure(
     return out
 
 
-def _child(
+def _child(fn: Callable[..., Any], args: tuple, results: Any) -> None:
+    try:
+        results.put((True, fn(*args)))
+    except BaseException:
+        results.put((False, traceback.format_exc()))
+
+
+def run_in_fresh_process(
+    fn: Callable[..., Any], *args: Any, name: str | None = None, timeout: float = 900.0
+) -> Any:
+    """``fn(*args)`` in a spawned process, and what it returns. ``fn`` must be a module-level
+    function and ``args`` picklable. Raises ``RuntimeError`` with the child's traceback if it
+    fails, ``TimeoutError`` after ``timeout`` seconds (``name``: what the messages call it)."""
+    name = name or fn.__name__
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(fn, args, results))
+    proc.start()
+    try:
+        ok, payload = results.get(timeout=timeout)
+    except Exception as exc:
+        raise TimeoutError(f"{name} did not finish within {timeout} s") from exc
+    finally:
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+    if not ok:
+        raise RuntimeError(f"{name} failed:\n{payload}")
+    return payload
+
+
+def _build(
+    setup: Callable[..., Callable[[], Any]], kwargs: dict, prime_kwargs: dict | None
+) -> Callable[[], Any]:
+    if prime_kwargs is not None:
+        # Run the same code on tiny inputs first: the pages of code and the threads that a
+        # first call brings in are then not counted as the workload's memory.
+        setup(**prime_kwargs)()
+    return setup(**kwargs)
+
+
+def _measure_job(
     setup: Callable[..., Callable[[], Any]],
     kwargs: dict,
     prime_kwargs: dict | None,
     threads: int | Sequence[int],
     repeats: int,
     warmup: int,
-    results: Any,
-) -> None:
-    try:
-        counts = [threads] if isinstance(threads, int) else list(threads)
-        torch.set_num_threads(counts[0])  # this child's own count: nothing to put back
-        if prime_kwargs is not None:
-            # Run the same code on tiny inputs first: the pages of code and the threads that a
-            # first call brings in are then not counted as the workload's memory.
-            setup(**prime_kwargs)()
-        step = setup(**kwargs)
-        each = [] if isinstance(threads, int) else counts
-        results.put((True, measure(step, repeats=repeats, warmup=warmup, threads=each)))
-    except BaseException:
-        results.put((False, traceback.format_exc()))
+) -> dict[str, Any]:
+    counts = [threads] if isinstance(threads, int) else list(threads)
+    torch.set_num_threads(counts[0])  # this child's own count: nothing to put back
+    step = _build(setup, kwargs, prime_kwargs)
+    each = [] if isinstance(threads, int) else counts
+    return measure(step, repeats=repeats, warmup=warmup, threads=each)
 
 
 def measure_in_fresh_process(
@@ -289,20 +404,77 @@ def measure_in_fresh_process(
     memory figure. Raises ``RuntimeError`` with the child's
     traceback if it fails, ``TimeoutError`` after ``timeout`` seconds.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    proc = ctx.Process(
-        target=_child, args=(setup, kwargs or {}, prime_kwargs, threads, repeats, warmup, results)
-    )
-    proc.start()
+    args = (setup, kwargs or {}, prime_kwargs, threads, repeats, warmup)
+    return run_in_fresh_process(_measure_job, *args, name=setup.__name__, timeout=timeout)
+
+
+def map_large_blocks(threshold: int = 128 << 10) -> bool:
+    """Have glibc's malloc ``mmap`` every block of ``threshold`` bytes or more on allocation
+    and unmap it on free (a fixed ``M_MMAP_THRESHOLD``), so that the resident size follows the
+    live large tensors exactly. With glibc's default the threshold moves with what the process
+    freed before (up to 32 MiB), and a freed block kept in the heap or not moved a peak by tens
+    of MiB between two runs of the same step. For memory measurement only: every such block is
+    then page-faulted in afresh. Returns whether it applied (False off glibc)."""
     try:
-        ok, payload = results.get(timeout=timeout)
-    except Exception as exc:
-        raise TimeoutError(f"{setup.__name__} did not finish within {timeout} s") from exc
-    finally:
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
-    if not ok:
-        raise RuntimeError(f"{setup.__name__} failed:\n{payload}")
-    return payload
+        import ctypes
+
+        m_mmap_threshold = -3
+        return bool(ctypes.CDLL(None).mallopt(m_mmap_threshold, threshold))
+    except (OSError, AttributeError):
+        return False
+
+
+def _peak_job(
+    setup: Callable[..., Callable[[], Any]], kwargs: dict, prime_kwargs: dict | None, threads: int
+) -> int:
+    torch.set_num_threads(threads)  # this child's own count: nothing to put back
+    map_large_blocks()
+    return _first_call_peak(_build(setup, kwargs, prime_kwargs))
+
+
+def peak_in_fresh_process(
+    setup: Callable[..., Callable[[], Any]],
+    kwargs: dict | None = None,
+    *,
+    prime_kwargs: dict | None = None,
+    threads: int = 1,
+    timeout: float = 900.0,
+) -> int:
+    """The peak extra bytes of one call of ``setup(**kwargs)``'s step, in a spawned process at
+    ``threads`` torch threads: the first call's rise of the resident high-water once the inputs
+    exist (after the tiny ``prime_kwargs`` instance, as :func:`measure_in_fresh_process`), and
+    no timing. Large blocks are mapped and unmapped as they come and go
+    (:func:`map_large_blocks`): the same step gives the same figure, to a fraction of a MiB,
+    run after run (with glibc's defaults it moved by up to 60 MiB at 2048 x 32000)."""
+    args = (setup, kwargs or {}, prime_kwargs, threads)
+    return run_in_fresh_process(_peak_job, *args, name=setup.__name__, timeout=timeout)
+
+
+def _time_job(
+    setups: Mapping[str, Setup], counts: Sequence[int], repeats: int, warmup: int, budget_s: float
+) -> dict[str, dict[int, float]]:
+    torch.set_num_threads(max(counts))  # this child's own count: nothing to put back
+    keep_freed_memory()
+    steps = {key: _build(setup, kw, prime) for key, (setup, kw, prime) in setups.items()}
+    cpu = torch.device("cpu")
+    return time_interleaved(steps, cpu, counts, repeats=repeats, warmup=warmup, budget_s=budget_s)
+
+
+def time_in_fresh_process(
+    setups: Mapping[str, Setup],
+    counts: Sequence[int],
+    *,
+    repeats: int = 3,
+    warmup: int = 1,
+    budget_s: float = 0.0,
+    timeout: float = 900.0,
+) -> dict[str, dict[int, float]]:
+    """``{key: {n: median seconds}}``: a spawned process builds every ``setup(**kwargs)`` of
+    ``setups`` (``key: (setup, kwargs, prime_kwargs)``, each after its tiny prime instance),
+    sets malloc to keep freed memory (:func:`keep_freed_memory`), and times the steps
+    :func:`time_interleaved` at each of ``counts`` (``repeats``, ``warmup``, ``budget_s``: its
+    arguments). The memory is measured elsewhere
+    (:func:`peak_in_fresh_process`): here the inputs of every step are live at once."""
+    name = " / ".join(setup.__name__ for setup, _, _ in setups.values())
+    args = (dict(setups), list(counts), repeats, warmup, budget_s)
+    return run_in_fresh_process(_time_job, *args, name=name, timeout=timeout)
