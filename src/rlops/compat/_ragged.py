@@ -1,8 +1,8 @@
 """Per-sample lists of 1-D tensors <-> one padded ``[B, T_max]`` batch.
 
-The only Python loops here run over samples (to read lengths and to cut views), never over
-tokens: the data goes in with one ``pad_sequence`` (or one indexed scatter for the
-context-parallel layout) and comes back as row views (or one indexed gather).
+The only Python loops here run over samples and their few index runs (to read lengths and to
+cut views), never over tokens: the data goes in with one ``pad_sequence`` (or, for the
+context-parallel layout, slices placed by runs) and comes back as row views (or slices).
 """
 
 from __future__ import annotations
@@ -12,7 +12,18 @@ from collections.abc import Sequence, Sized
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-__all__ = ["as_1d_list", "check_counts", "pad", "place", "split", "take"]
+__all__ = [
+    "Runs",
+    "as_1d_list",
+    "check_counts",
+    "pad",
+    "place",
+    "place_runs",
+    "runs",
+    "split",
+    "take",
+    "take_runs",
+]
 
 
 def as_1d_list(name: str, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -53,13 +64,58 @@ def split(padded: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
     return [row[:n] for row, n in zip(padded, lengths)]
 
 
+# The layout is computed on the host (CPU index tensors from Python ints); the data stays on
+# the device. An index tensor moved to the device would be a host-to-device copy per call, so
+# the layout's indices, a few contiguous runs (one per zigzag chunk), cut the data by slicing.
+Runs = list[tuple[int, int]]
+
+
+def runs(index: torch.Tensor) -> Runs:
+    """The contiguous increasing runs of a CPU int64 ``index`` ``[n]``, as ``(start, stop)``
+    pairs: ``index`` is the concatenation of ``range(start, stop)`` over them.
+
+    Example:
+        >>> runs(torch.tensor([3, 4, 5, 9, 10, 2]))
+        [(3, 6), (9, 11), (2, 3)]
+    """
+    if index.numel() == 0:
+        return []
+    cut = ((index[1:] != index[:-1] + 1).nonzero().flatten() + 1).tolist()
+    bounds = [0, *cut, index.numel()]
+    first = index[bounds[:-1]].tolist()
+    return [(a, a + (j - i)) for a, i, j in zip(first, bounds[:-1], bounds[1:])]
+
+
+def take_runs(x: torch.Tensor, spans: Runs) -> torch.Tensor:
+    """``x`` at the indices of ``spans`` along dim 0, a new tensor (``index_select`` by
+    slicing)."""
+    return torch.cat([x[a:b] for a, b in spans]) if spans else x[:0].clone()
+
+
+def place_runs(x: torch.Tensor, spans: Runs, size: int) -> torch.Tensor:
+    """A zero ``[size, ...]`` tensor holding the rows of ``x`` at the indices of ``spans``
+    (increasing, disjoint): the inverse of :func:`take_runs`, differentiable."""
+    pieces, at, read = [x[:0]], 0, 0  # (x[:0]: the result depends on x even with no run)
+    for a, b in spans:
+        if a < at:
+            raise ValueError(f"place_runs needs increasing disjoint runs, got {spans}")
+        if a > at:
+            pieces.append(x.new_zeros((a - at, *x.shape[1:])))
+        pieces.append(x[read : read + b - a])
+        at, read = b, read + b - a
+    if at < size:
+        pieces.append(x.new_zeros((size - at, *x.shape[1:])))
+    return torch.cat(pieces)
+
+
 def place(
     xs: list[torch.Tensor], cols: list[torch.Tensor], width: int, dtype: torch.dtype | None = None
-) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """Scatter ``xs[b]`` to columns ``cols[b]`` of row ``b`` of a zero ``[B, width]`` batch.
+) -> tuple[torch.Tensor, torch.Tensor, list[Runs]]:
+    """Place ``xs[b]`` at columns ``cols[b]`` (CPU, increasing) of row ``b`` of a zero
+    ``[B, width]`` batch, by slices (no index tensor made from host data).
 
-    Returns ``(batch, mask, index)``; ``index`` (rows, cols) reads the pieces back in order with
-    :func:`take`.
+    Returns ``(batch, mask, index)``; ``index`` (each row's column runs) reads the pieces back
+    in order with :func:`take`.
     """
     for i, (x, c) in enumerate(zip(xs, cols)):
         if x.numel() != c.numel():
@@ -69,21 +125,20 @@ def place(
             )
     device = xs[0].device if xs else torch.device("cpu")
     dtype = dtype or (xs[0].dtype if xs else torch.float32)
-    rows = torch.repeat_interleave(
-        torch.arange(len(xs), device=device),
-        torch.as_tensor([x.numel() for x in xs], dtype=torch.long, device=device),
-    )
-    col = torch.cat(cols).to(device) if cols else torch.zeros(0, dtype=torch.long, device=device)
-    batch = torch.zeros(len(xs), width, dtype=dtype, device=device)
-    mask = torch.zeros(len(xs), width, dtype=torch.bool, device=device)
-    if xs:
-        batch[rows, col] = torch.cat(xs).to(dtype)
-        mask[rows, col] = True
-    return batch, mask, (rows, col)
+    index = [runs(c) for c in cols]
+    if not xs:
+        empty = torch.zeros(0, width, dtype=dtype, device=device)
+        return empty, empty.bool(), index
+    batch = torch.stack([place_runs(x.to(dtype), r, width) for x, r in zip(xs, index)])
+    ones = torch.ones(max(x.numel() for x in xs), dtype=torch.bool, device=device)
+    mask = torch.stack([place_runs(ones[: x.numel()], r, width) for x, r in zip(xs, index)])
+    return batch, mask, index
 
 
-def take(
-    batch: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor], lengths: Sequence[int]
-) -> list[torch.Tensor]:
+def take(batch: torch.Tensor, index: list[Runs], lengths: Sequence[int]) -> list[torch.Tensor]:
     """Inverse of :func:`place`: the placed entries of each row, as a list of 1-D tensors."""
-    return list(batch[index].split(list(lengths)))
+    out = [take_runs(row, r) for row, r in zip(batch, index)]
+    for i, (x, n) in enumerate(zip(out, lengths)):
+        if x.numel() != n:
+            raise ValueError(f"row {i} holds {x.numel()} placed entries, expected {n}")
+    return out

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from rlops._checks import as_int, check_choice
 from rlops.compat import _ragged
+from rlops.compat._ragged import place_runs, runs, take_runs
 from rlops.distributed import zigzag_indices, zigzag_shard, zigzag_unshard
 from rlops.distributed.groups import group_rank_size
 
@@ -252,51 +253,6 @@ def local_columns(
         held.append(idx)
         cols.append(torch.cat([torch.arange(n_first), chunk + torch.arange(idx.numel() - n_first)]))
     return held, cols, 2 * chunk
-
-
-# --------------------------------------------------------------------------- index runs
-# The layout is computed on the host (CPU index tensors from Python ints); the data stays on
-# the device. An index tensor moved to the device would be a host-to-device copy per call, so
-# the layout's indices, a few contiguous runs (one per zigzag chunk), cut the data by slicing.
-Runs = list[tuple[int, int]]
-
-
-def runs(index: torch.Tensor) -> Runs:
-    """The contiguous increasing runs of a CPU int64 ``index`` ``[n]``, as ``(start, stop)``
-    pairs: ``index`` is the concatenation of ``range(start, stop)`` over them.
-
-    Example:
-        >>> runs(torch.tensor([3, 4, 5, 9, 10, 2]))
-        [(3, 6), (9, 11), (2, 3)]
-    """
-    if index.numel() == 0:
-        return []
-    cut = ((index[1:] != index[:-1] + 1).nonzero().flatten() + 1).tolist()
-    bounds = [0, *cut, index.numel()]
-    first = index[bounds[:-1]].tolist()
-    return [(a, a + (j - i)) for a, i, j in zip(first, bounds[:-1], bounds[1:])]
-
-
-def take_runs(x: torch.Tensor, spans: Runs) -> torch.Tensor:
-    """``x`` at the indices of ``spans`` along dim 0, a new tensor (``index_select`` by
-    slicing)."""
-    return torch.cat([x[a:b] for a, b in spans]) if spans else x[:0].clone()
-
-
-def place_runs(x: torch.Tensor, spans: Runs, size: int) -> torch.Tensor:
-    """A zero ``[size, ...]`` tensor holding the rows of ``x`` at the indices of ``spans``
-    (increasing, disjoint): the inverse of :func:`take_runs`, differentiable."""
-    pieces, at, read = [x[:0]], 0, 0  # (x[:0]: the result depends on x even with no run)
-    for a, b in spans:
-        if a < at:
-            raise ValueError(f"place_runs needs increasing disjoint runs, got {spans}")
-        if a > at:
-            pieces.append(x.new_zeros((a - at, *x.shape[1:])))
-        pieces.append(x[read : read + b - a])
-        at, read = b, read + b - a
-    if at < size:
-        pieces.append(x.new_zeros((size - at, *x.shape[1:])))
-    return torch.cat(pieces)
 
 
 # --------------------------------------------------------------------------- slime's helpers
