@@ -70,7 +70,7 @@ if DRY:
 import torch  # noqa: E402
 
 import rlops  # noqa: E402
-from rlops.advantages.masking import GaeInputs  # noqa: E402
+from rlops.advantages.returns import GaeInputs  # noqa: E402
 from rlops.advantages.triton import gae_triton  # noqa: E402
 from rlops.logprobs.reference import logprobs_and_entropy_reference  # noqa: E402
 from rlops.measure.baselines import gae_chunk_loop  # noqa: E402

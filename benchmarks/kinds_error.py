@@ -9,7 +9,7 @@ inputs), per kind: the largest |ℓ| of the per-token loss, the largest absolute
 float32 (one token at a time, the formula as written in the paper), and that of the same loop in
 the input dtype (for bfloat16: what a loop kept in bfloat16 gives). Then the same for the
 ``token-mean`` loss. The definitions are those of
-``tests/losses/test_policy_kinds_luspo_vespo_dppo.py``.
+``tests/losses/_references.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tests.losses.test_policy_kinds_luspo_vespo_dppo import (
+from tests.losses._references import (
     CASES,
     Exact,
     Same,

@@ -5,7 +5,7 @@ time at one thread.
 
 A loop of small torch operations, each split over the intra-op threads and joined after it,
 waits at every join for a thread that shares its core with another process. The chunked rows
-run on one single-threaded worker instead (``rlops.scan.dispatch``); this measures what is
+run on one single-threaded worker instead (``rlops.scan._dispatch``); this measures what is
 left: for each shape, ``rlops.gae`` and ``rlops.discounted_cumsum`` with ``method="chunked"``
 timed at 1 thread and at the default count, alternating in rounds (each a median of calls)
 while a child process spins on one core, and the median over rounds of the ratio

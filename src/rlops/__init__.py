@@ -5,15 +5,18 @@ and value losses, masked statistics, log-probs and entropy, rollout correction a
 masks, and the distributed pieces they need, as pure functions on ``[B, T]`` tensors.
 """
 
-from rlops import kl_controllers as kl_controllers  # rlops.kl_controllers.X after import rlops
-from rlops import selection as selection  # rlops.selection.X after import rlops
+# the kept import paths, as attributes after ``import rlops`` (rlops.kl_controllers.X, ...)
+from rlops import group_advantages as group_advantages
+from rlops import kl_controllers as kl_controllers
+from rlops import rollout_correction as rollout_correction
+from rlops import selection as selection
 from rlops.advantages import (
     discounted_cumsum,
     discounted_returns,
     gae,
     reinforce_plus_plus_returns,
 )
-from rlops.group_advantages import (
+from rlops.advantages.group import (
     gdpo_advantages,
     gpg_advantages,
     grpo_advantages,
@@ -24,19 +27,19 @@ from rlops.group_advantages import (
     remax_advantages,
     rloo_advantages,
 )
-from rlops.logprobs import linear_logprobs_and_entropy, logprobs_and_entropy
-from rlops.losses import aggregate_loss, entropy_loss, kl_penalty, policy_loss, value_loss
-from rlops.rollout_correction import (
+from rlops.corrections.rollout import (
     rollout_importance_weights,
     rollout_mismatch_metrics,
     rollout_rejection_mask,
 )
-from rlops.selection import (
+from rlops.corrections.selection import (
     behavior_importance_weights,
     m2po_mask,
     opsm_mask,
     top_entropy_mask,
 )
+from rlops.logprobs import linear_logprobs_and_entropy, logprobs_and_entropy
+from rlops.losses import aggregate_loss, entropy_loss, kl_penalty, policy_loss, value_loss
 from rlops.stats import masked_mean, masked_var, masked_whiten
 
 __version__ = "0.1.0"  # the one place it is written: pyproject.toml reads it from here

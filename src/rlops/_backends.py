@@ -36,21 +36,6 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "KernelBuildError",
-    "auto_triton",
-    "device_guard",
-    "failed",
-    "failures",
-    "interpreted",
-    "is_build_error",
-    "launch",
-    "rocm",
-    "set_failed",
-    "triton_importable",
-    "warp_size",
-]
-
 _lock = threading.Lock()
 _failed: dict[str, str] = {}  # backend name -> the error that set it aside (set once, kept)
 

@@ -19,46 +19,6 @@ from typing import SupportsIndex, cast, overload
 
 import torch
 
-__all__ = [
-    "as_bool_mask",
-    "as_float_tensor",
-    "as_int",
-    "as_real",
-    "as_real_or_tensor",
-    "as_real_vector",
-    "as_tensor",
-    "check_2d",
-    "check_bool",
-    "check_bounds",
-    "check_choice",
-    "check_chunk_size",
-    "check_count",
-    "check_cp_rank",
-    "check_dim",
-    "check_finite_positive",
-    "check_fraction",
-    "check_generator",
-    "check_ids",
-    "check_indicator",
-    "check_logit_scale",
-    "check_matrix",
-    "check_nonneg",
-    "check_per_row",
-    "check_positive",
-    "check_real",
-    "check_same_device",
-    "check_same_shape",
-    "check_softcap",
-    "check_unit_interval",
-    "compute_dtype",
-    "is_finite",
-    "is_nan",
-    "per_row_discount",
-    "read_value",
-    "shape_error",
-    "values_checked",
-]
-
 
 def shape_error(name: str, expected: str, got: Sequence[int]) -> ValueError:
     """The one shape-error message: ``<name> must have shape <expected>, got [..]``."""

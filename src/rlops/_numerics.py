@@ -9,6 +9,4 @@ ratio an RL step should see comes near it. verl clamps at the same value (its
 
 from __future__ import annotations
 
-__all__ = ["MAX_EXP_ARG"]
-
 MAX_EXP_ARG = 20.0

@@ -29,9 +29,6 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import torch
 
-__all__ = ["for_each", "pool"]
-
-
 _state = threading.local()  # ``worker``: this thread is one of the pool's
 _init_lock = threading.Lock()
 

@@ -15,8 +15,6 @@ from typing import Literal, TypeAlias
 
 import torch.distributed as dist
 
-__all__ = ["EMPTY_ROWS", "CPLayout", "EmptyRows", "Group"]
-
 #: ``torch.distributed.ProcessGroup | None``
 Group: TypeAlias = "dist.ProcessGroup | None"
 

@@ -1,26 +1,10 @@
-"""Masked statistics: mean, variance and whitening over the valid entries of a tensor.
+"""Masked statistics: mean, variance and whitening over the entries of ``x`` where ``mask`` is 1.
 
-Every statistic is built from one local triple ``(count, mean, M2)`` (``M2`` = sum of squared
-deviations from the mean), computed in two passes, never as ``E[x²] − E[x]²`` (which cancels
-catastrophically and can go negative on nearly constant data). Triples from several shards merge
-exactly with Chan, Golub and LeVeque's parallel formula (:func:`merge_moments`), so a
-process-group version needs one all-gather of a few numbers per rank and nothing else.
-Internally the triple is held in units of a power-of-two scale (:class:`Moments`): squares
-never overflow, so finite data always gives finite statistics (a variance too large for the
-dtype is ``inf``; whitening stays finite).
-
-Conventions shared by all functions here:
-
-* ``mask`` has the shape of ``x`` and holds 0/1 (bool, integer or float). Entries with mask 0 never
-  reach the result, even when they are NaN or inf.
-* Half-precision inputs (bfloat16/float16) are accumulated in float32; results have ``x``'s dtype.
-* An empty selection gives mean 0 and variance 0; a single selected element gives variance 0
-  (also with ``unbiased=True``, where ``n − 1`` is clamped to 1). Nothing returns NaN or inf for
-  finite selected inputs, and nothing reads a value back to the host.
-* ``group`` is a ``torch.distributed`` process group (e.g. all DP×CP ranks that share a batch):
-  the statistic is then over the selected entries of every rank, from one ``all_gather`` of
-  ``(count, mean, M2)`` per rank merged with Chan's formula. Every rank of the group must call;
-  ranks holding no selected entry (count 0) join and contribute nothing.
+Every statistic is built from one triple ``(count, mean, M2)`` computed in two passes (never
+``E[x²] − E[x]²``) in units of a power-of-two scale, so finite data gives finite results; with
+``group=`` the ranks' triples merge exactly by Chan's formula in one ``all_gather``. Mask-0
+entries never reach a result, half precision is accumulated in float32, an empty selection
+gives 0, nothing reads a value back to the host (docs/reference/stats.md).
 """
 
 from __future__ import annotations
@@ -46,10 +30,9 @@ __all__ = [
 
 
 class Moments(NamedTuple):
-    """``(count, mean, M2)`` of a selection, held in units of a power-of-two ``scale``:
-    the true mean is ``mean·scale`` and the true M2 is ``m2·scale²``. In those units every
-    value is below 2 in magnitude, so nothing overflows however large the (finite) data, and
-    scaling by a power of two is exact (constant data still gives ``m2 = 0`` exactly)."""
+    """``(count, mean, M2)`` of a selection in units of a power-of-two ``scale`` (true mean
+    ``mean·scale``, true M2 ``m2·scale²``): every value below 2, nothing overflows, exact.
+    """
 
     count: torch.Tensor  # type: ignore[assignment]  # a field named like tuple.count, on purpose
     mean: torch.Tensor
@@ -62,8 +45,9 @@ class Moments(NamedTuple):
         return var_u * self.scale * self.scale
 
     def standardize(self, x: torch.Tensor, eps: float, shift_mean: bool = True) -> torch.Tensor:
-        """``(x − mean) / sqrt(var + eps)`` (unbiased var), computed in scaled units so that
-        neither ``x − mean`` nor ``var`` can overflow; finite also for ``var + eps = 0``."""
+        """``(x − mean) / sqrt(var + eps)`` (unbiased var) in scaled units: no overflow, finite
+        also for ``var + eps = 0``.
+        """
         var_u = self.m2 / (self.count - 1).clamp_min(1)
         den = var_u + eps / self.scale / self.scale
         inv = torch.rsqrt(den.clamp_min(torch.finfo(den.dtype).tiny))
@@ -72,16 +56,15 @@ class Moments(NamedTuple):
 
 
 def _pow2_above(maxabs: torch.Tensor) -> torch.Tensor:
-    """The power of two ``2^e`` with ``2^e ≤ maxabs < 2^(e+1)`` (1 for 0): dividing by it is
-    exact, leaves every value in (−2, 2), and the scale itself never overflows."""
+    """``2^e`` with ``2^e ≤ maxabs < 2^(e+1)`` (1 for 0): an exact divisor."""
     _, exp = torch.frexp(maxabs)
     return torch.where(maxabs > 0, torch.ldexp(torch.ones_like(maxabs), exp - 1), 1.0)
 
 
 def _shifted_mean(values: torch.Tensor, weight: torch.Tensor, count: torch.Tensor):
-    """``(mean, values − mean)`` over ``weight > 0``, from data shifted by the largest selected
-    value: constant data gives exactly ``mean = value`` and 0 deviations (an unshifted
-    ``Σx / n`` need not round back to ``x``)."""
+    """``(mean, values − mean)`` over ``weight > 0``, shifted by the largest selected value
+    (constant data gives exactly its value and 0 deviations).
+    """
     selected = weight > 0
     if values.numel() == 0:
         shift = values.new_zeros(())
@@ -94,11 +77,8 @@ def _shifted_mean(values: torch.Tensor, weight: torch.Tensor, count: torch.Tenso
 
 
 def weighted_moments(x: torch.Tensor, weight: torch.Tensor) -> Moments:
-    """:class:`Moments` of ``x`` with integer-valued weights (a 0/1 mask or per-row counts).
-
-    ``x`` must already be in the computation dtype and hold finite values wherever weight > 0.
-    Three passes: the largest magnitude (for the power-of-two scale), the mean, then the squared
-    deviations from it (never ``E[x²] − E[x]²``).
+    """:class:`Moments` of ``x`` (compute dtype, finite where ``weight > 0``) with integer-valued
+    weights (a 0/1 mask or per-row counts): scale, mean, then squared deviations.
     """
     count = weight.sum()
     selected = weight > 0
@@ -112,8 +92,9 @@ def weighted_moments(x: torch.Tensor, weight: torch.Tensor) -> Moments:
 
 
 def _merge_scaled(m: Moments) -> Moments:
-    """Merge ``k`` partial :class:`Moments` (each field ``[k]``) with Chan's formula, in units of
-    the largest scale."""
+    """Merge ``k`` partial :class:`Moments` (each field ``[k]``) by Chan's formula, in units of the
+    largest scale.
+    """
     scale = m.scale.amax()
     r = m.scale / scale  # powers of two <= 1: exact
     n = m.count.sum()
@@ -123,11 +104,9 @@ def _merge_scaled(m: Moments) -> Moments:
 
 
 def _merge_over(group: Group, m: Moments, call: Call) -> Moments:
-    """Merge this rank's :class:`Moments` with every other rank's: one collective of four
-    float64 numbers per rank (:func:`rlops.distributed.collectives.gather`, which checks that
-    every rank makes the same ``call``), then Chan's formula. This rank's own entry stays the
-    local one: a backward pass sees this rank's contribution and treats the others as
-    constants (group statistics are meant for values without gradient, such as advantages)."""
+    """Merge this rank's :class:`Moments` with every rank's (one checked ``gather`` of four
+    numbers per rank); the other ranks' parts are constants for autograd.
+    """
     rank, world = group_rank_size(group)
     if world == 1:
         return m
@@ -148,16 +127,15 @@ def _selected(x: torch.Tensor, mask: object) -> tuple[torch.Tensor, torch.Tensor
 def masked_moments(
     x: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The local triple ``(count, mean, M2)`` of the entries of ``x`` where ``mask`` is 1.
-
-    ``M2 = Σ_i m_i (x_i − mean)²`` is computed in a second pass over the data. All three are
-    0-dim tensors in the computation dtype (float32 for half inputs); an empty selection gives
-    ``(0, 0, 0)``. Stack them (``torch.stack``) to all-gather one ``[3]`` tensor per rank, then
-    combine with :func:`merge_moments`.
+    """The local triple ``(count, mean, M2)``, ``M2 = Σ m·(x − mean)²``, of the entries of ``x``
+    where ``mask`` is 1; stack and all-gather it, then :func:`merge_moments`.
 
     Args:
         x: floating tensor, any shape.
         mask: 0/1 tensor of ``x``'s shape.
+
+    Returns:
+        Three 0-dim tensors in the compute dtype; ``(0, 0, 0)`` for an empty selection.
 
     Example:
         >>> import torch
@@ -174,15 +152,13 @@ def masked_moments(
 def merge_moments(
     count: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Merge ``k`` partial triples (along dim 0, each ``[k]``) into one ``(count, mean, M2)``.
+    """Merge ``k`` partial triples (each ``[k]``) by Chan, Golub & LeVeque's parallel formula
+    (1979), exact, and never negative:
 
-    The exact parallel-variance formula (Chan, Golub & LeVeque, 1979, generalised from two
-    parts to ``k``)::
+        n = Σ_j n_j,    mean = Σ_j n_j·mean_j / n,    M2 = Σ_j M2_j + Σ_j n_j·(mean_j − mean)²
 
-        n = Σ_j n_j        mean = Σ_j n_j·mean_j / n        M2 = Σ_j M2_j + Σ_j n_j (mean_j − mean)²
-
-    Every term is non-negative, so the merged ``M2`` never goes negative. Parts with
-    ``n_j = 0`` contribute nothing; all parts empty gives ``(0, 0, 0)``.
+    Returns:
+        ``(count, mean, M2)``; empty parts contribute nothing.
 
     Example:
         >>> import torch
@@ -206,22 +182,16 @@ def masked_mean(
     *,
     group: Group = None,
 ) -> torch.Tensor:
-    """Mean of the entries of ``x`` where ``mask`` is 1, over all of ``x`` or along ``dim``.
-
-    ``mean = Σ m·x / Σ m``; a slice with no selected entry gives 0 (not NaN). Mask-0 entries are
-    dropped with ``torch.where`` before summing, so NaN/inf there does not leak into the result
-    (or its gradient). Differentiable in ``x``.
+    """Mean of the entries of ``x`` where ``mask`` is 1: ``Σ m·x / Σ m`` (0 for none selected).
 
     Args:
-        x: floating tensor, e.g. ``[B, T]``.
+        x: floating tensor, e.g. ``[B, T]``; differentiable.
         mask: 0/1 tensor of ``x``'s shape.
-        dim: dimension(s) to reduce; ``None`` reduces everything to a 0-dim tensor.
-        group: a process group: the mean over every rank's selected entries (``dim=None``
-            only); one ``all_gather``.
+        dim: dimension(s) to reduce; ``None`` reduces everything.
+        group: a process group: the mean over every rank's entries (``dim=None`` only).
 
     Returns:
-        ``x``'s dtype; 0-dim for ``dim=None``, else ``x``'s shape without ``dim``
-        (``[B]`` for ``dim=-1`` on ``[B, T]``).
+        ``x``'s dtype; 0-dim for ``dim=None``, else ``x``'s shape without ``dim``.
 
     Example:
         >>> import torch
@@ -256,22 +226,17 @@ def masked_var(
     unbiased: bool = True,
     group: Group = None,
 ) -> torch.Tensor:
-    """Variance of the entries of ``x`` where ``mask`` is 1 (two-pass, numerically stable).
-
-    ``var = M2 / (n − 1)`` (``unbiased=True``, Bessel's correction, as verl and TRL) or
-    ``M2 / n``, with ``M2 = Σ m (x − mean)²``. The denominator is clamped to at least 1, so a
-    single selected element or an empty selection gives 0 instead of NaN (verl raises there).
-    The result is never negative.
+    """Variance of the entries of ``x`` where ``mask`` is 1: ``M2 / (n − 1)`` (``unbiased``, as
+    verl and TRL) or ``M2 / n``, the denominator clamped to 1 (one or no entry gives 0).
 
     Args:
         x: floating tensor, e.g. ``[B, T]``.
         mask: 0/1 tensor of ``x``'s shape.
         unbiased: divide by ``n − 1`` instead of ``n``.
-        group: a process group: the variance over every rank's selected entries (one
-            ``all_gather``).
+        group: a process group: the variance over every rank's entries.
 
     Returns:
-        0-dim tensor in ``x``'s dtype.
+        0-dim tensor in ``x``'s dtype, never negative.
 
     Example:
         >>> import torch
@@ -295,26 +260,18 @@ def masked_whiten(
     eps: float = 1e-8,
     group: Group = None,
 ) -> torch.Tensor:
-    """Standardise the selected entries of ``x``: ``(x − mean) / sqrt(var + eps)``.
-
-    ``mean`` and the unbiased ``var`` are those of :func:`masked_mean` / :func:`masked_var`
-    over all selected entries (verl's ``masked_whiten``: ``(x − mean)·rsqrt(var + eps)``).
-    With ``shift_mean=False`` the mean is added back (only the scale changes). Entries with
-    mask 0 are returned as 0. On constant data ``var = 0`` and the result is 0 (also with
-    ``eps = 0``: the inverse scale is then computed from the smallest normal number, and it
-    multiplies zeros); one selected element also gives 0.
+    """Standardise the selected entries of ``x``: ``(x − mean) / sqrt(var + eps)`` (verl's
+    ``masked_whiten``, unbiased variance; 0 on constant data, also with ``eps = 0``).
 
     Args:
         x: floating tensor, e.g. advantages ``[B, T]``.
         mask: 0/1 tensor of ``x``'s shape.
-        shift_mean: subtract the mean (``True``) or keep it.
-        eps: added to the variance before the square root; ``>= 0``.
-        group: a process group (e.g. DP×CP): mean and variance over every rank's selected
-            entries, from one ``all_gather`` of ``(count, mean, M2)``; each rank whitens its own
-            entries with them.
+        shift_mean: subtract the mean, or add it back (only the scale changes).
+        eps: ``>= 0``, added to the variance.
+        group: a process group (e.g. DP×CP): the statistics over every rank's entries.
 
     Returns:
-        Tensor of ``x``'s shape and dtype.
+        ``x``'s shape and dtype, 0 on mask-0 entries.
 
     Example:
         >>> import torch

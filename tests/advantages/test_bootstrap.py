@@ -1,20 +1,23 @@
 """Truncated rows bootstrap: ``bootstrap=`` and ``truncated=`` of ``rlops.gae`` and
 ``rlops.discounted_returns`` against the compacted-sequence oracle with the bootstrap written
 plainly (``tests/oracles.py``), on every method, odd sizes, edge discounts and three dtypes;
-hand-computed values; torchrl's done/terminated recurrence; gradients; argument errors; a
-property test. Tolerances as in ``tests/tolerances.py``.
+hand-computed values; torchrl's done/terminated recurrence; gradients; bad input to
+``bootstrap=``, ``truncated=`` and ``cp_layout=`` (errors name the argument and what it
+accepts); a property test. Tolerances as in ``tests/tolerances.py``.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import math
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests._bad_input import names
 from tests.advantages.test_gae_and_returns import (
     DTYPES,
     HALF,
@@ -372,6 +375,97 @@ def test_bad_arguments_name_themselves():
             bootstrap=torch.zeros(2, requires_grad=True),
             method="compiled",
         )
+
+
+NB, NT = 3, 6  # the batch of the bad-input calls
+
+
+def bad_call(fn, **kw):
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.randn(NB, NT, generator=g)
+    if fn == "gae":
+        return gae(rewards, torch.randn(NB, NT, generator=g), gamma=0.9, lam=0.95, **kw)
+    return discounted_returns(rewards, gamma=0.9, **kw)
+
+
+ONES = torch.ones(NB, NT)
+NO_CUT = torch.zeros(NB, NT, dtype=torch.bool)
+FLOAT = "floating-point tensor"
+# (keywords, exception, the argument named, words of what it accepts)
+BAD = [
+    ({"bootstrap": torch.ones(NB, dtype=torch.long)}, TypeError, "bootstrap", FLOAT),
+    ({"bootstrap": torch.ones(NB, dtype=torch.bool)}, TypeError, "bootstrap", FLOAT),
+    ({"bootstrap": torch.ones(NB, dtype=torch.complex64)}, TypeError, "bootstrap", FLOAT),
+    ({"bootstrap": torch.ones(NB + 1)}, ValueError, "bootstrap", "[B] = [3]"),
+    ({"bootstrap": torch.ones(NB, 1)}, ValueError, "bootstrap", "[B, T] = [3, 6]"),
+    ({"bootstrap": torch.tensor(1.0)}, ValueError, "bootstrap", "[B] = [3]"),
+    ({"bootstrap": [1.0] * NB}, TypeError, "bootstrap", "torch.Tensor or None"),
+    ({"bootstrap": 1.0}, TypeError, "bootstrap", "torch.Tensor or None"),
+    ({"bootstrap": torch.ones(NB, device="meta")}, ValueError, "bootstrap", "one device"),
+    ({"bootstrap": ONES}, ValueError, "truncated", "needs truncated="),
+    ({"truncated": NO_CUT}, ValueError, "truncated", "needs bootstrap="),
+    ({"bootstrap": torch.ones(NB), "truncated": NO_CUT}, ValueError, "truncated", "[B, T]"),
+    (
+        {"bootstrap": ONES, "truncated": torch.full((NB, NT), 0.5)},
+        ValueError,
+        "truncated",
+        "only 0 and 1",
+    ),
+    (
+        {"bootstrap": ONES, "truncated": torch.full((NB, NT), math.nan)},
+        ValueError,
+        "truncated",
+        "only 0 and 1",
+    ),
+    (
+        {"bootstrap": ONES, "truncated": 2 * torch.ones(NB, NT, dtype=torch.long)},
+        ValueError,
+        "truncated",
+        "only 0 and 1",
+    ),
+    ({"bootstrap": ONES, "truncated": NO_CUT[:, :-1]}, ValueError, "truncated", "[3, 6]"),
+    ({"bootstrap": ONES, "truncated": NO_CUT.to(torch.complex64)}, TypeError, "truncated", "0/1"),
+    ({"bootstrap": ONES, "truncated": NO_CUT.tolist()}, TypeError, "truncated", "torch.Tensor"),
+    ({"bootstrap": ONES.long(), "truncated": NO_CUT}, TypeError, "bootstrap", FLOAT),
+    ({"cp_layout": "diagonal"}, ValueError, "cp_layout", "'zigzag', 'contiguous'"),
+    ({"cp_layout": None}, ValueError, "cp_layout", "'zigzag', 'contiguous'"),
+    ({"cp_layout": 0}, ValueError, "cp_layout", "'zigzag', 'contiguous'"),
+    ({"cp_layout": "Zigzag"}, ValueError, "cp_layout", "'zigzag', 'contiguous'"),
+]
+
+
+@pytest.mark.parametrize("fn", ["gae", "discounted_returns"])
+@pytest.mark.parametrize(
+    ("kw", "exc", "arg", "words"), BAD, ids=[f"{'+'.join(k)}-{i}" for i, (k, *_) in enumerate(BAD)]
+)
+def test_bad_bootstrap_truncated_or_layout_raises_naming_it(fn, kw, exc, arg, words):
+    with pytest.raises(exc, match=names(arg)) as info:
+        bad_call(fn, **kw)
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize("fn", ["gae", "discounted_returns"])
+def test_nan_bootstrap_reaches_its_row_and_no_other(fn):
+    # a NaN bootstrap is data, not an error: it reaches its own row (through a nonzero
+    # discount) and no other
+    boot = torch.tensor([0.0, math.nan, 1.0])
+    out = bad_call(fn, bootstrap=boot)
+    ret = out[1] if isinstance(out, tuple) else out
+    assert ret[1].isnan().all()
+    assert torch.isfinite(ret[[0, 2]]).all()
+
+
+@pytest.mark.parametrize("fn", ["gae", "discounted_returns"])
+def test_valid_values_run(fn):
+    for kw in (
+        {"bootstrap": torch.ones(NB)},
+        {"bootstrap": ONES, "truncated": NO_CUT | True},
+        {"bootstrap": ONES, "truncated": torch.zeros(NB, NT, dtype=torch.long)},
+        {"cp_layout": "contiguous"},
+    ):
+        out = bad_call(fn, **kw)
+        ret = out[1] if isinstance(out, tuple) else out
+        assert torch.isfinite(ret).all()
 
 
 # --------------------------------------------------------------------------- property

@@ -103,7 +103,7 @@ def test_bootstrap_triton_matches_oracle(kernels, b, t, form, gamma, lam, dtype)
 @pytest.mark.parametrize("form", ["row", "token"])
 def test_bootstrap_enters_the_last_of_many_blocks(form):
     """Small blocks: the row's end value crosses every block boundary through the carries."""
-    from rlops.advantages.masking import GaeInputs, bootstrap_inputs
+    from rlops.advantages._masking import GaeInputs, bootstrap_inputs
     from rlops.advantages.triton import gae_triton
 
     gen = seeded("blocks", form)

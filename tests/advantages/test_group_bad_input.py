@@ -1,6 +1,6 @@
-"""Bad and odd input to the group estimators added last (GDPO, the optimal token baseline) and
-to their verl adapters: a ValueError / TypeError whose message names the argument and what it
-accepts, never a silent result."""
+"""Bad and odd input to the group estimators and to the verl adapters of GDPO and the optimal
+token baseline: a ValueError / TypeError whose message names the argument and what it accepts,
+never a silent result."""
 
 from __future__ import annotations
 
@@ -12,11 +12,79 @@ import pytest
 import torch
 from tests._bad_input import names
 
-from rlops import gdpo_advantages, optimal_token_baseline_advantages
+from rlops import (
+    gdpo_advantages,
+    gpg_advantages,
+    grpo_advantages,
+    grpo_passk_advantages,
+    opo_advantages,
+    optimal_token_baseline_advantages,
+    reinforce_plus_plus_baseline_advantages,
+    remax_advantages,
+    rloo_advantages,
+)
 from rlops.compat import verl
 
 B, T, K = 4, 3, 3
 INDEX = torch.tensor([0, 0, 1, 1])
+
+
+def test_mean_std_estimators_bad_input_names_the_argument():
+    s, idx, m = torch.randn(4), torch.tensor([0, 0, 1, 1]), torch.ones(4, 3)
+    with pytest.raises(TypeError, match="scores"):
+        grpo_advantages(torch.ones(4, dtype=torch.long), idx, m)
+    with pytest.raises(TypeError, match="index"):
+        grpo_advantages(s, idx.float(), m)
+    with pytest.raises(TypeError, match="index"):
+        rloo_advantages(s, [0, 0, 1, 1], m)
+    with pytest.raises(ValueError, match="index"):
+        rloo_advantages(s, idx[:3], m)
+    with pytest.raises(ValueError, match="scores"):
+        grpo_advantages(torch.randn(5), idx, m)
+    with pytest.raises(ValueError, match="mask"):
+        grpo_advantages(s, idx, torch.ones(4))
+    with pytest.raises(ValueError, match="mask"):
+        reinforce_plus_plus_baseline_advantages(s, idx, torch.full((4, 3), 3.0))
+    with pytest.raises(ValueError, match="eps"):
+        grpo_advantages(s, idx, m, eps=-1.0)
+    with pytest.raises(ValueError, match="eps"):
+        reinforce_plus_plus_baseline_advantages(s, idx, m, eps=float("nan"))
+    with pytest.raises(ValueError, match="reward_baselines"):
+        remax_advantages(torch.randn(4, 3), torch.randn(3), m)
+    with pytest.raises(ValueError, match="rewards"):
+        remax_advantages(torch.randn(4, 2), torch.randn(4), m)
+    with pytest.raises(TypeError, match="reward_baselines"):
+        remax_advantages(torch.randn(4, 3), torch.ones(4, dtype=torch.long), m)
+
+
+@pytest.mark.parametrize("fn", [opo_advantages, gpg_advantages, grpo_passk_advantages])
+def test_bad_input_errors_name_the_argument(fn):
+    s, idx, m = torch.randn(4), torch.tensor([0, 0, 1, 1]), torch.ones(4, 3)
+    with pytest.raises(TypeError, match="scores"):
+        fn(torch.ones(4, dtype=torch.long), idx, m)
+    with pytest.raises(TypeError, match="index"):
+        fn(s, idx.float(), m)
+    with pytest.raises(ValueError, match="index"):
+        fn(s, idx[:3], m)
+    with pytest.raises(ValueError, match="scores"):
+        fn(torch.randn(5), idx, m)
+    with pytest.raises(ValueError, match="mask"):
+        fn(s, idx, torch.full((4, 3), 2.0))
+    with pytest.raises(TypeError, match="mask"):
+        fn(s, idx, [[1, 1, 1]] * 4)
+
+
+def test_gpg_and_passk_bad_options_name_them():
+    s, idx, m = torch.randn(4), torch.tensor([0, 0, 1, 1]), torch.ones(4, 3)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="f_norm"):
+            gpg_advantages(s, idx, m, f_norm=bad)
+        with pytest.raises(ValueError, match="alpha"):
+            gpg_advantages(s, idx, m, alpha=bad)
+    with pytest.raises(TypeError, match="f_norm"):
+        gpg_advantages(s, idx, m, f_norm="1")
+    with pytest.raises(ValueError, match="eps"):
+        grpo_passk_advantages(s, idx, m, eps=-1e-6)
 
 
 def gdpo_inputs():

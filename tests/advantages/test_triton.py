@@ -46,10 +46,11 @@ import rlops
 import rlops.advantages.triton as adv_triton
 import rlops.scan.triton as scan_triton
 from rlops import _backends
-from rlops.advantages.gae import RETURNS
 from rlops.advantages.reinforce import REINFORCE
-from rlops.scan import SCAN, dispatch
-from rlops.scan.dispatch import Case
+from rlops.advantages.returns import RETURNS
+from rlops.scan import SCAN
+from rlops.scan import _dispatch as dispatch
+from rlops.scan._dispatch import Case
 
 TABLES = {"scan": SCAN, "returns": RETURNS, "reinforce": REINFORCE}
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -441,7 +442,7 @@ def _calls(name):
 def test_a_kernel_that_fails_to_compile_warns_once_and_falls_back(
     table, error, monkeypatch, clean_failures
 ):
-    from rlops.logprobs import _method
+    from rlops.logprobs import _options as _method
 
     launches: list = []
     module, kernel = (

@@ -31,7 +31,7 @@ N = 6  # action tokens of MASK
 # clip_cov with a covariance window no token reaches: it zeroes no token, so it is PPO here
 OPTIONS = {"clip_cov": {"clip_cov_lb": 100.0, "clip_cov_ub": 101.0}}
 # luspo scales each row by its action count (its constants:
-# tests/losses/test_policy_kinds_luspo_vespo_dppo.py)
+# tests/losses/_references.py)
 UNSCALED_KINDS = tuple(k for k in POLICY_KINDS if k != "luspo")
 
 

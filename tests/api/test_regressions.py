@@ -30,7 +30,7 @@ from tests.oracles import discounted_returns_oracle, gae_oracle
 from tests.tolerances import ALL_METHODS, METHODS, max_abs_err, needs_numba
 
 import rlops
-from rlops.compat._slime_cp import zigzag_unshard_response
+from rlops.compat.slime import zigzag_unshard_response
 from rlops.distributed import zigzag_shard, zigzag_unshard
 from rlops.scan.reference import scan_reference
 

@@ -387,7 +387,7 @@ def test_grpo_advantages_rejects(args, kwargs, match):
 def test_head_options_are_read_as_trl_reads_them(config, want):
     from types import SimpleNamespace
 
-    from rlops.compat._trl_mixin import head_options
+    from rlops.compat.trl._head import head_options
 
     assert head_options(SimpleNamespace(model_type="x", **config))[0] == want
 
@@ -397,7 +397,8 @@ def test_softcapped_gemma2_log_probs_are_the_models_own():
     it bites) equal ``log_softmax`` of the model's own softcapped ``logits / τ``."""
     from types import SimpleNamespace
 
-    from rlops.compat._trl_mixin import GRPOMixin, head_options
+    from rlops.compat.trl import GRPOMixin
+    from rlops.compat.trl._head import head_options
 
     torch.manual_seed(0)
     cfg = transformers.Gemma2Config(

@@ -1,6 +1,8 @@
 """verl's rollout correction by its names (``rollout_corr_helper``) against plain restatements of
 verl's documented behaviour: TIS truncation, IcePop zeroing, sequence products, batch
-normalisation, the rejection options and their string thresholds (loops, float64)."""
+normalisation, the rejection options and their string thresholds (loops, float64); the IS / RS
+diagnostics (``compute_is_metrics``, ``compute_rs_metrics``) against verl's formulas; bad input
+naming verl's arguments."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import math
 
 import pytest
 import torch
+from tests._bad_input import names
 
 from rlops.compat import verl
 
@@ -466,3 +469,260 @@ def test_sequence_ratio_min_in_the_log_ratios_dtype():
     assert m["rollout_is_min"] == math.inf
     _, m = verl.compute_rollout_correction_weights(lr.double(), torch.ones(1, 2), "sequence", 2.0)
     assert m["rollout_is_min"] == pytest.approx(math.exp(100.0))
+
+
+# --------------------------------------------------------------- diagnostics: verl's formulas
+def vmean(x, m, axis=None):
+    """verl_F.masked_mean."""
+    m = m.double()
+    return (torch.where(m.bool(), x, 0) * m).sum(axis) / (m.sum(axis) + 1e-8)
+
+
+def verl_is_metrics(w, raw, lr, m, level, up, lo=None):
+    lo = 1 / up if lo is None else lo
+    out = {}
+    if level == "sequence":
+        out["rollout_is_max"] = math.exp(min(float(lr.max()), 20.0))
+        out["rollout_is_min"] = math.exp(float(lr.min()))
+        out["rollout_is_mean"] = float(vmean(w, m))
+        out["rollout_is_ratio_fraction_high"] = float((lr > math.log(up)).double().mean())
+        out["rollout_is_ratio_fraction_low"] = float((lr < math.log(lo)).double().mean())
+    else:
+        out["rollout_is_mean"] = float(vmean(w, m))
+        out["rollout_is_ratio_fraction_high"] = float(vmean((raw > up).double(), m))
+        out["rollout_is_ratio_fraction_low"] = float(vmean((raw < lo).double(), m))
+        out["rollout_is_max"] = float(w[m].max())
+        out["rollout_is_min"] = float(w[m].min())
+    c = w.clamp(0, up)
+    if m.sum() > 1:
+        out["rollout_is_std"] = math.sqrt(max(float(vmean(c**2, m) - vmean(c, m) ** 2), 0.0))
+    else:
+        out["rollout_is_std"] = 0.0
+    out["rollout_is_eff_sample_size"] = 1 / float(vmean((c / (vmean(c, m) + 1e-8)) ** 2, m))
+    s = vmean(w, m, -1)
+    out["rollout_is_seq_mean"] = float(s.mean())
+    out["rollout_is_seq_std"] = float(s.std()) if s.numel() > 1 else 0.0
+    out["rollout_is_seq_max"] = float(s.max())
+    out["rollout_is_seq_min"] = float(s.min())
+    out["rollout_is_seq_max_deviation"] = float((s - 1).abs().max())
+    rs = vmean(raw, m, -1)
+    out["rollout_is_seq_fraction_high"] = float((rs > up).double().mean())
+    out["rollout_is_seq_fraction_low"] = float((rs < lo).double().mean())
+    return out
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("lower", [None, 0.7])
+def test_compute_is_metrics_matches_verl(level, lower):
+    g = torch.Generator().manual_seed(6)
+    mask = torch.rand(5, 8, generator=g) < 0.7
+    raw = torch.exp(torch.randn(5, 8, generator=g, dtype=torch.float64) * 0.6)
+    w = raw.clamp(max=1.5)
+    lr = torch.randn(5, generator=g, dtype=torch.float64) if level == "sequence" else raw.log()
+    got = verl.compute_is_metrics(w, raw, lr, mask, level, 1.5, lower)
+    ref = verl_is_metrics(w, raw, lr, mask, level, 1.5, lower)
+    assert sorted(got) == sorted(ref)
+    for k in ref:
+        assert got[k] == pytest.approx(ref[k], rel=1e-6, abs=1e-9), k
+    with pytest.raises(ValueError, match="response_mask"):
+        verl.compute_is_metrics(w, raw, lr, torch.zeros(5, 8), level, 1.5)
+
+
+def verl_rs_metrics(name, x, m, valid_rows, level, per_seq, up, lo, apply_lo):
+    p = f"rollout_rs_{name}"
+    seq = per_seq if per_seq is not None else vmean(x, m, -1)
+    v = seq[valid_rows]
+    out = {f"{p}_mean": float(vmean(x, m))}
+    if level == "sequence" and v.numel():
+        out[f"{p}_max"], out[f"{p}_min"] = float(v.max()), float(v.min())
+        out[f"{p}_fraction_high"] = float((v > up).double().mean())
+        out[f"{p}_fraction_low"] = float((v < lo).double().mean()) if apply_lo else 0.0
+    else:
+        out[f"{p}_max"], out[f"{p}_min"] = float(x[m].max()), float(x[m].min())
+        out[f"{p}_fraction_high"] = float(vmean((x > up).double(), m))
+        out[f"{p}_fraction_low"] = float(vmean((x < lo).double(), m)) if apply_lo else 0.0
+    c = x.clamp(lo if apply_lo else 0.0, up)
+    out[f"{p}_std"] = math.sqrt(max(float(vmean(c**2, m) - vmean(c, m) ** 2), 0.0))
+    out[f"{p}_seq_mean"] = float(v.mean())
+    out[f"{p}_seq_std"] = float(v.std())
+    out[f"{p}_seq_max"], out[f"{p}_seq_min"] = float(v.max()), float(v.min())
+    out[f"{p}_seq_max_deviation"] = float(v.abs().max())
+    out[f"{p}_seq_fraction_high"] = float((v > up).double().mean())
+    if apply_lo:
+        out[f"{p}_seq_fraction_low"] = float((v < lo).double().mean())
+    return out
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("apply_lo", [False, True])
+@pytest.mark.parametrize("per_seq", [False, True])
+def test_compute_rs_metrics_matches_verl(level, apply_lo, per_seq):
+    g = torch.Generator().manual_seed(8)
+    mask = torch.rand(6, 8, generator=g) < 0.7
+    mask[2] = False
+    x = torch.rand(6, 8, generator=g, dtype=torch.float64) * 2 - 0.5
+    valid = mask.any(-1)
+    seq = torch.randn(6, 1, generator=g, dtype=torch.float64) if per_seq else None
+    got = verl.compute_rs_metrics(
+        "opt",
+        x,
+        mask,
+        valid,
+        level=level,
+        per_sequence_values=seq,
+        rollout_rs_threshold=1.0,
+        rollout_rs_threshold_lower=0.1,
+        apply_lower_threshold=apply_lo,
+    )
+    ref = verl_rs_metrics(
+        "opt", x, mask, valid, level, None if seq is None else seq[:, 0], 1.0, 0.1, apply_lo
+    )
+    assert sorted(got) == sorted(ref)
+    for k in ref:
+        assert got[k] == pytest.approx(ref[k], rel=1e-6, abs=1e-9), k
+
+
+# --------------------------------------------------------------------------- diagnostics: bad input
+BB, TT = 3, 4  # (the shapes the messages below name)
+
+
+def _log_probs():
+    g = torch.Generator().manual_seed(0)
+    logp, old = (-torch.rand(BB, TT, generator=g) - 0.1 for _ in range(2))  # logp drawn first
+    return old, logp, torch.ones(BB, TT)
+
+
+def is_metrics(**kw):
+    old, logp, mask = _log_probs()
+    w = (logp - old).exp()
+    args = {
+        "rollout_is_weights": w.clamp(max=2.0),
+        "raw_rollout_is_weights": w,
+        "log_ratio_for_metrics": logp - old,
+        "response_mask": mask,
+        "rollout_is": "token",
+        "rollout_is_threshold": 2.0,
+        **kw,
+    }
+    return verl.compute_is_metrics(**args)
+
+
+@pytest.mark.parametrize(
+    ("kw", "exc", "arg", "words"),
+    [
+        ({"rollout_is": "tokens"}, ValueError, "rollout_is", "'token', 'sequence'"),
+        ({"rollout_is": None}, ValueError, "rollout_is", "'token', 'sequence'"),
+        ({"rollout_is_threshold": math.nan}, ValueError, "rollout_is_threshold", "> 0"),
+        ({"rollout_is_threshold": "2"}, TypeError, "rollout_is_threshold", "real number"),
+        ({"rollout_is_threshold_lower": -0.5}, ValueError, "rollout_is_threshold_lower", "> 0"),
+        (
+            {"rollout_is_weights": torch.ones(BB, TT, dtype=torch.long)},
+            TypeError,
+            "rollout_is_weights",
+            "floating-point",
+        ),
+        (
+            {"raw_rollout_is_weights": torch.ones(BB, TT, dtype=torch.long)},
+            TypeError,
+            "raw_rollout_is_weights",
+            "floating-point",
+        ),
+        (
+            {"raw_rollout_is_weights": torch.ones(BB, TT - 1)},
+            ValueError,
+            "raw_rollout_is_weights",
+            "[3, 4]",
+        ),
+        (
+            {"log_ratio_for_metrics": torch.zeros(BB, TT, dtype=torch.long)},
+            TypeError,
+            "log_ratio_for_metrics",
+            "floating-point",
+        ),
+        ({"response_mask": torch.full((BB, TT), 0.5)}, ValueError, "response_mask", "only 0 and 1"),
+    ],
+)
+def test_compute_is_metrics_bad_argument_names_it(kw, exc, arg, words):
+    with pytest.raises(exc, match=names(arg)) as info:
+        is_metrics(**kw)
+    assert words in str(info.value)
+
+
+def rs_metrics(**kw):
+    old, logp, mask = _log_probs()
+    args = {
+        "option_name": "token_k1",
+        "rs_statistic": logp - old,
+        "response_mask": mask,
+        "seq_valid_mask": torch.ones(BB, dtype=torch.bool),
+        "level": "token",
+        "per_sequence_values": None,
+        "rollout_rs_threshold": 1.0,
+        "rollout_rs_threshold_lower": 0.1,
+        "apply_lower_threshold": True,
+        **kw,
+    }
+    option_name = args.pop("option_name")
+    rs, mask, valid = (
+        args.pop("rs_statistic"),
+        args.pop("response_mask"),
+        args.pop("seq_valid_mask"),
+    )
+    return verl.compute_rs_metrics(option_name, rs, mask, valid, **args)
+
+
+@pytest.mark.parametrize(
+    ("kw", "exc", "arg", "words"),
+    [
+        ({"option_name": 3}, TypeError, "option_name", "str"),
+        ({"level": "row"}, ValueError, "level", "'token', 'sequence'"),
+        ({"rollout_rs_threshold": math.nan}, ValueError, "rollout_rs_threshold", "a number"),
+        ({"rollout_rs_threshold": "x"}, TypeError, "rollout_rs_threshold", "real number"),
+        (
+            {"rollout_rs_threshold_lower": math.nan},
+            ValueError,
+            "rollout_rs_threshold_lower",
+            "a number",
+        ),
+        (
+            {"rollout_rs_threshold_lower": None},
+            TypeError,
+            "rollout_rs_threshold_lower",
+            "real number",
+        ),
+        ({"apply_lower_threshold": "no"}, TypeError, "apply_lower_threshold", "bool"),
+        ({"apply_lower_threshold": 1}, TypeError, "apply_lower_threshold", "bool"),
+        (
+            {"seq_valid_mask": torch.ones(BB + 1, dtype=torch.bool)},
+            ValueError,
+            "seq_valid_mask",
+            "[3]",
+        ),
+        ({"seq_valid_mask": torch.full((BB,), 0.5)}, ValueError, "seq_valid_mask", "only 0 and 1"),
+        ({"per_sequence_values": torch.ones(BB, 2)}, ValueError, "per_sequence_values", "[bs]"),
+        (
+            {"per_sequence_values": torch.ones(BB, dtype=torch.long)},
+            TypeError,
+            "per_sequence_values",
+            "floating-point",
+        ),
+        (
+            {"rs_statistic": torch.ones(BB, TT, dtype=torch.long)},
+            TypeError,
+            "rs_statistic",
+            "floating-point",
+        ),
+    ],
+)
+def test_compute_rs_metrics_bad_argument_names_it(kw, exc, arg, words):
+    with pytest.raises(exc, match=names(arg)) as info:
+        rs_metrics(**kw)
+    assert words in str(info.value)
+
+
+def test_diagnostics_valid_values_run():
+    assert math.isfinite(
+        is_metrics(rollout_is="sequence", log_ratio_for_metrics=torch.zeros(BB))["rollout_is_mean"]
+    )
+    m = rs_metrics(level="sequence", per_sequence_values=torch.zeros(BB, 1))
+    assert math.isfinite(m["rollout_rs_token_k1_mean"])

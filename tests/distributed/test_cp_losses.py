@@ -8,7 +8,8 @@ layouts (zigzag, contiguous), every kind × every aggregation mode, with and wit
 data-parallel ``group=`` (DP×CP), packed rows, and a rank whose shard holds no action token;
 the collectives of every call are counted. The rollout-correction functions (sequence and
 geometric weights, row rejection, row metrics) are checked the same way. Packed rows are
-checked against the same sequences as separate rows.
+checked against the same sequences as separate rows. The kinds with options of their own
+(luspo, vespo, dppo_tv, dppo_kl, dro, sequence levels, gspo's dual clip) run in the same spawn.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from rlops.distributed import zigzag_indices
 from rlops.losses import AGG_MODES, POLICY_KINDS
 
 # the kinds of this table (luspo, vespo, dppo_*, dro, the sequence levels and gspo's dual clip:
-# tests/distributed/test_cp_policy_kinds_luspo_vespo_dppo.py)
+# KIND_CASES below)
 EXACT_KINDS = ("ppo", "reinforce", "gpg", "gspo", "cispo", "sapo", "geo_mean")
 assert set(EXACT_KINDS) <= set(POLICY_KINDS)
 ROW_KINDS = ("gspo", "geo_mean")  # the kinds with a per-row ratio
@@ -97,8 +98,8 @@ def _data(seed: int, empty_rank0: int = 0):
 
 
 # --------------------------------------------------------------------------- the calls
-def _call(fn: str, d: dict, kind: str | None, agg, grad_of: torch.Tensor, **kw):
-    """One loss call; returns (loss, metrics)."""
+def _call(fn: str, d: dict, kind: str | None, agg, grad_of: torch.Tensor, *, options=None, **kw):
+    """One loss call; returns (loss, metrics). ``options``: the kind's (default ``OPTIONS``)."""
     if agg == "seq-mean-token-sum-norm":
         kw["loss_scale_factor"] = L_NORM
     packed = kw.pop("packed")
@@ -113,7 +114,7 @@ def _call(fn: str, d: dict, kind: str | None, agg, grad_of: torch.Tensor, **kw):
             kind=kind,
             agg=agg,
             rollout_is_weights=d["isw"],
-            **OPTIONS.get(kind, {}),
+            **(OPTIONS.get(kind, {}) if options is None else options),
             **kw,
         )
     if fn == "value_loss":
@@ -345,6 +346,7 @@ def _two_ranks(rank: int, world: int) -> dict:
         "bad": _bad_work(rank, world),
         "hand": _hand_work(rank, world),
         "dtypes": _dtype_work(rank, world),
+        "kinds": _kinds_work(rank, world),  # last: it switches the group check on
     }
 
 
@@ -356,7 +358,7 @@ def _four_ranks(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    return run_distributed(_two_ranks, 2, timeout=240)
+    return run_distributed(_two_ranks, 2, timeout=480)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, msg) -> None:
@@ -429,6 +431,129 @@ def test_float32_and_bfloat16_shares_as_accurate_as_one_process(two_ranks):
         assert_within_reference(str(a["case"]), total, a["f64"][0], a["same"][0])
         for r, grad in ((a, g0), (b, g1)):
             assert_within_reference(str(r["case"]), grad, r["f64"][1], r["same"][1])
+
+
+# --------------------------------------------------------------------------- kinds with options
+KIND_CASES = {
+    "gspo_dual": ("gspo", {"clip_low": 0.01, "clip_high": 0.02, "dual_clip": 1.005}),
+    "cispo_seq": ("cispo", {"clip_low": 0.01, "clip_high": 0.015, "level": "sequence"}),
+    "sapo_seq": ("sapo", {"level": "sequence"}),
+    "luspo": ("luspo", {"clip_low": 0.01, "clip_high": 0.02}),
+    "vespo": ("vespo", {}),
+    "dppo_tv": ("dppo_tv", {"clip_low": 0.02, "clip_high": 0.03, "clip_ratio_c": 1.05}),
+    "dppo_kl": ("dppo_kl", {"clip_low": 2e-3, "clip_high": 3e-3, "clip_ratio_c": 1.05}),
+    "dro": ("dro", {"dro_beta": 0.5}),
+}
+KIND_ROW_CASES = ("gspo_dual", "cispo_seq", "sapo_seq", "luspo", "vespo")  # a per-row quantity
+
+
+def _kind_data(seed, empty=False):
+    """The rows of :func:`_data` with the log-ratios mirrored (sequence ratios
+    above 1: the dual clip binds) and π_old < 1 (DPPO reads it as a probability)."""
+    d = _data(seed, empty_rank0=2 if empty else 0)
+    d["old"] = (2 * d["logp"] - d["old"]).clamp_max(-0.01)
+    return d
+
+
+def _kind_call(case, d, agg, x, packed, **kw):
+    kind, opts = KIND_CASES[case]
+    return _call("policy_loss", d, kind, agg, x, packed=packed, options=opts, **kw)
+
+
+def _kind_expected_calls(case, agg, with_group):
+    """all_gather calls per call (the group check on): the documented table."""
+    if with_group:
+        return 2  # the row counts over cp_group (the check's first exchange), then group
+    return 2 if case in KIND_ROW_CASES else 1  # the row summaries, then the metrics
+
+
+def _kinds_work(rank, world):
+    os.environ["RLOPS_GROUP_CHECK"] = "1"
+    cp_group = dist.new_group([0, 1])
+    out = []
+    for seed, with_group, empty in ((0, False, False), (1, True, True)):
+        whole = _kind_data(seed, empty)
+        group = dist.group.WORLD if with_group else None
+        for case in KIND_CASES:
+            for agg in AGGS:
+                for layout in ("zigzag", "contiguous"):
+                    for packed in (False, True):
+                        local = {k: _shard(v, layout, 2, rank) for k, v in whole.items()}
+                        x = local["logp"].clone().requires_grad_(True)
+                        with count_collectives() as calls:
+                            loss, metrics = _kind_call(
+                                case,
+                                local,
+                                agg,
+                                x,
+                                packed,
+                                cp_group=cp_group,
+                                cp_layout=layout,
+                                group=group,
+                            )
+                        (loss if agg is not None else (loss * local["adv"]).sum()).backward()
+                        xw = whole["logp"].clone().requires_grad_(True)
+                        wl, wm = _kind_call(case, whole, agg, xw, packed)
+                        (wl if agg is not None else (wl * whole["adv"]).sum()).backward()
+                        out.append(
+                            dict(
+                                case=(seed, case, agg, layout, packed),
+                                loss=loss.detach(),
+                                grad=x.grad,
+                                metrics=metrics,
+                                calls=dict(calls),
+                                want_loss=wl.detach(),
+                                want_metrics=wm,
+                                want_grad=_shard(xw.grad, layout, 2, rank),
+                                want_matrix=(
+                                    _shard(wl.detach(), layout, 2, rank) if agg is None else None
+                                ),
+                                expected=_kind_expected_calls(case, agg, with_group),
+                            )
+                        )
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind_case", KIND_CASES)
+def test_kinds_with_options_on_two_cp_ranks_equal_the_whole_rows(two_ranks, kind_case):
+    """The sequence levels of cispo and sapo, gspo's dual clip, luspo and vespo (per-row
+    quantities), and the per-token dppo_tv, dppo_kl and dro: exact as above, both layouts,
+    packed rows, with and without a DP×CP ``group=``, a rank whose shard holds no action token;
+    collectives counted."""
+    results = [[r for r in ranks["kinds"] if r["case"][1] == kind_case] for ranks in two_ranks]
+    n = 0
+    for i in range(len(results[0])):
+        per_rank = [r[i] for r in results]
+        case, agg = per_rank[0]["case"], per_rank[0]["case"][2]
+        for r in per_rank:
+            assert r["case"] == case
+            assert r["calls"] == {"all_gather": r["expected"]}, (case, r["calls"])
+            _close(r["grad"], r["want_grad"], case)
+            if agg is None:
+                _close(r["loss"], r["want_matrix"], case)
+            for k, v in r["want_metrics"].items():
+                _close(r["metrics"][k], v, (case, k))
+        if agg is not None:
+            _close(sum(r["loss"] for r in per_rank), per_rank[0]["want_loss"], case)
+        n += 1
+    assert n == 2 * len(AGGS) * 2 * 2 == 48
+    assert len(two_ranks[0]["kinds"]) == len(KIND_CASES) * n == 384
+    assert B == 3
+
+
+def test_the_kind_data_exercise_the_branches():
+    """The one-process calls above clip, dual-clip and drop tokens somewhere."""
+    d = _kind_data(0)
+    for case, key in (
+        ("gspo_dual", "pg_clipfrac_lower"),
+        ("cispo_seq", "pg_clipfrac"),
+        ("dppo_tv", "pg_clipfrac"),
+        ("dppo_kl", "pg_clipfrac"),
+        ("dppo_tv", "pg_clipfrac_lower"),
+    ):
+        _, m = _kind_call(case, d, "token-mean", d["logp"], False)
+        assert 0 < m[key] < 1, (case, key)
 
 
 # --------------------------------------------------------------------------- bad input, mismatch

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from tests._distributed import count_collectives, run_distributed
 
 import rlops
-from rlops.compat._slime_cp import zigzag_shard_response, zigzag_unshard_response
+from rlops.compat.slime import zigzag_shard_response, zigzag_unshard_response
 from rlops.distributed import zigzag_shard, zigzag_unshard
 from rlops.distributed.collectives import SLOTS
 

@@ -206,7 +206,8 @@ def test_reference_pages_cover_the_public_api():
         ident = by_object.get(id(getattr(rlops, name)))
         assert ident is not None, f"rlops.{name} has no ::: directive under docs/reference/"
     src = ROOT / "src" / "rlops"
-    adapters = [f"rlops.compat.{p.stem}" for p in (src / "compat").glob("[!_]*.py")]
+    adapters = [f"rlops.compat.{p.parent.name}" for p in (src / "compat").glob("[!_]*/__init__.py")]
+    assert adapters, "no adapter package under src/rlops/compat"
     required = ["rlops.distributed", "rlops.kl_controllers", *sorted(adapters)]
     if (src / "testing").is_dir():
         required.append("rlops.testing")

@@ -289,7 +289,7 @@ def test_the_readme_link_check():
     for broken in (
         fixed.replace(f"({gae})", f"({path}#L{int(line) + 1})"),  # the line after the def
         fixed.replace(f"({gae})", "(src/rlops/no_such_module.py#L1)"),
-        fixed.replace(f"({gae})", "(docs/reference/advantages.md#rlops.advantages.gae.gae)"),
+        fixed.replace(f"({gae})", "(docs/reference/advantages.md#rlops.no_such_anchor)"),
         fixed.replace(f"[`gae`]({gae})", "`gae`"),
     ):
         assert broken != fixed

@@ -375,8 +375,8 @@ def cuda_dispatch(launches: list[Launch]) -> Iterator[None]:
     """rlops's dispatch decides for stand-in tensors as for CUDA tensors; each kernel launch
     is appended to ``launches`` instead of run (module docstring)."""
     from rlops import _backends
-    from rlops.logprobs import _method
-    from rlops.scan import dispatch
+    from rlops.logprobs import _options as _method
+    from rlops.scan import _dispatch as dispatch
 
     table_method, resolve = dispatch.Table.method, _method.resolve
 

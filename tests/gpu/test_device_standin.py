@@ -48,7 +48,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     (
         "slime.get_log_probs_and_entropy top-p sets",
         "H2D copy",
-        "rlops/compat/slime.py:_keep_sets",
+        "rlops/compat/slime/_logprobs.py:_keep_sets",
     ): "slime's top-p sets come from the rollout as host data (lists per sample): the call's "
     "CSR is built on the host and copied to the device, the ids once and the offsets once",
 }
@@ -304,28 +304,28 @@ class _TwoRanks:
 
 @contextlib.contextmanager
 def _two_ranks() -> Iterator[None]:
-    from rlops.compat import _slime_cp
+    from rlops.compat.slime import _advantages, _cp
 
     def rank_size(group, name="group"):
         return (group.rank, 2) if isinstance(group, _TwoRanks) else (0, 1)
 
     with contextlib.ExitStack() as stack:
-        for module in (_slime_cp, slime):
+        for module in (_cp, _advantages):
             stack.enter_context(mock.patch.object(module, "group_rank_size", rank_size))
         reduce = staticmethod(lambda x, group: x)
-        stack.enter_context(mock.patch.object(_slime_cp._AllReduceSum, "apply", reduce))
+        stack.enter_context(mock.patch.object(_cp._AllReduceSum, "apply", reduce))
         yield
 
 
 def _cp_probe_cases(dev: str) -> dict[str, list[Callable]]:
     """The slime adapter's context-parallel paths, on rank 1 of a stood-in group of two
     (:func:`_two_ranks`): the layout is computed on the host, the tensors stay on the device."""
-    from rlops.compat import _slime_cp
+    from rlops.compat.slime import _cp
 
     g = torch.Generator().manual_seed(9)
     totals, resps = [30, 24, 18, 13], [20, 16, 10, 12]
     group = _TwoRanks(1)
-    held = [_slime_cp.held_response_index(t_, r, 2, 1)[0].numel() for t_, r in zip(totals, resps)]
+    held = [_cp.held_response_index(t_, r, 2, 1)[0].numel() for t_, r in zip(totals, resps)]
 
     def t(*shape, grad=False):
         return torch.randn(*shape, generator=g).to(dev).requires_grad_(grad)

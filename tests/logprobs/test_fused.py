@@ -250,7 +250,7 @@ def test_exports():
 
 
 def test_default_chunk_bounds_the_temporaries():
-    from rlops.logprobs._checks import default_chunk
+    from rlops.logprobs._options import default_chunk
 
     cpu = torch.device("cpu")
     for n, v in [(1, 1), (10, 5), (131072, 32000), (131072, 152064), (7, 10**8)]:
@@ -291,3 +291,19 @@ def test_with_entropy_overloads():
         assert len(fn(*args)) == 2
         out = fn(*args, with_entropy=False, with_sum_pi_squared=True)
         assert len(out) == 3 and out[1] is None and isinstance(out[2], torch.Tensor)
+
+
+def test_softcap_and_csr_support_hand_computed():
+    """Formerly examples of the op's docstring: a softcap of 1 maps logits (0, 100) to
+    (0, tanh 100 = 1); CSR kept sets: row 0 keeps {2} (and its target 1), row 1 keeps {1, 3}
+    and its target 0."""
+    logp = logprobs_and_entropy(
+        torch.tensor([[0.0, 100.0]]), torch.tensor([0]), final_logit_softcapping=1.0
+    )[0]
+    assert repr(logp) == "tensor([-1.3133])"
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [2.0, 0.0, 0.0, -1.0]])
+    ids, offsets = torch.tensor([2, 1, 3]), torch.tensor([0, 1, 3])
+    logp = logprobs_and_entropy(
+        logits, torch.tensor([1, 0]), support_ids=ids, support_offsets=offsets
+    )[0]
+    assert repr(logp) == "tensor([-0.6931, -0.1698])"

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests._bad_input import names
 from tests._logprobs_util import assert_as_accurate, forward_backward, nan_filled_empty
 
-from rlops.logprobs import linear_logprobs_and_entropy
+from rlops.logprobs import linear_logprobs_and_entropy, logprobs_and_entropy
 from rlops.logprobs.reference import linear_logprobs_and_entropy_reference as reference
 from rlops.logprobs.reference import logprobs_and_entropy_reference
 
@@ -177,3 +178,50 @@ def test_bad_bias(bias, kind, match):
     with pytest.raises(kind, match=match):
         linear_logprobs_and_entropy(torch.zeros(2, 4), torch.zeros(5, 4), torch.tensor([0, 1]),
                                     bias=bias)  # fmt: skip
+
+
+N_BAD, H_BAD, V_BAD = 5, 4, 7
+DTYPE = "hidden's dtype torch.float32"
+BAD_NAMED = [
+    (torch.zeros(V_BAD, dtype=torch.long), TypeError, DTYPE),
+    (torch.zeros(V_BAD, dtype=torch.bool), TypeError, DTYPE),
+    (torch.zeros(V_BAD, dtype=torch.float64), TypeError, DTYPE),
+    (torch.zeros(V_BAD, dtype=torch.bfloat16), TypeError, DTYPE),
+    (torch.zeros(V_BAD, dtype=torch.complex64), TypeError, DTYPE),
+    (torch.zeros(V_BAD - 1), ValueError, "[V_local]"),
+    (torch.zeros(V_BAD + 1), ValueError, "[7]"),
+    (torch.zeros(1, V_BAD), ValueError, "[V_local]"),
+    (torch.tensor(0.0), ValueError, "[V_local]"),
+    ([0.0] * V_BAD, TypeError, "torch.Tensor or None"),
+    (0.0, TypeError, "torch.Tensor or None"),
+    (torch.zeros(V_BAD, device="meta"), ValueError, "one device"),
+]
+
+
+def _small(**kw):
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(N_BAD, H_BAD, generator=g), torch.randn(V_BAD, H_BAD, generator=g)
+    target = torch.randint(0, V_BAD, (N_BAD,), generator=g)
+    return linear_logprobs_and_entropy(hidden, weight, target, **kw), (hidden @ weight.T, target)
+
+
+@pytest.mark.parametrize(
+    ("bias", "exc", "words"), BAD_NAMED, ids=[f"{i}" for i in range(len(BAD_NAMED))]
+)
+def test_bad_bias_raises_naming_it(bias, exc, words):
+    with pytest.raises(exc, match=names("bias")) as info:
+        _small(bias=bias)
+    assert words in str(info.value)
+
+
+def test_nan_bias_entry_reaches_every_log_prob():
+    # a NaN bias entry is data: every token's log-sum-exp reads it, so every log-prob is NaN
+    bias = torch.zeros(V_BAD)
+    bias[3] = float("nan")
+    (logp, _), _ = _small(bias=bias)
+    assert logp.isnan().all()
+
+
+def test_zero_bias_runs_as_the_logits_op():
+    (logp, _), logits_target = _small(bias=torch.zeros(V_BAD))
+    torch.testing.assert_close(logp, logprobs_and_entropy(*logits_target)[0])

@@ -12,7 +12,7 @@ import torch
 
 import rlops
 from rlops.logprobs import LogprobOptions
-from rlops.logprobs._engine import Options
+from rlops.logprobs._options import Options
 from rlops.logprobs.reference import (
     linear_logprobs_and_entropy_reference,
     logprobs_and_entropy_reference,

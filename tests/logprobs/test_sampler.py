@@ -12,7 +12,12 @@ import torch.distributed as dist
 from tests._distributed import run_distributed
 from tests._logprobs_util import assert_as_accurate, forward_backward, nan_filled_empty
 
-from rlops.logprobs import _engine, _support, linear_logprobs_and_entropy, logprobs_and_entropy
+from rlops.logprobs import (
+    _support,
+    linear_logprobs_and_entropy,
+    logprobs_and_entropy,
+)
+from rlops.logprobs import _tensor_parallel as _tp
 
 FACTOR_FWD, FACTOR_GRAD = 2.0, 3.0
 INF = float("inf")
@@ -694,18 +699,16 @@ def test_vocab_layout_leaves_the_callers_sampler_as_it_is():
     """The whole vocabulary caps an int top_k in a new sampler; the given one is not modified."""
     target = torch.tensor([0, 9])
     sampler = _support.Sampler(100, 0.9, None)
-    start, capped = _engine.vocab_layout(
-        None, target, sampler, group=None, rank=0, world=1, v_local=10
-    )
+    start, capped = _tp.vocab_layout(None, target, sampler, group=None, rank=0, world=1, v_local=10)
     assert start == 0
     assert (capped.top_k, capped.top_p, capped.min_p) == (10, 0.9, None)
     assert (sampler.top_k, sampler.top_p, sampler.min_p) == (100, 0.9, None)
     per_token = _support.Sampler(torch.tensor([3, 200]), None, None)
     assert (
-        _engine.vocab_layout(None, target, per_token, group=None, rank=0, world=1, v_local=10)[1]
+        _tp.vocab_layout(None, target, per_token, group=None, rank=0, world=1, v_local=10)[1]
         is per_token
     )
-    assert _engine.vocab_layout(None, target, None, group=None, rank=0, world=1, v_local=10) == (
+    assert _tp.vocab_layout(None, target, None, group=None, rank=0, world=1, v_local=10) == (
         0,
         None,
     )

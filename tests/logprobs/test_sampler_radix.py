@@ -18,7 +18,6 @@ from tests.logprobs.test_sampler import reference, reference_support
 from rlops._checks import compute_dtype
 from rlops.logprobs import (
     _engine,
-    _radix,
     _support,
     linear_logprobs_and_entropy,
     logprobs_and_entropy,
@@ -435,7 +434,7 @@ def test_key_mapping_preserves_order(dtype):
     raw = bits.to(int_dtype).view(dtype)  # every exponent, denormals among them
     raw = raw[~raw.isnan()]
     x = torch.cat([special, scaled.to(dtype), raw])
-    key = _radix.float_key(x)
+    key = _support.float_key(x)
     assert key.dtype == torch.int64
     less = x.unsqueeze(1) < x.unsqueeze(0)
     assert torch.equal(
@@ -445,14 +444,14 @@ def test_key_mapping_preserves_order(dtype):
     same = x.unsqueeze(1) == x.unsqueeze(0)
     same_bits = x.view(int_dtype).unsqueeze(1) == x.view(int_dtype).unsqueeze(0)
     assert torch.equal(same & same_bits, key.unsqueeze(1) == key.unsqueeze(0))
-    zeros = _radix.float_key(torch.tensor([-0.0, 0.0], dtype=dtype))
+    zeros = _support.float_key(torch.tensor([-0.0, 0.0], dtype=dtype))
     assert zeros[1] - zeros[0] == 1
     nan = torch.tensor([float("nan"), -float("nan")], dtype=dtype)
     every = torch.cat([x, nan])
-    back = _radix.key_float(_radix.float_key(every), dtype)
+    back = _support.key_float(_support.float_key(every), dtype)
     assert torch.equal(back.view(int_dtype), every.view(int_dtype))
     # Bytes from the top: the first signed (-128..127), as the select reads them.
-    n_bytes = _radix.rounds(dtype)
+    n_bytes = _support.rounds(dtype)
     assert n_bytes == (4 if dtype == torch.float32 else 8)
     top = key >> (8 * (n_bytes - 1))
     assert top.min() >= -128 and top.max() <= 127
@@ -461,14 +460,14 @@ def test_key_mapping_preserves_order(dtype):
 def test_uses_radix_only_where_the_candidates_cannot_merge():
     k = torch.ones(3, dtype=torch.long)
     p = torch.full((3,), 0.5)
-    assert _radix.uses_radix(_support.Sampler(None, 0.9, None))
-    assert _radix.uses_radix(_support.Sampler(None, p, 0.1))
-    assert _radix.uses_radix(_support.Sampler(k, None, None))
-    assert _radix.uses_radix(_support.Sampler(k, 0.5, p))
-    assert not _radix.uses_radix(_support.Sampler(5, 0.9, None))
-    assert not _radix.uses_radix(_support.Sampler(5, p, None))
-    assert not _radix.uses_radix(_support.Sampler(None, None, 0.1))
-    assert not _radix.uses_radix(_support.Sampler(None, 1.0, 0.1))  # p = 1 keeps all
+    assert _support.uses_radix(_support.Sampler(None, 0.9, None))
+    assert _support.uses_radix(_support.Sampler(None, p, 0.1))
+    assert _support.uses_radix(_support.Sampler(k, None, None))
+    assert _support.uses_radix(_support.Sampler(k, 0.5, p))
+    assert not _support.uses_radix(_support.Sampler(5, 0.9, None))
+    assert not _support.uses_radix(_support.Sampler(5, p, None))
+    assert not _support.uses_radix(_support.Sampler(None, None, 0.1))
+    assert not _support.uses_radix(_support.Sampler(None, 1.0, 0.1))  # p = 1 keeps all
     assert math.isclose(
-        float(_radix.key_float(_radix.float_key(torch.tensor([1.5])), torch.float32)), 1.5
+        float(_support.key_float(_support.float_key(torch.tensor([1.5])), torch.float32)), 1.5
     )

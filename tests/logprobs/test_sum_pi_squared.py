@@ -234,9 +234,28 @@ def test_linear_op_with_bias():
         assert not out[2].requires_grad
 
 
-def test_flag_must_be_a_bool():
-    logits, target, _ = _data(3, 5, seed=8)
-    with pytest.raises(TypeError, match="with_sum_pi_squared must be a bool"):
-        logprobs_and_entropy(logits, target, with_sum_pi_squared=1)
-    with pytest.raises(TypeError, match="with_sum_pi_squared must be a bool"):
-        linear_logprobs_and_entropy(logits, torch.zeros(5, 5), target, with_sum_pi_squared="y")
+def _bool_flag_call(name, **kw):
+    """``with_sum_pi_squared=`` and the rest on either op (``name``: "logprobs" or "linear")."""
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(5, 4, generator=gen), torch.randn(7, 4, generator=gen)
+    target = torch.randint(0, 7, (5,), generator=gen)
+    if name == "logprobs":
+        return logprobs_and_entropy(hidden @ weight.T, target, **kw)
+    return linear_logprobs_and_entropy(hidden, weight, target, **kw)
+
+
+@pytest.mark.parametrize("name", ["logprobs", "linear"])
+@pytest.mark.parametrize(
+    "bad",
+    ["yes", "y", 1, 0, None, np.bool_(True), torch.tensor(True)],
+    ids=lambda v: f"{type(v).__name__}-{v}",
+)
+def test_flag_must_be_a_bool(name, bad):
+    with pytest.raises(TypeError, match=r"\bwith_sum_pi_squared must be a bool\b"):
+        _bool_flag_call(name, with_sum_pi_squared=bad)
+
+
+@pytest.mark.parametrize("name", ["logprobs", "linear"])
+def test_valid_flag_runs(name):
+    _, _, spp = _bool_flag_call(name, with_sum_pi_squared=True)
+    assert torch.isfinite(spp).all() and ((spp > 0) & (spp <= 1)).all()

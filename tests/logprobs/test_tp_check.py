@@ -20,7 +20,8 @@ import torch.distributed as dist
 from tests._distributed import count_collectives, run_distributed
 
 from rlops.distributed import collectives
-from rlops.logprobs import _tp, linear_logprobs_and_entropy, logprobs_and_entropy
+from rlops.logprobs import _tensor_parallel as _tp
+from rlops.logprobs import linear_logprobs_and_entropy, logprobs_and_entropy
 
 N, V, H = 19, 40, 5
 SIZES = (15, 25)  # unequal shards: the check gives each rank its offset

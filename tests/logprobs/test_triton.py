@@ -33,7 +33,7 @@ from tests._triton_interp import triton  # noqa: F401  (sets TRITON_INTERPRET=1 
 from tests.tolerances import assert_half_matches
 
 from rlops import _backends
-from rlops.logprobs import _method, _shard, logprobs_and_entropy
+from rlops.logprobs import _options, _softmax, logprobs_and_entropy
 from rlops.logprobs import triton as kernels
 from rlops.logprobs.reference import logprobs_and_entropy_reference as reference
 from rlops.logprobs.reference import sampler_keep_mask
@@ -52,7 +52,7 @@ def _kernels_ran():
     """Every test but the injected failures ends with the kernels in use: a silent fallback
     to the torch maths would make the comparisons below vacuous."""
     yield
-    assert _method.failed() is None, f"the kernels were set aside: {_method.failed()}"
+    assert _options.failed() is None, f"the kernels were set aside: {_options.failed()}"
 
 
 def _data(shape, v, *, scale=3.0, seed=0, keep_frac=None, dtype=torch.float32):
@@ -255,7 +255,7 @@ def test_shards_merge_to_the_whole_vocabulary(masked):
                             block_v=64, keep_mask=None if keep is None else keep[:, a:b])
         for a, b in cuts
     ])  # fmt: skip
-    logp, ent, saved = _shard.merge(stats, masked, True)
+    logp, ent, saved = _softmax.merge(stats, masked, True)
     ref_lp, ref_ent = reference(logits.double(), target, temperature=1.3, keep_mask=keep)
     torch.testing.assert_close(logp.double(), ref_lp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-5, atol=1e-5)
@@ -357,8 +357,8 @@ def test_sum_pi_squared_of_shards_merges():
         for a, b in cuts
     ])  # fmt: skip
     assert stats.shape == (2, 21, 7)
-    _, _, saved = _shard.merge(stats, True, True)
-    sq = _shard.merge_squares(stats, True, True, saved)
+    _, _, saved = _softmax.merge(stats, True, True)
+    sq = _softmax.merge_squares(stats, True, True, saved)
     oracle = sum_pi_squared_oracle(logits, target, keep, 1.3)
     ref = reference(logits, target, temperature=1.3, keep_mask=keep, with_entropy=False,
                     with_sum_pi_squared=True)[2]  # fmt: skip
@@ -386,16 +386,16 @@ def test_auto_picks_triton_on_cuda_only(monkeypatch):
     (even under the interpreter), while ``torch.compile`` traces, and without triton."""
     cuda = types.SimpleNamespace(device=torch.device("cuda"))
     cpu = torch.zeros(1)
-    assert _method.resolve("auto", cuda) == "triton"
-    assert _method.resolve("auto", cpu) == "chunked"
-    assert _method.resolve("triton", cpu) == "triton"  # under the interpreter
+    assert _options.resolve("auto", cuda) == "triton"
+    assert _options.resolve("auto", cpu) == "chunked"
+    assert _options.resolve("triton", cpu) == "triton"  # under the interpreter
     with pytest.raises(ValueError, match="CUDA"):
-        _method.resolve("triton", types.SimpleNamespace(device=torch.device("meta")))
+        _options.resolve("triton", types.SimpleNamespace(device=torch.device("meta")))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert _method.resolve("auto", cuda) == "chunked"
+    assert _options.resolve("auto", cuda) == "chunked"
     monkeypatch.undo()
     monkeypatch.setitem(sys.modules, "triton", None)
-    assert _method.resolve("auto", cuda) == "chunked"
+    assert _options.resolve("auto", cuda) == "chunked"
 
 
 def _torch_definition(x, y, keep_mask=None):
@@ -483,14 +483,14 @@ def test_build_failure_warns_once_then_runs_chunked(monkeypatch, kernel, error):
     assert broken.launches == 1
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b)
-    assert _method.failed() is not None
+    assert _options.failed() is not None
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         again = forward_backward(_op("triton", keep_mask=keep), (logits, target), grads)
     assert not _rlops_warnings(record) and broken.launches == 1
     for a, b in zip(again, expected, strict=True):
         torch.testing.assert_close(a, b)
-    assert _method.resolve("auto", types.SimpleNamespace(device=torch.device("cuda"))) == (
+    assert _options.resolve("auto", types.SimpleNamespace(device=torch.device("cuda"))) == (
         "chunked"
     )
 
@@ -553,7 +553,7 @@ def _tensor_parallel(rank, world):
             (logits[:, cols], target), _upstream(grads, kw),
         )  # fmt: skip
         out[name] = res
-    out["failed"] = _method.failed()
+    out["failed"] = _options.failed()
     return out
 
 

@@ -17,7 +17,7 @@ import torch
 from tests._logprobs_util import assert_as_accurate, forward_backward, nan_filled_empty
 from tests._triton_interp import triton  # noqa: F401  (sets TRITON_INTERPRET=1 first)
 
-from rlops.logprobs import _method, logprobs_and_entropy
+from rlops.logprobs import _options, logprobs_and_entropy
 from rlops.logprobs import triton as kernels
 from rlops.logprobs.reference import logprobs_and_entropy_reference as reference
 from rlops.logprobs.reference import sampler_keep_mask
@@ -41,7 +41,7 @@ CASES = {
 @pytest.fixture(autouse=True)
 def _kernels_ran():
     yield
-    assert _method.failed() is None, f"the kernels were set aside: {_method.failed()}"
+    assert _options.failed() is None, f"the kernels were set aside: {_options.failed()}"
 
 
 def _data(n, v=V, seed=0):

@@ -1,6 +1,7 @@
-"""Global counts of 0, negative, NaN or on the meta device; and a NaN log-prob at one action
-token, which must stay in its row's action tokens (sequence-level kinds) or be dropped (mask
-mode of the rollout importance weights)."""
+"""Global counts of 0, negative, NaN or on the meta device; and a NaN at one action token,
+which gives a NaN loss and gradient whatever the kind does with the token, stays in its row's
+action tokens (sequence-level kinds) or is dropped (mask mode of the rollout importance
+weights); a NaN at a mask-0 token changes nothing."""
 
 from __future__ import annotations
 
@@ -8,10 +9,18 @@ import math
 
 import pytest
 import torch
+from tests._losses_util import small_batch
 
 import rlops
 from rlops import _checks as checks_module
-from rlops.losses import AGG_MODES, aggregate_loss, entropy_loss, policy_loss, value_loss
+from rlops.losses import (
+    AGG_MODES,
+    POLICY_KINDS,
+    aggregate_loss,
+    entropy_loss,
+    policy_loss,
+    value_loss,
+)
 from rlops.losses import aggregation as agg_module
 
 F64 = torch.float64
@@ -157,3 +166,104 @@ def test_mask_mode_drops_a_nan_log_weight(level):
     lw = {"token": d, "sequence": d.sum().expand(2), "geometric": d.mean().expand(2)}[level]
     assert keep[1, :2].all() and not keep[1, 2]
     torch.testing.assert_close(w[1, :2], torch.exp(lw), rtol=1e-15, atol=0)
+
+
+# --------------------------------------------------------------------------- NaN, every kind
+ACTION, MASKED = (0, 1), (1, 4)  # an action token, and a mask-0 token of small_batch()
+
+
+def _run(kind, logp, old, adv, weights, mask, **kw):
+    extra = {"generator": torch.Generator().manual_seed(1)} if kind == "clip_cov" else {}
+    if kind == "clip_cov":
+        extra["clip_cov_ratio"] = 0.2
+    return policy_loss(logp, old, adv, mask, kind=kind, rollout_is_weights=weights, **extra, **kw)
+
+
+INPUTS = ("logp", "old_logp", "advantages", "rollout_is_weights")
+
+
+def poisoned(which, at):
+    logp, old, adv, weights, mask = small_batch()
+    x = dict(zip(INPUTS, (logp, old, adv, weights)))
+    x[which] = x[which].clone()
+    x[which][at] = math.nan
+    logp = x["logp"].clone().requires_grad_(True)
+    return logp, x["old_logp"], x["advantages"], x["rollout_is_weights"], mask
+
+
+@pytest.mark.parametrize("which", INPUTS)
+@pytest.mark.parametrize("kind", POLICY_KINDS)
+def test_nan_at_an_action_token_gives_a_nan_loss_and_gradient(kind, which):
+    logp, old, adv, w, mask = poisoned(which, ACTION)
+    loss, _ = _run(kind, logp, old, adv, w, mask)
+    assert loss.isnan()
+    loss.backward()
+    assert logp.grad[ACTION].isnan()  # no optimizer step can take a finite gradient from it
+
+
+@pytest.mark.parametrize("which", INPUTS)
+@pytest.mark.parametrize("kind", POLICY_KINDS)
+def test_nan_at_a_masked_token_changes_nothing(kind, which):
+    # a mask-0 token is not part of the loss: loss and gradient are those of the clean batch
+    logp0, old0, adv0, w0, mask = small_batch()
+    logp0.requires_grad_(True)
+    clean, _ = _run(kind, logp0, old0, adv0, w0, mask)
+    clean.backward()
+    logp, old, adv, w, _ = poisoned(which, MASKED)
+    loss, _ = _run(kind, logp, old, adv, w, mask)
+    loss.backward()
+    assert torch.equal(loss, clean)
+    assert torch.equal(logp.grad, logp0.grad)
+
+
+@pytest.mark.parametrize("which", ("logp", "old_logp", "advantages"))
+@pytest.mark.parametrize("kind", POLICY_KINDS)
+def test_nan_stays_on_its_token_or_its_row_in_the_loss_matrix(kind, which):
+    # agg=None: NaN at the poisoned token (a per-row kind: on its row's action tokens), never
+    # on a mask-0 entry nor on another row
+    logp, old, adv, w, mask = poisoned(which, ACTION)
+    mat, _ = _run(kind, logp, old, adv, w, mask, agg=None)
+    assert mat[ACTION].isnan()
+    assert torch.equal(mat[mask == 0], torch.zeros_like(mat[mask == 0]))
+    assert not mat[1:].isnan().any()
+
+
+@pytest.mark.parametrize("kind", ("dppo_tv", "dppo_kl"))
+@pytest.mark.parametrize("which", ("logp", "old_logp"))
+def test_regression_dppo_nan_log_prob_is_not_dropped_by_the_trust_region(kind, which):
+    # before: the NaN token compared False with the trust region, was dropped, and the loss
+    # was finite (0.07985 on the issue's batch)
+    logp, old, adv, _, mask = poisoned(which, ACTION)
+    loss, m = policy_loss(logp, old, adv, mask, kind=kind)
+    assert loss.isnan()
+    assert m["ppo_kl"].isnan()
+
+
+def test_regression_vespo_nan_old_logp_is_not_mapped_to_zero():
+    # before: φ of the row was NaN and nan_to_num made it 0: loss 0.3587, ppo_kl NaN
+    logp, old, adv, _, mask = poisoned("old_logp", ACTION)
+    loss, m = policy_loss(logp, old, adv, mask, kind="vespo")
+    assert loss.isnan()
+    assert m["vespo_phi_mean"].isnan()
+
+
+def test_vespo_overflowing_phi_still_counts_zero():
+    # φ = W^k·e^(λ(1 − W)) overflows for a large k and a tiny λ: TRL and Liger count it 0, and
+    # so does rlops (finite loss); only a NaN is kept
+    logp = torch.zeros(1, 2, dtype=torch.float32, requires_grad=True)
+    old = torch.full((1, 2), -8.0)  # W = e^16
+    loss, m = policy_loss(
+        logp, old, torch.ones(1, 2), torch.ones(1, 2), kind="vespo", k_pos=10.0, lambda_pos=1e-6
+    )
+    assert torch.isfinite(loss)
+    assert m["vespo_phi_mean"] == 0
+
+
+def test_inf_log_prob_is_not_turned_into_nan():
+    # a −inf log-prob (a token the policy now gives probability 0) was finite for ppo before the
+    # NaN rule, and still is: the rule is about NaN only
+    logp, old, adv, _, mask = small_batch()
+    logp = logp.clone()
+    logp[ACTION] = -math.inf
+    loss, _ = policy_loss(logp, old, adv, mask, kind="ppo")
+    assert torch.isfinite(loss)

@@ -1,6 +1,9 @@
-"""Every policy-loss kind against a loop written from its paper's formula, hand-computed values,
-gradients (gradcheck, or the formula's analytic gradient for stop-gradient forms), identities
-between kinds, extreme inputs and bad input."""
+"""Every policy-loss kind against a loop written from its paper's formula (40-digit and
+same-dtype, ``tests/losses/_references.py``), hand-computed values, metrics and gradients
+(gradcheck where the loss's value carries its gradient, the formula's gradient for the
+stop-gradient forms). The token kinds with :data:`OPTIONS`; the sequence-level cispo and sapo,
+gspo's dual clip, luspo, vespo, dppo_tv, dppo_kl and dro with :data:`CASES` (their exactness
+under ``cp_group``: tests/distributed/test_cp_policy_kinds_luspo_vespo_dppo.py)."""
 
 from __future__ import annotations
 
@@ -10,150 +13,39 @@ import mpmath
 import pytest
 import torch
 from tests._losses_util import DTYPES, acc_dtype, assert_within_ref_error, make_inputs
+from tests.losses._references import (
+    CASES,
+    F64,
+    KINDS,
+    NEW_KINDS,
+    OPTIONS,
+    Exact,
+    Same,
+    as_tensor,
+    clip,
+    clip_cov_candidates,
+    definition,
+    inputs,
+    peer_batch,
+    per_row_adv,
+    ref_token_losses,
+    run_case,
+    run_kind,
+)
 from tests.losses.test_losses import ref_aggregate
 
 import rlops
-from rlops.losses import AGG_MODES, POLICY_KINDS
-
-mpmath.mp.dps = 40
-
-# Options of each kind used by the reference tests (clip_cov's band and kl_cov's share are
-# widened so that a 6x29 batch selects several tokens).
-OPTIONS = {
-    "ppo": {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0},
-    "reinforce": {},
-    "gpg": {},
-    "gspo": {"clip_low": 3e-4, "clip_high": 4e-4},
-    "cispo": {"clip_low": 0.2, "clip_high": 0.5},
-    "sapo": {"tau_pos": 1.0, "tau_neg": 1.05},
-    "clip_cov": {
-        "clip_low": 0.2,
-        "clip_high": 0.28,
-        "clip_cov_ratio": 0.05,
-        "clip_cov_lb": 0.1,
-        "clip_cov_ub": 2.0,
-    },
-    "kl_cov": {"kl_cov_ratio": 0.1, "ppo_kl_coef": 0.7},
-    "geo_mean": {"clip_low": 0.3, "clip_high": 0.4},
-}
-# the kinds checked here (luspo, vespo, dppo_*, dro and the sequence levels: in
-# tests/losses/test_policy_kinds_luspo_vespo_dppo.py)
-KINDS = tuple(OPTIONS)
-assert set(KINDS) <= set(POLICY_KINDS)
+from rlops.losses import POLICY_KINDS
 
 
-# --------------------------------------------------------------------------- the references
-class Exact:
-    """40-digit arithmetic."""
-
-    conv = staticmethod(lambda x: mpmath.mpf(float(x)))
-    exp = staticmethod(mpmath.exp)
-    zero = mpmath.mpf(0)
-
-
-class Same:
-    """Arithmetic in a torch dtype, one scalar at a time."""
-
-    def __init__(self, dtype):
-        self.dtype = dtype
-        self.zero = torch.zeros((), dtype=dtype)
-
-    def conv(self, x):
-        return torch.as_tensor(x).to(self.dtype)
-
-    exp = staticmethod(torch.exp)
-
-
-def clip(x, lo, hi):
-    return min(max(x, lo), hi)
-
-
-def ref_token_losses(kind, logp, old, adv, mask, opts, num, chosen=None):
-    """``[B][T]`` per-token losses of ``kind`` from its paper's formula, one token (or row) at a
-    time, 0 on mask-0 tokens. ``chosen``: clip_cov's randomly selected tokens (a set)."""
-    b, t = logp.shape
-    c = num.conv
-    acts = [(i, j) for i in range(b) for j in range(t) if mask[i, j]]
-    out = [[num.zero for _ in range(t)] for _ in range(b)]
-    d = {k: c(logp[k]) - c(old[k]) for k in acts}
-    a = {k: c(adv[k]) for k in acts}
-    lp = {k: c(logp[k]) for k in acts}
-    ratio = {k: num.exp(min(d[k], c(20.0))) for k in acts}
-    low, high = opts.get("clip_low"), opts.get("clip_high")
-
-    def ppo(k, r):
-        return max(-a[k] * r, -a[k] * clip(r, 1 - c(low), 1 + c(high)))
-
-    if kind in ("clip_cov", "kl_cov"):
-        n = len(acts)
-        mean_a = sum((a[k] for k in acts), num.zero) / n
-        mean_lp = sum((lp[k] for k in acts), num.zero) / n
-        cov = {k: (a[k] - mean_a) * (lp[k] - mean_lp) for k in acts}
-    for i in range(b):
-        row = [k for k in acts if k[0] == i]
-        for k in row:
-            if kind == "ppo":
-                loss = ppo(k, ratio[k])
-                if a[k] < 0:
-                    loss = min(loss, -a[k] * c(opts["dual_clip"]))
-            elif kind in ("reinforce", "gpg"):
-                loss = -a[k] * lp[k]
-            elif kind == "gspo":  # s_i = (π(y_i)/π_old(y_i))^(1/|y_i|)
-                s = num.exp(min(sum((d[q] for q in row), num.zero) / len(row), c(20.0)))
-                loss = ppo(k, s)
-            elif kind == "cispo":
-                loss = -clip(ratio[k], 1 - c(low), 1 + c(high)) * a[k] * lp[k]
-            elif kind == "sapo":
-                tau = c(opts["tau_pos"] if a[k] > 0 else opts["tau_neg"])
-                gate = 1 / (1 + num.exp(-tau * (ratio[k] - 1))) * 4 / tau
-                loss = -gate * a[k]
-            elif kind == "clip_cov":
-                loss = num.zero if k in chosen else ppo(k, ratio[k])
-            elif kind == "kl_cov":
-                quota = max(int(opts["kl_cov_ratio"] * len(acts)), 1)
-                top = sorted(acts, key=lambda q: (-cov[q], q))[:quota]
-                loss = -a[k] * ratio[k] + (
-                    c(opts["ppo_kl_coef"]) * abs(d[k]) if k in top else num.zero
-                )
-            elif kind == "geo_mean":  # R_i = (Π_t clipped r_t)^(1/|y_i|)
-
-                def clipped_log(q):
-                    if a[q] > 0:
-                        return min(d[q], c(high))
-                    return max(d[q], -c(low)) if a[q] < 0 else num.zero
-
-                mean = sum((clipped_log(q) for q in row), num.zero) / len(row)
-                loss = -a[k] * num.exp(min(mean, c(20.0)))
-            out[k[0]][k[1]] = loss
-    return out
-
-
-def as_tensor(rows, dtype=torch.float64):
-    return torch.tensor([[float(v) for v in row] for row in rows], dtype=dtype)
-
-
-def clip_cov_candidates(logp, old, adv, mask, opts):
-    """Tokens that clip_cov may zero: not clipped by PPO, covariance strictly inside the band."""
-    keep = mask.bool()
-    lp, o, a, m = (torch.where(keep, x.double(), 0) for x in (logp, old, adv, mask))
-    r = torch.exp((lp - o).clamp_max(20))
-    hit = -a * r.clamp(1 - opts["clip_low"], 1 + opts["clip_high"]) > -a * r
-    n = keep.sum()
-    cov = (a - (a * m).sum() / n) * (lp - (lp * m).sum() / n)
-    cand = keep & ~hit & (cov > opts["clip_cov_lb"]) & (cov < opts["clip_cov_ub"])
-    return {tuple(k) for k in cand.nonzero().tolist()}
-
-
-def run(kind, logp, old, adv, mask, agg="token-mean", **kw):
-    opts = dict(OPTIONS[kind])
-    if kind == "clip_cov":
-        opts["generator"] = torch.Generator().manual_seed(11)
-    return rlops.policy_loss(logp, old, adv, mask, kind=kind, agg=agg, **opts, **kw)
+def test_the_kinds_are_registered():
+    assert set(KINDS) <= set(POLICY_KINDS)
+    assert set(NEW_KINDS) <= set(POLICY_KINDS)
 
 
 def chosen_by_clip_cov(logp, old, adv, mask):
     """The tokens clip_cov zeroed (same generator seed as :func:`run`)."""
-    mat, _ = run("clip_cov", logp, old, adv, mask, agg=None)
+    mat, _ = run_kind("clip_cov", logp, old, adv, mask, agg=None)
     ppo = as_tensor(
         ref_token_losses(
             "ppo", logp, old, adv, mask, {**OPTIONS["clip_cov"], "dual_clip": math.inf}, Exact
@@ -190,7 +82,7 @@ HAND_OPTIONS = {
 }
 
 
-def test_hand_computed_values():
+def test_hand_computed_values_of_the_token_kinds():
     """log-ratios lr = [[0.1, −0.5, 0], [0, 0.3, ·]], A = [[1, −1, 2], [−2, 0.5, ·]], defaults.
 
     ppo (ε 0.2): e^0.1 = 1.10517 inside the clip → −1.10517; e^−0.5 = 0.60653 with A < 0 → the
@@ -228,6 +120,38 @@ def test_hand_computed_values():
     assert m["pg_clipfrac"] == 0.4  # the clip binds where it is pessimistic: (0, 1) and (1, 1)
 
 
+def test_hand_computed_values_of_the_cases():
+    """One row, log-ratios [0.2, −0.1, 0.5] (mean 0.2/3, sum 0.6), A = 1, log π = [−1, −2, −0.5].
+
+    cispo level="sequence" (clip 0.05): s = e^(0.2/3) = 1.068939 → weight 1.05: −1.05·log π.
+    vespo (k 2, λ 3): W = e^0.6 = 1.822119, φ = W²·e^(3(1 − W)) = 3.320117·0.084893 = 0.281857.
+    dro (β 0.7): −log π + 0.35·lr² = [1.014, 2.0035, 0.5875].
+    dppo_tv (δ 0.2): π − π_old = e^−1 − e^−1.2 = 0.066733 (kept), e^−2 − e^−1.9 = −0.014... (kept,
+    moving down), e^−0.5 − e^−1 = 0.238651 > 0.2 (dropped); r = [1.221403, 0.904837]:
+    −r·log π = [1.221403, 1.809675, 0].
+    """
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=F64)
+    old = logp - torch.tensor([[0.2, -0.1, 0.5]], dtype=F64)
+    adv, mask = torch.ones(1, 3, dtype=F64), torch.ones(1, 3)
+
+    def mat(kind, **o):
+        return rlops.policy_loss(logp, old, adv, mask, kind=kind, agg=None, **o)[0]
+
+    w = math.exp(0.6)
+    phi = w**2 * math.exp(3 * (1 - w))
+    assert abs(phi - 0.281857) < 1e-6
+    want = {
+        "cispo": (mat("cispo", clip_low=0.05, level="sequence"), [1.05, 2.1, 0.525]),
+        "vespo": (mat("vespo"), [phi, 2 * phi, 0.5 * phi]),
+        "dro": (mat("dro", dro_beta=0.7), [1.014, 2.0035, 0.5875]),
+        "dppo_tv": (mat("dppo_tv", clip_low=0.2), [math.exp(0.2), 2 * math.exp(-0.1), 0.0]),
+    }
+    for kind, (got, exp) in want.items():
+        torch.testing.assert_close(
+            got, torch.tensor([exp], dtype=F64), rtol=1e-12, atol=1e-12, msg=kind
+        )
+
+
 # --------------------------------------------------------------------------- the loop references
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", KINDS)
@@ -241,7 +165,7 @@ def test_kind_matches_its_formula(kind, dtype):
         quota = max(int(OPTIONS["clip_cov"]["clip_cov_ratio"] * int(mask.sum())), 1)
         assert chosen <= cands and len(chosen) == min(quota, len(cands)) > 0
     acc = acc_dtype(dtype)
-    mat, metrics = run(kind, logp, old, adv, mask, agg=None)
+    mat, metrics = run_kind(kind, logp, old, adv, mask, agg=None)
     exact = as_tensor(ref_token_losses(kind, logp, old, adv, mask, OPTIONS[kind], Exact, chosen))
     same = as_tensor(
         ref_token_losses(kind, logp, old, adv, mask, OPTIONS[kind], Same(acc), chosen), acc
@@ -249,7 +173,7 @@ def test_kind_matches_its_formula(kind, dtype):
     assert mat.dtype == acc and mat.shape == logp.shape
     assert_within_ref_error(mat, exact, same)
     for mode in ("token-mean", "seq-mean-token-mean"):
-        loss, _ = run(kind, logp, old, adv, mask, agg=mode)
+        loss, _ = run_kind(kind, logp, old, adv, mask, agg=mode)
         ex = ref_aggregate(
             [[mpmath.mpf(float(v)) for v in row] for row in exact.tolist()], mask, mode
         )
@@ -272,24 +196,60 @@ def test_metrics_of_each_kind():
     d, a = logp - old, adv
     frac = lambda flag: float((flag & keep).sum()) / n  # noqa: E731
     r = torch.exp(d)
-    _, m = run("cispo", logp, old, adv, mask)
+    _, m = run_kind("cispo", logp, old, adv, mask)
     assert float(m["pg_clipfrac"]) == frac((r < 0.8) | (r > 1.5))
-    _, m = run("geo_mean", logp, old, adv, mask)
+    _, m = run_kind("geo_mean", logp, old, adv, mask)
     outside = (d < -0.3) | (d > 0.4)
     assert float(m["pg_clipfrac"]) == frac(outside & (a > 0))
     assert float(m["pg_clipfrac_lower"]) == frac(outside & (a < 0))
-    _, m = run("kl_cov", logp, old, adv, mask)
+    _, m = run_kind("kl_cov", logp, old, adv, mask)
     assert float(m["kl_cov_frac"]) == max(int(0.1 * n), 1) / n
     torch.testing.assert_close(m["ppo_kl_abs"], d.abs()[keep].mean())
-    _, m = run("gspo", logp, old, adv, mask)
+    _, m = run_kind("gspo", logp, old, adv, mask)
     rows = [i for i in range(mask.shape[0]) if keep[i].any()]
     s = [math.exp(float(d[i][keep[i]].mean())) for i in rows]
     torch.testing.assert_close(
         m["seq_ratio_mean"], torch.tensor(sum(s) / len(s), dtype=torch.float64)
     )
     for kind in ("reinforce", "sapo", "kl_cov"):
-        _, m = run(kind, logp, old, adv, mask)
+        _, m = run_kind(kind, logp, old, adv, mask)
         assert m["pg_clipfrac"] == 0 and m["pg_clipfrac_lower"] == 0
+
+
+# --------------------------------------------------------------------------- the cases' formulas
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES)
+def test_matches_the_papers_formula(case, dtype):
+    logp, old, adv, mask = inputs(case, dtype, 5)
+    if case in ("gspo_dual", "luspo", "vespo", "sapo_seq", "cispo_seq"):
+        adv = per_row_adv(adv, mask)
+    nan = torch.tensor(torch.nan, dtype=dtype)
+    logp = torch.where(mask.bool(), logp, nan)  # mask-0 entries must never leak
+    acc = acc_dtype(dtype)
+    mat, _ = run_case(case, logp, old, adv, mask)
+    exact = as_tensor(definition(case, logp, old, adv, mask, Exact))
+    same = as_tensor(definition(case, logp, old, adv, mask, Same(acc)), acc)
+    assert mat.dtype == acc and mat.shape == logp.shape
+    assert_within_ref_error(mat, exact, same)
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        loss, _ = run_case(case, logp, old, adv, mask, agg=mode)
+        torch.testing.assert_close(loss, rlops.aggregate_loss(mat, mask, mode))
+
+
+def test_the_cases_exercise_their_branches():
+    """The data above clips, dual-clips, drops tokens and truncates ratios somewhere."""
+    logp, old, adv, mask = inputs("gspo_dual", F64, 5)
+    adv = per_row_adv(adv, mask)
+    _, m = run_case("gspo_dual", logp, old, adv, mask, agg="token-mean")
+    assert 0 < m["pg_clipfrac"] < 1 and m["pg_clipfrac_lower"] > 0
+    logp, old, adv, mask = inputs("cispo_seq", F64, 5)
+    adv = per_row_adv(adv, mask)
+    _, m = run_case("cispo_seq", logp, old, adv, mask, agg="token-mean")
+    assert 0 < m["pg_clipfrac"] < 1
+    for case in ("dppo_tv", "dppo_kl"):
+        logp, old, adv, mask = inputs(case, F64, 5)
+        _, m = run_case(case, logp, old, adv, mask, agg="token-mean")
+        assert 0 < m["pg_clipfrac"] < 1 and 0 < m["pg_clipfrac_lower"] < 1, case
 
 
 # --------------------------------------------------------------------------- gradients
@@ -327,7 +287,7 @@ def test_stop_gradient_forms_have_the_formulas_gradient(kind):
         logp.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64
     )
     lp = logp.clone().requires_grad_(True)
-    mat, _ = run(kind, lp, old, adv, mask, agg=None, rollout_is_weights=w)
+    mat, _ = run_kind(kind, lp, old, adv, mask, agg=None, rollout_is_weights=w)
     (g,) = torch.autograd.grad(mat.sum(), lp)
     want = analytic_grad(kind, logp, old, adv, mask, OPTIONS[kind]) * w
     # one product of a few factors per token: a few ulps
@@ -374,298 +334,36 @@ def test_gradcheck(kind):
     m = torch.tensor([[1, 1, 0, 1], [0, 0, 0, 0], [1, 0, 1, 1]])
 
     def f(a):  # old_logp and the advantages are constants: the gradient is logp's only
-        return run(kind, a, old, adv, m, agg="seq-mean-token-mean")[0]
+        return run_kind(kind, a, old, adv, m, agg="seq-mean-token-mean")[0]
 
     assert torch.autograd.gradcheck(f, (logp.clone().requires_grad_(True),))
 
 
-# --------------------------------------------------------------------------- identities
-def test_gspo_with_one_token_per_row_is_token_level_ppo():
-    logp, old, adv, _ = make_inputs(torch.float64, 12, b=40, t=1, spread=0.3)
-    mask = torch.ones(40, 1)
-    for low, high in ((0.2, 0.28), (3e-4, 4e-4)):
-        outs = []
-        for kind in ("gspo", "ppo"):
-            lp = logp.clone().requires_grad_(True)
-            mat, m = rlops.policy_loss(
-                lp, old, adv, mask, kind=kind, clip_low=low, clip_high=high, agg=None
-            )
-            outs.append((mat, torch.autograd.grad(mat.sum(), lp)[0], m["pg_clipfrac"]))
-        for x, y in zip(*outs, strict=True):
-            torch.testing.assert_close(x, y, rtol=0, atol=0)
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("case", ["gspo_dual", "sapo_seq", "luspo", "dro"])
+def test_gradcheck_of_the_cases(case, agg):
+    """Where the loss's value carries the gradient: GSPO-token's gradient (s_i·∇log π_t per
+    token) is the gradient of the sequence objective when a row has one advantage and its
+    tokens equal weights (every mode here) — checked by finite differences."""
+    logp, old, adv, mask = peer_batch(9, b=3, t=5, spread=0.05)
+    a = adv.expand_as(logp)
+    if case == "dro":
+        a = torch.randn(3, 5, generator=torch.Generator().manual_seed(2), dtype=F64)
+    x = logp.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda z: run_case(case, z, old, a, mask, agg=agg)[0], (x,))
 
 
-def test_cispo_with_infinite_clip_is_reinforce_weighted_by_the_ratio():
-    """clip_low = clip_high = inf: the CISPO loss −sg(r)·A·log π equals REINFORCE's −A·log π
-    with rollout_is_weights = r (value and gradient, up to the order of one product), and its
-    gradient is that of the unclipped PPO surrogate −A·r (−A·r·∇log π; the value differs)."""
-    logp, old, adv, mask = make_inputs(torch.float64, 13, spread=0.8)
-    ratio = torch.exp(logp - old)
-    grads = []
-    for kind, kw in (
-        ("cispo", {"clip_low": math.inf, "clip_high": math.inf}),
-        ("reinforce", {"rollout_is_weights": ratio}),
-        ("ppo", {"clip_low": math.inf}),
-    ):
-        lp = logp.clone().requires_grad_(True)
-        loss, _ = rlops.policy_loss(lp, old, adv, mask, kind=kind, **kw)
-        grads.append((loss, torch.autograd.grad(loss, lp)[0]))
-    (cispo, g_c), (rf, g_r), (_, g_p) = grads
-    one_product_order = {"rtol": 2 * torch.finfo(torch.float64).eps, "atol": 0}  # w·(A·x)
-    torch.testing.assert_close(cispo, rf, **one_product_order)
-    torch.testing.assert_close(g_c, g_r, **one_product_order)
-    torch.testing.assert_close(g_c, g_p, rtol=2 * torch.finfo(torch.float64).eps, atol=0)
-
-
-def test_geo_mean_with_one_token_per_row_is_ppo_with_log_space_clips():
-    logp, old, adv, _ = make_inputs(torch.float64, 14, b=60, t=1, spread=0.4)
-    mask = torch.ones(60, 1)
-    geo, _ = rlops.policy_loss(
-        logp,
-        old,
-        adv,
-        mask,
-        kind="geo_mean",
-        agg=None,
-        clip_low=-math.log(1 - 0.2),
-        clip_high=math.log(1 + 0.28),
-    )
-    ppo, _ = rlops.policy_loss(logp, old, adv, mask, agg=None, clip_low=0.2, clip_high=0.28)
-    torch.testing.assert_close(geo, ppo, rtol=4 * torch.finfo(torch.float64).eps, atol=0)
-
-
-def test_degenerate_options_reduce_to_simpler_kinds():
-    logp, old, adv, mask = make_inputs(torch.float64, 15, spread=0.5)
-    plain, _ = rlops.policy_loss(logp, old, adv, mask, clip_low=math.inf, agg=None)
-    kl0, _ = rlops.policy_loss(logp, old, adv, mask, kind="kl_cov", ppo_kl_coef=0.0, agg=None)
-    torch.testing.assert_close(kl0, plain, rtol=0, atol=0)
-    ppo, _ = rlops.policy_loss(logp, old, adv, mask, agg=None)
-    none, _ = rlops.policy_loss(
-        logp, old, adv, mask, kind="clip_cov", clip_cov_lb=1e6, clip_cov_ub=1e7, agg=None
-    )
-    torch.testing.assert_close(none, ppo, rtol=0, atol=0)
-    gpg, _ = rlops.policy_loss(logp, old, adv, mask, kind="gpg", agg=None)
-    rf, _ = rlops.policy_loss(logp, old, adv, mask, kind="reinforce", agg=None)
-    assert torch.equal(gpg, rf)
-    for kind in KINDS:  # weights of 1 change nothing; agg=None then aggregate == agg
-        a, _ = run(kind, logp, old, adv, mask, agg=None)
-        b, _ = run(kind, logp, old, adv, mask, agg=None, rollout_is_weights=torch.ones(6, 29))
-        assert torch.equal(a, b), kind
-        for mode in AGG_MODES:
-            loss, _ = run(kind, logp, old, adv, mask, agg=mode)
-            assert torch.equal(loss, rlops.aggregate_loss(a, mask, mode)), (kind, mode)
-
-
-def test_clip_defaults_and_clip_high_following_clip_low():
-    logp, old, adv, mask = make_inputs(torch.float64, 18, spread=0.3)
-    for kind, low, high in (
-        ("ppo", 0.2, 0.2),
-        ("gspo", 3e-4, 4e-4),
-        ("cispo", 0.2, 0.2),
-        ("geo_mean", 0.4, 0.4),
-    ):
-        default, _ = rlops.policy_loss(logp, old, adv, mask, kind=kind, agg=None)
-        given, _ = rlops.policy_loss(
-            logp, old, adv, mask, kind=kind, agg=None, clip_low=low, clip_high=high
-        )
-        assert torch.equal(default, given), kind
-        one, _ = rlops.policy_loss(logp, old, adv, mask, kind=kind, agg=None, clip_low=0.1)
-        both, _ = rlops.policy_loss(
-            logp, old, adv, mask, kind=kind, agg=None, clip_low=0.1, clip_high=0.1
-        )
-        assert torch.equal(one, both), kind
-
-
-def test_sapo_gate_has_ppos_gradient_at_ratio_one():
-    adv = torch.tensor([[1.5, -2.0, 0.3]], dtype=torch.float64)
-    logp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64, requires_grad=True)
-    loss, _ = rlops.policy_loss(
-        logp, logp.detach(), adv, torch.ones(1, 3), kind="sapo", agg="token-sum"
-    )
-    (g,) = torch.autograd.grad(loss, logp)
-    torch.testing.assert_close(g, -adv, rtol=2 * torch.finfo(torch.float64).eps, atol=0)
-
-
-def test_clip_cov_draws_with_the_generator_uniformly():
-    logp, old, adv, mask = make_inputs(torch.float64, 16, spread=0.3)
-    opts = {**OPTIONS["clip_cov"], "clip_cov_ratio": 0.02}
-    cands = sorted(clip_cov_candidates(logp, old, adv, mask, opts))
-    quota = max(int(0.02 * int(mask.sum())), 1)
-    assert len(cands) > quota
-
-    def draw(seed):
-        gen = torch.Generator().manual_seed(seed)
-        mat, _ = rlops.policy_loss(
-            logp, old, adv, mask, kind="clip_cov", agg=None, generator=gen, **opts
-        )
-        return {k for k in cands if mat[k] == 0}
-
-    assert draw(3) == draw(3)
-    counts = dict.fromkeys(cands, 0)
-    trials = 400
-    for seed in range(trials):
-        picked = draw(seed)
-        assert len(picked) == quota
-        for k in picked:
-            counts[k] += 1
-    p = quota / len(cands)  # each candidate's chance; 5 standard deviations either side
-    sd = math.sqrt(trials * p * (1 - p))
-    assert all(abs(c - trials * p) < 5 * sd for c in counts.values()), (counts, trials * p)
-
-
-# --------------------------------------------------------------------------- extreme inputs
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
-@pytest.mark.parametrize("kind", KINDS)
-def test_extreme_inputs_are_finite(kind, dtype):
-    """log-ratios ±50, an all-masked row, one-action rows, a 32K-token row of log-ratio 0.01."""
-    old = torch.tensor(
-        [
-            [0.0, -50.0, -5.0, 0.0],
-            [-50.0, 0.0, -3.0, -3.0],
-            [-1, -1, -1, -1],
-            [-2.0, -2.0, -2.0, -2.0],
-        ],
-        dtype=dtype,
-    )
-    logp = torch.tensor(
-        [
-            [-50.0, 0.0, -5.0, 0.0],
-            [0.0, -50.0, -3.0, -3.0],
-            [-1, -1, -1, -1],
-            [-1.5, -2.0, -2.0, -2.0],
-        ],
-        dtype=dtype,
-    )
-    adv = torch.tensor(
-        [[1.0, -1.0, 2.0, 2.0], [-3.0, 3.0, 2.0, 2.0], [1, 1, 1, 1], [-1.0, 0.0, 0.0, 0.0]],
-        dtype=dtype,
-    )
-    masks = [
-        torch.ones(4, 4),
-        torch.tensor([[0, 0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]]),
-    ]
-    for mask in masks:
-        for mode in AGG_MODES:
-            lp = logp.clone().requires_grad_(True)
-            loss, metrics = run(kind, lp, old, adv, mask, agg=mode)
-            loss.backward()
-            assert torch.isfinite(loss) and torch.isfinite(lp.grad).all(), (mode, mask)
-            assert all(torch.isfinite(v) for v in metrics.values())
-            assert (lp.grad[:, 1:3][mask[:, 1:3] == 0] == 0).all()
-    t = 32768
-    lp = torch.full((1, t), -1.0, dtype=dtype)
-    old = lp - 0.01
-    mat, _ = run(kind, lp, old, torch.ones(1, t, dtype=dtype), torch.ones(1, t), agg=None)
-    assert torch.isfinite(mat).all()
-    if kind in ("gspo", "geo_mean"):  # the row's ratio is e^0.01 (a product would be e^327)
-        d = float(lp[0, 0].double() - old[0, 0].double())  # 0.01 as rounded in dtype
-        want = -math.exp(d)
-        if kind == "gspo":
-            want = -min(math.exp(d), 1 + OPTIONS["gspo"]["clip_high"])
-        eps = torch.finfo(acc_dtype(dtype)).eps
-        assert abs(float(mat[0, 0]) - want) <= 64 * eps, float(mat[0, 0])
-
-
-def test_all_masked_batch_gives_zero_loss_and_gradient():
-    logp, old, adv, _ = make_inputs(torch.float64, 17, b=3, t=5)
-    mask = torch.zeros(3, 5)
-    for kind in KINDS:
-        for mode in AGG_MODES:
-            lp = logp.clone().requires_grad_(True)
-            loss, metrics = run(kind, lp, old, adv, mask, agg=mode)
-            loss.backward()
-            assert loss == 0 and (lp.grad == 0).all(), (kind, mode)
-            assert all(v == 0 or k == "seq_ratio_mean" for k, v in metrics.items())
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_meta_tensors_need_no_host_read(kind):
-    """On meta tensors any host read raises: every kind, with weights, forward and backward."""
-
-    def t(*shape, grad=False, dtype=torch.float32):
-        return torch.empty(*shape, device="meta", dtype=dtype, requires_grad=grad)
-
-    opts = {k: v for k, v in OPTIONS[kind].items() if k != "generator"}
-    for dtype in (torch.float32, torch.bfloat16):
-        lp = t(3, 7, grad=True, dtype=dtype)
-        mask = torch.empty(3, 7, device="meta", dtype=torch.bool)
-        loss, metrics = rlops.policy_loss(
-            lp, t(3, 7, dtype=dtype), t(3, 7), mask, kind=kind, rollout_is_weights=t(3, 7), **opts
-        )
-        loss.backward()
-        count = torch.empty((), device="meta")
-        for mode in AGG_MODES:  # global counts as device tensors are not read either
-            rlops.policy_loss(
-                lp,
-                t(3, 7, dtype=dtype),
-                t(3, 7),
-                mask,
-                kind=kind,
-                agg=mode,
-                num_tokens=count,
-                num_seqs=count,
-                **opts,
-            )[0].backward()
-        cpu, cpu_metrics = rlops.policy_loss(
-            torch.zeros(3, 7, dtype=dtype),
-            torch.zeros(3, 7),
-            torch.zeros(3, 7),
-            torch.ones(3, 7),
-            kind=kind,
-            **opts,
-        )
-        assert loss.shape == cpu.shape and loss.dtype == cpu.dtype
-        assert sorted(metrics) == sorted(cpu_metrics)
-        assert lp.grad.shape == lp.shape
-
-
-# --------------------------------------------------------------------------- bad input
-def test_bad_input_errors_name_the_argument():
-    lp, old, adv, m = make_inputs(torch.float32, 0, b=2, t=3)
-    with pytest.raises(ValueError, match="kind"):
-        rlops.policy_loss(lp, old, adv, m, kind="grpo")
-    with pytest.raises(TypeError, match="dual_clip"):
-        rlops.policy_loss(lp, old, adv, m, kind="cispo", dual_clip=3.0)
-    with pytest.raises(TypeError, match="clip_low"):
-        rlops.policy_loss(lp, old, adv, m, kind="sapo", clip_low=0.2)
-    with pytest.raises(TypeError, match="tau"):
-        rlops.policy_loss(lp, old, adv, m, tau_pos=1.0)
-    with pytest.raises(ValueError, match="clip_cov_lb"):
-        rlops.policy_loss(lp, old, adv, m, kind="clip_cov", clip_cov_lb=5.0, clip_cov_ub=1.0)
-    with pytest.raises(ValueError, match="clip_cov_lb"):
-        rlops.policy_loss(lp, old, adv, m, kind="clip_cov", clip_cov_lb=math.nan)
-    with pytest.raises(TypeError, match="clip_cov_ub"):
-        rlops.policy_loss(lp, old, adv, m, kind="clip_cov", clip_cov_ub=None)
-    with pytest.raises(TypeError, match="clip_low"):
-        rlops.policy_loss(lp, old, adv, m, kind="gspo", clip_low=None)
-    for bad in (0.0, -1.0, 1.5):
-        with pytest.raises(ValueError, match="clip_cov_ratio"):
-            rlops.policy_loss(lp, old, adv, m, kind="clip_cov", clip_cov_ratio=bad)
-        with pytest.raises(ValueError, match="kl_cov_ratio"):
-            rlops.policy_loss(lp, old, adv, m, kind="kl_cov", kl_cov_ratio=bad)
-    for bad in (0.0, -1.0, math.inf, math.nan):
-        with pytest.raises(ValueError, match="tau_neg"):
-            rlops.policy_loss(lp, old, adv, m, kind="sapo", tau_neg=bad)
-    with pytest.raises(ValueError, match="ppo_kl_coef"):
-        rlops.policy_loss(lp, old, adv, m, kind="kl_cov", ppo_kl_coef=-1.0)
-    for kind in ("gspo", "cispo", "clip_cov"):
-        with pytest.raises(ValueError, match="clip_low"):
-            rlops.policy_loss(lp, old, adv, m, kind=kind, clip_low=1.0)
-    with pytest.raises(ValueError, match="clip_high"):
-        rlops.policy_loss(lp, old, adv, m, kind="geo_mean", clip_high=0.0)
-    with pytest.raises(TypeError, match="generator"):
-        rlops.policy_loss(lp, old, adv, m, kind="clip_cov", generator=3)
-    with pytest.raises(ValueError, match="rollout_is_weights"):
-        rlops.policy_loss(lp, old, adv, m, rollout_is_weights=torch.ones(2, 1))
-    with pytest.raises(ValueError, match="rollout_is_weights"):
-        rlops.policy_loss(lp, old, adv, m, rollout_is_weights=torch.ones(3, 2))
-    with pytest.raises(TypeError, match="rollout_is_weights"):
-        rlops.policy_loss(lp, old, adv, m, rollout_is_weights=torch.ones(2, 3, dtype=torch.long))
-    with pytest.raises(ValueError, match="num_tokens"):
-        rlops.policy_loss(lp, old, adv, m, num_tokens=-1)
-    with pytest.raises(ValueError, match="num_seqs"):
-        rlops.aggregate_loss(lp, m, num_seqs=torch.ones(2))
-    with pytest.raises(TypeError, match="num_tokens"):
-        rlops.value_loss(lp, old, adv, m, num_tokens="10")
-    with pytest.raises(TypeError, match="group"):
-        rlops.aggregate_loss(lp, m, group="world")
+@pytest.mark.parametrize("case", ["cispo_seq", "vespo", "dppo_tv", "dppo_kl"])
+def test_constant_weight_cases_have_the_definitions_gradient(case):
+    """cispo, vespo and DPPO weight ∇log π by a constant: the gradient of the token-sum is
+    ``−w·A`` per token with the weight w of the definition (``ℓ = −w·A·log π``, so
+    ``w = −ℓ / (A·log π)``)."""
+    logp, old, adv, mask = inputs(case, F64, 12)
+    if case in ("cispo_seq", "vespo"):
+        adv = per_row_adv(adv, mask)
+    x = logp.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(run_case(case, x, old, adv, mask, agg="token-sum")[0], x)
+    exact = as_tensor(definition(case, logp, old, adv, mask, Exact))
+    keep = mask.bool()
+    w = torch.where(keep, -exact / (adv * logp), 0)
+    torch.testing.assert_close(g, torch.where(keep, -w * adv, 0), rtol=1e-12, atol=1e-14)

@@ -1,12 +1,14 @@
 """The import graph of ``src/rlops`` points down only, has no cycle, and no module reaches into
 another module's private names. Layers (a module may import its own package and lower layers):
 
-    0  _checks, _threads, _backends           (argument checks; the CPU thread pool; the
-                                              compiled backends' failure record and launch)
+    0  _checks, _threads, _backends, _types, _numerics, _triton   (argument checks; the CPU
+                                              thread pool; backends; types; shared Triton code)
     1  scan, distributed                      (the bare recurrence; layout and group helpers)
     2  stats, logprobs                        (leaves)
-    3  advantages, group_advantages, losses, rollout_correction, kl_controllers
-    3.5  selection                            (selection masks; builds on rollout_correction)
+    3  advantages, losses, corrections        (estimators; losses and KL controllers; rollout
+                                              correction and selection masks)
+    3.5  kl_controllers, selection, rollout_correction, group_advantages   (kept import
+                                              paths: thin re-exports of the packages above)
     4  rlops (the package: the public API)
     5  compat, measure, testing               (adapt, measure or check against the core)
     6  cli                                    (the command line, on the measurement harness)
@@ -31,16 +33,18 @@ LAYERS = {
     "rlops._backends": 0,
     "rlops._types": 0,
     "rlops._numerics": 0,
+    "rlops._triton": 0,
     "rlops.scan": 1,
     "rlops.distributed": 1,
     "rlops.stats": 2,
     "rlops.logprobs": 2,
     "rlops.advantages": 3,
-    "rlops.group_advantages": 3,
-    "rlops.kl_controllers": 3,
     "rlops.losses": 3,
-    "rlops.rollout_correction": 3,
-    "rlops.selection": 3.5,  # selection masks, on rollout_correction
+    "rlops.corrections": 3,  # rollout correction and selection masks
+    "rlops.kl_controllers": 3.5,  # the kept import paths: re-exports only
+    "rlops.selection": 3.5,
+    "rlops.rollout_correction": 3.5,
+    "rlops.group_advantages": 3.5,
     "rlops": 4,
     "rlops.compat": 5,
     "rlops.measure": 5,
@@ -130,7 +134,8 @@ def test_no_private_names_across_modules(module):
             if part.startswith("_") and not (module + ".").startswith(holder + "."):
                 bad.append(f"line {line}: private module {target}")
         for n in names:
-            if n.startswith("_") and not same_package:
+            dunder = n.startswith("__") and n.endswith("__")  # ``__all__`` of a re-export
+            if n.startswith("_") and not dunder and not same_package:
                 bad.append(f"line {line}: {target}.{n}")
     assert not bad, f"{module} reaches into private names: {bad}"
 
@@ -191,7 +196,14 @@ def test_scan_knows_nothing_of_rl_or_distribution():
         outside = {
             d
             for d in deps
-            if _unit(d) not in ("rlops.scan", "rlops._checks", "rlops._threads", "rlops._backends")
+            if _unit(d)
+            not in (
+                "rlops.scan",
+                "rlops._checks",
+                "rlops._threads",
+                "rlops._backends",
+                "rlops._triton",
+            )
         }
         assert not outside, f"{m} imports {sorted(outside)}"
         assert "torch.distributed" not in p.read_text(), f"{m} uses torch.distributed"

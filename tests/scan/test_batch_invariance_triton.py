@@ -190,7 +190,7 @@ def test_the_kernels_layout_does_not_depend_on_the_shape(monkeypatch):
 
 
 def _gae_inputs(x):
-    from rlops.advantages.masking import GaeInputs
+    from rlops.advantages._masking import GaeInputs
 
     g = torch.full((x.shape[0],), 0.99)
     return GaeInputs(x, x, None, None, g, g * 0.95)

@@ -1,4 +1,4 @@
-"""The one dispatch of each estimator family (``rlops.scan.dispatch``).
+"""The one dispatch of each estimator family (``rlops.scan._dispatch``).
 
 * ``"auto"`` picks compiled on CPU without a gradient (numba installed), chunked under
   autograd, and never numba while ``torch.compile`` traces.
@@ -26,12 +26,13 @@ from tests.tolerances import needs_numba
 import rlops
 from rlops import _backends
 from rlops._threads import for_each
-from rlops.advantages.gae import RETURNS
 from rlops.advantages.reinforce import REINFORCE
-from rlops.scan import SCAN, dispatch
+from rlops.advantages.returns import RETURNS
+from rlops.scan import SCAN
+from rlops.scan import _dispatch as dispatch
+from rlops.scan._dispatch import CHUNKED, Backend, Case, Row, Table
 from rlops.scan.chunked import scan_chunked
 from rlops.scan.decay import decayed
-from rlops.scan.dispatch import CHUNKED, Backend, Case, Row, Table
 
 TABLES = {"scan": SCAN, "returns": RETURNS, "reinforce": REINFORCE}
 CPU = torch.device("cpu")

@@ -15,11 +15,11 @@ import torch
 from tests._triton_interp import triton  # noqa: F401  (sets TRITON_INTERPRET=1 first)
 
 from rlops import _backends
-from rlops.advantages.gae import RETURNS
 from rlops.advantages.reinforce import REINFORCE
-from rlops.logprobs import _method
+from rlops.advantages.returns import RETURNS
+from rlops.logprobs import _options as _method
 from rlops.scan import SCAN
-from rlops.scan.dispatch import Case
+from rlops.scan._dispatch import Case
 
 TABLES = {"scan": SCAN, "returns": RETURNS, "reinforce": REINFORCE}
 CUDA = torch.device("cuda")

@@ -30,7 +30,7 @@ from tests.oracles import (
 from tests.tolerances import assert_half_matches, assert_within_reference
 
 import rlops
-from rlops.advantages.masking import GaeInputs
+from rlops.advantages._masking import GaeInputs
 from rlops.advantages.reference import gae_reference
 from rlops.advantages.triton import gae_triton, reinforce_returns_triton
 from rlops.scan.reference import scan_reference

@@ -7,7 +7,7 @@ import pytest
 from tests._triton_interp import triton  # noqa: F401  (sets TRITON_INTERPRET=1 first)
 
 import rlops
-from rlops.logprobs import _method
+from rlops.logprobs import _options as _method
 from rlops.testing import check_logprobs
 
 # numpy on the interpreter's masked lanes (exp(-inf), log 0) warns

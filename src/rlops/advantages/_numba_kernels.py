@@ -1,27 +1,9 @@
 """numba kernels behind :mod:`rlops.advantages.compiled` (imported only when numba is installed).
 
-GAE and discounted returns fused with mask skipping, dones and the next-action value, in one
-backward pass over time, four rows at a time with the carries in registers. The rules are
-those of :mod:`rlops.advantages.masking`, applied token by token: at a done the carries are
-*replaced* by 0 (never multiplied), so nothing crosses it, not even NaN. The mask and the dones
-are branches, which the spans of real masks (prompt, tool output, padding) predict well.
-
-The advantage carry is float64 whatever the input dtype: its chain is one fused multiply-add
-(``a = δ + γλ·a``, :func:`rlops.scan.exact_arith.fma`), no longer than a float32 one, so a
-float32 input over 128K tokens keeps the accuracy of a float64 loop (its only errors are the
-rounding of each ``δ``, which does not accumulate along the chain, and of each output). The TD
-residual ``δ`` and the next-action value stay in the input dtype, and inputs are converted as
-they are read (:func:`rlops.scan.exact_arith.set_llvm_optsize`), so the wider carry costs one
-register conversion per token (the output's rounding) instead of two. REINFORCE++ returns have
-their own kernel (:func:`returns_kl`), which builds the token rewards from the KL as it goes.
-
-A bootstrap enters as inputs of the same pass: each row's carry starts from ``init`` (the value
-after the row's end, 0 without one) instead of 0, and with ``cut`` a done *replaces* the carry
-by the value of the state after it (0 where the sequence terminated) instead of by 0. For GAE
-that carry is the next-action value ``nxt``; for discounted returns the return carry itself.
-
-One top-level kernel per combination of inputs (values, mask, dones, cut), so numba's on-disk
-cache keeps them apart and later processes load them instead of compiling.
+GAE, discounted returns and REINFORCE++ returns fused with mask skipping, dones, the
+next-action value and the bootstrap in one backward pass, four rows at a time, the advantage
+carry in float64 (docs/design/scan.md, docs/design/masks.md). One top-level kernel per
+combination of inputs, so numba's on-disk cache keeps them apart.
 """
 
 import numba

@@ -1,32 +1,26 @@
-"""Fused single-pass CPU kernels for GAE and discounted returns (numba, the ``fast`` extra).
-
-Mask skipping, episode ends and the next-action value are handled in the same backward pass
-over time as the advantage, so nothing but the outputs is written. Four rows run at once with
-float64 carries in registers (:mod:`rlops.scan.compiled`). The kernels are in
-:mod:`rlops.advantages._numba_kernels`.
+"""Fused single-pass CPU kernels for GAE, discounted returns and REINFORCE++ returns (numba,
+the ``fast`` extra; the kernels are in ``_numba_kernels.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from rlops.advantages.masking import GaeInputs
+from rlops.advantages._masking import GaeInputs
 from rlops.scan.compiled import as_array, run_rows
 
 __all__ = ["gae_compiled", "reinforce_returns_compiled"]
 
 
 def gae_compiled(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused GAE in one pass; with ``values=None``, discounted returns (pass ``gamma_lam=gamma``).
-
-    :class:`~rlops.advantages.masking.GaeInputs` in the compute dtype (float32/64, CPU), with
-    ``gamma``/``gamma_lam`` in float64: the carry decays by ``gamma_lam`` in float64; ``gamma``
-    enters the TD residual in the input dtype.
-    Returns ``(advantages, returns)``; without values both are the same tensor.
+    """Fused GAE in one pass (with ``values=None``, discounted returns), from a call in the
+    compute dtype (float32/64, CPU) with float64 discounts: the carry decays by ``gamma_lam`` in
+    float64, ``gamma`` enters the TD residual in the input dtype. Returns ``(advantages, returns)``.
     """
     from rlops.advantages._numba_kernels import GAE
 
     rewards, values, mask, dones, cut = x.rewards.contiguous(), x.values, x.mask, x.dones, x.cut
+    gamma, gamma_lam = x.rows()
     n, t_len = rewards.shape
     ret = torch.empty_like(rewards)
     adv = ret if values is None else torch.empty_like(rewards)
@@ -44,8 +38,8 @@ def gae_compiled(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         as_array(dones, n, torch.bool),
         as_array(cut if has_cut else None, n, rewards.dtype),
         init.numpy(),
-        x.gamma.expand(n).to(rewards.dtype).contiguous().numpy(),
-        x.gamma_lam.expand(n).to(torch.float64).contiguous().numpy(),
+        gamma.expand(n).to(rewards.dtype).contiguous().numpy(),
+        gamma_lam.expand(n).to(torch.float64).contiguous().numpy(),
         adv.numpy(),
         ret.numpy(),
     )
@@ -59,13 +53,9 @@ def reinforce_returns_compiled(
     kl_coef: float,
     gamma: torch.Tensor,
 ) -> torch.Tensor:
-    """REINFORCE++ returns in one pass from the KL, the outcome and the mask.
-
-    ``kl`` ``[N, T]`` float32/64 (CPU), ``outcome`` ``[N]`` in ``kl``'s dtype, ``mask``
-    ``[N, T]`` bool, ``gamma`` ``[N]`` float64 with no zero. The token reward
-    ``-kl_coef * kl[t]`` is rounded in ``kl``'s dtype and the outcome added to it on the last
-    action token, as :func:`rlops.reinforce_plus_plus_returns` builds it for the other methods,
-    so nothing but the returns is written.
+    """REINFORCE++ returns in one pass from ``kl`` ``[N, T]`` (float32/64, CPU), ``outcome``
+    ``[N]``, ``mask`` bool and ``gamma`` ``[N]`` float64 with no zero; the token reward is rounded
+    in ``kl``'s dtype, as :func:`rlops.reinforce_plus_plus_returns` builds it.
     """
     from rlops.advantages._numba_kernels import returns_kl
 

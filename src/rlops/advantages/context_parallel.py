@@ -1,46 +1,14 @@
-"""Context-parallel reverse scans that exchange only carries.
+"""Context-parallel reverse scans that exchange only carries (docs/design/context-parallel.md).
 
-Each rank holds whole chunks of every sequence: in the zigzag layout chunks ``r`` and
-``2*cp - 1 - r`` (:mod:`rlops.distributed.layout`), in the contiguous layout chunk ``r``
-(:mod:`rlops.distributed.layout`, ``cp_layout=``). A scan ``y[t] = x[t] + a[t] * y[t+1]`` is
-linear in what enters a chunk from its right, so each chunk is scanned locally with nothing
-entering, and summarised by a few numbers per row:
+A scan is linear in what enters a chunk from its right, so each rank scans its chunks with
+nothing entering and summarises each by ``(local[0], G[0])``:
 
     y_chunk[t] = local[t] + G[t] * Y_in,      G[t] = a[t] * a[t+1] * ... * a[end]
 
-The summaries ``(local[0], G[0])`` of all chunks (``2*cp`` in zigzag, ``cp`` in contiguous) are
-exchanged in **one** ``all_gather`` of ``O(cp)`` numbers per row (independent of T), every rank
-solves the tiny chunk-level recurrence ``Y_k = local_k[0] + G_k[0] * Y_{k+1}`` for all chunks,
-and fixes its own chunks with their ``Y_in``. GAE with masks and dones is two coupled scans (the
-value of the next action token, then the advantage); by linearity the advantage's dependence on
-the value entering from the right is one more local scan, so GAE also needs one collective with
-five numbers per chunk and row.
-
-A bootstrap at the row's end (``bootstrap=`` ``[B]``) is a carry entering the row's last chunk
-from the right: the rank holding that chunk (:func:`rlops.distributed.layout.holds_row_end`)
-enters it into its local scan, exactly as one process does at its last token, and the value
-reaches the other chunks through the exchanged summaries. Truncations inside the row are each
-rank's own data (a cut value at a token), entered locally.
-
-Consistency check (on by default): the exchange is :func:`rlops.distributed.collectives.gather`
-with a :class:`~rlops.distributed.collectives.Call` describing what the rank was asked to do:
-the function (``gae``, ``discounted_returns``, ``discounted_cumsum``,
-``reinforce_plus_plus_returns``), the layout, the rows, the local length, the compute dtype,
-the scan method, the discount's form, the bootstrap's form, the scalar parameters
-(``kl_coef``, a scalar discount) as numbers and the per-row parameters (``gamma``,
-``gamma * lam``, a per-row ``discount``, a per-row ``bootstrap``) as device checksums compared
-bit for bit. The description rides in the same fixed-size first exchange as the summaries when
-they fit (64 numbers, of which the description takes 2 to 5: up to 6 GAE rows, 5 with a per-row
-bootstrap, 7 REINFORCE++ rows, 15 scan rows per rank in zigzag, about twice as many in
-contiguous), so such a call makes one
-collective; larger batches send the summaries in a second ``all_gather`` once the descriptions
-agree. Ranks that make mismatched calls all raise the same ``ValueError`` naming each differing
-argument and every rank's value, instead of hanging on buffers of different sizes or returning
-a result that matches no rank's call. The check reads the digests on the host (a device
-synchronisation on GPUs); ``RLOPS_CP_CHECK=0`` (these calls only) or ``RLOPS_GROUP_CHECK=0``
-(every group check) on every rank turns it off, leaving exactly one collective per call and no
-synchronisation. Mask, dones, truncations and a per-token bootstrap are each rank's own data (an
-absent mask means all action tokens there) and are not compared.
+One ``all_gather`` of the summaries (five numbers per chunk and row for GAE, whose advantage
+also depends on the value entering), the chunk recurrence ``Y_k = local_k[0] + G_k[0] * Y_{k+1}``
+solved on every rank, and each rank fixes its own chunks. The exchange is a checked group call
+(:func:`rlops.distributed.collectives.gather`, docs/design/group-calls.md).
 """
 
 from __future__ import annotations
@@ -48,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from rlops._types import CPLayout
-from rlops.advantages.masking import (
+from rlops.advantages._masking import (
     GaeInputs,
     enter,
     pass_through_decay,
@@ -248,11 +216,11 @@ def bootstrap_fields(end: torch.Tensor | None, cut: torch.Tensor | None, device)
 
 
 def cp_gae(x: GaeInputs, layout: Layout, method, chunk_size=None):
-    """GAE on shards: :class:`~rlops.advantages.masking.GaeInputs` of ``[N, T_local]`` shards,
+    """GAE on shards: :class:`~rlops.advantages._masking.GaeInputs` of ``[N, T_local]`` shards,
     ``end`` the value entering at the row's end (read on the rank that holds it). Returns
     ``(advantages, returns)`` shards (values are required: returns run :func:`cp_scan`)."""
     r, v, mask, dones, cut, end = x.rewards, x.values, x.mask, x.dones, x.cut, x.end
-    gamma, gamma_lam = x.gamma, x.gamma_lam
+    gamma, gamma_lam = x.rows()
     assert v is not None
     n, t_local = r.shape
     rp, vp = layout.pieces(r), layout.pieces(v)

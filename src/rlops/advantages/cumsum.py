@@ -1,7 +1,5 @@
-"""The public discounted reverse scan: argument checks, any time ``dim``, context parallelism.
-
-The recurrence itself is :mod:`rlops.scan`; this module sits with the estimators because its
-``cp_group=`` form uses their carry-only context-parallel scan.
+"""The public discounted reverse scan: checks, any time ``dim``, context parallelism (which is
+why it sits with the estimators, on their carry-only scan, and not in :mod:`rlops.scan`).
 """
 
 from __future__ import annotations
@@ -21,8 +19,7 @@ from rlops._checks import (
 from rlops._types import CPLayout, Group
 from rlops.distributed.collectives import fails_together
 from rlops.distributed.layout import check_cp_layout
-from rlops.scan import SCAN, scan
-from rlops.scan.dispatch import case_of
+from rlops.scan import SCAN, case_of, scan
 
 __all__ = ["discounted_cumsum"]
 
@@ -40,36 +37,28 @@ def discounted_cumsum(
 ) -> torch.Tensor:
     """Discounted reverse cumulative sum along ``dim``: ``y[t] = x[t] + discount[t] * y[t+1]``.
 
-    Equivalently ``y[t] = sum_{k >= t} (prod_{t <= j < k} discount[j]) * x[k]``, with ``y = 0``
-    past the end. The primitive under GAE (``x = delta``, ``discount = gamma * lam``),
-    discounted returns (``x = r``, ``discount = gamma``), episode ends (``discount = 0`` at the
-    last token of a segment) and per-row or per-token discounts.
+    Equivalently ``y[t] = sum_{k >= t} (prod_{t <= j < k} discount[j]) * x[k]``, ``y = 0`` past the
+    end: GAE is ``x = delta``, ``discount = gamma * lam``; a discount of 0 ends a segment.
 
     Args:
-        x: floating tensor, e.g. ``[B, T]`` with time along ``dim``. float16/bfloat16 are
-            accumulated in float32 and returned in their own dtype; float64 stays float64.
+        x: floating tensor, e.g. ``[B, T]`` with time along ``dim``; half precision is accumulated
+            in float32.
         discount: a float in [0, 1], or a tensor broadcastable to ``x`` with values in [0, 1]:
-            one per row (e.g. ``[B, 1]``) or one per token (``[B, T]``). ``discount[t]`` links
-            step t to step t+1. Exactly 0 and exactly 1 are exact.
+            one per row (e.g. ``[B, 1]``) or one per token (``[B, T]``; ``discount[t]`` links
+            step t to t+1). Exactly 0 and exactly 1 are exact.
         dim: the time dimension.
-        method: ``"auto"`` (default), ``"reference"``, ``"chunked"``, ``"compiled"`` or
-            ``"triton"`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``; the
-            ``gpu`` extra).
+        method: ``"auto"``, ``"reference"``, ``"chunked"``, ``"compiled"`` (numba, CPU) or
+            ``"triton"`` (CUDA tensors, or CPU ones under ``TRITON_INTERPRET=1``).
         chunk_size: time steps per chunk for ``"chunked"`` (default 64 for a per-row discount,
-            16 for a per-token one; values below 2 act as 2).
-        cp_group: a context-parallel process group. ``x`` (and a per-token ``discount``) are
-            then this rank's shards along ``dim`` (:func:`rlops.distributed.cp_shard`) and the
-            result is this rank's shard of the full scan; ranks exchange one carry per chunk
-            (one ``all_gather``).
-        cp_layout: the shards' layout: ``"zigzag"`` (Megatron's load-balanced layout, two
-            equal chunks per rank: r and 2·cp−1−r of 2·cp) or ``"contiguous"`` (slime's
-            ``--allgather-cp``: rank r holds the r-th 1/cp of the sequence).
+            16 for a per-token one).
+        cp_group: a context-parallel group: ``x`` (and a per-token ``discount``) are this rank's
+            shards along ``dim`` (:func:`rlops.distributed.cp_shard`), and so is ``y``; one
+            ``all_gather`` of one carry per chunk.
+        cp_layout: ``"zigzag"`` (Megatron's) or ``"contiguous"`` (slime's ``--allgather-cp``).
 
     Returns:
-        ``y``, same shape, dtype and device as ``x``. Differentiable through ``"chunked"``,
-        ``"reference"`` and ``"triton"`` (its backward is the adjoint scan, forward in time);
-        ``"auto"`` picks ``"triton"`` on CUDA tensors when triton imports, else ``"chunked"``
-        when a gradient is needed.
+        ``y``, same shape, dtype and device as ``x``; differentiable through ``"chunked"``,
+        ``"reference"`` and ``"triton"`` (whose backward is the adjoint scan).
 
     Example:
         >>> import torch, rlops

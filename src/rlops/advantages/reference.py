@@ -7,28 +7,22 @@ from __future__ import annotations
 
 import torch
 
-from rlops.advantages.masking import GaeInputs
+from rlops.advantages._masking import GaeInputs
 from rlops.scan.decay import decayed
 
 __all__ = ["gae_reference"]
 
 
 def gae_reference(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE over action tokens, from :class:`~rlops.advantages.masking.GaeInputs` (``[N, T]``
-    in the compute dtype; ``dones`` every sequence end, ``cut`` the value of the state after
-    each, ``end`` the value after the row's end).
-
-    Walking back in time with the (value, advantage) of the next action token as state,
-    starting from ``(end, 0)`` (``(0, 0)`` without ``end``):
+    """GAE over action tokens, the definition: a loop back in time on :class:`GaeInputs` with the
+    (value, advantage) of the next action token as state, from ``(end, 0)`` (or ``(0, 0)``):
 
         at a done:           state = (cut[t], 0)          (nothing flows from t+1)
-        at an action token:  delta = r[t] + gamma * next_value - V[t]
-                             A[t]  = delta + gamma * lam * next_advantage
+        at an action token:  A[t] = r[t] + gamma * next_value - V[t] + gamma * lam * next_advantage
                              state = (V[t], A[t])
-        at a mask-0 token:   A[t] = 0, state passes through unchanged
+        at a mask-0 token:   A[t] = 0, state unchanged
 
-    Returns ``(advantages, returns)``; without values, ``A`` is the discounted return (pass
-    ``gamma_lam = gamma``) and both outputs are the same tensor.
+    Returns ``(advantages, returns)``; without values both are the discounted return.
     """
     rewards, values, mask, dones, cut, end = x.rewards, x.values, x.mask, x.dones, x.cut, x.end
     gamma, gamma_lam = x.gamma, x.gamma_lam

@@ -1,13 +1,6 @@
-"""REINFORCE++ token returns: the discounted returns of the KL-penalised token reward plus
-the outcome score on each row's last action token, over action tokens only.
-
-One table, :data:`REINFORCE`, decides the implementation: on the compiled backend one fused
-kernel reads the KL, the outcome and the mask (full-precision dtypes, no zero discount); on
-the triton backend one Triton kernel does the same (:mod:`rlops.advantages.triton`;
-full-precision dtypes, any discount; forward only); otherwise the token rewards are built and
-handed to :func:`rlops.discounted_returns` with the resolved method (bit for bit what the
-fused numba kernel gives); with ``cp_group=`` the carry-only form of
-:mod:`rlops.advantages.context_parallel`.
+"""REINFORCE++ token returns and their dispatch table :data:`REINFORCE`: one fused numba or
+Triton kernel from the KL (full precision), else the token rewards handed to
+:func:`rlops.discounted_returns`; under ``cp_group=`` the carry-only form.
 """
 
 from __future__ import annotations
@@ -16,6 +9,7 @@ import dataclasses
 
 import torch
 
+import rlops.scan as scan
 from rlops._checks import (
     as_bool_mask,
     as_float_tensor,
@@ -28,28 +22,19 @@ from rlops._checks import (
 )
 from rlops._types import CPLayout, Group
 from rlops.advantages import compiled
-from rlops.advantages.gae import context_parallel_row, discounted_returns
-from rlops.advantages.masking import as_rows
+from rlops.advantages._masking import as_rows
+from rlops.advantages.returns import context_parallel_row, discounted_returns
 from rlops.distributed.collectives import fails_together
 from rlops.distributed.layout import check_cp_layout
-from rlops.scan.dispatch import (
-    CHUNKED,
-    COMPILED,
-    REFERENCE,
-    TRITON_FORWARD,
-    Case,
-    Row,
-    Table,
-    case_of,
-)
 
 __all__ = ["REINFORCE", "reinforce_plus_plus_returns"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """One checked call: ``kl`` ``[B, T]`` and ``outcome`` ``[B]`` in the promoted ``dtype``,
-    ``mask`` bool, ``gamma`` a float or ``[B, 1]`` as given."""
+    """One checked call: ``kl`` ``[B, T]`` and ``outcome`` ``[B]`` in the promoted dtype, ``mask``
+    bool, ``gamma`` a float or ``[B, 1]`` as given.
+    """
 
     kl: torch.Tensor
     outcome: torch.Tensor
@@ -100,25 +85,25 @@ def _context_parallel(method: str, c: Call) -> torch.Tensor:
     return out.to(c.kl.dtype)
 
 
-def _full_precision(case: Case) -> bool:
+def _full_precision(case: scan.Case) -> bool:
     # the fused kernels round the token reward in the input dtype and carry the outcome
     # unrounded; in half precision the two-step form rounds their sum first
     return compute_dtype(case.dtype) == case.dtype
 
 
-def _fusable(case: Case) -> bool:
+def _fusable(case: scan.Case) -> bool:
     # the numba kernel also multiplies its carries (no exact cut at a zero discount)
     return _full_precision(case) and not case.zero_discount()
 
 
 # REINFORCE++ returns: (method, device, grad, dtype, CP) -> implementation
-REINFORCE = Table(
+REINFORCE = scan.Table(
     "reinforce_plus_plus_returns",
     [
         context_parallel_row(_context_parallel),
-        Row((COMPILED,), _fused, when=_fusable),
-        Row((TRITON_FORWARD,), _fused_triton, when=_full_precision),
-        Row((REFERENCE, CHUNKED, COMPILED, TRITON_FORWARD), _two_step),
+        scan.Row((scan.COMPILED,), _fused, when=_fusable),
+        scan.Row((scan.TRITON_FORWARD,), _fused_triton, when=_full_precision),
+        scan.Row((scan.REFERENCE, scan.CHUNKED, scan.COMPILED, scan.TRITON_FORWARD), _two_step),
     ],
 )
 
@@ -176,6 +161,6 @@ def reinforce_plus_plus_returns(
     gamma_ = per_row_discount("gamma", gamma, b, kl)
     dtype = torch.promote_types(rewards.dtype, kl.dtype)
     cp = cp_group is not None
-    case = case_of(kl, rewards, gamma_, dtype=dtype, cp=cp, discounts=(gamma_,))
+    case = scan.case_of(kl, rewards, gamma_, dtype=dtype, cp=cp, discounts=(gamma_,))
     call = Call(kl.to(dtype), rewards.to(dtype), mask, kl_coef, gamma_, cp_group, cp_layout)
     return REINFORCE(method, case, call)

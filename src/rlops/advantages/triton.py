@@ -1,42 +1,11 @@
-"""GAE, discounted returns and REINFORCE++ returns as Triton kernels (CUDA; CPU tensors under
-``TRITON_INTERPRET=1``), each one kernel over the inputs with the rules of
-:mod:`rlops.advantages.masking` applied token by token.
+"""GAE, discounted returns and REINFORCE++ returns as one Triton kernel each (CUDA; CPU tensors
+under ``TRITON_INTERPRET=1``), forward only.
 
-Every estimator is a reverse scan of per-token affine maps on a state of one or two numbers,
-composed with :func:`rlops.scan.triton.compose1` / :func:`rlops.scan.triton.compose2` and run
-by the two-level scheme of :mod:`rlops.scan.triton` (block maps, a scan over blocks, the
-blocks again with their carries):
-
-* discounted returns, state ``G``: an action token ``G ← r + γ·G``; a mask-0 token passes
-  ``G`` through; a done replaces it by 0 (``G ← r`` or ``0``);
-* GAE, state ``(A, W)``, ``W`` the value of the next action token: an action token
-  ``(A, W) ← ((r − V) + γλ·A + γ·W, V)``, a mask-0 token passes both through, a done cuts
-  both before the token is applied. The TD residual ``δ = r + γ·W − V`` is thus not rounded
-  on its own (``r − V`` is, then the products are added);
-* REINFORCE++ returns, state ``(G, O)`` starting from ``(0, outcome)``: an action token
-  ``(G, O) ← (r_kl + γ·G + O, 0)`` with ``r_kl = −kl_coef·kl`` rounded in the input dtype, so
-  the outcome lands on the row's last action token, the first one met walking back.
-
-A bootstrap is an input of the same maps: the row's end value starts the carry (``W`` for GAE,
-``G`` for returns) in place of 0, and at a done the cut value (the value of the state after it,
-0 where the sequence terminated) replaces the carry instead of 0: a done action token maps
-``G ← r + γ·cut`` and ``(A, W) ← ((r − V) + γ·cut, V)``, a done mask-0 token ``G ← cut`` and
-``(A, W) ← (0, cut)``.
-
-Block summaries are five numbers per block and row for the two-number states (the same five
-the context-parallel GAE exchanges per chunk), two for returns. Zero discounts and dones are
-exact cuts (selected, never multiplied), so NaN past a done never reaches earlier tokens.
-Rows whose inputs are half precision accumulate in float32; float64 in float64.
-
-Each block is loaded with contiguous time indices and scanned with
-``tl.associative_scan(..., reverse=True)`` (vector loads), the ``(row, block)`` programs on one
-flat grid. The block, the carry pass's tile and the warps are constants, as in
-:mod:`rlops.scan.triton`: a row's advantages and returns have the same bits whatever the batch
-(its size, the other rows, padding to the right with mask 0). Scalars reach the kernels as
-arguments or ``torch.full`` fills (no host synchronisation), launched under the tensors'
-device (:func:`rlops._backends.launch`).
-
-Forward only: where a gradient is needed, the chunked path keeps it.
+Each is a reverse scan of per-token affine maps on a state of one or two numbers (returns
+``G``; GAE ``(A, W)``, ``W`` the next action token's value; REINFORCE++ ``(G, O)``), composed
+with :func:`rlops.scan.triton.compose1` / ``compose2`` and run by the two-level scheme of
+:mod:`rlops.scan.triton`; the rules of ``_masking.py`` token by token, the bootstrap as the
+carry's start and a done's cut value (docs/design/scan.md, docs/design/masks.md).
 """
 
 from __future__ import annotations
@@ -46,19 +15,17 @@ import triton
 import triton.language as tl
 
 from rlops._backends import launch
-from rlops.advantages.masking import GaeInputs
+from rlops._triton import acc_dtype, cast_to, tl_dtype
+from rlops.advantages._masking import GaeInputs
 from rlops.scan.triton import (
-    acc_dtype,
     block_carries,
     block_cell,
     block_head,
     block_size,
-    cast_to,
     compose1,
     compose2,
     num_warps,
     plane_size,
-    tl_dtype,
 )
 
 __all__ = ["gae_triton", "reinforce_returns_triton"]
@@ -194,13 +161,9 @@ def _indicator(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def gae_triton(x: GaeInputs, *, block_t: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE in one kernel; with ``values=None``, discounted returns (``gamma_lam`` unused).
-
-    :class:`~rlops.advantages.masking.GaeInputs`, with ``rewards`` / ``values`` of any float
-    dtype (read as they are), ``mask`` / ``dones`` bool or 0/1, and ``gamma`` / ``gamma_lam``
-    rounded to the carry dtype (float32, float64 for float64 inputs). Returns
-    ``(advantages, returns)`` in the promoted dtype of the inputs, 0 on mask-0 tokens; without
-    values both are the same tensor. Same semantics as
+    """GAE in one kernel (with ``values=None``, discounted returns) from a :class:`GaeInputs` of any
+    float dtype, the discounts rounded to the carry dtype (float32; float64 for float64 inputs).
+    Returns ``(advantages, returns)`` in the inputs' promoted dtype, as
     :func:`rlops.advantages.reference.gae_reference`.
     """
     r, values, mask, dones, cut, end = (
@@ -215,7 +178,8 @@ def gae_triton(x: GaeInputs, *, block_t: int | None = None) -> tuple[torch.Tenso
     dtypes = (r.dtype,) if values is None else (r.dtype, values.dtype)
     acc = acc_dtype(*dtypes)
     out_dtype = r.dtype if values is None else torch.promote_types(r.dtype, values.dtype)
-    g = x.gamma.reshape(-1).expand(n).to(acc).contiguous()
+    gamma, gamma_lam = x.rows()
+    g = gamma.reshape(-1).expand(n).to(acc).contiguous()
     ret = torch.empty((n, t_len), dtype=out_dtype, device=r.device)
     cut = None if cut is None or dones is None else cut.contiguous()
     # the carry after the row's end: the return (returns) or the next-action value W (GAE)
@@ -226,7 +190,7 @@ def gae_triton(x: GaeInputs, *, block_t: int | None = None) -> tuple[torch.Tenso
              ret, block_t, cut)  # fmt: skip
         return ret, ret
     v = values.contiguous()
-    gl = x.gamma_lam.reshape(-1).expand(n).to(acc).contiguous()
+    gl = gamma_lam.reshape(-1).expand(n).to(acc).contiguous()
     adv = torch.empty_like(ret)
     init = torch.stack([torch.zeros_like(after), after]).contiguous()
     _run(GAE, r, v, _indicator(mask), _indicator(dones), g, gl, None, init, adv, ret, block_t,
@@ -243,13 +207,9 @@ def reinforce_returns_triton(
     *,
     block_t: int | None = None,
 ) -> torch.Tensor:
-    """REINFORCE++ returns in one kernel from the KL, the outcome and the mask.
-
-    ``kl`` ``[N, T]``, ``outcome`` ``[N]``, ``mask`` ``[N, T]`` bool or 0/1, ``gamma`` ``[N]``.
-    The token reward ``−kl_coef·kl[t]`` is rounded in ``kl``'s dtype; the outcome is added on
-    each row's last action token (rows without one get 0s). Returns ``[N, T]`` in the promoted
-    dtype of ``kl`` and ``outcome``, 0 on mask-0 tokens, as
-    :func:`rlops.reinforce_plus_plus_returns`.
+    """REINFORCE++ returns in one kernel from ``kl`` ``[N, T]``, ``outcome`` ``[N]``, ``mask``
+    ``[N, T]`` and ``gamma`` ``[N]``, as :func:`rlops.reinforce_plus_plus_returns` (the token reward
+    rounded in ``kl``'s dtype).
     """
     out_dtype = torch.promote_types(kl.dtype, outcome.dtype)
     k = kl.to(out_dtype).contiguous()

@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import torch
 
-from rlops.cli.display import Progress, fmt_mib, fmt_ms, print_table, say, wrap
+from rlops.cli.display import Progress, fmt_mib, fmt_ms, json_config, print_table, say, wrap
 from rlops.measure import options, sections
 from rlops.measure.options import positive_int
 from rlops.measure.plot import plot_rows
@@ -238,7 +238,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         payload = {
             "command": "bench",
-            "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
+            "config": json_config(args),
             "thread_counts": list(counts),
             "timing": "interleaved: each repeat times every method of a comparison in turn; "
             "seconds: each method at its own fastest thread count (threads)",

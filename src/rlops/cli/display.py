@@ -15,7 +15,7 @@ import sys
 import textwrap
 import time
 
-__all__ = ["Progress", "fmt_mib", "fmt_ms", "fmt_s", "print_table", "say", "wrap"]
+__all__ = ["Progress", "fmt_mib", "fmt_ms", "fmt_s", "json_config", "print_table", "say", "wrap"]
 
 WIDE = 110  # columns for tables written to a file or a pipe (no terminal to wrap at)
 
@@ -60,6 +60,11 @@ def say(*lines: str) -> None:
         else:
             print(line)
     sys.stdout.flush()
+
+
+def json_config(args) -> dict:
+    """The options of a run as its JSON record states them (output paths left out)."""
+    return {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
 
 
 def _new_console():

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from rlops.cli.display import Progress, fmt_mib, fmt_ms, print_table, say, wrap
+from rlops.cli.display import Progress, fmt_mib, fmt_ms, json_config, print_table, say, wrap
 from rlops.cli.model import ModelConfig, TinyTransformer
 from rlops.measure import options
 from rlops.measure.options import positive_int
@@ -290,7 +290,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         payload = {
             "command": "profile",
-            "config": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
+            "config": json_config(args),
             "stages": list(STAGES),
             "results": result,
             "step_peak_bytes": step_peak,

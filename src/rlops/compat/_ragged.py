@@ -1,9 +1,4 @@
-"""Per-sample lists of 1-D tensors <-> one padded ``[B, T_max]`` batch.
-
-The only Python loops here run over samples and their few index runs (to read lengths and to
-cut views), never over tokens: the data goes in with one ``pad_sequence`` (or, for the
-context-parallel layout, slices placed by runs) and comes back as row views (or slices).
-"""
+"""Per-sample lists of 1-D tensors <-> one padded ``[B, T_max]`` batch (loops over samples only)."""
 
 from __future__ import annotations
 
@@ -11,19 +6,6 @@ from collections.abc import Sequence, Sized
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
-
-__all__ = [
-    "Runs",
-    "as_1d_list",
-    "check_counts",
-    "pad",
-    "place",
-    "place_runs",
-    "runs",
-    "split",
-    "take",
-    "take_runs",
-]
 
 
 def as_1d_list(name: str, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -40,10 +22,7 @@ def as_1d_list(name: str, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def check_counts(**per_sample: Sized) -> int:
-    """Each argument has one entry per sample (the same length); returns that length.
-
-    ``zip`` would silently drop the extra entries of a longer list; this names them instead.
-    """
+    """Each argument has one entry per sample (``zip`` would drop extras); that count."""
     counts = {name: len(x) for name, x in per_sample.items()}
     if len(set(counts.values())) > 1:
         detail = ", ".join(f"{name} has {n}" for name, n in counts.items())
@@ -71,13 +50,7 @@ Runs = list[tuple[int, int]]
 
 
 def runs(index: torch.Tensor) -> Runs:
-    """The contiguous increasing runs of a CPU int64 ``index`` ``[n]``, as ``(start, stop)``
-    pairs: ``index`` is the concatenation of ``range(start, stop)`` over them.
-
-    Example:
-        >>> runs(torch.tensor([3, 4, 5, 9, 10, 2]))
-        [(3, 6), (9, 11), (2, 3)]
-    """
+    """The contiguous increasing runs of a CPU int64 ``index``, as ``(start, stop)`` pairs."""
     if index.numel() == 0:
         return []
     cut = ((index[1:] != index[:-1] + 1).nonzero().flatten() + 1).tolist()
@@ -87,14 +60,12 @@ def runs(index: torch.Tensor) -> Runs:
 
 
 def take_runs(x: torch.Tensor, spans: Runs) -> torch.Tensor:
-    """``x`` at the indices of ``spans`` along dim 0, a new tensor (``index_select`` by
-    slicing)."""
+    """``x`` at the indices of ``spans`` along dim 0 (``index_select`` by slicing)."""
     return torch.cat([x[a:b] for a, b in spans]) if spans else x[:0].clone()
 
 
 def place_runs(x: torch.Tensor, spans: Runs, size: int) -> torch.Tensor:
-    """A zero ``[size, ...]`` tensor holding the rows of ``x`` at the indices of ``spans``
-    (increasing, disjoint): the inverse of :func:`take_runs`, differentiable."""
+    """A zero ``[size, ...]`` tensor holding ``x``'s rows at ``spans``; differentiable."""
     pieces, at, read = [x[:0]], 0, 0  # (x[:0]: the result depends on x even with no run)
     for a, b in spans:
         if a < at:
@@ -111,12 +82,7 @@ def place_runs(x: torch.Tensor, spans: Runs, size: int) -> torch.Tensor:
 def place(
     xs: list[torch.Tensor], cols: list[torch.Tensor], width: int, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, list[Runs]]:
-    """Place ``xs[b]`` at columns ``cols[b]`` (CPU, increasing) of row ``b`` of a zero
-    ``[B, width]`` batch, by slices (no index tensor made from host data).
-
-    Returns ``(batch, mask, index)``; ``index`` (each row's column runs) reads the pieces back
-    in order with :func:`take`.
-    """
+    """``xs[b]`` at columns ``cols[b]`` of a zero ``[B, width]`` batch: ``(batch, mask, runs)``."""
     for i, (x, c) in enumerate(zip(xs, cols)):
         if x.numel() != c.numel():
             raise ValueError(

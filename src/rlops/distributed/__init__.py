@@ -1,9 +1,16 @@
-"""Distributed pieces: the context-parallel layouts (zigzag and contiguous), the process-group
-check and the one collective of the small group reductions
-(:mod:`rlops.distributed.collectives`).
+"""Context-parallel layouts: which chunks of a sequence each rank holds, named by ``cp_layout=``
+wherever a function takes ``cp_group=`` (``rlops.gae(..., cp_group=g)``).
 
-The estimators take ``cp_group=`` directly (``rlops.gae(..., cp_group=g)``); this package
-holds the layout helpers.
+* ``"zigzag"`` (Megatron's load-balanced layout): the sequence, padded to a multiple of
+  ``2 * cp``, is cut into ``2 * cp`` equal chunks; rank ``r`` holds chunks ``r`` and
+  ``2*cp - 1 - r``, in that order, so causal attention costs every rank the same.
+* ``"contiguous"`` (slime's ``--allgather-cp``): the sequence, padded at its end to a multiple
+  of ``cp``, is cut into ``cp`` equal chunks; rank ``r`` holds chunk ``r``.
+
+``zigzag_*`` and ``contiguous_*`` are :func:`cp_indices`, :func:`cp_shard` and
+:func:`cp_unshard` with the layout named. The package also holds, for the other packages, the
+one checked collective of the group reductions (``collectives``) and whole-row sums of split
+rows (``rows``): docs/design/group-calls.md, docs/design/context-parallel.md.
 """
 
 from rlops.distributed import layout

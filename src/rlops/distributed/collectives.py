@@ -1,46 +1,13 @@
-"""The one collective of the small group reductions, with the group's consistency check in it.
+"""The one collective of the small group reductions, with the group's consistency check in it
+(docs/design/group-calls.md).
 
-The ``group=`` and ``cp_group=`` paths of the losses, the statistics and rollout correction
-reduce a few numbers per rank (counts, sums, maxima, moments, row summaries). Each does so with
-:func:`gather`: every rank's ``payload`` as float64, gathered in rank order in **one**
-``all_gather``; the caller reduces the ``[world, ...]`` result (a sum over ranks, a maximum,
-Chan's merge) in rank order, so every rank computes the same bits.
-
-**Consistency check** (on by default). A collective whose ranks were asked different things
-either returns numbers that mean different things on each rank (a silently wrong result) or,
-when the payload sizes differ, aborts inside the backend. So every call also describes what
-it was asked to do (:class:`Call`: the function, its mode, kind, level, thresholds, flags,
-the payload's shape) and the description travels with the data:
-
-* the description is reduced to a digest of two integers below ``2**52`` (exact in float64)
-  and placed in front of the payload, followed by any value of the description that lives on
-  the device (a checksum of per-token parameters), bit for bit;
-* the first exchange of every checked call has the same size on every rank, :data:`SLOTS`
-  float64 numbers, whatever the call: a payload that fits is padded to it (no extra round
-  trip), a larger one (its size depends on shapes, e.g. ``[B, k]`` row summaries) follows in a
-  second ``all_gather`` once the digests agree. A rank making another call, or none of the
-  same size, can then never desynchronise the backend before the digests are compared;
-* every rank reads the same ``[world, 2]`` digests (a host read: a synchronisation on
-  accelerators). When they differ, every rank joins one more exchange (``all_gather_object``
-  of the readable descriptions) and raises the same ``ValueError`` naming each argument that
-  differs and each rank's value.
-
-``RLOPS_GROUP_CHECK=0`` in every rank's environment turns the check off: each call then makes
-exactly its data collective (one ``all_gather`` of the payload itself) and reads nothing on the
-host. A family of calls may have a switch of its own as well (``RLOPS_CP_CHECK=0`` for the
-context-parallel scans, ``RLOPS_TP_CHECK=0`` for the tensor-parallel log-prob ops), which turns
-off only its own calls' check. Every rank of a group must call, ranks without data included
-(their payload is zeros). A rank whose own argument checks raise before its collective still
-makes it: the public functions with ``group=`` / ``cp_group=`` are wrapped by
-:func:`fails_together`, which joins the first exchange of each group the rank has not reached
-yet, describing only the argument it rejected, so the others raise a ``ValueError`` naming it
-instead of waiting. A rank that makes no call at all cannot be detected (the others wait in
-the backend).
-
-:func:`exchange` is the same check for a call that needs a few numbers of every rank on the
-host (the tensor-parallel log-prob ops: every shard's size): the first exchange alone, read
-once. A rank whose own argument checks failed still joins it (``failed=``), so the others
-raise a ``ValueError`` naming that rank's rejected argument instead of waiting for it.
+:func:`gather`: every rank's few numbers (counts, sums, maxima, moments, row summaries) as
+float64 in one ``all_gather``, reduced by the caller in rank order. Each call carries a
+:class:`Call`, the description of what the rank was asked to do; its digest rides in a
+first exchange of :data:`SLOTS` numbers, the same size on every rank, so ranks asked
+different things raise the same ``ValueError`` instead of hanging. ``RLOPS_GROUP_CHECK=0``
+(or a family's own switch) removes the check. :func:`exchange` is the same first exchange
+read on the host; :func:`fails_together` makes a rank whose own checks fail join it.
 """
 
 from __future__ import annotations
@@ -131,12 +98,9 @@ class Call:
 
     Args:
         op: the public function (``"policy_loss"``).
-        implied: ``field -> fields it determines``; when ``field`` differs, those are not
-            reported again (a different ``kind`` has different options).
-        **fields: the arguments that must agree, as numbers, strings, None, dtypes or tuples
-            of those (a mapping as a tuple of ``(name, value)`` pairs), or 0-dim tensors on
-            the payload's device (e.g. a checksum of per-token parameters: each travels in a
-            slot of its own, bit for bit, and is never read on the host unless it differs).
+        implied: ``field -> fields it determines``, not reported again when ``field`` differs.
+        **fields: the arguments that must agree: numbers, strings, None, dtypes, tuples of those,
+            or 0-dim tensors on the payload's device (checksums, compared bit for bit).
 
     Example:
         >>> Call("aggregate_loss", mode="token-mean").describe()
@@ -219,26 +183,22 @@ def gather(
     *,
     check: bool | None = None,
 ) -> torch.Tensor:
-    """Every rank's ``payload`` over ``group``, ``[world, *payload.shape]`` float64 (detached,
-    rank order), checking first that every rank makes the same ``call`` (module docstring).
+    """Every rank's ``payload`` over ``group`` after the check that every rank makes the same
+    ``call``.
 
     Args:
-        payload: this rank's numbers, any shape; its size must follow from ``call`` (sizes
-            that may differ across ranks belong in the call's fields).
+        payload: this rank's numbers, any shape; its size must follow from ``call``.
         group: a process group, or None (one process: no collective).
         call: the description of this rank's call.
         name: the argument that holds ``group`` (named in errors).
-        check: whether the consistency check runs; None (the default) asks
-            :func:`check_enabled`. A family of calls with a switch of its own passes
-            ``check_enabled(its_variable)``. Every rank must pass the same value.
+        check: whether the check runs; None asks :func:`check_enabled`. The same on every rank.
 
     Returns:
-        ``[world, *payload.shape]``: row ``r`` is rank ``r``'s payload.
+        ``[world, *payload.shape]`` float64, detached: row ``r`` is rank ``r``'s payload.
 
     Raises:
-        ValueError: the same on every rank, when the ranks' calls differ (or one rank is in
-            another collective of the same group, e.g. over ``cp_group`` while the others are
-            over ``group``): the message names each differing field and every rank's value.
+        ValueError: the same on every rank when the calls differ, naming each differing field
+            and every rank's value.
     """
     world = group_rank_size(group, name)[1]
     flat = payload.detach().to(torch.float64).reshape(-1)
@@ -285,26 +245,20 @@ def exchange(
     *,
     failed: Exception | None = None,
 ) -> list[list[float]]:
-    """Every rank's small ``payload`` over ``group`` on the host, after the check that every
-    rank makes the same ``call``: one ``all_gather`` of :data:`SLOTS` float64 numbers and one
-    host read, whatever :func:`check_enabled` says (the caller decides whether to call).
+    """Every rank's small ``payload`` over ``group`` on the host, after the check that every rank
+    makes the same ``call``: one ``all_gather`` of :data:`SLOTS` numbers, one host read.
 
     Args:
-        payload: this rank's numbers (at most :data:`SLOTS` minus the call's head); they may
-            differ across ranks (e.g. each shard's size).
-        group: a process group of ``world`` ranks, or None (one process: no collective).
-        call: the description of this rank's call (:class:`Call`).
+        payload: this rank's numbers (at most :data:`SLOTS` minus the call's head); may differ
+            across ranks (e.g. each shard's size).
+        group: a process group, or None (one process: no collective).
+        call: the description of this rank's call.
         name: the argument that holds ``group`` (named in errors).
-        failed: the error this rank's own checks raised, if any: the rank joins the exchange
-            (describing only ``call.op`` and the rejected argument, the error message's first
-            word) and then raises it; the other ranks raise a ``ValueError`` naming it.
+        failed: the error this rank's own checks raised, if any: the rank joins, then raises it;
+            the others raise a ``ValueError`` naming its rejected argument.
 
     Returns:
         ``[world][payload.numel()]`` Python floats, rank order.
-
-    Raises:
-        ValueError: the same on every rank whose own checks passed, when the calls differ
-            (:func:`gather`'s message; :data:`REJECTED` names a rank's rejected argument).
     """
     world = group_rank_size(group, name)[1]
     flat = payload.detach().to(torch.float64).reshape(-1)
@@ -367,18 +321,11 @@ def _join_rejecting(
 
 
 def fails_together(*aliases: str) -> Callable[[F], F]:
-    """Decorate a public function whose ``group=`` / ``cp_group=`` calls gather through
-    :func:`gather`: when a rank's own argument checks raise (``ValueError`` / ``TypeError``)
-    before it reaches a group's collective, it still joins that collective's first exchange,
-    rejecting, and then raises its own error; every other rank raises a ``ValueError`` naming
-    the rejected argument, instead of waiting forever for the rank that left.
-
-    The groups are joined in the order the ranks gather on them (``cp_group``, then ``group``),
-    each one this rank has not gathered on yet in this call; so a rank whose ``cp_group``
-    peers rejected also fails ``group`` together. Only with the consistency check on
-    (:func:`check_enabled` with ``aliases``, the family's own switch): without it a failing
-    rank cannot be told from a slow one. Not while ``torch.compile`` traces; a nested public
-    call leaves it to the outer one.
+    """Decorate a public function with ``group=`` / ``cp_group=``: a rank whose own argument
+    checks raise before a group's collective still joins its first exchange (``cp_group``, then
+    ``group``), rejecting, then raises; the others raise a ``ValueError`` naming the rejected
+    argument. Only with the check on (:func:`check_enabled` with ``aliases``); not while
+    ``torch.compile`` traces; a nested public call leaves it to the outer one.
     """
 
     def wrap(fn: F) -> F:

@@ -1,20 +1,6 @@
-"""Context-parallel layouts: which chunks of a sequence each rank holds.
-
-Two layouts, named by ``cp_layout=`` wherever a context-parallel scan takes ``cp_group=``:
-
-* ``"zigzag"`` (Megatron's load-balanced layout): the sequence, padded to a multiple of
-  ``2 * cp``, is cut into ``2 * cp`` equal chunks; rank ``r`` holds chunks ``r`` and
-  ``2*cp - 1 - r``, concatenated in that order, so causal attention costs every rank the same.
-* ``"contiguous"`` (slime's ``--allgather-cp``): the sequence, padded at its end to a multiple
-  of ``cp``, is cut into ``cp`` equal chunks; rank ``r`` holds chunk ``r``.
-
-Either way a rank's shard is a concatenation of whole chunks, and a reverse scan needs from the
-other ranks only one carry per chunk (:mod:`rlops.advantages.context_parallel`). In both the
-row's last chunk is the *last* piece of one rank's shard (rank 0's second chunk in zigzag, rank
-``cp - 1``'s in contiguous): :func:`holds_row_end` says which.
-
-``zigzag_*`` and ``contiguous_*`` are :func:`cp_indices`, :func:`cp_shard` and
-:func:`cp_unshard` with the layout named.
+"""Context-parallel layouts (:mod:`rlops.distributed`): a rank's shard is whole chunks side by
+side, so a reverse scan needs one carry per chunk from the others; the row's last chunk ends
+one rank's shard (:func:`holds_row_end`).
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
-"""Whole-row (whole-sequence) sums of a ``[B, T]`` batch whose rows may be split over the ranks
-of a context-parallel group, or packed with several sequences each.
-
-A sequence-level quantity (GSPO's sequence ratio, GMPO's geometric mean, the ``seq-mean-*``
-aggregations, sequence IS weights, row rejection statistics) is a function of per-row sums
-(and maxima) over the row's action tokens. :class:`Rows` forms them: each rank sums its own
-tokens, and under context parallelism one :func:`rlops.distributed.collectives.gather` of
-``[B, K, k]`` float64 summaries per rank over ``cp_group`` completes them (``K`` sequences per
-row, ``k`` columns: the action count, then each requested sum and maximum); nothing of size
-``T`` crosses ranks. Sums and maxima do not depend on the order of the tokens, so any split of
-a row over the ranks works: Megatron's load-balanced zigzag (rank ``r`` holds chunks ``r`` and
-``2·cp − 1 − r``) and the contiguous split (rank ``r`` holds chunk ``r``) alike; ``cp_layout``
-is accepted, checked and compared across ranks so that every context-parallel function takes
-the same arguments.
-
-Packed rows: with ``seq_ids`` (``[B, T]`` integers in ``[0, seqs_per_row)``, the sequence of
-row ``b`` each token belongs to) every per-row quantity is per ``(row, sequence)`` instead:
-``[B, K]`` with ``K = seqs_per_row`` (grouped sums, ``scatter_add``; no loop over tokens). From
-``dones`` (1 on each sequence's last token) build them on the whole row before sharding it:
-``seq_ids = dones.cumsum(-1) - dones`` (then shard ``seq_ids`` as the other tensors).
+"""Whole-row (whole-sequence) sums and maxima of a ``[B, T]`` batch whose rows may be split over
+a context-parallel group or packed with several sequences (``seq_ids``): each rank sums its own
+tokens and one checked ``gather`` of ``[B, K, k]`` summaries completes them
+(docs/design/context-parallel.md). From ``dones``, build ``seq_ids = dones.cumsum(-1) - dones``
+on the whole row before sharding it.
 """
 
 from __future__ import annotations
@@ -38,8 +23,9 @@ __all__ = ["Rows"]
 
 
 def _check_inside(group: Group, cp_group: Group) -> None:
-    """``group`` (DP×CP) must hold every rank of ``cp_group``: a DP-only group would count the
-    tokens of one CP rank only (a silently wrong normaliser)."""
+    """``group`` (DP×CP) must hold every rank of ``cp_group`` (a DP-only group would count one CP
+    rank's tokens only).
+    """
     inner = set(dist.get_process_group_ranks(cast(dist.ProcessGroup, cp_group)))
     outer = set(dist.get_process_group_ranks(cast(dist.ProcessGroup, group)))
     if not inner <= outer:
@@ -52,20 +38,9 @@ def _check_inside(group: Group, cp_group: Group) -> None:
 
 class Rows:
     """The rows of a ``[B, T]`` batch (or, with ``seq_ids``, its packed sequences) and their
-    whole sums under context parallelism.
-
-    Checks its arguments (``ValueError`` / ``TypeError`` naming them). Every method returns
-    ``[B, K]`` (``K`` = 1 without ``seq_ids``): one value per whole row (sequence), the same on
-    every rank of ``cp_group``.
-
-    * :meth:`sums` / :meth:`means`: whole-row sums or means of per-token tensors (0 off the
-      mask), detached: one collective over ``cp_group`` for all of them, which also completes
-      the action counts (:attr:`count`); one process: local sums, no collective.
-    * :meth:`local`: this rank's partial row sums (differentiable), for a loss whose per-rank
-      share divides them by whole-row quantities.
-    * :meth:`per_token`: ``[B, K]`` back to ``[B, T]`` (each token gets its row's value).
-    * :attr:`nonempty` (rows with an action token on some rank) and :attr:`counted` (the same,
-      on CP rank 0 only: summed over a DP×CP group, each row counts once).
+    whole sums under context parallelism: every method returns ``[B, K]`` (``K`` = 1 without
+    ``seq_ids``), one value per whole row, the same on every rank of ``cp_group``; one
+    collective over ``cp_group`` completes all the sums of a call (and the action counts).
 
     Args:
         keep: ``[B, T]`` bool action mask (checked by the caller).

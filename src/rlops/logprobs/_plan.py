@@ -1,12 +1,5 @@
-"""The plan of one log-prob call on this rank's vocabulary shard: what the chunk engine reads.
-
-One frozen object instead of a dozen positional arguments. The op's preamble
-(:func:`rlops.logprobs._engine.prepare`) fixes the call: the tokens, this shard's place in
-the vocabulary, the chunk, the compute dtype, the flags, the sampler. Each pass then binds its
-tensors with :func:`dataclasses.replace`: the flattened targets and keep mask (forward and
-backward), the sampler's per-token threshold, and in the backward the saved statistics and the
-upstream gradients. Nothing in a plan is modified; its tensors are only read (but for the
-threshold buffer that the forward's chunks fill in one process).
+"""The frozen plan of one log-prob call on this rank's vocabulary shard: what the chunk loops
+read. The preamble fixes the call; each pass binds its tensors with ``dataclasses.replace``.
 """
 
 from __future__ import annotations
@@ -16,50 +9,23 @@ from dataclasses import dataclass, replace
 import torch
 
 from rlops._types import Group
-from rlops.logprobs import _shard, _support
-from rlops.logprobs._head import Head
+from rlops.logprobs import _softmax, _support
+from rlops.logprobs._softmax import Head
 from rlops.logprobs._support import Sampler
-
-__all__ = ["Plan"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """One call of a log-prob op, as this rank's chunk loops run it.
 
-    Fixed for the call:
-
-    - ``rows``: N, the tokens (the rows of the ``[N, V_local]`` logits);
-    - ``v_local``, ``start``: this shard's vocabulary size and first id;
-    - ``chunk``: tokens per chunk; ``dtype``: the compute dtype (float32, or float64);
-      ``device``; ``lead``: the outputs' shape ``[...]``;
-    - ``temperature`` (``inv_tau = 1 / temperature``), ``with_entropy``, ``entropy_grad``;
-    - ``logit_scale``, ``softcap``: the head's map before the temperature
-      (:class:`rlops.logprobs._head.Head`, :attr:`head`);
-    - ``sum_pi_squared``: the statistics also carry each shard's own ``Σ p²`` of the log-prob
-      distribution (the op's third output, ``Σ_v p_v²``);
-    - ``masked``: the log-prob is over a support (a keep mask, or the sampler's without
-      ``over_support``), so that the statistics carry a second ``(m, s)``;
-    - ``sampler``, ``over_support``: the sampler's filters, and whether the entropy too is
-      over their support;
-    - ``group``, ``world``: the tensor-parallel group and its size (1: one process).
-
-    Bound per pass (None when not bound):
-
-    - ``target`` ``[N]`` int64 and ``keep`` ``[N, V_local]`` bool (None: no keep mask);
-    - ``rows_of`` ``[N]`` int64: with a row ``mask`` whose valid rows were compacted (the host
-      read their number), the original row of each of the plan's ``N`` rows, the valid ones;
-      ``total`` then is the original number of rows. ``row_valid`` ``[N]`` bool: a row mask not
-      compacted (accelerators, ``torch.compile``: every row is computed and the masked ones are
-      zeroed, no host read). At most one of the two;
-    - ``support_rows``, ``support_ids`` ``[nnz]`` (int32 or int64 rows, int64 ids): a CSR
-      support as (row of the plan, global vocabulary id) pairs, rows non-decreasing
-      (:meth:`keep_rows` builds each chunk's keep mask from them);
-    - ``threshold`` ``[N, 1]``: the sampler's support is ``z ≥ threshold``;
-    - backward: ``saved``, the per-token statistics of :func:`rlops.logprobs._shard.merge`
-      as ``[N, 1]`` columns ``(M, log S)`` of the log-prob distribution then ``(M, log S, H)``
-      of the unmasked one (:func:`rlops.logprobs._shard.unpack_saved`), and the upstream
-      gradients ``g_logp``, ``g_ent`` ``[N, 1]`` in the compute dtype (None: no gradient).
+    Fixed for the call: ``rows`` (N tokens), this shard's ``v_local`` and first id ``start``,
+    ``chunk``, the compute ``dtype``, ``device``, the outputs' shape ``lead``, the head's map,
+    the flags, ``masked`` (the log-prob is over a support: two ``(m, s)`` in the statistics),
+    the ``sampler``, ``group`` and ``world``. Bound per pass (None when not): the flat
+    ``target`` ``[N]`` and ``keep`` ``[N, V_local]``; a row mask as ``rows_of`` (the valid rows,
+    compacted; ``total`` rows in all) or ``row_valid`` ``[N]`` bool (computed and zeroed); a
+    CSR support as ``(support_rows, support_ids)`` pairs; the sampler's ``threshold``
+    ``[N, 1]``; in the backward the ``saved`` statistics and the upstream gradients.
     """
 
     rows: int
@@ -149,7 +115,7 @@ class Plan:
         """Tokens ``i:j``: ``([C, 1]`` target column in the shard, ``[C, 1]`` bool: in it)."""
         if self.target is None:
             raise RuntimeError("the plan has no target bound")
-        return _shard.target_index(self.target[i:j], self.start, self.v_local)
+        return _softmax.target_index(self.target[i:j], self.start, self.v_local)
 
     def keep_rows(self, i: int, j: int) -> torch.Tensor | None:
         """Tokens ``i:j`` of the keep mask ``[C, V_local]`` (from the CSR support: a chunk's

@@ -1,55 +1,24 @@
-"""The sampler's support (min-p, top-k, top-p) of one chunk of scaled logits, as a threshold.
+"""The sampler's support (min-p, top-k, top-p) as a per-token threshold: ``z ≥ t``.
 
-Every filter keeps the logits at or above a per-token threshold, so the support of a chunk
-``z`` ``[C, V]`` (already divided by the temperature, in the compute dtype) is ``z ≥ t`` with
-``t`` ``[C, 1]``. The filters compose in vLLM's order (``vllm/v1/sample``: temperature, then
-min-p, then top-k and top-p on what is left):
-
-- min-p: ``p_v ≥ min_p · max p`` ⇔ ``z_v ≥ max z + log min_p``;
-- top-k: ``t_k`` = the k-th largest value; every logit ``≥ t_k`` is kept, so ties with the
-  k-th value are all kept (vLLM's ``apply_top_k_only`` and ``apply_top_k_top_p`` mask
-  ``logits < k-th value``);
-- top-p: over the distribution renormalised on what min-p and top-k kept, sorted descending,
-  the smallest prefix whose mass reaches ``p`` (the token that crosses ``p`` is kept: its mass
-  *before* it is ``< p``); ``t_p`` is that token's value, and every logit ``≥ t_p`` is kept.
-  vLLM sorts ascending and drops the positions whose cumulative mass is ``≤ 1 − p``, the same
-  rule except at a tie across the boundary, where it keeps an arbitrary (sort-order) subset of
-  the tied tokens; keeping them all makes the support a function of the values alone.
-
-The forward saves the threshold (one number per token) and the backward rebuilds the support
-as ``z ≥ t`` from it, so both see the same support without sorting again. It is piecewise
-constant in the logits: no gradient flows through it.
-
-Cost per chunk: min-p a max; top-k alone a ``topk``; top-k with top-p a sorted ``topk`` of k
-values and one count of the ties it left out (all at the threshold); top-p without top-k (or a
-per-token top-k) a full sort of the chunk, the expensive case.
-
-Vocabulary shards (tensor parallel): the global k largest values lie among the shards' own k
-largest, so each shard sends those, its k-th value and the count of its ties with it left out
-(:func:`candidates_chunk`), and every rank derives the same global threshold
-(:func:`merged_threshold`). Top-p is then taken over the top-k candidates, which is why this
-merge needs a scalar top-k; top-p without top-k and a per-token top-k use the radix select of
-:mod:`rlops.logprobs._radix` instead.
+In one process each chunk finds its threshold (:func:`threshold_chunk`); over a sharded
+vocabulary the shards merge their top-k candidates (:func:`candidates_chunk`,
+:func:`merged_threshold`) or run a radix select (:func:`radix_threshold`: top-p without top-k,
+a per-token top-k). A CSR support becomes each chunk's keep mask (:func:`chunk_keep`). The
+rules, vLLM's order and the collectives' count: ``docs/design/logprobs.md``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from rlops._checks import values_checked
-
-__all__ = [
-    "Sampler",
-    "candidates_chunk",
-    "chunk_keep",
-    "csr_entries",
-    "merged_threshold",
-    "n_candidates",
-    "threshold_chunk",
-]
+from rlops._types import Group
 
 # A per-token parameter is a [C, 1] tensor (rows of the chunk); a scalar is a Python number.
 TopK = int | torch.Tensor | None
@@ -98,13 +67,8 @@ def _maximum(t: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
 
 
 def threshold_chunk(z: torch.Tensor, top_k: TopK, top_p: TopP, min_p: TopP) -> torch.Tensor:
-    """``[C, 1]``: the support's threshold per token of scaled logits ``z`` (not modified);
-    ``-inf`` where every token is kept.
-
-    ``top_k``: int ``≥ 1`` or ``[C, 1]`` int64 (values ``≥ V`` keep everything); ``top_p``:
-    float in ``(0, 1]`` or ``[C, 1]`` in ``z``'s dtype; ``min_p``: float in ``[0, 1]`` or
-    ``[C, 1]``; None: that filter is off.
-    """
+    """``[C, 1]``: the support's threshold per token of scaled logits ``z`` (not modified), ``-inf``
+    where every token is kept. Each parameter: a scalar, a ``[C, 1]`` tensor, or None (off)."""
     v = z.shape[1]
     if isinstance(top_p, float) and top_p >= 1.0:
         top_p = None
@@ -156,6 +120,25 @@ def _top_p_threshold(
     return t_p
 
 
+def support_applied(
+    z: torch.Tensor,
+    own: bool,
+    idx: torch.Tensor,
+    in_range: torch.Tensor,
+    threshold: torch.Tensor,
+    over_support: bool,
+) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
+    """The sampler's support ``z ≥ threshold`` on a chunk: ``(z, own, keep)``. Without
+    ``over_support`` it is the keep mask; with it the logits outside (the target always in)
+    become ``-inf`` and no mask is needed."""
+    keep = z >= threshold
+    if not over_support:
+        return z, own, keep
+    keep.scatter_(1, idx, keep.gather(1, idx) | in_range)
+    z = z.masked_fill_(~keep, float("-inf")) if own else z.masked_fill(~keep, float("-inf"))
+    return z, True, None
+
+
 # --------------------------------------------------------------------------- tensor parallel
 def n_candidates(top_k: int | None) -> int:
     """Columns of :func:`candidates_chunk`: ``K`` values, the K-th again, the ties left out."""
@@ -163,14 +146,9 @@ def n_candidates(top_k: int | None) -> int:
 
 
 def candidates_chunk(z: torch.Tensor, top_k: int | None) -> torch.Tensor:
-    """``[C, K + 2]``: one vocabulary shard's candidates for the global threshold.
-
-    The shard's ``K = top_k`` largest values sorted descending (``-inf``-padded when the shard
-    holds fewer; ``K = 1``, the max, without top-k), its K-th value ``v`` and the number of its
-    tokens ``≥ v`` left out (ties with ``v``). The global k largest values lie among the
-    shards' candidates, and every token ``≥`` the global k-th value not among them is such a
-    tie, so the threshold follows from the candidates exactly (:func:`merged_threshold`).
-    """
+    """``[C, K + 2]``: this shard's ``K = top_k`` largest values, descending (``-inf``-padded;
+    ``K = 1``, the max, without top-k), its K-th value ``v`` and how many of its tokens ``≥ v``
+    were left out (ties): the global threshold follows exactly (:func:`merged_threshold`)."""
     k = top_k or 1
     kk = min(k, z.shape[1])
     vals = z.topk(kk, dim=1).values
@@ -207,14 +185,9 @@ def merged_threshold(
 def csr_entries(
     ids: torch.Tensor, offsets: torch.Tensor, rows_of: torch.Tensor | None, total: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A CSR support (``ids`` ``[nnz]``, ``offsets`` ``[total + 1]``) as ``(rows, ids)``
-    ``[nnz']`` pairs, rows non-decreasing: ids int64, rows int32 (int64 from ``2³¹`` entries
-    or rows on, and where a compacted row mask renumbers them).
-
-    The row of entry ``e`` is the number of ``offsets[1:]`` at or below ``e`` (a
-    ``searchsorted``: no host read). ``rows_of`` (the valid rows of a compacted row mask,
-    increasing): the rows renumbered to their compacted positions and the entries of the other
-    rows dropped (a host-sized selection, on the host path only)."""
+    """A CSR support as ``(rows, ids)`` ``[nnz']`` pairs, rows non-decreasing (int32 below ``2³¹``
+    entries and rows; a ``searchsorted``, no host read); with ``rows_of`` (a compacted row mask)
+    renumbered to the compacted rows, the others' entries dropped."""
     ids = ids.long()
     e = torch.arange(ids.numel(), dtype=torch.int64, device=ids.device)
     small = ids.numel() < 2**31 and total < 2**31  # int32 rows: half the bytes kept per entry
@@ -232,16 +205,9 @@ def csr_entries(
 def chunk_keep(
     rows: torch.Tensor, ids: torch.Tensor, i: int, c: int, start: int, v_local: int
 ) -> torch.Tensor:
-    """``[c, v_local]`` bool: the keep mask of rows ``i : i + c`` over the vocabulary ids
-    ``[start, start + v_local)``, from CSR pairs ``(rows, ids)`` (rows non-decreasing). A
-    duplicate id sets the same entry twice: a set, the same as once.
-
-    On CPU where values are read (:func:`values_checked`): the chunk's entries found by a
-    ``searchsorted``, those in the vocabulary range selected (a host-sized index), and set; the
-    temporaries beside the mask are a few bytes per entry of the chunk. Elsewhere, accelerators
-    with ``RLOPS_CHECK_VALUES=1`` included (no host read): every entry is tested against the
-    chunk and the range, those outside written to one spare element (``O(nnz)`` per chunk, one
-    int64 and a few bool temporaries of ``nnz``)."""
+    """``[c, v_local]`` bool: the keep mask of rows ``i : i + c`` over ids ``[start, start +
+    v_local)`` from CSR pairs (rows non-decreasing). On CPU where values are read, the chunk's
+    entries are found by a ``searchsorted``; elsewhere every entry is tested (no host read)."""
     keep = torch.zeros(c * v_local + 1, dtype=torch.bool, device=rows.device)
     # the host path on CPU only: on an accelerator RLOPS_CHECK_VALUES=1 makes the value checks
     # read, never this path (its CPU bounds would meet device rows; the hot path must not change)
@@ -259,3 +225,181 @@ def chunk_keep(
     flat.mul_(v_local).add_(ids).sub_(start).masked_fill_(~ok, c * v_local)
     keep[flat] = True
     return keep[: c * v_local].view(c, v_local)
+
+
+# --------------------------------------------------------------------------- radix select
+_BINS = 256
+# The bits flipped in a negative float's pattern (all but the sign), per compute dtype.
+_MAGNITUDE = {torch.float32: (1 << 31) - 1, torch.float64: (1 << 63) - 1}
+_INT = {torch.float32: torch.int32, torch.float64: torch.int64}
+# ``logits(i, j)``: ``(scaled logits of tokens i:j in the compute dtype, own)`` of this shard.
+Logits = Callable[[int, int], tuple[torch.Tensor, bool]]
+
+
+class Passes(Protocol):
+    """What the radix select reads of the engine's plan: the rows, their chunks, the group."""
+
+    @property
+    def rows(self) -> int: ...
+    @property
+    def chunk(self) -> int: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def group(self) -> Group: ...
+    @property
+    def sampler(self) -> Sampler | None: ...
+    @property
+    def starts(self) -> range: ...
+
+
+def uses_radix(sampler: Sampler) -> bool:
+    """Whether the sharded threshold needs the radix select: a per-token top-k, or top-p
+    (below 1) without top-k; else the candidates' merge serves (a scalar top-k, or min-p)."""
+    top_p = sampler.top_p
+    no_top_p = top_p is None or (not isinstance(top_p, torch.Tensor) and top_p >= 1.0)
+    return isinstance(sampler.top_k, torch.Tensor) or (sampler.top_k is None and not no_top_p)
+
+
+def rounds(dtype: torch.dtype) -> int:
+    """Radix rounds (key bytes) for the compute dtype: 4 for float32, 8 for float64."""
+    return 8 if dtype == torch.float64 else 4
+
+
+def float_key(z: torch.Tensor) -> torch.Tensor:
+    """int64 keys of float32 / float64 values with their order (a negative float's bits flipped
+    but its sign): ``-0.0`` just below ``+0.0``, ``-inf`` below every finite value."""
+    bits = z.view(_INT[z.dtype]).to(torch.int64)
+    return torch.where(bits < 0, bits ^ _MAGNITUDE[z.dtype], bits)
+
+
+def key_float(key: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of :func:`float_key`: the values of int64 ``key`` in ``dtype``."""
+    bits = torch.where(key < 0, key ^ _MAGNITUDE[dtype], key)
+    return bits.to(_INT[dtype]).view(dtype)
+
+
+def _histograms(
+    plan: Passes,
+    logits: Logits,
+    shift: int,
+    prefix: torch.Tensor | None,
+    *,
+    lower: torch.Tensor | None,
+    ref: torch.Tensor | None,
+) -> torch.Tensor:
+    """``[1 or 2, N, 256]``: per token, the count (and with ``ref``, the mass ``exp(z − ref)``)
+    of this shard's logits ``≥ lower`` whose key above bit ``shift + 8`` is ``prefix``
+    (all of them when ``prefix`` is None), binned by the key's byte at ``shift``."""
+    dtype = plan.dtype
+    hist = torch.zeros((1 if ref is None else 2, plan.rows, _BINS), dtype=dtype, device=plan.device)
+    for i in plan.starts:
+        z = logits(i, i + plan.chunk)[0]
+        j = i + z.shape[0]
+        key = float_key(z)
+        if prefix is None:  # the top byte, signed: -128..127
+            bins = (key >> shift) + _BINS // 2
+            keep = None
+        else:
+            bins = (key >> shift) & (_BINS - 1)
+            keep = (key >> (shift + 8)) == prefix[i:j]
+        if lower is not None:
+            above = z >= lower[i:j]
+            keep = above if keep is None else keep & above
+        ones = torch.ones_like(z) if keep is None else keep.to(dtype)
+        hist[0, i:j].scatter_add_(1, bins, ones)
+        if ref is not None:
+            hist[1, i:j].scatter_add_(1, bins, (z - ref[i:j]).exp_().mul_(ones))
+    return hist
+
+
+def _exclusive_from_top(x: torch.Tensor) -> torch.Tensor:
+    """``[N, 256]`` → per bin, the sum over the bins above it (exclusive)."""
+    incl = x.flip(1).cumsum(1).flip(1)
+    return torch.cat([incl[:, 1:], torch.zeros_like(incl[:, :1])], dim=1)
+
+
+def _select(
+    plan: Passes,
+    logits: Logits,
+    *,
+    k: torch.Tensor | None = None,
+    p: float | torch.Tensor | None = None,
+    ref: torch.Tensor | None = None,
+    lower: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The key ``[N, 1]`` int64 of the k-th largest value (``k`` given) or of top-p's crossing
+    value among the logits ``≥ lower`` (``p``, masses relative to ``ref``): one all-reduce of
+    the summed histograms per round, the same bin picked on every rank."""
+    dtype = plan.dtype
+    bins = torch.arange(_BINS, device=plan.device)
+    prefix: torch.Tensor | None = None
+    target: torch.Tensor | None = None  # top-p: p·S, the mass to reach
+    above: torch.Tensor | None = None  # top-p: the mass above the prefix found so far
+    left = None if k is None else k.to(dtype).clamp(min=1)  # top-k: the rank still to reach
+    n_rounds = rounds(dtype)
+    for r in range(n_rounds):
+        shift = 8 * (n_rounds - 1 - r)
+        hist = _histograms(plan, logits, shift, prefix, lower=lower, ref=ref)
+        dist.all_reduce(hist, op=dist.ReduceOp.SUM, group=plan.group)
+        count = hist[0]
+        count_above = _exclusive_from_top(count)
+        if left is not None:
+            if r == 0:  # k >= V: the smallest value, which keeps every logit
+                left = torch.minimum(left, count_above[:, :1] + count[:, :1])
+            b = ((count_above + count) >= left).sum(dim=1, keepdim=True).sub_(1).clamp_(0)
+            left = left - count_above.gather(1, b)
+        elif p is not None:
+            mass, mass_above = hist[1], _exclusive_from_top(hist[1])
+            if target is None or above is None:  # the first round
+                above = torch.zeros_like(mass[:, :1])
+                target = p * (mass_above[:, :1] + mass[:, :1])  # p·S
+            kept = (count > 0) & (above + mass_above < target)
+            first = torch.where(kept, bins, _BINS).amin(dim=1, keepdim=True)
+            # None kept (S = 0: every logit -inf): the largest, as threshold_chunk.
+            top = torch.where(count > 0, bins, 0).amax(dim=1, keepdim=True)
+            b = torch.where(first < _BINS, first, top)
+            above = above + mass_above.gather(1, b)
+        else:
+            raise ValueError("_select needs k or p")
+        prefix = b - _BINS // 2 if prefix is None else prefix * _BINS + b
+    assert prefix is not None
+    return prefix
+
+
+def radix_threshold(plan: Passes, logits: Logits) -> torch.Tensor:
+    """``[N, 1]`` thresholds of the plan's sampler over the sharded vocabulary, equal to
+    :func:`threshold_chunk` on the whole of it; ``logits(i, j)`` is read once per chunk and pass."""
+    if plan.sampler is None:
+        raise ValueError("radix_threshold needs a plan with a sampler")
+    n, dtype, device, group = plan.rows, plan.dtype, plan.device, plan.group
+    top_k, top_p, min_p = plan.sampler.rows(0, n)
+    if not isinstance(top_p, torch.Tensor) and top_p is not None and top_p >= 1.0:
+        top_p = None
+    use_min_p = min_p is not None and not (not isinstance(min_p, torch.Tensor) and min_p == 0.0)
+    inf = float("-inf")
+    t: torch.Tensor | None = None
+    m: torch.Tensor | None = None  # the global max of each token's logits
+    if top_p is not None or use_min_p:
+        m = torch.full((n, 1), inf, dtype=dtype, device=device)
+        for i in plan.starts:
+            z = logits(i, i + plan.chunk)[0]
+            m[i : i + z.shape[0]] = z.amax(dim=1, keepdim=True)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        if isinstance(min_p, torch.Tensor):
+            t = m + min_p.log()
+        elif use_min_p and min_p is not None:
+            t = m + math.log(min_p)
+    if top_k is not None:
+        k = top_k if isinstance(top_k, torch.Tensor) else torch.full((n, 1), top_k, device=device)
+        t_k = key_float(_select(plan, logits, k=k), dtype)
+        t = t_k if t is None else torch.maximum(t, t_k)
+    if top_p is not None and m is not None:
+        ref = torch.where(m == inf, torch.zeros_like(m), m)
+        t_p = key_float(_select(plan, logits, p=top_p, ref=ref, lower=t), dtype)
+        if isinstance(top_p, torch.Tensor):  # p = 1 keeps every token, whatever the rounding
+            t_p = t_p.masked_fill(top_p >= 1.0, inf)
+        t = t_p if t is None else torch.maximum(t, t_p)
+    return torch.full((n, 1), inf, dtype=dtype, device=device) if t is None else t

@@ -1,21 +1,8 @@
 """Fused output layer + log-probs + entropy: ``hidden @ weightᵀ`` chunk by chunk, never ``[N, V]``.
 
-Each token chunk's logits ``[chunk, V_local]`` are formed, reduced to per-token statistics and
-dropped; the backward recomputes them and accumulates the gradients of ``hidden`` and
-``weight``, per ``[tokens, vocabulary]`` tile of the chunk's size (so the weight and its
-gradient move once per token block), or in the forward's chunks under a sampler threshold.
-Vocabulary-parallel as :func:`rlops.logprobs.logprobs_and_entropy`: one collective in the
-forward (after the same consistency check), none in the backward.
-
-The gradient of ``hidden`` sums over the whole vocabulary, so with a sharded vocabulary each
-rank can only compute its shard's part. As in Megatron's column-parallel output layer, the sum
-over ranks belongs to the layer's input: the hidden states enter the tensor-parallel region
-through an op that is the identity forward and all-reduces the gradient backward (Megatron's
-``copy_to_tensor_model_parallel_region``, or :func:`copy_to_tensor_parallel_region` here).
-
-The chunk loops are the engine's (:mod:`rlops.logprobs._engine`), as for the op on logits; this
-op's producer multiplies a chunk of hidden states by the weight, and its backward accumulates
-the gradients of ``hidden`` and ``weight``.
+Its producer multiplies a chunk of hidden states by the weight; its backward accumulates the
+gradients of ``hidden``, ``weight`` and ``bias`` per ``[tokens, vocabulary]`` tile. The chunk
+loops, the collective and the merge are the engine's (:mod:`rlops.logprobs._engine`).
 """
 
 from __future__ import annotations
@@ -24,26 +11,12 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, overload
 
 import torch
-import torch.distributed as dist
 from typing_extensions import Unpack  # torch's own dependency (typing.Unpack: 3.11+)
 
-from rlops._checks import check_chunk_size, check_same_device, shape_error
-from rlops._types import Group
-from rlops.distributed.groups import group_rank_size
 from rlops.logprobs import _engine
-from rlops.logprobs._checks import (
-    check_flags,
-    check_keep_mask,
-    check_logits,
-    check_row_mask,
-    check_support,
-    check_target,
-    check_temperature,
-    default_chunk,
-)
-from rlops.logprobs._head import check_logit_scale, check_softcap
-from rlops.logprobs._options import LogprobOptions
+from rlops.logprobs._options import ROW_ALIGN, LogprobOptions, Options
 from rlops.logprobs._plan import Plan
+from rlops.logprobs._tensor_parallel import copy_to_tensor_parallel_region
 
 __all__ = ["copy_to_tensor_parallel_region", "linear_logprobs_and_entropy"]
 
@@ -52,26 +25,12 @@ _OP = "linear_logprobs_and_entropy"
 _MIN_TILE_VOCAB = 256
 
 
-# Every matmul of the logits has a multiple of this many rows (zero rows pad the last block).
-ROW_ALIGN = 16
-
-
 def _linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``h [C, H] @ weightᵀ``, then ``+ bias``, each in the inputs' dtype (a fresh tensor).
-
-    Batch invariance: the matmul always has a multiple of :data:`ROW_ALIGN` rows, ``h``
-    padded with zero rows when ``C`` is not one (the result is the ``C`` rows). A BLAS picks
-    its kernel by the number of rows of the call, and rows left over by its row tiles (on
-    MKL: a call of 1–3 rows, the last ``C mod 4`` of a thread's rows) are summed by another
-    kernel, about one ulp apart; with every call a multiple of 16 rows each row's logits are
-    the same bits whatever ``C``, the row's place in the call and the other rows (measured
-    with MKL and oneDNN in float32 / float64 / bfloat16, at 1 and 2 threads, where the two
-    thread counts agree too: ``tests/testing/test_batch_invariance.py``).
-
-    The bias is added after the matmul, not inside it (``addmm``): an elementwise add has the
-    same bits however the rows and columns are tiled, whereas a fused ``addmm`` rounds its
-    partial sums differently per block shape, and the backward's tiles must see the logits
-    the forward's chunks saw (their mismatch enters every gradient)."""
+    The matmul always has a multiple of :data:`ROW_ALIGN` rows (zero rows pad ``h``), so each
+    row's logits are the same bits whatever ``C`` (a BLAS picks its kernel by the rows of the
+    call); the bias is added after, not in an ``addmm`` (the backward's tiles must see the
+    forward's bits). ``docs/design/logprobs.md``: batch invariance."""
     c = h.shape[0]
     pad = -c % ROW_ALIGN
     padded = torch.compiler.is_compiling() or pad != 0  # traced: no branch on a symbolic C
@@ -84,9 +43,8 @@ def _linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 
 class _Matmul(_engine.Producer):
-    """Chunks of rows of ``hidden @ weightᵀ (+ bias)`` in the inputs' dtype (as a materialised
-    output layer, :func:`_linear`), then in the compute dtype through the head's map (scale,
-    softcap, ``/ τ``: :class:`rlops.logprobs._head.Head`); a fresh buffer each time."""
+    """Chunks of rows of ``hidden @ weightᵀ (+ bias)`` (:func:`_linear`), then through the
+    head's map in the compute dtype; a fresh buffer each time."""
 
     def __init__(
         self,
@@ -110,10 +68,8 @@ class _Matmul(_engine.Producer):
         return z, True, slope
 
     def _raw(self, i: int, j: int) -> torch.Tensor:
-        """Rows ``i:j``. With ``row_block`` (the forward's chunk; ``i`` a multiple of it), one
-        matmul per block of the forward's rows: a BLAS picks its kernel, and so the rounding of
-        every logit, by the number of rows of the call, so these are the forward's bits
-        (a slice of the vocabulary changes only the columns, not how each logit is summed)."""
+        """Rows ``i:j``; with ``row_block`` (the forward's chunk), one matmul per block of the
+        forward's rows: the forward's bits."""
         if self.row_block is None or j - i <= self.row_block:
             z = _linear(self.h2[i:j], self.weight, self.bias)
         else:
@@ -140,21 +96,10 @@ def _grads(
     bias: torch.Tensor | None,
     grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
 ) -> None:
-    """The backward's gradients into ``grads`` (the buffers of the hidden, weight and bias
-    gradients; None: not asked for), over ``[tokens, vocabulary]`` tiles.
-
-    With the sampler's saved threshold, the tiles are the forward's chunks of whole vocabulary
-    rows: each chunk's logits have the forward's bits, so that the threshold selects the same
-    tokens. Otherwise every tile's gradient is local, given the saved per-token statistics: a
-    tile spans as many whole forward chunks of tokens as fit (all of them when they do) and a
-    slice of the vocabulary of the forward chunk's size, so the weight and its gradient are
-    read and written once per token block rather than once per chunk: with a 152K vocabulary
-    a chunk holds ~55 tokens, and streaming the weight and its gradient per chunk made the
-    backward memory-bound. The tile's logits are made chunk by chunk (:class:`_Matmul` with
-    ``row_block``), so they have the forward's bits: recomputed softmax values that differ
-    from the forward's by an ulp of the logits, against statistics saved from the forward,
-    cost the gradients several times the reference's error.
-    """
+    """The backward's gradients into ``grads`` (the hidden, weight and bias gradients' buffers;
+    None: not asked for), over ``[tokens, vocabulary]`` tiles of the forward chunk's size whose
+    logits are made chunk by chunk (the forward's bits); under a sampler threshold, the
+    forward's chunks of whole rows. ``docs/design/logprobs.md``: why tiles."""
     grad_h, grad_w, grad_b = grads
     n, v_local = plan.rows, plan.v_local
     if plan.threshold is not None:  # the forward's chunks of whole rows
@@ -183,7 +128,7 @@ def _grads(
         if dst is not None and dst.dtype != plan.dtype and len(tiles) > 1:
             acc = torch.zeros_like(dst, dtype=plan.dtype)
         for (v0, v1), producer, tile in zip(tiles, producers, plans, strict=True):
-            g = producer.grad(tile, i, j)
+            g = producer.grad(tile, i, j, tile.keep_rows(i, j))
             tile.zero_masked(g, i)
             if grad_b is not None:  # the sum over the rows, in the compute dtype
                 grad_b[v0:v1] += g.sum(dim=0)
@@ -257,10 +202,9 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
 def _autocast(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Under autocast (``torch.autocast`` on the hidden states' device), the three as
-    ``F.linear`` would multiply them: each float32 / float16 / bfloat16 tensor cast to the
-    autocast dtype (differentiably: the gradients come back in each one's own dtype), float64
-    left as it is. Elsewhere unchanged."""
+    """Under autocast on the hidden states' device, the three as ``F.linear`` would multiply
+    them (float32 / float16 / bfloat16 cast to autocast's dtype, differentiably; float64 as it
+    is); elsewhere unchanged."""
     if not isinstance(hidden, torch.Tensor) or not _autocast_on(hidden.device.type):
         return hidden, weight, bias
     dtype = torch.get_autocast_dtype(hidden.device.type)
@@ -393,110 +337,36 @@ def linear_logprobs_and_entropy(
     """Log-probs and entropy of ``softmax((hidden @ weightᵀ + bias) / τ)`` without building the
     logits.
 
-    Equal to ``logprobs_and_entropy(hidden @ weight.T + bias, target, ...)`` (the matmul, then
-    the bias, in the inputs' dtype, as a materialised output layer computes them; ``F.linear``
-    fuses the two and may round once less), but only ``[chunk, V_local]`` logits exist at a
-    time, in the forward and again in the backward (the bias is added to each chunk there),
-    with ``lse(z) = log Σ_v exp(z_v)``::
+    Equal to :func:`~rlops.logprobs.logprobs_and_entropy` on ``hidden @ weight.T + bias`` (the
+    matmul, then the bias, in the inputs' dtype), with the same head's map, support, sampler
+    and options, but only ``[chunk, V_local]`` logits exist at a time, forward and backward::
 
         z = (h·Wᵀ + b) / τ        log p_y = z_y − lse(z)        H = lse(z) − Σ_v softmax(z)_v · z_v
 
-    Heads that scale or cap their logits (Cohere, Granite, Gemma-2/3), in Hugging Face's order:
-    ``x = h Wᵀ + b``, then ``x·s`` (``logit_scale``), then ``c·tanh(x/c)``
-    (``final_logit_softcapping``), then ``/ τ``, in the compute dtype chunk by chunk, exactly
-    as :func:`rlops.logprobs.logprobs_and_entropy` defines them; the gradients of ``hidden``,
-    ``weight`` and ``bias`` go through ``∂z/∂x = s·(1 − tanh²(s·x/c))/τ``, one more
-    ``[tile, V]`` temporary with a softcap, never ``[N, V]``.
-
-    Autocast: under ``torch.autocast`` on the hidden states' device, the hidden states, the
-    weight and the bias are multiplied in autocast's dtype, as ``F.linear`` would (each
-    float32 / float16 / bfloat16 one cast to it, float64 left alone; their gradients return in
-    their own dtypes, those of a cast float32 weight rounded through the autocast dtype, as
-    ``F.linear``'s are), and the softmax statistics are float32 as for half-precision inputs.
-    Autocast is off inside the op, forward and backward, so the backward recomputes the
-    forward's logits whether or not it runs under autocast. Without autocast, ``weight`` and
-    ``bias`` must have ``hidden``'s dtype.
-
-    Batch invariance (CPU): every matmul of the logits has a multiple of 16 rows (a chunk's
-    last block padded with zero rows), because a BLAS sums the rows a call leaves outside its
-    row tiles with another kernel (MKL: about one float32 ulp apart); so a row's log-prob and
-    entropy are the same bits whatever the other rows, N, ``chunk_size`` and padding rows
-    (measured with MKL and oneDNN at 1 and 2 threads, which agree). The cost is the padding
-    rows: none for the default chunks (multiples of 16) but in the last one; an explicit
-    ``chunk_size`` that is no multiple of 16 pays for them in every chunk, and fewer than 16
-    rows cost the matmul of 16 (N = 1, V = 32000, H = 512: about 2x the forward and backward
-    of a one-row matrix-vector product). The gradient of the
-    hidden states is within the rule, not bitwise: its sum over the vocabulary runs in tiles
-    whose width follows N.
-
-    Vocabulary-parallel over ``group``: rank ``r`` holds the rows of the output weight for the
-    ids that follow the shards of ranks ``< r`` (``[r·V_local, (r+1)·V_local)`` for equal
-    shards). The forward issues one collective for the statistics, after the consistency check
-    of :func:`rlops.logprobs.logprobs_and_entropy` (64 numbers per rank, the hidden size among
-    them; ``RLOPS_TP_CHECK=0`` skips it and then requires equal shards); the backward issues
-    none. Double backward (``create_graph=True``) is supported in one process and raises
-    RuntimeError with a group of more than one rank. Every rank
-    returns the full ``(logp, entropy)``, the gradient of its own ``weight`` shard, and its
-    shard's *partial* gradient of ``hidden``: the full gradient is the sum over ranks, which the
-    column-parallel layer's input op performs (Megatron's
-    ``copy_to_tensor_model_parallel_region``, or :func:`copy_to_tensor_parallel_region`).
+    Under ``torch.autocast`` the three inputs are multiplied in autocast's dtype, as
+    ``F.linear`` would. Every matmul has a multiple of 16 rows, so a row's results are the
+    same bits whatever the batch (CPU). Vocabulary-parallel over ``group`` as the op on logits:
+    each rank gets its weight shard's gradient and its shard's *partial* hidden gradient,
+    summed by the layer's input op (:func:`copy_to_tensor_parallel_region`, Megatron's
+    ``copy_to_tensor_model_parallel_region``). Autocast, batch invariance, memory and the
+    backward's tiles: ``docs/design/logprobs.md``.
 
     Args:
-        hidden: ``[..., H]`` (typically ``[N, H]``) float16 / bfloat16 / float32 / float64.
-        weight: ``[V_local, H]``, the output layer's weight (its shard), same dtype as hidden
-            (under autocast: any of autocast's, above).
-        bias: ``[V_local]``, the output layer's bias (its shard, the entries of the ids of
-            ``weight``'s rows), same dtype and device as hidden, or None (no bias). Its
-            gradient is the logits' gradient summed over the tokens, chunk by chunk
-            (accumulated in float32 for half precision).
+        hidden: ``[..., H]`` float16 / bfloat16 / float32 / float64.
+        weight: ``[V_local, H]``, the output layer's weight (its shard), hidden's dtype.
         target: ``[...]`` integer ids in the global vocabulary ``[0, Σ_r V_local_r)``.
-        with_entropy: if False, skip the entropy and return ``None`` for it.
-        with_sum_pi_squared: also return ``Σ_v π_v²`` of the log-prob's distribution,
-            detached, as :func:`rlops.logprobs.logprobs_and_entropy` defines it (one more
-            column in the same collective under a group).
-
-        **options: the keyword options of :class:`~rlops.logprobs.LogprobOptions`, below.
-
-    Other Parameters:
-        temperature: ``> 0``; divides the logits, after the scale and the softcap.
-        logit_scale: finite ``> 0``; multiplies the logits first (Cohere's ``logit_scale``;
-            Granite's ``logits_scaling`` divides them: pass ``1 / logits_scaling``).
-        final_logit_softcapping: None (off), or a finite ``c > 0``: the logits become
-            ``c·tanh(logits / c)`` after the scale (Gemma-2/3's).
-        keep_mask: ``[..., V_local]`` bool (the support as a mask, e.g. from the engine), read
-            chunk by chunk: the log-prob over the kept logits (the target always kept), the
-            entropy over all. Not with the sampler filters.
-        support_ids: the kept sets as CSR, with ``support_offsets`` ``[N + 1]``, exactly as
-            in :func:`rlops.logprobs.logprobs_and_entropy` (each chunk's keep mask set from
-            its ids; never ``[N, V]``). Not with ``keep_mask`` or the sampler filters.
-        support_offsets: see ``support_ids``.
-        mask: ``[...]`` bool like ``target``: the rows the loss reads. Where False the
-            outputs are exactly 0, ``hidden.grad`` is zero on those rows and nothing reaches
-            ``weight.grad`` or ``bias.grad`` from them. On CPU (values read, not compiling)
-            only the valid rows are multiplied by the weight, forward and backward (a copy
-            of ``hidden[mask]``, ``[n_valid, H]``); elsewhere every row is, with the masked
-            ones zeroed (no host read). Under a ``group``: equal on every rank (checked),
-            one collective.
-        top_k: the sampler's top-k, with ``top_p``, ``min_p`` and ``entropy_over_support``
-            its support, rebuilt per token chunk from the chunk's logits, as in
-            :func:`rlops.logprobs.logprobs_and_entropy`
-            (under a group: one more all-gather of ``[N, top_k + 2]`` candidates for an int
-            ``top_k`` or ``min_p`` alone; for ``top_p`` without ``top_k`` or a per-token
-            ``top_k``, the radix select's fixed number of all-reduces, each round one more
-            pass over the chunks that recomputes each chunk's matmul ``hidden @ weightᵀ``).
-        entropy_grad: if False, the entropy is returned detached and nothing is saved for its
-            backward (use it when the entropy is only logged).
-        group: the tensor-parallel process group, or None (one process, no collective).
-        chunk_size: tokens per chunk (``>= 1``); None picks a bound of 32 MiB per
-            ``[chunk, V_local]`` float32 buffer on CPU and 128 MiB on accelerators (a multiple
-            of 16 rows where it is more).
+        bias: ``[V_local]``, the output layer's bias (its shard), hidden's dtype, or None.
+        with_entropy: if False, skip the entropy and return None for it.
+        with_sum_pi_squared: also return ``Σ_v π_v²`` of the log-prob's distribution, detached.
+        **options: :class:`~rlops.logprobs.LogprobOptions`, as for the op on logits (the
+            default ``chunk_size`` bounds a ``[chunk, V_local]`` float32 buffer to 32 MiB on
+            CPU, 128 MiB on accelerators).
 
     Returns:
-        ``(logp, entropy)``, each ``[...]``, float32 (float64 for float64 inputs); entropy is
-        None when ``with_entropy=False``; with ``with_sum_pi_squared=True`` a third ``[...]``
-        output ``Σ_v π_v²`` without gradient. Differentiable w.r.t. ``hidden``, ``weight`` and
-        ``bias``; the weight and bias gradients are accumulated in float32 for half-precision
-        inputs.
+        ``(logp, entropy)``, each ``[...]`` float32 (float64 for float64 inputs),
+        differentiable w.r.t. ``hidden``, ``weight`` and ``bias``; ``entropy`` is None with
+        ``with_entropy=False``; with ``with_sum_pi_squared=True`` a third ``[...]`` output
+        without gradient.
 
     Example:
         >>> import torch
@@ -511,14 +381,11 @@ def linear_logprobs_and_entropy(
         tensor([-0.4076, -0.5514])
     """
     hidden, weight, bias = _autocast(hidden, weight, bias)
-    given = _engine.Options.given(
-        "linear_logprobs_and_entropy",
-        options,
-        with_entropy=with_entropy,
-        with_sum_pi_squared=with_sum_pi_squared,
+    given = Options.given(
+        _OP, options, with_entropy=with_entropy, with_sum_pi_squared=with_sum_pi_squared
     )
     inputs, plan, sel = _engine.prepare(
-        _OP, hidden, given, lambda: _checked(hidden, weight, bias, target, given)
+        _OP, given, "hidden", hidden, target, weight=weight, bias=bias
     )
     with _no_autocast(inputs.x):
         logp, ent, squares = _FusedLinearLogprobsEntropy.apply(
@@ -527,104 +394,3 @@ def linear_logprobs_and_entropy(
     if with_sum_pi_squared:
         return logp, (ent if with_entropy else None), squares
     return logp, (ent if with_entropy else None)
-
-
-def _default_chunk(n: int, v_local: int, device: torch.device) -> int | None:
-    """The default chunk, rounded down to a multiple of :data:`ROW_ALIGN` rows where it holds
-    more (no padding rows but in the last chunk)."""
-    chunk = default_chunk(n, v_local, device, linear=True)
-    if chunk is None or chunk < ROW_ALIGN or chunk >= n:
-        return chunk
-    return chunk // ROW_ALIGN * ROW_ALIGN
-
-
-def _checked(
-    hidden: object, weight: object, bias: object, target: object, options: _engine.Options
-) -> _engine.Checked:
-    """This rank's own argument checks (the sampler's are the engine's)."""
-    hidden = check_logits("hidden", hidden)
-    weight = check_logits("weight", weight)
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0:
-        raise shape_error(
-            "weight", f"[V_local, H] with V_local >= 1 and H = {hidden.shape[-1]}", weight.shape
-        )
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
-        if bias.dtype != hidden.dtype:
-            raise TypeError(f"bias must have hidden's dtype {hidden.dtype}, got {bias.dtype}")
-        if tuple(bias.shape) != (weight.shape[0],):
-            raise shape_error("bias", f"[V_local] like weight's rows [{weight.shape[0]}]",
-                              bias.shape)  # fmt: skip
-    temperature = check_temperature(options.temperature)
-    logit_scale = check_logit_scale(options.logit_scale)
-    softcap = check_softcap(options.final_logit_softcapping)
-    check_flags(
-        with_entropy=options.with_entropy,
-        entropy_grad=options.entropy_grad,
-        with_sum_pi_squared=options.with_sum_pi_squared,
-    )
-    check_chunk_size(options.chunk_size)
-    lead = hidden.shape[:-1]
-    target = check_target(target, lead, "hidden")
-    v_local = weight.shape[0]
-    keep_mask = check_keep_mask(options.keep_mask, (*lead, v_local), "hidden @ weight.T")
-    mask = check_row_mask(options.mask, lead, "hidden[..., 0]")
-    support = check_support(options.support_ids, options.support_offsets, target.numel())
-    s_ids, s_offsets = (None, None) if support is None else support
-    check_same_device(
-        "hidden", hidden, weight=weight, bias=bias, target=target, keep_mask=keep_mask,
-        mask=mask, support_ids=s_ids, support_offsets=s_offsets,
-    )  # fmt: skip
-    n, chunk = target.numel(), options.chunk_size
-    return _engine.Checked(
-        name="hidden",
-        x=hidden,
-        weight=weight,
-        bias=bias,
-        target=target,
-        keep=keep_mask,
-        temperature=temperature,
-        logit_scale=logit_scale,
-        softcap=softcap,
-        v_local=v_local,
-        chunk=chunk if chunk is not None else _default_chunk(n, v_local, hidden.device),
-        hidden=weight.shape[1],
-        mask=mask,
-        support=support,
-    )
-
-
-class _CopyToTensorParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        if ctx.group is not None and dist.get_world_size(ctx.group) > 1:
-            dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-def copy_to_tensor_parallel_region(x: torch.Tensor, group: Group = None) -> torch.Tensor:
-    """Identity in the forward; all-reduce (sum) of the gradient over ``group`` in the backward.
-
-    The input op of a column-parallel layer: apply it to the replicated hidden states before
-    :func:`linear_logprobs_and_entropy` with a vocabulary-sharded weight, unless the framework
-    already does (Megatron's ``copy_to_tensor_model_parallel_region``), so that every rank gets
-    the full gradient of ``hidden``. ``group=None``: the identity both ways.
-
-    Example:
-        >>> import torch
-        >>> x = torch.ones(2, requires_grad=True)
-        >>> copy_to_tensor_parallel_region(x).sum().backward()
-        >>> x.grad
-        tensor([1., 1.])
-    """
-    group_rank_size(group)
-    return _CopyToTensorParallelRegion.apply(x, group)

@@ -1,69 +1,14 @@
-"""The op on logits as Triton kernels (CUDA; CPU tensors under ``TRITON_INTERPRET=1``): a
-producer of the chunk engine (:mod:`rlops.logprobs._engine`) that computes a chunk's statistics
-and its gradient in one pass over vocabulary tiles, never materialising the scaled logits.
+"""The op on logits as Triton kernels (CUDA; CPU tensors under ``TRITON_INTERPRET=1``): the chunk
+engine's producer :class:`TritonLogits`, which computes a chunk's statistics and its gradient in
+one pass over vocabulary tiles, never materialising the scaled logits.
 
-Forward (:func:`shard_stats`): the shard's vocabulary is cut into fixed slices of
-:func:`_slice_tiles` tiles (16384 logits on a GPU); each slice of a row is streamed in
-vocabulary tiles with an online log-sum-exp from fresh accumulators, the slices are folded in
-slice order (:func:`_fold`, a tile's rescaling), and the result written, per token, in the
-columns that
-:mod:`rlops.logprobs._shard` defines — the target logit ``z_y`` (0 when the target lies outside
-``[offset, offset + V_local)``), the max ``m`` and ``s = Σ exp(z − m)`` of the log-prob
-distribution, and the shard's own entropy ``h = log s − Σ exp(z − m)(z − m)/s`` (with a keep
-mask or a sampler threshold, ``(m, s, h)`` of the unmasked logits in three more columns), and
-on request, last, the shard's own ``ρ = Σ p²`` of the log-prob distribution, ``w / σ²`` from
-``σ = Σ e^{z−m}`` and ``w = Σ e^{2(z−m)}`` accumulated in float64. When a tile raises the max
-from ``m`` to ``m'`` the running sums are rescaled, ``s ← s·e^{m−m'} + Σ e^{z−m'}`` (``σ``
-likewise), ``w ← w·e^{2(m−m')} + Σ e^{2(z−m')}`` and
-``u ← e^{m−m'}·(u + (m − m')·s) + Σ e^{z−m'}(z − m')``, every term ``≤ 0`` in ``u``: nothing
-cancels.
-
-Small N. One program per row leaves most of a device idle below about a thousand rows (a
-220-row sampler chunk on 132 SMs), so the grid is 2-D, ``(blocks of rows, slices)``: one
-program per slice of a row. With more than one slice each slice's accumulators go to a small
-``[N, slices, ≤ 8]`` float64 buffer and :func:`_merge_kernel` folds them, in slice order,
-and gathers ``z_y``. Why slices of a fixed size, whatever N: a row's bits must not depend on
-the other rows or on N (batch invariance, checked bitwise). Had the split followed N (a few
-programs per row when N is small, one when it is large), a row's reduction order — and its
-bits — would change with the batch; here the slices, and so every row's arithmetic, are a
-function of the vocabulary alone. The price at large N is the slices' buffer (a few numbers
-per 16384 logits read), one tiny launch, and more, shorter programs (4 tiles each: one
-program looping over all of a row's slices spilled a register on sm_80); a vocabulary of one
-slice (≤ 16384) writes its columns directly (the bits of a fold of one slice).
-
-Vector loads. The vocabulary and row strides come in units of their alignment
-(:func:`_align`), so tiles load as 128-bit vectors when V is a multiple of 8 (bfloat16).
-Where the rows start better aligned than V is a multiple of (V = 50257 as a view of rows
-padded to 50304), the tiles inside V load without a bound along the vocabulary and the last,
-partial tile is peeled (:func:`_peel`): the same tiles in the same order, so the same bits.
-Contiguous rows of an odd V start misaligned and load scalars: peeling each row's head would
-shift its tiles by the row's misalignment, which depends on its index, and so its bits with
-its position in the batch (docs/gpu.md).
-
-``z = logits / temperature`` in float32 (float64 for float64 logits), divided with IEEE
-rounding as the torch path does. The sampler's support is ``z ≥ t`` for a given per-token
-threshold ``t`` (the target always in it); with ``over_support`` the logits outside it are
-``-inf``, so the entropy too is over the support.
-With the op's row mask (``row_valid``), the program of a masked row returns before it reads
-anything of the row, having written the statistics of an empty row of log-prob 0; the
-gradient kernel writes the row's zeros and reads nothing else (the caller's buffer needs no
-zeroing pass: one write of the masked rows, no read). No host read of the mask.
-
-Backward (:func:`logits_grad`): from the saved merged statistics ``(M, log S)`` of the
-log-prob distribution and ``(M, log S, H)`` of the unmasked one, every tile of the gradient
-is local: ``dz = g_lp·(onehot − p_keep) − g_H·p·(log p + H)``, divided by the temperature,
-written in the logits' dtype tile by tile (nothing ``[N, V]`` but the gradient itself). Each
-element's gradient is independent given its row's statistics, so its grid is split the same
-way, ``(blocks of rows, splits)`` over the vocabulary tiles, at no cost to the bits.
-
-:class:`TritonLogits` is the engine's producer (``logprobs_and_entropy(..., method="triton")``):
-its :meth:`~TritonLogits.stats` and :meth:`~TritonLogits.grad` launch the kernels; the shards'
-merge, the one collective, and under tensor parallelism the passes that find the sampler's
-global threshold stay the engine's, in torch (on :meth:`~TritonLogits.logits`, a scaled slice).
-In one process the sampler's threshold of a chunk is found by the torch sort of
-:func:`rlops.logprobs._support.threshold_chunk`, then the kernels read the support from it. A
-kernel that fails to build warns once and the call finishes on the torch maths
-(:mod:`rlops.logprobs._method`).
+:func:`shard_stats` streams each fixed slice of a row's vocabulary with an online log-sum-exp
+(``s ← s·e^{m−m'} + Σ e^{z−m'}``, the entropy's ``u`` and the float64 ``Σ e``, ``Σ e²``
+likewise), folds the slices in order and writes the columns of
+:func:`rlops.logprobs._softmax.stats_chunk`; :func:`logits_grad` writes each tile's
+``g_lp·(onehot − p_keep) − g_H·p·(log p + H)``, divided by ``τ``, in the logits' dtype. Slices
+of a fixed size, vector loads and why a row's bits do not depend on the batch:
+``docs/design/logprobs.md`` and ``docs/gpu.md``.
 """
 
 from __future__ import annotations
@@ -75,10 +20,10 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from rlops._backends import KernelBuildError, launch
-from rlops.logprobs import _engine, _method, _shard, _support
+from rlops._backends import launch
+from rlops._triton import acc_dtype, cast_to, tl_dtype
+from rlops.logprobs import _engine, _softmax
 from rlops.logprobs._plan import Plan
-from rlops.scan.triton import cast_to
 
 __all__ = ["TritonLogits", "logits_grad", "shard_stats"]
 
@@ -480,14 +425,6 @@ def _grad_tile(
     tl.store(d_rows + cols[None, :], grad, mask=ok)
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _tl(dtype: torch.dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
 def _align(t: torch.Tensor | None) -> int:
     """How many elements of ``t``'s rows (at most 16 bytes' worth) its row stride is a
     multiple of: the kernels get the stride in these units and multiply it back by a constant,
@@ -577,7 +514,8 @@ def shard_stats(
     block_v: int | None = None,
     slice_tiles: int | None = None,
 ) -> torch.Tensor:
-    """This shard's statistics ``[N, k]``: the columns of :func:`_shard.stats_chunk`.
+    """This shard's statistics ``[N, k]``, the columns of
+    :func:`~rlops.logprobs._softmax.stats_chunk`.
 
     ``logits`` ``[N, V_local]`` (any float dtype), ``target`` ``[N]`` global ids, ``offset``
     this shard's first id. ``keep_mask`` ``[N, V_local]`` bool, or ``threshold`` ``[N]`` (the
@@ -586,7 +524,7 @@ def shard_stats(
     kept logits (the target always kept), the entropy over all of them — or over the support
     too with ``over_support`` (then only ``k = 3 + 1`` columns, as without a support).
     ``with_squares``: one more column, last, ``ρ = Σ p²`` of the log-prob distribution within
-    the shard (:func:`rlops.logprobs._shard.merge_squares` merges it). ``row_valid`` ``[N]``
+    the shard (:func:`rlops.logprobs._softmax.merge_squares` merges it). ``row_valid`` ``[N]``
     bool (the op's row mask): the programs of rows where it is False read nothing and write
     the statistics of an empty row (``z_y = m = 0``, ``s = 1``, ``h = 0``, ``ρ = 0``).
     Written into ``out`` when given (``[N, k]`` rows of a unit column stride, in the compute
@@ -596,11 +534,11 @@ def shard_stats(
     v = logits.shape[-1]
     x = _rows_view(logits, v)
     n = x.shape[0]
-    acc = _acc(x.dtype)
+    acc = acc_dtype(x.dtype)
     keep, thr = _support_args(x, keep_mask, threshold, acc)
     supported = keep is not None or thr is not None
     two = supported and not over_support
-    ncol = _shard.n_columns(two, with_entropy, with_squares)
+    ncol = _softmax.n_columns(two, with_entropy, with_squares)
     if out is None:
         out = torch.empty((n, ncol), dtype=acc, device=x.device)
     if tuple(out.shape) != (n, ncol) or out.dtype != acc or (ncol > 1 and out.stride(1) != 1):
@@ -623,7 +561,7 @@ def shard_stats(
                        device=x.device)  # fmt: skip
     flags = dict(
         ROWMASK=valid is not None, TWO=two, ENTROPY=with_entropy, SQUARES=with_squares,
-        SQ_COL=ncol - 1, SCALE=temperature != 1.0, NP=n_part, ACC=_tl(acc),
+        SQ_COL=ncol - 1, SCALE=temperature != 1.0, NP=n_part, ACC=tl_dtype(acc),
     )  # fmt: skip
     launch(
         _stats_kernel, (triton.cdiv(n, bn), n_slices),
@@ -667,7 +605,7 @@ def logits_grad(
 
     ``saved``: ``(M, log S)`` of the log-prob distribution, then (needed with ``g_ent``)
     ``(M, log S, H)`` of the entropy's — the merged statistics
-    (:func:`rlops.logprobs._shard.merge`), each ``[N]`` or ``[N, 1]`` (a ``[5, N]`` tensor
+    (:func:`rlops.logprobs._softmax.merge`), each ``[N]`` or ``[N, 1]`` (a ``[5, N]`` tensor
     works too). ``g_logp``, ``g_ent``: ``[N]`` upstream gradients or None (at least one
     given). ``row_valid`` ``[N]`` bool (the op's row mask): rows where it is False get a zero
     gradient, written without reading anything of theirs. ``out``: ``[N, V_local]`` rows of a
@@ -676,7 +614,7 @@ def logits_grad(
     v = logits.shape[-1]
     x = _rows_view(logits, v)
     n = x.shape[0]
-    acc = _acc(x.dtype)
+    acc = acc_dtype(x.dtype)
     keep, thr = _support_args(x, keep_mask, threshold, acc)
     two = (keep is not None or thr is not None) and not over_support
     if out is None:
@@ -707,74 +645,52 @@ def logits_grad(
         ALIGN_V=_align_v(v), ALIGN_X=_align(x), ALIGN_K=_align(keep), ALIGN_D=_align(out),
         ROWMASK=valid is not None, MASK=keep is not None, THRESH=thr is not None, TWO=two,
         HAS_LP=glp is not None, HAS_ENT=gent is not None, SCALE=temperature != 1.0,
-        PEEL=_peel(v, x, keep), BLOCK_N=bn, BLOCK_V=bv, ACC=_tl(acc), num_warps=warps,
+        PEEL=_peel(v, x, keep), BLOCK_N=bn, BLOCK_V=bv, ACC=tl_dtype(acc), num_warps=warps,
     )  # fmt: skip
     return out
 
 
 class TritonLogits(_engine.Producer):
-    """The engine's producer on logits ``[N, V_local]`` with the Triton kernels.
-
-    :meth:`stats` and :meth:`grad` launch :func:`shard_stats` and :func:`logits_grad` on a
-    chunk of rows; :meth:`logits` serves the sampler's threshold: ``torch_producer``'s (the op's
-    scaled slices), whose torch maths also run a chunk when the kernels cannot. One chunk at a
-    time (``parallel`` off: a device runs one launch over all of a chunk's rows). A kernel that
-    fails to build sets the kernels aside (:func:`_method.set_failed`, one warning); that chunk,
-    and every later one, runs on ``torch_producer``."""
+    """The engine's producer on logits ``[N, V_local]`` with the Triton kernels: :meth:`stats`
+    and :meth:`grad` launch :func:`shard_stats` and :func:`logits_grad` on a chunk of rows;
+    :meth:`logits` (the sampler's threshold) and the fallback after a build failure are
+    ``torch_producer``'s. One chunk at a time: a launch covers all of its rows."""
 
     parallel = False
     zeroes_masked_rows = True
+    threshold_given = True
 
     def __init__(self, x: torch.Tensor, plan: Plan, torch_producer: _engine.Producer) -> None:
-        self.x, self.torch = _rows_view(x, plan.v_local), torch_producer
+        self.x, self.fallback = _rows_view(x, plan.v_local), torch_producer
+        self.logits = torch_producer.logits  # type: ignore[method-assign]
 
-    def logits(self, i: int, j: int) -> tuple[torch.Tensor, bool]:
-        return self.torch.logits(i, j)
-
-    def stats(self, plan: Plan, i: int, j: int, out: torch.Tensor) -> None:
-        if _method.failed() is not None:
-            return self.torch.stats(plan, i, j, out)
+    def stats(
+        self, plan: Plan, i: int, j: int, keep: torch.Tensor | None, out: torch.Tensor
+    ) -> None:
         assert plan.target is not None
         thr = None
         if plan.sampler is not None and plan.threshold is not None:
-            thr = plan.threshold[i:j]
-            if plan.world == 1:  # this chunk's threshold, from its scaled logits
-                z = self.logits(i, j)[0]
-                thr.copy_(_support.threshold_chunk(z, *plan.sampler.rows(i, j)))
-        try:
-            shard_stats(
-                self.x[i:j], plan.target[i:j], offset=plan.start,
-                temperature=plan.temperature, keep_mask=plan.keep_rows(i, j), threshold=thr,
-                over_support=plan.over_support, with_entropy=plan.with_entropy,
-                with_squares=plan.sum_pi_squared, row_valid=_rows(plan.row_valid, i, j), out=out,
-            )  # fmt: skip
-        except KernelBuildError as e:
-            _method.set_failed(e)
-            self.torch.stats(plan, i, j, out)
-        return None
+            thr = plan.threshold[i:j]  # found by the engine in one process
+        shard_stats(
+            self.x[i:j], plan.target[i:j], offset=plan.start, temperature=plan.temperature,
+            keep_mask=keep, threshold=thr, over_support=plan.over_support,
+            with_entropy=plan.with_entropy, with_squares=plan.sum_pi_squared,
+            row_valid=_rows(plan.row_valid, i, j), out=out,
+        )  # fmt: skip
 
-    def grad(self, plan: Plan, i: int, j: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        if _method.failed() is not None:
-            return self._torch_grad(plan, i, j, out)
+    def grad(
+        self, plan: Plan, i: int, j: int, keep: torch.Tensor | None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         assert plan.target is not None
-        thr = None if plan.threshold is None else plan.threshold[i:j]
-        try:
-            return logits_grad(
-                self.x[i:j], plan.target[i:j], [t[i:j] for t in plan.saved],
-                None if plan.g_logp is None else plan.g_logp[i:j],
-                None if plan.g_ent is None else plan.g_ent[i:j],
-                offset=plan.start, temperature=plan.temperature,
-                keep_mask=plan.keep_rows(i, j), threshold=thr,
-                over_support=plan.over_support, row_valid=_rows(plan.row_valid, i, j), out=out,
-            )  # fmt: skip
-        except KernelBuildError as e:
-            _method.set_failed(e)
-            return self._torch_grad(plan, i, j, out)
-
-    def _torch_grad(self, plan: Plan, i: int, j: int, out: torch.Tensor | None) -> torch.Tensor:
-        g = self.torch.grad(plan, i, j, out)
-        plan.zero_masked(g, i)  # (the kernels' zeros on the masked rows)
-        return g
+        return logits_grad(
+            self.x[i:j], plan.target[i:j], [t[i:j] for t in plan.saved],
+            None if plan.g_logp is None else plan.g_logp[i:j],
+            None if plan.g_ent is None else plan.g_ent[i:j],
+            offset=plan.start, temperature=plan.temperature, keep_mask=keep,
+            threshold=None if plan.threshold is None else plan.threshold[i:j],
+            over_support=plan.over_support, row_valid=_rows(plan.row_valid, i, j), out=out,
+        )  # fmt: skip
 
 
 def _rows(t: torch.Tensor | None, i: int, j: int) -> torch.Tensor | None:

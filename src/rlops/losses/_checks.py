@@ -1,9 +1,5 @@
-"""The losses' own argument checks, built on :mod:`rlops._checks`: aggregation modes and
-global normalisers, the entropy coefficient, and every policy-loss kind's options.
-
-Each public function of the package checks its arguments once, here, and then calls unchecked
-internals (:func:`rlops.losses.aggregation.aggregate`), so no check runs twice on one call.
-"""
+"""The losses' argument checks, on :mod:`rlops._checks`: aggregation modes and normalisers,
+the entropy coefficient, every policy-loss kind's options (``KIND_OPTIONS``)."""
 
 from __future__ import annotations
 
@@ -30,16 +26,6 @@ from rlops._checks import (
 from rlops._types import Group
 from rlops.distributed.groups import group_rank_size
 
-__all__ = [
-    "AGG_MODES",
-    "KIND_OPTIONS",
-    "RATIO_LEVELS",
-    "check_agg",
-    "check_coef",
-    "check_normalisers",
-    "check_options",
-]
-
 AGG_MODES = (
     "token-mean",
     "token-sum",
@@ -53,8 +39,7 @@ AGG_MODES = (
 def check_agg(
     name: str, mode: object, loss_scale_factor: object, *, optional: bool = True
 ) -> float | None:
-    """Check an aggregation mode (or None, where ``optional``: the per-token matrix) and its
-    normaliser; return the normaliser."""
+    """Check an aggregation mode (None where ``optional``) and return its normaliser."""
     if mode is not None or not optional:
         check_choice(name, mode, AGG_MODES)
     if loss_scale_factor is None:
@@ -65,8 +50,7 @@ def check_agg(
 def check_normalisers(
     num_tokens: object, num_seqs: object, group: Group, ref: torch.Tensor
 ) -> tuple[float | torch.Tensor | None, float | torch.Tensor | None]:
-    """Check the global-normaliser arguments (``ref``: the loss input); ``group`` excludes the
-    two counts. Returns the checked counts."""
+    """The checked global counts (``group`` excludes them; ``ref``: the loss input)."""
     num_tokens = check_count("num_tokens", num_tokens, ref)
     num_seqs = check_count("num_seqs", num_seqs, ref)
     if group is not None:
@@ -80,8 +64,7 @@ def check_normalisers(
 
 
 def check_coef(coef: object, ref: torch.Tensor) -> float | torch.Tensor:
-    """A finite real number, or a 0-dim real floating tensor on ``ref``'s device (used there,
-    never read on the host: a coefficient schedule may live on the device)."""
+    """A finite number, or a 0-dim floating tensor on ``ref``'s device (never read)."""
     if isinstance(coef, torch.Tensor):
         if coef.dim() != 0:
             raise shape_error("coef", "[] (a scalar)", coef.shape)

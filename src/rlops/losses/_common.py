@@ -6,9 +6,7 @@ from typing import overload
 
 import torch
 
-from rlops._numerics import MAX_EXP_ARG
-
-__all__ = ["MAX_EXP_ARG", "constant"]
+from rlops._numerics import MAX_EXP_ARG as MAX_EXP_ARG
 
 
 @overload
@@ -18,8 +16,5 @@ def constant(x: None) -> None: ...
 @overload
 def constant(x: torch.Tensor | None) -> torch.Tensor | None: ...
 def constant(x: torch.Tensor | None) -> torch.Tensor | None:
-    """An input that stands for a fixed policy or a target (``old_logp``, ``ref_logp``,
-    ``old_values``, ``returns``, advantages, IS weights): detached, as TRL and verl treat them,
-    so no gradient flows into it even when the caller passes a tensor that requires grad (e.g.
-    ``old_logp=logp`` on the first epoch). Applied once, where a public function receives it."""
+    """A fixed policy or target, detached once where a public function receives it."""
     return None if x is None else x.detach()

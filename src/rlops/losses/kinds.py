@@ -1,21 +1,5 @@
-"""The per-token loss matrix of each policy-loss kind (options checked in ``losses._checks``).
-
-Every function takes the masked inputs (0 on mask-0 tokens, already in the computation dtype):
-``lp`` = log π, ``lr`` = log π − log π_old, ``adv`` = A, ``rows`` (a
-:class:`rlops.distributed.rows.Rows`: the bool mask ``rows.keep`` and the rows) and the kind's
-checked options; it returns ``ℓ`` (0 on mask-0 tokens) and the sums of its metrics. Ratios
-stay in log space until one ``exp`` of an argument clamped to ``≤ MAX_EXP_ARG``.
-:func:`rlops.losses.policy_loss` states the formulas.
-
-Per-row (sequence-level) quantities go through ``rows`` and nothing else: ``rows.means(x, ...)``
-gives each whole row's mean over its action tokens (``[B, K]``, detached; one collective over
-``cp_group`` for all of them, exact when the row is split over context-parallel ranks, per
-sequence for packed rows), ``rows.per_token`` puts a row value on each of its tokens, and
-``rows.counted`` marks the rows a row-level metric sums over (each row once over DP×CP). A
-kind whose tokens depend on their row's value only through such detached row quantities is
-exact under context parallelism; one that selects among the tokens of the batch (clip_cov,
-kl_cov) is not, and is refused with ``cp_group`` (``CP_INEXACT``).
-"""
+"""Each policy-loss kind's per-token loss ``ℓ`` and metric sums, from masked inputs; row
+quantities through ``rows`` only (design: docs/design/losses.md, "Policy-loss kinds")."""
 
 from __future__ import annotations
 
@@ -71,8 +55,7 @@ def _quota(ratio: float, keep: torch.Tensor) -> torch.Tensor:
 
 
 def _centred_cov(lp: torch.Tensor, adv: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Per-token ``(A − mean A)·(log π − mean log π)`` with means over the action tokens;
-    detached."""
+    """Detached ``(A − mean A)·(log π − mean log π)`` over the action tokens."""
     a, p = adv.detach(), lp.detach()
     return (a - _batch_mean(a, keep)) * (p - _batch_mean(p, keep))
 
@@ -279,6 +262,5 @@ CP_INEXACT = ("clip_cov", "kl_cov")
 
 
 def token_losses(kind: str, lp, lr, adv, rows, options: dict) -> Out:
-    """The per-token loss of ``kind`` and its metrics (see the module docstring); ``options``
-    as :func:`rlops.losses._checks.check_options` returns them."""
+    """The per-token loss of ``kind`` and its metric sums (checked ``options``)."""
     return _KINDS[kind](lp, lr, adv, rows, **options)

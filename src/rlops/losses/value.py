@@ -24,34 +24,19 @@ def value_loss(
     agg: str | None = "token-mean",
     **options: Unpack[AggregationOptions],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss: ``0.5·agg(max((V − R)², (V_clip − R)²))``.
-
-    ``V_clip = clamp(V, V_old − clip, V_old + clip)`` keeps the new value within ``clip`` of the
-    value at sampling time; ``clip=None`` gives the plain ``0.5·agg((V − R)²)``. ``V_old`` and
-    ``R`` are constants (detached inside): the gradient flows into ``V`` only.
+    """Clipped value loss ``0.5·agg(max((V − R)², (V_clip − R)²))``, ``V_clip = clamp(V, V_old −
+    clip, V_old + clip)``; ``clip=None``: ``0.5·agg((V − R)²)``.
 
     Args:
         values: ``[B, T]`` value predictions being trained (``vpreds``).
-        old_values: ``[B, T]`` value predictions at sampling time; a constant (detached
-            inside).
-        returns: ``[B, T]`` regression targets; a constant (detached inside).
+        old_values, returns: ``[B, T]`` values at sampling time and targets (constants).
         mask: ``[B, T]`` 0/1 action mask.
         clip: ``None`` or ``> 0`` (verl's ``cliprange_value``).
-        agg: aggregation mode, see :func:`aggregate_loss`; ``None`` returns the per-token loss
-            matrix ``[B, T]`` (0 on mask-0 tokens) instead of a scalar, for callers that
-            aggregate themselves.
-        **options: the aggregation's normalisers, groups and packing
-            (:class:`rlops.losses.AggregationOptions`, as
-            :func:`aggregate_loss`): with ``num_tokens``, ``num_seqs`` or ``group`` the
-            micro-batch losses sum to the full-batch loss; with ``cp_group`` the ranks'
-            losses sum to the whole rows' loss.
+        agg: see :func:`aggregate_loss`; ``None`` returns the ``[B, T]`` matrix.
+        **options: :class:`rlops.losses.AggregationOptions`.
 
     Returns:
-        ``(loss, metrics)``: a 0-dim loss (float32 for half inputs; the ``[B, T]`` matrix
-        ``0.5·max(...)`` with ``agg=None``) and ``vf_clipfrac``, the
-        detached fraction of action tokens where the clipped error is the larger (0 when off)
-        — of this call's tokens (the whole rows' with ``cp_group``), or of the whole group's
-        with ``group=`` (the same collective as the normaliser).
+        ``(loss, metrics)``: the 0-dim loss and ``vf_clipfrac`` (where the clipped error is larger).
 
     Example:
         >>> import torch

@@ -1,20 +1,6 @@
-"""numba kernels behind :mod:`rlops.scan.compiled` (imported only when numba is installed).
-
-Every kernel is a top-level function, so numba's on-disk cache (``cache=True``) keeps each one
-(and each of its type signatures) apart and later processes load them instead of compiling.
-
-Four rows at a time ("lanes"), the carries in registers: four independent chains keep the
-multiply-add pipeline busy. ``rows`` holds the four row indices. Each carry is float64 whatever
-the input dtype, advanced by one fused multiply-add (:func:`rlops.scan.exact_arith.fma`): the
-chain is no longer than a float32 one, and a float32 scan over 128K steps has the accuracy of
-a float64 loop rounded once per output. The inputs are converted as they are read
-(:func:`rlops.scan.exact_arith.set_llvm_optsize`).
-
-Exact cuts: rows whose constant decay is 0 are copied by the caller. A per-token decay of
-exactly 0 must select the carry away (``0 * NaN`` would be NaN); while every carry is finite,
-``fma(0, c, x)`` is ``x`` already, so :func:`scan_tokens` runs without the select and adds up
-its carries, and only a row group whose sum is not finite (a NaN or inf met on the way) is
-scanned again with it.
+"""numba kernels behind :mod:`rlops.scan.compiled` (imported only when numba is installed): each
+a top-level function (numba's on-disk cache keeps them apart), four rows at a time, float64
+carries advanced by one fused multiply-add (docs/design/scan.md).
 """
 
 import numba

@@ -1,23 +1,8 @@
-"""The scan as one operator that ``torch.compile`` does not trace into: ``rlops::reverse_scan``.
+"""The scan as one operator that ``torch.compile`` does not trace into: ``rlops::reverse_scan``,
+one graph node whatever the length, run by :data:`rlops.scan.SCAN` eagerly at run time. Its
+gradient is the same operator again, the adjoint scan forward in time (docs/design/tracing.md):
 
-Traced, the chunked scan puts its padding, chunk count and recursion depth into the graph, so
-a graph compiled under ``dynamic=True`` would hold for one length only. Registered as a custom
-operator (``torch.library.custom_op``) the scan is one node whose output has its input's shape
-(the fake implementation), whatever the length: one graph serves every ``[N, T]``.
-
-At run time the operator is an ordinary eager call of :data:`rlops.scan.table.SCAN`, outside any
-trace and without autograd, so ``method="auto"`` picks what it picks in eager code for a call
-that needs no gradient: the numba kernel on CPU where numba is installed, Triton on CUDA, else
-the chunked scan. Its gradient is registered beside it and is the same operator again, the
-adjoint of the reverse scan, which is a scan forward in time::
-
-    y[t]  = x[t] + a[t]·y[t+1]                      (the forward)
-    gx[t] = gy[t] + a[t−1]·gx[t−1],   gx[0] = gy[0]  (the adjoint: a reverse scan of the
-                                                      time-reversed gy with decays a[t−1])
-    ga[t] = gx[t]·y[t+1]                             (0 where a[t] = 0: an exact cut has no
-                                                      gradient, as on every path)
-
-summed over time for a per-row decay. A decay of exactly 0 stays an exact cut in both scans.
+    gx[t] = gy[t] + a[t−1]·gx[t−1],    ga[t] = gx[t]·y[t+1]   (0 where a[t] = 0)
 """
 
 from __future__ import annotations
@@ -25,10 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlops.scan.dispatch import case_of
-from rlops.scan.table import SCAN
-
-__all__ = ["reverse_scan_op"]
+from rlops.scan._dispatch import case_of
+from rlops.scan._table import SCAN
 
 
 def _per_token(x: torch.Tensor, decay: torch.Tensor) -> bool:
@@ -76,7 +59,7 @@ _reverse_scan.register_autograd(_backward, setup_context=_setup)
 def reverse_scan_op(
     x: torch.Tensor, decay: float | torch.Tensor, method: str, chunk_size: int | None
 ) -> torch.Tensor:
-    """:data:`rlops.scan.table.SCAN` on ``x`` ``[N, T]`` and a canonical ``decay`` as the
+    """:data:`rlops.scan._table.SCAN` on ``x`` ``[N, T]`` and a canonical ``decay`` as the
     ``rlops::reverse_scan`` operator (a float decay becomes ``[N, 1]`` float64)."""
     if not isinstance(decay, torch.Tensor):
         decay = x.new_full((x.shape[0], 1), float(decay), dtype=torch.float64)

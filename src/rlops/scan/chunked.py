@@ -1,36 +1,10 @@
-"""The discounted reverse scan, fully vectorised over time in chunks (any device, autograd).
+"""The discounted reverse scan vectorised over time in chunks (any device, autograd).
 
-    y[t] = x[t] + a[t] * y[t+1],        y[T] = 0
-
-Split time into chunks of C steps. Inside chunk c, with the carry Y[c+1] = y at the first step
-of the next chunk,
-
-    y[t] = local[t] + (a[t] * a[t+1] * ... * a[end]) * Y[c+1]
-
-where ``local`` is the scan of the chunk alone. The carries obey the same recurrence one level
-up, ``Y[c] = local_c[0] + P_c * Y[c+1]`` with P_c the product of the chunk's decays, so they are
-solved by the same function on a sequence C times shorter: a recursion of depth log_C(T), with
-no Python loop whose length grows with T.
-
-Two chunk-local kernels:
-
-* decay constant along time (a float or one value per row): ``local = x_chunks @ W`` with the
-  C x C matrix W[k, t] = a^(k-t) (k >= t). Powers are formed in float64 over at most C steps,
-  never as a^(-t), so nothing overflows and a = 0 or 1 is exact. W is 0 above its diagonal
-  and ``0 * NaN`` is NaN, so non-finite entries of x are scanned as 0 and put back by a
-  select (:func:`_reach`: what a NaN or an infinity puts on the steps before it); on CPU only
-  when the sum of x is not finite.
-* decay per token: log2(C) doubling steps inside each chunk (Hillis-Steele), on products of the
-  decays themselves, no logarithms, so a decay of exactly 0 stays an exact cut.
-
-A zero decay product is a cut: what lies beyond it is *selected* away before the multiply
-(:func:`rlops.scan.decay.decayed`), so NaN or inf in another segment never leaks across
-(0 * NaN is NaN). A row whose constant decay is 0 returns ``x`` itself.
-
-The chunk matrix products stay in full precision without touching any process-wide setting:
-where the process lets float32 matrix products run reduced (TF32 or bfloat16 inside,
-``torch.backends.*.matmul.fp32_precision``, which is only read here), and while
-``torch.compile`` traces, a float32 chunk product runs in float64 and is rounded once.
+Inside a chunk, with ``Y`` the carry entering from the next chunk,
+``y[t] = local[t] + (a[t] * ... * a[end]) * Y``, ``local`` the chunk's own scan; the carries
+obey the same recurrence one level up and are solved by the same function on a sequence C
+times shorter (depth log_C T). A constant decay scans a chunk as one matrix product, a
+per-token one by log2(C) doubling steps; a zero decay is an exact cut (docs/design/scan.md).
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
-"""Compiled single-pass CPU scan (numba, the optional ``fast`` extra: ``pip install -e ".[fast]"``
-in a clone of rlops, or ``pip install numba``).
-
-One pass over the data: the time loop runs backwards over four rows at once, so four
-independent multiply-add chains are in flight instead of one latency-bound chain. The carries
-are float64, advanced by one fused multiply-add per step (a chain no longer than a float32
-one), with the float32 inputs converted as they are read: a float32 scan over 128K tokens is
-then as accurate as a float64 loop rounded once per output. The kernels release the GIL and
-are single-threaded (numba's own thread pool fights torch's OpenMP threads for the cores);
-large inputs are split by rows over a few Python threads (:func:`run_rows`, shared with the
-fused estimator kernels in :mod:`rlops.advantages`; the pool is :mod:`rlops._threads`).
-
-numba and numpy are imported on first use only: ``import rlops`` needs neither.
+"""Compiled single-pass CPU scan (numba, the ``fast`` extra), four rows at once with float64
+carries; large inputs split by rows over :mod:`rlops._threads` (:func:`run_rows`, shared with
+the estimators' kernels). numba and numpy are imported on first use only.
 """
 
 from __future__ import annotations

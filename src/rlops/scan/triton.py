@@ -2,52 +2,14 @@
 
     y[t] = x[t] + a[t] * y[t+1],        y[T] = y_boot (default 0)
 
-Each step is the affine map ``f_t(y) = x[t] + a[t]·y``; maps compose associatively,
-``(a, x) ∘ (a', x') = (a·a', x + a·x')`` (the earlier step applied after the later one), so a
-block of time reduces to one map. Rows and blocks of time are independent programs (a
-two-level scan, so that one long row fills the device):
-
-1. every ``(row, block)`` program scans its block with ``tl.associative_scan(...,
-   reverse=True)`` over contiguous time indices (so each thread loads consecutive elements
-   with vector loads) and writes the block's map: its decay product and its head value (two
-   numbers);
-2. one program per row scans the block maps (shifted by one block) and applies them to
-   ``y_boot``: the value entering each block from the right;
-3. every ``(row, block)`` program scans its block again and applies the carry.
-
-The inputs are read twice and the output written once; nothing ``[B, T]``-sized is written
-but ``y``. The ``(row, block)`` programs form one flat grid (``B·NB`` programs, within the
-2³¹ − 1 of grid dimension 0 at any length; dimension 1 would stop at 65,535 blocks).
-
-:func:`compose2` is the same machinery for a two-number state
-(``A' = c + p·A + q·W``, ``W' = e + s·W``), on which :mod:`rlops.advantages.triton` builds GAE
-and REINFORCE++ returns in one kernel each.
-
-**Batch invariance.** Everything that orders a row's sums is a constant: the block
-(:data:`BLOCK_T` steps from ``t = 0``), the carry pass's tile (:data:`_CARRY_BLOCK` block maps
-from block 0) and the warps per program (16 bytes of carries per thread, :func:`num_warps`).
-None follows the number of rows, so a row's bits do not depend on the batch
-(``tests/scan/test_batch_invariance_triton.py``); nor, forward, on padding to the right, which
-adds identity maps (exact) after the row's own (the backward runs on the reversed row: its
-blocks end at the row's end). Offsets that multiply three sizes (``k·B·NB``) are int64.
-
-A decay of exactly 0 is an exact cut: every product of a coefficient with a value *selects*
-the value away where the coefficient is 0 (``p·where(p == 0, 0, y)``), so NaN or inf beyond a
-cut never reaches earlier tokens. Carries are float32 (float64 for float64 inputs); half
-inputs are read, accumulated in float32 and written back in their dtype.
-
-Backward (:class:`ReverseScan`): the adjoint of a reverse scan is the same scan forward in
-time, ``gx[t] = g[t] + a[t-1]·gx[t-1]``, run by these kernels on the time-reversed gradient
-with the decays shifted one step; ``ga[t] = gx[t]·y[t+1]`` (0 at a cut, as on the other
-paths), and ``g_boot = gx[T-1]·a[T-1]``. A kernel that fails to build there (outside the
-dispatch's fallback) sets the triton backend aside the same way (:mod:`rlops._backends`: one
-warning) and that backward runs the chunked scan.
-
-Launches (:func:`rlops._backends.launch`) run under the tensors' CUDA device and take only
-device tensors and Python numbers: no host synchronisation.
-
-Not exported: the dispatch of :mod:`rlops.scan` and :mod:`rlops.advantages` decides when
-these run.
+Each step is the affine map ``f_t(y) = x[t] + a[t]·y``, and maps compose associatively, so a
+two-level scan fills the device with one long row: every ``(row, block)`` program reduces its
+block to one map (``tl.associative_scan``), one program per row scans the block maps into
+carries, and every block is scanned again with its carry. :func:`compose2` is the same for a
+two-number state (GAE, REINFORCE++ returns: :mod:`rlops.advantages.triton`). The block, the
+carry tile and the warps are constants, so a row's bits do not depend on the batch; a zero
+decay is an exact cut; :class:`ReverseScan`'s backward is the adjoint scan forward in time
+(docs/design/scan.md). Not exported: the dispatch decides when these run.
 """
 
 from __future__ import annotations
@@ -57,6 +19,7 @@ import triton
 import triton.language as tl
 
 from rlops._backends import KernelBuildError, failed, launch, set_failed, warp_size
+from rlops._triton import acc_dtype, cast_to, tl_dtype
 
 __all__ = [
     "BLOCK_T",
@@ -98,18 +61,6 @@ def compose2(p2, q2, s2, c2, e2, p1, q1, s1, c1, e1):
     c = c1 + p1 * tl.where(p1 == 0, 0.0, c2) + q1 * tl.where(q1 == 0, 0.0, e2)
     e = e1 + s1 * tl.where(s1 == 0, 0.0, e2)
     return p, q, s, c, e
-
-
-@triton.jit
-def cast_to(v, ty: tl.constexpr):
-    """``v`` in ``ty``, rounded to nearest even. bfloat16 is rounded on the bits (what the
-    hardware conversion does; the interpreter's conversion truncates)."""
-    if ty == tl.bfloat16:
-        bits = v.to(tl.float32).to(tl.uint32, bitcast=True)
-        bits = bits + (0x7FFF + ((bits >> 16) & 1))
-        out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        return tl.where(v != v, v.to(tl.float32).to(tl.bfloat16), out)  # NaN stays NaN
-    return v.to(ty)
 
 
 @triton.jit
@@ -198,16 +149,6 @@ def _carry_kernel(summ_ptr, init_ptr, carry_ptr, B, NB, TWO: tl.constexpr, BLOCK
         a_in = block_head(a, i)
 
 
-def acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
-    """The carries' dtype: float64 if any input is float64, else float32."""
-    return torch.float64 if torch.float64 in dtypes else torch.float32
-
-
-def tl_dtype(dtype: torch.dtype):
-    """The Triton type of a float32 / float64 torch dtype."""
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
 def block_size(block_t: int | None = None) -> int:
     """Time steps per program: ``block_t`` (a power of two, at least 16) if given, else
     :data:`BLOCK_T`. Never chosen from the shape (module docstring: batch invariance)."""
@@ -219,11 +160,10 @@ def block_size(block_t: int | None = None) -> int:
 
 
 def num_warps(block: int, acc: torch.dtype) -> int:
-    """Warps per program of ``block`` lanes carried in ``acc``: 16 bytes of each input per
-    thread, one 128-bit vector (for 256 lanes of float32, two warps of 32 on NVIDIA, one wave
-    of 64 on AMD; float64 takes twice the warps: at four float64 a thread, ptxas for sm_80
-    spilled the float64 GAE), at least one warp. A function of the block, the dtype and the
-    target, never of the shape."""
+    """Warps per program of ``block`` lanes carried in ``acc``: 16 bytes of each input per thread
+    (float64 takes twice the warps: ptxas spilled the float64 GAE at four a thread), at least one;
+    a function of the block, the dtype and the target, never of the shape.
+    """
     return max(1, block * acc.itemsize // (16 * warp_size()))
 
 
@@ -304,13 +244,10 @@ def _canonical(x: torch.Tensor, a, y_boot):
 
 
 class ReverseScan(torch.autograd.Function):
-    """Autograd of the reverse scan; the backward is the adjoint scan forward in time.
-
-    ``forward(x [B, T], decay [B] | [B, T], y_boot [B], block_t)``; gradients for ``x``, a
-    tensor decay and ``y_boot``: ``gx[t] = g[t] + a[t-1]·gx[t-1]`` (this module's kernels on
-    the reversed time axis), ``ga[t] = gx[t]·y[t+1]`` (0 where ``a[t] = 0``: the cut selects
-    ``y[t+1]`` away, as the reference's autograd does), a per-row decay's gradient the row
-    sum of ``ga``, ``g_boot = gx[T-1]·a[T-1]``."""
+    """Autograd of the reverse scan: ``gx[t] = g[t] + a[t-1]·gx[t-1]`` (these kernels on the
+    reversed time axis), ``ga[t] = gx[t]·y[t+1]`` (0 at a cut; a per-row decay's gradient its row
+    sum), ``g_boot = gx[T-1]·a[T-1]``.
+    """
 
     @staticmethod
     def forward(ctx, x, decay, y_boot, block_t):

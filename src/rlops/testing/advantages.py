@@ -8,23 +8,10 @@ from dataclasses import dataclass, field
 import torch
 
 from rlops._checks import as_int, check_choice, check_unit_interval
-from rlops.advantages.masking import GaeInputs
 from rlops.advantages.reference import gae_reference
+from rlops.advantages.returns import GaeInputs
 from rlops.scan.reference import scan_reference
-from rlops.testing._common import (
-    Measured,
-    accepts,
-    binds,
-    check_device,
-    check_seed,
-    first,
-    fn_name,
-    generator,
-    measure,
-    preflight,
-    run_checks,
-    signature,
-)
+from rlops.testing import _common as common
 from rlops.testing.report import Report
 
 __all__ = ["ADVANTAGE_CHECKS", "check_advantages"]
@@ -66,15 +53,15 @@ def _positional(fn: Callable, estimator: str) -> int:
     else the fewest keywords (``rlops.gae(rewards, values, *, gamma, lam, mask)``). A
     signature that fits no such split is a ``TypeError`` naming the expected one."""
     names = _ARGS[estimator]
-    sig = signature(fn)
+    sig = common.signature(fn)
     if sig is None:
         return len(names)
     for k in range(len(names), -1, -1):
-        if binds(sig, *names[:k], **{n: n for n in names[k:]}):
+        if common.binds(sig, *names[:k], **{n: n for n in names[k:]}):
             return k
     expected = ", ".join(names)
     raise TypeError(
-        f"check_advantages(estimator={estimator!r}): {fn_name(fn)}{sig} takes no "
+        f"check_advantages(estimator={estimator!r}): {common.fn_name(fn)}{sig} takes no "
         f"({expected}): expected fn({expected}[, dones=]), each argument by position or by "
         "keyword under that name"
     )
@@ -95,7 +82,7 @@ class _Setup:
     names: tuple[str, ...] = field(default=())
 
     def inputs(self, b: int, t: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = generator(self.seed + s)
+        g = common.generator(self.seed + s)
         return torch.randn(b, t, generator=g), torch.randn(b, t, generator=g)
 
     def raw(self, r, v, mask, g, lm, dones=None) -> object:
@@ -113,7 +100,7 @@ class _Setup:
 
     def call(self, r, v, mask, g, lm, dones=None) -> torch.Tensor:
         """``fn``'s advantages (or returns), which must have the rewards' shape ``[B, T]``."""
-        out = first(
+        out = common.first(
             self.raw(r, v, mask, g, lm, dones), "the advantages" if self.gae else "the returns"
         )
         if out.shape != r.shape:
@@ -139,12 +126,12 @@ class _Setup:
         )
         return gae_reference(x)[0]
 
-    def rule(self, r, v, mask, g, lm, dones=None) -> tuple[Measured, torch.Tensor]:
+    def rule(self, r, v, mask, g, lm, dones=None) -> tuple[common.Measured, torch.Tensor]:
         got = self.call(r, v, mask, g, lm, dones)
         ref = self.definition(r, v, mask, g, lm, torch.float64, dones)
         plain = self.definition(r, v, mask, g, lm, torch.float32, dones)
         size = self.definition(r, v, mask, g, lm, torch.float64, dones, magnitude=True)
-        return measure(got, ref, plain, where=mask, scale=size), got
+        return common.measure(got, ref, plain, where=mask, scale=size), got
 
 
 # --------------------------------------------------------------------------- the checks
@@ -182,7 +169,7 @@ def _masks(s: _Setup):
 
 
 def _dones(s: _Setup):
-    if not accepts(s.fn, "dones"):
+    if not common.accepts(s.fn, "dones"):
         return None, None, "skipped: the function takes no dones="
     r, v = s.inputs(4, 96, 20)
     mask = _prefix_mask([96, 90, 50, 7], 96)
@@ -215,7 +202,7 @@ def _long_rows(s: _Setup):
         found.append(scan_reference(torch.where(mask, x, 0.0), torch.full((2, 1), decay, dtype=dt)))
     terms = r.double().abs() + (v.double().abs() * (1 + s.gamma) if s.gae else 0.0)
     size = scan_reference(torch.where(mask, terms, 0.0), torch.full((2, 1), decay).double())
-    m = measure(got, found[0], found[1], where=mask, scale=size)
+    m = common.measure(got, found[0], found[1], where=mask, scale=size)
     return m.ok, m.err, f"T={t}: {m.text()}"
 
 
@@ -308,11 +295,13 @@ def check_advantages(
     g = float(check_unit_interval("gamma", gamma))
     lm = float(check_unit_interval("lam", lam))
     t = as_int("long_length", long_length, 1, tensor=False)
-    dev, s0 = check_device(device), check_seed(seed)
+    dev, s0 = common.check_device(device), common.check_seed(seed)
     k = _positional(fn, estimator)
     s = _Setup(fn, estimator == "gae", k, g, lm, t, dev, s0, _ARGS[estimator])
     r, v = s.inputs(2, 4, 0)
-    preflight(lambda: s.raw(r, v, torch.ones(2, 4, dtype=torch.bool), g, lm), "the advantages")
+    common.preflight(
+        lambda: s.raw(r, v, torch.ones(2, 4, dtype=torch.bool), g, lm), "the advantages"
+    )
     shown = [f"estimator={estimator!r}"]
     bodies = {name: (lambda body=body: body(s)) for name, body in _BODIES.items()}
-    return run_checks("check_advantages", fn, shown, _EXPLAIN, bodies)
+    return common.run_checks("check_advantages", fn, shown, _EXPLAIN, bodies)

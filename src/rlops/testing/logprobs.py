@@ -11,18 +11,7 @@ import torch
 
 from rlops._checks import as_int, check_bool, check_finite_positive
 from rlops.logprobs.reference import logprobs_and_entropy_reference
-from rlops.testing._common import (
-    Measured,
-    binds,
-    check_device,
-    check_seed,
-    fn_name,
-    generator,
-    measure,
-    preflight,
-    run_checks,
-    signature,
-)
+from rlops.testing import _common as common
 from rlops.testing.report import Report
 
 __all__ = ["LOGPROB_CHECKS", "check_logprobs"]
@@ -76,7 +65,7 @@ def _temperature_form(fn: Callable) -> str:
     only ``**kwargs`` to take it), ``"positional"`` (a third positional parameter that is
     required or named like a temperature, or ``*args``), ``"none"`` (``fn(logits, target)``).
     A signature that fits none of them is a ``TypeError`` naming the forms."""
-    sig = signature(fn)
+    sig = common.signature(fn)
     if sig is None:  # no signature to read (a builtin): the documented positional form
         return "positional"
     params = sig.parameters
@@ -86,15 +75,15 @@ def _temperature_form(fn: Callable) -> str:
     positional = [
         q for q in params.values() if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)
     ]
-    if binds(sig, 0, 0, 1.0):
+    if common.binds(sig, 0, 0, 1.0):
         third = positional[2] if len(positional) > 2 else None
         if third is None or third.default is third.empty or third.name in _TEMPERATURE_NAMES:
             return "positional"  # *args, a required third parameter, or one named tau/temp
-    if binds(sig, 0, 0, temperature=1.0):
+    if common.binds(sig, 0, 0, temperature=1.0):
         return "keyword"
-    if binds(sig, 0, 0):
+    if common.binds(sig, 0, 0):
         return "none"
-    raise TypeError(f"check_logprobs: {fn_name(fn)}{sig} fits none of the forms {_FORMS}")
+    raise TypeError(f"check_logprobs: {common.fn_name(fn)}{sig} fits none of the forms {_FORMS}")
 
 
 def _check_options(
@@ -125,7 +114,7 @@ def _check_options(
             raise ValueError(f"dtypes must be among {[str(d) for d in _DTYPES]}, got {dt!r}")
     n = as_int("rows", rows, 1, tensor=False)
     check_bool("bitwise", bitwise)
-    return tau, sizes, tuple(dtypes), n, check_device(device), check_seed(seed)
+    return tau, sizes, tuple(dtypes), n, common.check_device(device), common.check_seed(seed)
 
 
 def _definition(
@@ -247,7 +236,7 @@ class _Setup:
 
     def against_definition(
         self, logits: torch.Tensor, target: torch.Tensor, tau: float | None = None
-    ) -> list[tuple[str, Measured]]:
+    ) -> list[tuple[str, common.Measured]]:
         tau = self.temperature if tau is None else tau
         return self.compare(logits, target, self.call(logits, target, tau), tau)
 
@@ -256,17 +245,17 @@ def _measure(out: torch.Tensor, ref: torch.Tensor, plain: torch.Tensor, scale: t
     """The rule, the plain computation rounded to the dtype the function returns."""
     if out.is_floating_point():
         plain = plain.to(out.dtype)
-    return measure(out, ref, plain, scale=scale)
+    return common.measure(out, ref, plain, scale=scale)
 
 
-def _worst(found: list[tuple[str, Measured]]) -> tuple[bool, float, str]:
+def _worst(found: list[tuple[str, common.Measured]]) -> tuple[bool, float, str]:
     ok = all(m.ok for _, m in found)
     name, m = max(found, key=lambda f: (not f[1].ok, f[1].err / max(f[1].bound, 1e-300)))
     return ok, m.err, f"{name} {m.text()}"
 
 
 def _inputs(n: int, v: int, seed: int, scale: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = generator(seed)
+    g = common.generator(seed)
     logits = torch.randn(n, v, generator=g) * scale
     target = torch.randint(0, v, (n,), generator=g)
     return logits, target
@@ -300,7 +289,7 @@ def _gradients(s: _Setup):
     tau, dt0 = s.temperature, s.dtypes[0]
     logits, target = _inputs(s.rows, s.vocab_sizes[0], s.seed + 20)
     logits = logits.to(dt0)
-    up = torch.randn(2, s.rows, generator=generator(s.seed + 21))
+    up = torch.randn(2, s.rows, generator=common.generator(s.seed + 21))
     z = logits.to(s.device).requires_grad_(True)
     logp, ent = s.call(z, target, tau)
     with_ent = ent is not None and ent.requires_grad
@@ -324,7 +313,7 @@ def _gradients(s: _Setup):
     # each element of the gradient is made of its row's probabilities, each rounded at the
     # row's magnitude: the floor is ulps of that magnitude times the row's largest element
     scale = _magnitude(logits, tau)[:, None] * ref.detach().abs().amax(-1, keepdim=True)
-    m = measure(got, ref, plain.to(got.dtype), scale=scale)
+    m = common.measure(got, ref, plain.to(got.dtype), scale=scale)
     what = "d(logp, entropy)/dlogits" if with_ent else "dlogp/dlogits"
     return m.ok, m.err, f"{what} {m.text()}"
 
@@ -365,7 +354,7 @@ def _batch_invariance(s: _Setup):
     logits = logits.to(dt0)
     base = s.call(logits, target)
     bound = max(m.bound for _, m in s.compare(logits, target, base, s.temperature))
-    g = generator(s.seed + 41)
+    g = common.generator(s.seed + 41)
     extra, extra_t = _inputs(51, v0, s.seed + 42)
     pad = torch.cat(
         [torch.zeros(8, v0), torch.full((8, v0), 100.0) + torch.randn(8, v0, generator=g)]
@@ -413,7 +402,7 @@ def _batch_invariance(s: _Setup):
 def _masked_vocab(s: _Setup):
     tau, rows, v0 = s.temperature, s.rows, s.vocab_sizes[0]
     logits, target = _inputs(rows, v0, s.seed + 50)
-    g = generator(s.seed + 51)
+    g = common.generator(s.seed + 51)
     masked = torch.rand(rows, v0, generator=g) < 0.25
     masked[0] = True
     masked[0, torch.randperm(v0, generator=g)[:2]] = False
@@ -566,10 +555,10 @@ def check_logprobs(
     if form == "none" and tau != 1.0:
         raise ValueError(
             f"temperature={temperature} needs a function that takes the temperature; "
-            f"{fn_name(fn)} takes (logits, target) only"
+            f"{common.fn_name(fn)} takes (logits, target) only"
         )
     s = _Setup(fn, form, tau, sizes, dts, n, bool(bitwise), dev, seed)
-    preflight(lambda: s.raw(*_inputs(2, 5, seed), tau), "the log-probs")
+    common.preflight(lambda: s.raw(*_inputs(2, 5, seed), tau), "the log-probs")
     shown = [] if form != "none" else ["temperature: not taken"]
     bodies = {name: (lambda body=body: body(s)) for name, body in _BODIES.items()}
-    return run_checks("check_logprobs", fn, shown, _EXPLAIN, bodies)
+    return common.run_checks("check_logprobs", fn, shown, _EXPLAIN, bodies)

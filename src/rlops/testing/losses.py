@@ -10,19 +10,7 @@ import torch
 from rlops._checks import check_choice
 from rlops._types import EMPTY_ROWS, EmptyRows
 from rlops.losses import AGG_MODES, policy_loss
-from rlops.testing._common import (
-    accepts,
-    binds,
-    check_device,
-    check_seed,
-    first,
-    fn_name,
-    generator,
-    measure,
-    preflight,
-    run_checks,
-    signature,
-)
+from rlops.testing import _common as common
 from rlops.testing.report import Report
 
 __all__ = ["POLICY_LOSS_CHECKS", "check_policy_loss"]
@@ -60,7 +48,7 @@ def _batch(seed: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """``(logp, old_logp, advantages, mask)`` ``[8, 48]`` float32: ratios spread over the
     clip range and beyond a dual clip, one advantage sign per token, a multi-turn mask (a
     gap of mask 0 inside the first row) and padding that holds arbitrary finite values."""
-    g = generator(seed)
+    g = common.generator(seed)
     b, t = len(_LENGTHS), max(_LENGTHS)
     mask = torch.arange(t)[None] < torch.tensor(_LENGTHS)[:, None]
     mask[0, 10:15] = False  # tool output inside a turn
@@ -111,7 +99,7 @@ class _Setup:
 
     def call(self, lp, o, a, m, **counts: object) -> torch.Tensor:
         """``fn``'s loss, which must be a 0-dim tensor (nothing is reshaped)."""
-        loss = first(self.fn(lp, o, a, m, **counts), "the loss")
+        loss = common.first(self.fn(lp, o, a, m, **counts), "the loss")
         if loss.dim() != 0:
             raise ValueError(
                 f"the function's loss has shape {list(loss.shape)}, the definition's is [] "
@@ -142,7 +130,7 @@ def _values(s: _Setup):
     logp, old, adv, mask = s.batch
     got = s.call(logp, old, adv, mask)
     ref = s.definition(logp.to("cpu", torch.float64), torch.float64)
-    m = measure(got, ref, s.definition(logp.cpu(), torch.float32), scale=s.size())
+    m = common.measure(got, ref, s.definition(logp.cpu(), torch.float32), scale=s.size())
     return m.ok, m.err, f"loss {float(got.detach()):.6g}; {m.text()}"
 
 
@@ -156,7 +144,7 @@ def _gradients(s: _Setup):
     for dt in (torch.float64, torch.float32):
         x = logp.to("cpu", dt).requires_grad_(True)
         refs.append(torch.autograd.grad(s.definition(x, dt), x)[0])
-    m = measure(got, refs[0], refs[1], scale=_row_scale(refs[0]))
+    m = common.measure(got, refs[0], refs[1], scale=_row_scale(refs[0]))
     return m.ok, m.err, f"dloss/dlogp {m.text()}"
 
 
@@ -187,7 +175,7 @@ def _constants(s: _Setup):
 def _micro_batch_invariance(s: _Setup):
     logp, old, adv, mask = s.batch
     names = _COUNTS[s.agg]
-    missing = [n for n in names if not accepts(s.fn, n)]
+    missing = [n for n in names if not common.accepts(s.fn, n)]
     if missing:
         return (
             None,
@@ -218,7 +206,7 @@ def _micro_batch_invariance(s: _Setup):
         [s.definition(x32[a:b], torch.float32, slice(a, b), counts) for a, b in _SPLITS]
     ).sum()
     (grad32,) = torch.autograd.grad(sum32, x32)
-    m = measure(total.to(torch.float32), ref64, sum32, scale=s.size())
+    m = common.measure(total.to(torch.float32), ref64, sum32, scale=s.size())
     ok, worst = m.ok, m.err
     text = (
         f"sum of micro-batch losses {float(total.detach()):.6g} (full batch "
@@ -226,7 +214,7 @@ def _micro_batch_invariance(s: _Setup):
     )
     if full_grad is not None and all(gr is not None for gr in grads):
         got = torch.cat([gr for gr in grads if gr is not None])
-        mg = measure(got, grad64, grad32, scale=_row_scale(grad64))
+        mg = common.measure(got, grad64, grad32, scale=_row_scale(grad64))
         ok, worst = ok and mg.ok, max(worst, mg.err)
         text += f"; gradient {mg.text()}"
     else:
@@ -321,11 +309,11 @@ def check_policy_loss(
     """
     check_choice("agg", agg, AGG_MODES)
     check_choice("empty_rows", empty_rows, EMPTY_ROWS)
-    dev, s0 = check_device(device), check_seed(seed)
-    sig = signature(fn)
-    if sig is not None and not binds(sig, 0, 0, 0, 0):
+    dev, s0 = common.check_device(device), common.check_seed(seed)
+    sig = common.signature(fn)
+    if sig is not None and not common.binds(sig, 0, 0, 0, 0):
         raise TypeError(
-            f"check_policy_loss: {fn_name(fn)}{sig} takes no (logp, old_logp, advantages, "
+            f"check_policy_loss: {common.fn_name(fn)}{sig} takes no (logp, old_logp, advantages, "
             "mask): expected fn(logp, old_logp, advantages, mask[, num_tokens=, num_seqs=])"
         )
     options: dict[str, object] = dict(kind_params)
@@ -335,9 +323,9 @@ def check_policy_loss(
         options["clip_high"] = clip_high
     s = _Setup(fn, kind, agg, options, loss_scale_factor, empty_rows, _batch(s0, dev))
     s.size()  # the definition once: a bad kind, clip or option raises here, naming it
-    preflight(lambda: fn(*s.batch), "the loss")
+    common.preflight(lambda: fn(*s.batch), "the loss")
     shown = [f"agg={agg!r}", f"kind={kind!r}"]
     if empty_rows != "skip":
         shown.append(f"empty_rows={empty_rows!r}")
     bodies = {name: (lambda body=body: body(s)) for name, body in _BODIES.items()}
-    return run_checks("check_policy_loss", fn, shown, _EXPLAIN, bodies)
+    return common.run_checks("check_policy_loss", fn, shown, _EXPLAIN, bodies)
