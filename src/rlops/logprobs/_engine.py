@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from rlops._backends import KernelBuildError
-from rlops._checks import compute_dtype, values_checked
+from rlops._checks import values_checked
 from rlops._threads import for_each
 from rlops.distributed.groups import group_rank_size
 from rlops.logprobs import _softmax, _support
@@ -106,7 +106,8 @@ def _checked_plan(
         v_local=inputs.v_local,
         start=start,
         chunk=rows if inputs.chunk is None else inputs.chunk,  # None: one chunk (Plan.starts)
-        dtype=compute_dtype(inputs.x.dtype),
+        dtype=inputs.dtype,
+        logits_dtype=inputs.logits_dtype,
         device=inputs.x.device,
         lead=tuple(inputs.x.shape[:-1]),
         temperature=inputs.temperature,
@@ -358,7 +359,7 @@ def grad_with_graph(
         raise RuntimeError("grad_with_graph needs a plan with its target bound")
     rows = logits if plan.rows_of is None or compacted else logits.index_select(0, plan.rows_of)
     head = plan.head
-    x = rows.to(compute_dtype(logits.dtype))
+    x = rows.to(plan.dtype)
     z = x / plan.temperature if head.plain else head.differentiable(x)
     idx = plan.target.reshape(-1, 1)
     keep = plan.keep_rows(0, plan.rows)  # the plan's rows, from the keep mask or CSR sets

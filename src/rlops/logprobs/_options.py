@@ -87,6 +87,7 @@ class LogprobOptions(DistributionOptions, total=False):
     entropy_grad: bool
     group: Group
     chunk_size: int | None
+    logits_dtype: torch.dtype | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,6 +110,7 @@ class Options:
     with_sum_pi_squared: bool = False
     group: Group = None
     chunk_size: int | None = None
+    logits_dtype: torch.dtype | None = None
 
     @classmethod
     def given(
@@ -129,7 +131,8 @@ class Checked:
     """One op's inputs after this rank's checks: ``x`` (``logits`` or ``hidden``, named
     ``name``), the linear op's ``weight``, ``bias`` and ``hidden`` size (0 for logits), the
     int64 ``target``, the chunk, the row ``mask``, the CSR ``support``, the head's map, the
-    producer ``method`` (``"chunked"`` or ``"triton"``) and the checked ``sampler``."""
+    producer ``method`` (``"chunked"`` or ``"triton"``), the checked ``sampler`` and
+    ``logits_dtype`` (:func:`check_logits_dtype`: None unless it widens the inputs')."""
 
     name: str
     x: torch.Tensor
@@ -147,6 +150,12 @@ class Checked:
     softcap: float | None = None
     method: str = "chunked"
     sampler: Sampler | None = None
+    logits_dtype: torch.dtype | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The call's compute dtype: the statistics', the outputs' and the scaled logits'."""
+        return compute_dtype(self.x.dtype) if self.logits_dtype is None else self.logits_dtype
 
 
 METHODS = ("auto", "chunked", "triton")
@@ -221,6 +230,7 @@ def checked(
         with_sum_pi_squared=options.with_sum_pi_squared,
     )
     check_chunk_size(options.chunk_size)
+    logits_dtype = check_logits_dtype(options.logits_dtype, x.dtype)
     lead = x.shape[:-1]
     target = check_target(target, lead, name)
     like = "hidden @ weight.T" if linear else "logits"
@@ -239,8 +249,9 @@ def checked(
     chosen = "chunked"
     if not linear:  # a rank's bad method joins the group check
         chosen = resolve(method, x)
-        if chosen == "triton" and (logit_scale != 1.0 or softcap is not None):
-            chosen = "chunked"  # the kernels have no scale or softcap: the torch maths
+        wider = logits_dtype not in (None, compute_dtype(x.dtype))  # float64 from half logits
+        if chosen == "triton" and (logit_scale != 1.0 or softcap is not None or wider):
+            chosen = "chunked"  # the kernels have no scale, softcap or float64 upcast: torch
     return Checked(
         name=name,
         x=x,
@@ -257,7 +268,8 @@ def checked(
         mask=mask,
         support=support,
         method=chosen,
-        sampler=checked_sampler(name, x, options, keep_mask),
+        sampler=checked_sampler(name, x, options, keep_mask, logits_dtype),
+        logits_dtype=logits_dtype,
     )
 
 
@@ -286,13 +298,17 @@ def _checked_layer(
 
 
 def checked_sampler(
-    name: str, ref: torch.Tensor, options: Options, keep_mask: torch.Tensor | None
-) -> Sampler | None:
+    name: str, ref: torch.Tensor, options: Options, keep_mask: torch.Tensor | None,
+    logits_dtype: torch.dtype | None = None,
+) -> Sampler | None:  # fmt: skip
     """The sampler filters of ``options`` as a :class:`Sampler`, or None when none is given;
-    ``ref`` ``[..., X]``: the tensor whose leading dims are the tokens (named ``name``)."""
+    ``ref`` ``[..., X]``: the tensor whose leading dims are the tokens (named ``name``);
+    ``logits_dtype``: the checked one (the per-token parameters' dtype when it widens)."""
     over = options.entropy_over_support
     check_flags(entropy_over_support=over)
-    sampler = check_sampler(options.top_k, options.top_p, options.min_p, ref, name)
+    sampler = check_sampler(
+        options.top_k, options.top_p, options.min_p, ref, name, logits_dtype=logits_dtype
+    )
     if keep_mask is not None and options.support_ids is not None:
         raise ValueError(
             "keep_mask and support_ids / support_offsets are exclusive: give the support "
@@ -365,6 +381,23 @@ def check_target_range(target: torch.Tensor, vocab: int) -> None:
                 f"target must hold vocabulary ids in [0, {vocab}) (the full vocabulary: "
                 f"the sum of V_local over the group), got {bad}"
             )
+
+
+_LOGITS_DTYPES = (torch.float32, torch.float64)
+
+
+def check_logits_dtype(logits_dtype: object, dtype: torch.dtype) -> torch.dtype | None:
+    """``logits_dtype`` (None, float32 or float64) for inputs of ``dtype``: None where it
+    changes nothing (None, or no wider than ``dtype``), else the wider dtype the logits are
+    made and read in."""
+    if logits_dtype is None:
+        return None
+    if not isinstance(logits_dtype, torch.dtype) or logits_dtype not in _LOGITS_DTYPES:
+        raise ValueError(
+            f"logits_dtype must be None (the inputs' dtype), torch.float32 or torch.float64, "
+            f"got {logits_dtype!r}"
+        )
+    return logits_dtype if logits_dtype.itemsize > dtype.itemsize else None
 
 
 def check_temperature(temperature: object) -> float:
@@ -477,15 +510,16 @@ def _check_sampler_tensor(
 
 
 def check_sampler(
-    top_k: object, top_p: object, min_p: object, logits: torch.Tensor, like: str = "logits"
-) -> Sampler | None:
+    top_k: object, top_p: object, min_p: object, logits: torch.Tensor, like: str = "logits",
+    *, logits_dtype: torch.dtype | None = None,
+) -> Sampler | None:  # fmt: skip
     """The sampler's filters, checked, as a :class:`Sampler` of numbers or flat ``[N]`` tensors
-    (int64; the compute dtype), or None: ``top_k ≥ 1``, ``top_p`` in ``(0, 1]``, ``min_p`` in
-    ``[0, 1]`` (a tensor's values on CPU only)."""
+    (int64; the compute dtype, or ``logits_dtype``), or None: ``top_k ≥ 1``, ``top_p`` in
+    ``(0, 1]``, ``min_p`` in ``[0, 1]`` (a tensor's values on CPU only)."""
     if top_k is None and top_p is None and min_p is None:
         return None
     lead = logits.shape[:-1]
-    dtype = compute_dtype(logits.dtype)
+    dtype = compute_dtype(logits.dtype) if logits_dtype is None else logits_dtype
     out: list[int | float | torch.Tensor | None] = []
     for name, x in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
         integer = name == "top_k"

@@ -19,7 +19,8 @@ class Plan:
     """One call of a log-prob op, as this rank's chunk loops run it.
 
     Fixed for the call: ``rows`` (N tokens), this shard's ``v_local`` and first id ``start``,
-    ``chunk``, the compute ``dtype``, ``device``, the outputs' shape ``lead``, the head's map,
+    ``chunk``, the compute ``dtype``, the linear op's ``logits_dtype`` (None: its logits in the
+    inputs' dtype), ``device``, the outputs' shape ``lead``, the head's map,
     the flags, ``masked`` (the log-prob is over a support: two ``(m, s)`` in the statistics),
     the ``sampler``, ``group`` and ``world``. Bound per pass (None when not): the flat
     ``target`` ``[N]`` and ``keep`` ``[N, V_local]``; a row mask as ``rows_of`` (the valid rows,
@@ -33,6 +34,7 @@ class Plan:
     start: int = 0
     chunk: int
     dtype: torch.dtype
+    logits_dtype: torch.dtype | None = None
     device: torch.device
     lead: tuple[int, ...] = ()
     temperature: float = 1.0

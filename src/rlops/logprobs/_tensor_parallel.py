@@ -85,6 +85,7 @@ class Call:
     bias: bool = False
     row_mask: torch.Tensor | None = None
     support: tuple[torch.Tensor, torch.Tensor] | None = None
+    logits_dtype: torch.dtype | None = None
 
     def described(self, target: torch.Tensor) -> collectives.Call:
         """The group check's description, with the checksums of ``target`` and of the
@@ -94,6 +95,7 @@ class Call:
             "hidden size": self.hidden,
             "bias given": self.bias,
             "dtype": self.dtype,
+            "logits_dtype": self.logits_dtype,
             "with_entropy": self.with_entropy,
             "entropy_grad": self.entropy_grad,
             "with_sum_pi_squared": self.sum_pi_squared,
@@ -164,6 +166,7 @@ def call_of(op: str, inputs: Checked, options: Options, sampler: Sampler | None)
         hidden=inputs.hidden,
         bias=inputs.bias is not None,
         dtype=inputs.x.dtype,
+        logits_dtype=inputs.logits_dtype,
         with_entropy=options.with_entropy,
         entropy_grad=options.entropy_grad,
         sum_pi_squared=options.with_sum_pi_squared,

@@ -195,12 +195,15 @@ def logprobs_and_entropy(
             ``final_logit_softcapping``, ``keep_mask`` ``[..., V_local]``, ``support_ids`` /
             ``support_offsets`` (CSR), ``mask`` ``[...]`` (the rows the loss reads: exact 0
             elsewhere), ``top_k`` / ``top_p`` / ``min_p`` (scalars or ``[...]``),
-            ``entropy_over_support``, ``entropy_grad``, ``group``, ``chunk_size``.
+            ``entropy_over_support``, ``entropy_grad``, ``group``, ``chunk_size``,
+            ``logits_dtype`` (the softmax's dtype: ``torch.float64`` widens it; the logits'
+            own rounding stays).
 
     Returns:
-        ``(logp, entropy)``, each ``[...]`` float32 (float64 for float64 logits),
-        differentiable w.r.t. ``logits``; ``entropy`` is None with ``with_entropy=False``;
-        with ``with_sum_pi_squared=True`` a third ``[...]`` output without gradient.
+        ``(logp, entropy)``, each ``[...]`` float32 (float64 for float64 logits or
+        ``logits_dtype``), differentiable w.r.t. ``logits``; ``entropy`` is None with
+        ``with_entropy=False``; with ``with_sum_pi_squared=True`` a third ``[...]`` output
+        without gradient.
 
     Example:
         >>> import torch

@@ -23,23 +23,47 @@ __all__ = ["copy_to_tensor_parallel_region", "linear_logprobs_and_entropy"]
 _OP = "linear_logprobs_and_entropy"
 # The narrowest vocabulary slice of a backward tile.
 _MIN_TILE_VOCAB = 256
+# Bytes of the weight's rows upcast at a time for wider logits (``logits_dtype``).
+_WIDE_WEIGHT_BYTES = 8 << 20
 
 
-def _linear(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``h [C, H] @ weightᵀ``, then ``+ bias``, each in the inputs' dtype (a fresh tensor).
-    The matmul always has a multiple of :data:`ROW_ALIGN` rows (zero rows pad ``h``), so each
-    row's logits are the same bits whatever ``C`` (a BLAS picks its kernel by the rows of the
-    call); the bias is added after, not in an ``addmm`` (the backward's tiles must see the
-    forward's bits). ``docs/design/logprobs.md``: batch invariance."""
+def _linear(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``h [C, H] @ weightᵀ``, then ``+ bias``, each in the inputs' dtype, or in ``dtype``
+    (:func:`_wide_matmul`) when given (a fresh tensor). The matmul always has a multiple of
+    :data:`ROW_ALIGN` rows (zero rows pad ``h``), so each row's logits are the same bits
+    whatever ``C`` (a BLAS picks its kernel by the rows of the call); the bias is added after,
+    not in an ``addmm`` (the backward's tiles must see the forward's bits).
+    ``docs/design/logprobs.md``: batch invariance."""
     c = h.shape[0]
     pad = -c % ROW_ALIGN
     padded = torch.compiler.is_compiling() or pad != 0  # traced: no branch on a symbolic C
     if padded:
         h = torch.cat([h, h.new_zeros(pad, h.shape[1])])
-    z = h @ weight.T
+    z = h @ weight.T if dtype is None else _wide_matmul(h, weight, dtype)
     if padded:
         z = z[:c]
     return z if bias is None else z.add_(bias)
+
+
+def _wide_matmul(h: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``h @ weightᵀ`` ``[C, V]`` in ``dtype`` from narrower operands, never rounded to theirs:
+    a product of two half numbers is exact in float32, so the matmul of the upcast operands is
+    a float32 accumulation of the exact products. The weight is upcast by blocks of rows of
+    ``_WIDE_WEIGHT_BYTES`` (never a whole copy of ``[V, H]``)."""
+    hw = h.to(dtype)
+    v, width = weight.shape
+    step = max(ROW_ALIGN, _WIDE_WEIGHT_BYTES // (width * dtype.itemsize))
+    if step >= v:
+        return hw @ weight.to(dtype).T
+    z = hw.new_empty((hw.shape[0], v))
+    for v0 in range(0, v, step):
+        z[:, v0 : v0 + step] = hw @ weight[v0 : v0 + step].to(dtype).T
+    return z
 
 
 class _Matmul(_engine.Producer):
@@ -55,7 +79,7 @@ class _Matmul(_engine.Producer):
         row_block: int | None = None,
     ) -> None:
         self.h2, self.weight, self.bias = h2, weight, bias
-        self.dtype, self.head = plan.dtype, plan.head
+        self.dtype, self.head, self.wide = plan.dtype, plan.head, plan.logits_dtype
         self.row_block = row_block
 
     def logits(self, i: int, j: int) -> tuple[torch.Tensor, bool]:
@@ -71,11 +95,12 @@ class _Matmul(_engine.Producer):
         """Rows ``i:j``; with ``row_block`` (the forward's chunk), one matmul per block of the
         forward's rows: the forward's bits."""
         if self.row_block is None or j - i <= self.row_block:
-            z = _linear(self.h2[i:j], self.weight, self.bias)
+            z = _linear(self.h2[i:j], self.weight, self.bias, self.wide)
         else:
             blocks = range(i, j, self.row_block)
             z = torch.cat(
-                [_linear(self.h2[a : min(a + self.row_block, j)], self.weight, self.bias)
+                [_linear(self.h2[a : min(a + self.row_block, j)], self.weight, self.bias,
+                         self.wide)
                  for a in blocks]
             )  # fmt: skip
         return z
@@ -176,9 +201,10 @@ class _FusedLinearLogprobsEntropy(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True: a differentiable backward
             # The logits chunk by chunk, as in the forward: the same bits, so that the saved
             # threshold selects the same support.
-            rows = [_linear(h2[i : i + plan.chunk], weight, bias) for i in plan.starts]
-            logits = torch.cat(rows) if rows else _linear(h2, weight, bias)
-            g = _engine.grad_with_graph(plan, logits, _OP, compacted=True)
+            wide = plan.logits_dtype
+            rows = [_linear(h2[i : i + plan.chunk], weight, bias, wide) for i in plan.starts]
+            logits = torch.cat(rows) if rows else _linear(h2, weight, bias, wide)
+            g = _engine.grad_with_graph(plan, logits, _OP, compacted=True).to(h2.dtype)
             grad_h = _scattered(g @ weight, hidden, plan) if need_h else None
             grad_b = g.sum(dim=0) if need_b else None
             return grad_h, (g.T @ h2 if need_w else None), grad_b, *nothing[3:]
@@ -360,10 +386,12 @@ def linear_logprobs_and_entropy(
         with_sum_pi_squared: also return ``Σ_v π_v²`` of the log-prob's distribution, detached.
         **options: :class:`~rlops.logprobs.LogprobOptions`, as for the op on logits (the
             default ``chunk_size`` bounds a ``[chunk, V_local]`` float32 buffer to 32 MiB on
-            CPU, 128 MiB on accelerators).
+            CPU, 128 MiB on accelerators). ``logits_dtype=torch.float32``: half operands,
+            float32 logits (never rounded to 16 bits), no float32 copy of the weight.
 
     Returns:
-        ``(logp, entropy)``, each ``[...]`` float32 (float64 for float64 inputs),
+        ``(logp, entropy)``, each ``[...]`` float32 (float64 for float64 inputs or
+        ``logits_dtype``),
         differentiable w.r.t. ``hidden``, ``weight`` and ``bias``; ``entropy`` is None with
         ``with_entropy=False``; with ``with_sum_pi_squared=True`` a third ``[...]`` output
         without gradient.

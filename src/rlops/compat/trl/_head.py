@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 import rlops
 from rlops._checks import check_logit_scale, check_softcap
 
@@ -57,6 +59,13 @@ def _linear_head(
         served = False
     if not served:
         return None
+    # TRL's float32 head (cast_lm_head_to_fp32: float32 hidden states, autocast off) on a half
+    # weight: float32 logits from the weight as it is, never a float32 copy of it
+    wide = (
+        hidden.dtype == torch.float32
+        and weight.dtype in (torch.float16, torch.bfloat16)
+        and not torch.is_autocast_enabled(hidden.device.type)
+    )
     hidden = hidden.to(weight.dtype)  # autocast: the head in the weight's dtype
     lp, ent = rlops.linear_logprobs_and_entropy(
         hidden,
@@ -67,6 +76,7 @@ def _linear_head(
         logit_scale=logit_scale,
         final_logit_softcapping=final_logit_softcapping,
         with_entropy="entropy" in outputs,
+        logits_dtype=torch.float32 if wide else None,
     )
     return lp, ent, None, None, None
 

@@ -212,9 +212,8 @@ class GRPOMixin:
         # the head's scale and softcap, as TRL's fused head reads them (checked at construction)
         scaled, _ = head_options(unwrapped.config.get_text_config())
         weight, bias = head.weight, head.bias
-        if t.args.cast_lm_head_to_fp32:
-            weight = weight.float()
-            bias = None if bias is None else bias.float()
+        # TRL's float32 head: float32 logits from the weight as it is, never a float32 copy
+        wide = torch.float32 if t.args.cast_lm_head_to_fp32 else None
         entropy_grad = bool(t._entropy_bonus_enabled) and torch.is_grad_enabled()
         k = logits_to_keep
         batch_size = batch_size or input_ids.size(0)
@@ -242,6 +241,7 @@ class GRPOMixin:
                 with_entropy=compute_entropy,
                 entropy_grad=entropy_grad,
                 mask=valid,
+                logits_dtype=wide,
                 **scaled,
             )
             logps.append(lp)
