@@ -225,6 +225,14 @@ PINNED: dict[str, tuple[str, ...]] = {
         "grpo_loss",
         "patch",
     ),
+    "rlops.compat.vllm": (
+        "LOGPROBS_MODES",
+        "logprob_options",
+    ),
+    "rlops.compat.sglang": (
+        "RL_ON_POLICY_TARGETS",
+        "logprob_options",
+    ),
 }
 
 
