@@ -1,5 +1,7 @@
 """``rlops check logprobs|loss|advantages MODULE:FUNCTION``: run a :mod:`rlops.testing`
-contract on a function of the user's code, print the report, exit 1 if a check failed."""
+contract on a function of the user's code, print the report, exit 1 if a check failed;
+``rlops check mismatch FILE.pt``: diagnose an engine's log-probs against the trainer's logits
+(:func:`rlops.testing.diagnose_mismatch`), exit 1 if no hypothesis explains them."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from rlops.testing import check_advantages, check_logprobs, check_policy_loss
+from rlops.testing import check_advantages, check_logprobs, check_policy_loss, diagnose_mismatch
 
 __all__ = ["add_arguments", "load_function", "run"]
 
@@ -31,7 +33,18 @@ _CHECKS: dict[str, Callable] = {
     "advantages": check_advantages,
 }
 # the parsed arguments that are not options of the check
-_NOT_OPTIONS = ("command", "contract", "function", "param", "usage")
+_NOT_OPTIONS = ("command", "contract", "function", "param", "usage", "file", "shown")
+#: ``rlops check mismatch``: the tensors a saved file holds, and the settings it may hold
+_MISMATCH_TENSORS = ("engine_logprobs", "logits", "target", "mask", "hidden", "weight")
+_MISMATCH_SETTINGS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "logit_scale",
+    "final_logit_softcapping",
+    "rounding",
+)
 
 
 def load_function(spec: str) -> Callable:
@@ -83,7 +96,7 @@ def _param(text: str) -> tuple[str, float]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``rlops check``'s three contracts and their options, on its parser ``p``."""
     contracts = p.add_subparsers(
-        dest="contract", required=True, metavar="{" + ",".join(_CHECKS) + "}"
+        dest="contract", required=True, metavar="{" + ",".join([*_CHECKS, "mismatch"]) + "}"
     )
 
     def contract(name: str, help_text: str) -> argparse.ArgumentParser:
@@ -192,6 +205,88 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="T",
         help="the length of the long_rows check's rows, >= 1 (default %(default)s)",
     )
+    _add_mismatch(contracts)
+
+
+def _add_mismatch(contracts: argparse._SubParsersAction) -> None:
+    """``rlops check mismatch FILE.pt`` and its options (each overrides the file's setting)."""
+    text = (
+        "diagnose why an engine's log-probs differ from the trainer's: FILE.pt is a "
+        "torch.save'd dict with engine_logprobs, target, logits (or hidden and weight), "
+        "optionally mask and the sampler's settings"
+    )
+    m = contracts.add_parser("mismatch", help=text, description=text)
+    m.add_argument("file", metavar="FILE.pt", help="the saved dict of tensors")
+    for name, kind, what in (
+        ("temperature", float, "the sampling temperature, > 0"),
+        ("top_k", int, "the sampler's top-k, >= 1 (-1 or 0: off)"),
+        ("top_p", float, "the sampler's top-p, in (0, 1]"),
+        ("min_p", float, "the sampler's min-p, in [0, 1]"),
+        ("logit_scale", float, "the model head's logit scale, > 0"),
+        ("final_logit_softcapping", float, "the model head's final softcap, > 0"),
+    ):
+        m.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=kind,
+            default=None,
+            help=f"{what} (default: the file's, else none)",
+        )
+    m.add_argument(
+        "--rounding",
+        choices=("bfloat16", "float16"),
+        default=None,
+        help="the 16-bit dtype of the engine's logits (default: the file's, else that of the "
+        "operands, else bfloat16)",
+    )
+    m.add_argument(
+        "--shown", type=int, default=12, help="hypotheses shown in the table (default 12)"
+    )
+    m.set_defaults(usage=m.format_usage())
+
+
+def _run_mismatch(args: argparse.Namespace) -> int:
+    """``rlops check mismatch``: 0 if a hypothesis explains the engine's log-probs, 1 if none
+    does, 2 on a usage error (a file that cannot be read, a missing key, a bad value)."""
+    try:
+        saved = torch.load(args.file, map_location="cpu", weights_only=True)
+    except Exception as e:  # a missing file, not a torch.save'd file, pickled code
+        reason = (str(e).strip().splitlines() or [""])[0]
+        return _usage_error(args, f"cannot read {args.file}: {type(e).__name__}: {reason}")
+    if not isinstance(saved, dict):
+        return _usage_error(args, f"{args.file} must hold a dict, got {type(saved).__name__}")
+    known = {*_MISMATCH_TENSORS, *_MISMATCH_SETTINGS}
+    unknown = sorted(str(k) for k in saved if k not in known)
+    if unknown:
+        return _usage_error(args, f"{args.file} has unknown keys {unknown}: expected {known}")
+    missing = [k for k in ("engine_logprobs", "target") if k not in saved]
+    if missing:
+        return _usage_error(args, f"{args.file} has no {' or '.join(missing)}")
+    settings = {k: saved[k] for k in _MISMATCH_SETTINGS if k in saved}
+    given = {k: getattr(args, k) for k in _MISMATCH_SETTINGS if getattr(args, k) is not None}
+    settings.update(given)
+    if isinstance(settings.get("rounding"), str):
+        settings["rounding"] = _DTYPES.get(settings["rounding"], settings["rounding"])
+    if args.shown < 1:
+        return _usage_error(args, f"argument --shown: must be >= 1, got {args.shown}")
+    start = time.perf_counter()
+    try:
+        report = diagnose_mismatch(
+            saved["engine_logprobs"],
+            saved.get("logits"),
+            saved["target"],
+            saved.get("mask"),
+            hidden=saved.get("hidden"),
+            weight=saved.get("weight"),
+            **settings,
+        )
+    except (TypeError, ValueError) as e:
+        message = str(e)
+        if not any(re.match(rf"{name}\b", message) for name in given):
+            message = f"{args.file}: {message}"  # a value of the file, not an option
+        return _usage_error(args, message)
+    print(report.table(args.shown))
+    print(f"({time.perf_counter() - start:.1f} s)")
+    return 0 if report.explained else 1
 
 
 def _usage_error(args: argparse.Namespace, message: str) -> int:
@@ -213,7 +308,10 @@ def _usage_error(args: argparse.Namespace, message: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """``rlops check``: 0 if every check passed, 1 if one failed, 2 on a usage error (a bad
-    option value, a function that cannot be loaded or whose signature fits no form)."""
+    option value, a function that cannot be loaded or whose signature fits no form);
+    ``mismatch``: see :func:`_run_mismatch`."""
+    if args.contract == "mismatch":
+        return _run_mismatch(args)
     try:
         fn = load_function(args.function)
     except (ImportError, ValueError) as e:
