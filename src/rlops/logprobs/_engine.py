@@ -64,6 +64,9 @@ def prepare(
             sel = flat.nonzero().squeeze(1)  # a host-sized result: CPU only
             rows = sel.numel()
             sampler = None if sampler is None else sampler.compacted(sel)
+            tau = plan.temperature
+            if isinstance(tau, torch.Tensor):
+                plan = replace(plan, temperature=tau.index_select(0, sel))
         else:
             sel = flat
     s_rows = s_ids = None
@@ -110,7 +113,11 @@ def _checked_plan(
         logits_dtype=inputs.logits_dtype,
         device=inputs.x.device,
         lead=tuple(inputs.x.shape[:-1]),
-        temperature=inputs.temperature,
+        temperature=(
+            inputs.temperature.unsqueeze(1)
+            if isinstance(inputs.temperature, torch.Tensor)
+            else inputs.temperature
+        ),
         logit_scale=inputs.logit_scale,
         softcap=inputs.softcap,
         with_entropy=options.with_entropy,
@@ -185,7 +192,7 @@ class Producer:
             saved=[t[i:j] for t in plan.saved],
             g_logp=None if plan.g_logp is None else plan.g_logp[i:j],
             g_ent=None if plan.g_ent is None else plan.g_ent[i:j],
-            inv_tau=plan.head.grad_scale,
+            inv_tau=plan.head.rows(i, j).grad_scale,
             out=out if slope is None else None,
         )  # fmt: skip
         if slope is None:

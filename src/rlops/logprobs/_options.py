@@ -46,7 +46,7 @@ class DistributionOptions(TypedDict, total=False):
     ``temperature`` map the logits; ``keep_mask`` or the sampler's ``top_k`` / ``top_p`` /
     ``min_p`` give the support, over which the entropy runs with ``entropy_over_support``."""
 
-    temperature: float
+    temperature: float | torch.Tensor
     logit_scale: float
     final_logit_softcapping: float | None
     keep_mask: torch.Tensor | None
@@ -94,7 +94,7 @@ class LogprobOptions(DistributionOptions, total=False):
 class Options:
     """The keyword arguments of a public log-prob op, as the caller gave them (unchecked)."""
 
-    temperature: float = 1.0
+    temperature: float | torch.Tensor = 1.0
     logit_scale: float = 1.0
     final_logit_softcapping: float | None = None
     keep_mask: torch.Tensor | None = None
@@ -132,7 +132,8 @@ class Checked:
     ``name``), the linear op's ``weight``, ``bias`` and ``hidden`` size (0 for logits), the
     int64 ``target``, the chunk, the row ``mask``, the CSR ``support``, the head's map, the
     producer ``method`` (``"chunked"`` or ``"triton"``), the checked ``sampler`` and
-    ``logits_dtype`` (:func:`check_logits_dtype`: None unless it widens the inputs')."""
+    ``logits_dtype`` (:func:`check_logits_dtype`: None unless it widens the inputs'); a
+    per-row ``temperature`` is ``[N]`` per token, in the compute dtype."""
 
     name: str
     x: torch.Tensor
@@ -140,7 +141,7 @@ class Checked:
     bias: torch.Tensor | None = None
     target: torch.Tensor
     keep: torch.Tensor | None
-    temperature: float
+    temperature: float | torch.Tensor
     v_local: int
     chunk: int | None
     hidden: int = 0
@@ -221,7 +222,6 @@ def checked(
         v_local = x.shape[-1]
         if v_local == 0:
             raise ValueError("logits must have a non-empty vocabulary dimension, got [..., 0]")
-    temperature = check_temperature(options.temperature)
     logit_scale = check_logit_scale(options.logit_scale)
     softcap = check_softcap(options.final_logit_softcapping)
     check_flags(
@@ -232,6 +232,7 @@ def checked(
     check_chunk_size(options.chunk_size)
     logits_dtype = check_logits_dtype(options.logits_dtype, x.dtype)
     lead = x.shape[:-1]
+    temperature = check_temperature(options.temperature, lead, name)
     target = check_target(target, lead, name)
     like = "hidden @ weight.T" if linear else "logits"
     keep_mask = check_keep_mask(options.keep_mask, (*lead, v_local), like)
@@ -239,9 +240,10 @@ def checked(
     support = check_support(options.support_ids, options.support_offsets, target.numel())
     s_ids, s_offsets = (None, None) if support is None else support
     layer = {"weight": weight, "bias": bias} if linear else {}
+    per_row = {"temperature": temperature} if isinstance(temperature, torch.Tensor) else {}
     check_same_device(
         name, x, **layer, target=target, keep_mask=keep_mask, mask=mask, support_ids=s_ids,
-        support_offsets=s_offsets,
+        support_offsets=s_offsets, **per_row,
     )  # fmt: skip
     chunk = options.chunk_size
     if chunk is None:
@@ -252,6 +254,16 @@ def checked(
         wider = logits_dtype not in (None, compute_dtype(x.dtype))  # float64 from half logits
         if chosen == "triton" and (logit_scale != 1.0 or softcap is not None or wider):
             chosen = "chunked"  # the kernels have no scale, softcap or float64 upcast: torch
+        if chosen == "triton" and per_row:
+            if method == "triton":
+                raise NotImplementedError(
+                    'method="triton" takes a float temperature; a per-row temperature tensor '
+                    'runs on method="chunked" (or "auto", which chooses it)'
+                )
+            chosen = "chunked"
+    if isinstance(temperature, torch.Tensor):  # per token, in the compute dtype
+        wide = compute_dtype(x.dtype) if logits_dtype is None else logits_dtype
+        temperature = _per_token(temperature, lead, wide)
     return Checked(
         name=name,
         x=x,
@@ -400,13 +412,43 @@ def check_logits_dtype(logits_dtype: object, dtype: torch.dtype) -> torch.dtype 
     return logits_dtype if logits_dtype.itemsize > dtype.itemsize else None
 
 
-def check_temperature(temperature: object) -> float:
+def check_temperature(
+    temperature: object, lead: tuple[int, ...] = (), name: str = "logits"
+) -> float | torch.Tensor:
+    """A float ``> 0``, or a floating tensor of one temperature per row of ``name``'s first
+    dim (``lead``: its leading shape), finite and ``> 0`` (read where
+    :func:`values_checked`)."""
+    if isinstance(temperature, torch.Tensor):
+        return _temperature_rows(temperature, lead, name)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
+        raise TypeError(
+            f"temperature must be a float or a floating tensor, got {type(temperature).__name__}"
+        )
     t = float(temperature)
     if not (t > 0 and is_finite(t)):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
     return t
+
+
+def _temperature_rows(tau: torch.Tensor, lead: tuple[int, ...], name: str) -> torch.Tensor:
+    """A per-row temperature: ``[N]`` for ``[N, V]`` (``[B]`` for ``[B, T, V]``), detached."""
+    rows = "[N] (one per row)" if len(lead) <= 1 else "[B] (one per row of [B, T])"
+    expected = f"{rows} like {name}'s first dim {list(lead[:1])}"
+    if not tau.is_floating_point():
+        raise TypeError(f"temperature must be a float or a floating tensor {rows}, got {tau.dtype}")
+    if len(lead) == 0 or tuple(tau.shape) != tuple(lead[:1]):
+        raise shape_error("temperature", expected, tau.shape)
+    if values_checked(tau) and tau.numel() > 0:
+        if not bool((tau.isfinite() & (tau > 0)).all()):
+            bad = tau[~(tau.isfinite() & (tau > 0))][0].item()
+            raise ValueError(f"temperature must hold finite numbers > 0, got {bad}")
+    return tau.detach()
+
+
+def _per_token(tau: torch.Tensor, lead: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``[lead[0]]`` per-row temperatures as ``[N]`` per token (row-major over ``lead``)."""
+    rest = [1] * (len(lead) - 1)
+    return tau.to(dtype).reshape(lead[0], *rest).expand(lead).reshape(-1)
 
 
 def _bool_tensor(

@@ -20,13 +20,14 @@ class Plan:
 
     Fixed for the call: ``rows`` (N tokens), this shard's ``v_local`` and first id ``start``,
     ``chunk``, the compute ``dtype``, the linear op's ``logits_dtype`` (None: its logits in the
-    inputs' dtype), ``device``, the outputs' shape ``lead``, the head's map,
-    the flags, ``masked`` (the log-prob is over a support: two ``(m, s)`` in the statistics),
-    the ``sampler``, ``group`` and ``world``. Bound per pass (None when not): the flat
-    ``target`` ``[N]`` and ``keep`` ``[N, V_local]``; a row mask as ``rows_of`` (the valid rows,
-    compacted; ``total`` rows in all) or ``row_valid`` ``[N]`` bool (computed and zeroed); a
-    CSR support as ``(support_rows, support_ids)`` pairs; the sampler's ``threshold``
-    ``[N, 1]``; in the backward the ``saved`` statistics and the upstream gradients.
+    inputs' dtype), ``device``, the outputs' shape ``lead``, the head's map (a per-row
+    ``temperature``: ``[N, 1]``), the flags, ``masked`` (the log-prob is over a support: two
+    ``(m, s)`` in the statistics), the ``sampler``, ``group`` and ``world``. Bound per pass
+    (None when not): the flat ``target`` ``[N]`` and ``keep`` ``[N, V_local]``; a row mask as
+    ``rows_of`` (the valid rows, compacted; ``total`` rows in all) or ``row_valid`` ``[N]``
+    bool (computed and zeroed); a CSR support as ``(support_rows, support_ids)`` pairs; the
+    sampler's ``threshold`` ``[N, 1]``; in the backward the ``saved`` statistics and the
+    upstream gradients.
     """
 
     rows: int
@@ -37,7 +38,7 @@ class Plan:
     logits_dtype: torch.dtype | None = None
     device: torch.device
     lead: tuple[int, ...] = ()
-    temperature: float = 1.0
+    temperature: float | torch.Tensor = 1.0
     logit_scale: float = 1.0
     softcap: float | None = None
     with_entropy: bool = True
@@ -61,7 +62,7 @@ class Plan:
     g_ent: torch.Tensor | None = None
 
     @property
-    def inv_tau(self) -> float:
+    def inv_tau(self) -> float | torch.Tensor:
         return 1.0 / self.temperature
 
     @property

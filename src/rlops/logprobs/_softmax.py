@@ -12,7 +12,7 @@ log-prob's), and last the shard's ``ρ = Σ p²``. :func:`merge` combines the sh
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -169,7 +169,7 @@ def grad_chunk(
     saved: Sequence[torch.Tensor],
     g_logp: torch.Tensor | None,
     g_ent: torch.Tensor | None,
-    inv_tau: float,
+    inv_tau: float | torch.Tensor,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gradient w.r.t. the unscaled logits of one chunk ``[C, V]`` in ``z``'s dtype, from the
@@ -262,7 +262,7 @@ def grad_differentiable(
     keep: torch.Tensor | None,
     g_logp: torch.Tensor | None,
     g_ent: torch.Tensor | None,
-    inv_tau: float,
+    inv_tau: float | torch.Tensor,
 ) -> torch.Tensor:
     """:func:`grad_chunk` on one process's whole ``[N, V]`` with differentiable, out-of-place ops,
     ``lse`` and ``H`` recomputed from ``z`` so that their dependence on it is differentiated too
@@ -303,9 +303,10 @@ def unpack_saved(saved: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], b
 
 @dataclass(frozen=True)
 class Head:
-    """The map ``x → z`` above: ``temperature`` τ, ``logit_scale`` s, ``softcap`` c (None: off)."""
+    """The map ``x → z`` above: ``temperature`` τ (a float, or ``[C, 1]`` per row),
+    ``logit_scale`` s, ``softcap`` c (None: off)."""
 
-    temperature: float = 1.0
+    temperature: float | torch.Tensor = 1.0
     logit_scale: float = 1.0
     softcap: float | None = None
 
@@ -315,7 +316,18 @@ class Head:
         return self.logit_scale == 1.0 and self.softcap is None
 
     @property
-    def grad_scale(self) -> float:
+    def tempered(self) -> bool:
+        """Whether the map divides by τ (a per-row τ always does: its values are not read)."""
+        return isinstance(self.temperature, torch.Tensor) or self.temperature != 1.0
+
+    def rows(self, i: int, j: int) -> Head:
+        """The map of rows ``i:j`` (a per-row τ sliced; a float τ: this map)."""
+        if isinstance(self.temperature, torch.Tensor):
+            return replace(self, temperature=self.temperature[i:j])
+        return self
+
+    @property
+    def grad_scale(self) -> float | torch.Tensor:
         """``∂z/∂x`` where it is a constant (no softcap): ``s / τ`` (``1 / τ`` when ``s = 1``);
         with a softcap ``1 / τ``, the rest of the slope being :meth:`sloped`'s."""
         if self.logit_scale == 1.0 or self.softcap is not None:
@@ -329,7 +341,7 @@ class Head:
             x, own = x.to(dtype), True
         tau = self.temperature
         if self.plain:
-            if tau == 1.0:
+            if not self.tempered:
                 return x, own
             return (x.div_(tau) if own else torch.div(x, tau)), True
         z = x if own else x.clone()
@@ -337,7 +349,7 @@ class Head:
             z.mul_(self.logit_scale)
         if self.softcap is not None:
             z.div_(self.softcap).tanh_().mul_(self.softcap)
-        if tau != 1.0:
+        if self.tempered:
             z.div_(tau)
         return z, True
 
@@ -353,7 +365,7 @@ class Head:
             t.mul_(self.logit_scale)
         t.div_(self.softcap).tanh_()
         z = t * self.softcap
-        if self.temperature != 1.0:
+        if self.tempered:
             z.div_(self.temperature)
         slope = t.mul_(t).neg_().add_(1.0)
         if self.logit_scale != 1.0:

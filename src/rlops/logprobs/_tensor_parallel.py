@@ -34,9 +34,11 @@ _TARGET = "target ids (position-weighted checksum)"
 _MASK = "mask (position-weighted checksum)"
 _SUPPORT = "support_ids and support_offsets (checksum)"
 _PARAMS = ("top_k", "top_p", "min_p")
+_TAU = "temperature (per-row checksum)"
 # A difference in the key implies one in the values: only the key is reported.
 _IMPLIED = {
-    "tokens": (_TARGET, _MASK, _SUPPORT, *(f"{p} (per-token checksum)" for p in _PARAMS)),
+    "tokens": (_TARGET, _MASK, _SUPPORT, _TAU, *(f"{p} (per-token checksum)" for p in _PARAMS)),
+    "temperature": (_TAU,),
     "mask given": (_MASK,),
     "support_ids given": ("support_ids (nnz)", _SUPPORT),
     "support_ids (nnz)": (_SUPPORT,),
@@ -76,7 +78,7 @@ class Call:
     with_entropy: bool
     entropy_grad: bool
     masked: bool
-    temperature: float
+    temperature: float | torch.Tensor
     logit_scale: float = 1.0
     softcap: float | None = None
     sampler: Sampler | None = None
@@ -90,6 +92,7 @@ class Call:
     def described(self, target: torch.Tensor) -> collectives.Call:
         """The group check's description, with the checksums of ``target`` and of the
         sampler's per-token tensors (on their device)."""
+        per_row = isinstance(self.temperature, torch.Tensor)
         fields: dict[str, object] = {
             "tokens": self.tokens,
             "hidden size": self.hidden,
@@ -100,7 +103,7 @@ class Call:
             "entropy_grad": self.entropy_grad,
             "with_sum_pi_squared": self.sum_pi_squared,
             "keep_mask given": self.masked,
-            "temperature": self.temperature,
+            "temperature": "per row" if per_row else self.temperature,
             "logit_scale": self.logit_scale,
             "final_logit_softcapping": self.softcap,
         }
@@ -124,6 +127,8 @@ class Call:
             ids, offsets = self.support
             fields["support_ids (nnz)"] = ids.numel()
             fields[_SUPPORT] = checksum(ids.long()) + checksum(offsets.long()) * 3
+        if isinstance(self.temperature, torch.Tensor):
+            fields[_TAU] = checksum(self.temperature)
         fields[_TARGET] = checksum(target)
         return collectives.Call(self.op, implied=_IMPLIED, **fields)
 

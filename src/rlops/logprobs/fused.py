@@ -37,13 +37,13 @@ class _Logits(_engine.Producer):
 
     def logits(self, i: int, j: int) -> tuple[torch.Tensor, bool]:
         x, own = self._rows(i, j)
-        return self.head.scaled(x, self.dtype, own)
+        return self.head.rows(i, j).scaled(x, self.dtype, own)
 
     def sloped(self, i: int, j: int) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
         if self.head.softcap is None:
             return (*self.logits(i, j), None)
         x, own = self._rows(i, j)
-        z, slope = self.head.sloped(x, self.dtype, own)
+        z, slope = self.head.rows(i, j).sloped(x, self.dtype, own)
         return z, True, slope
 
 
@@ -191,11 +191,12 @@ def logprobs_and_entropy(
         with_sum_pi_squared: also return ``Σ_v π_v²``, detached.
         method: ``"auto"`` (Triton for CUDA tensors when triton imports), ``"chunked"`` (torch)
             or ``"triton"`` (CUDA; CPU tensors under ``TRITON_INTERPRET=1``).
-        **options: :class:`~rlops.logprobs.LogprobOptions`: ``temperature``, ``logit_scale``,
-            ``final_logit_softcapping``, ``keep_mask`` ``[..., V_local]``, ``support_ids`` /
-            ``support_offsets`` (CSR), ``mask`` ``[...]`` (the rows the loss reads: exact 0
-            elsewhere), ``top_k`` / ``top_p`` / ``min_p`` (scalars or ``[...]``),
-            ``entropy_over_support``, ``entropy_grad``, ``group``, ``chunk_size``,
+        **options: :class:`~rlops.logprobs.LogprobOptions`: ``temperature`` (a float > 0, or a
+            floating tensor ``[N]`` (``[B]`` for ``[B, T]`` inputs) of per-row temperatures),
+            ``logit_scale``, ``final_logit_softcapping``, ``keep_mask`` ``[..., V_local]``,
+            ``support_ids`` / ``support_offsets`` (CSR), ``mask`` ``[...]`` (the rows the loss
+            reads: exact 0 elsewhere), ``top_k`` / ``top_p`` / ``min_p`` (scalars or
+            ``[...]``), ``entropy_over_support``, ``entropy_grad``, ``group``, ``chunk_size``,
             ``logits_dtype`` (the softmax's dtype: ``torch.float64`` widens it; the logits'
             own rounding stays).
 

@@ -83,12 +83,12 @@ class _Matmul(_engine.Producer):
         self.row_block = row_block
 
     def logits(self, i: int, j: int) -> tuple[torch.Tensor, bool]:
-        return self.head.scaled(self._raw(i, j), self.dtype, True)
+        return self.head.rows(i, j).scaled(self._raw(i, j), self.dtype, True)
 
     def sloped(self, i: int, j: int) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
         if self.head.softcap is None:
             return (*self.logits(i, j), None)
-        z, slope = self.head.sloped(self._raw(i, j), self.dtype, True)
+        z, slope = self.head.rows(i, j).sloped(self._raw(i, j), self.dtype, True)
         return z, True, slope
 
     def _raw(self, i: int, j: int) -> torch.Tensor:

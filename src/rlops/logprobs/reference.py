@@ -78,7 +78,7 @@ def logprobs_and_entropy_reference(
     logits: torch.Tensor,
     target: torch.Tensor,
     *,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     logit_scale: float = 1.0,
     final_logit_softcapping: float | None = None,
     keep_mask: torch.Tensor | None = None,
@@ -94,7 +94,8 @@ def logprobs_and_entropy_reference(
 ):
     """Reference log-probs and entropy over the full vocabulary ``[..., V]``.
 
-    ``z = logits / temperature`` in float32 (float64 stays float64), after Hugging Face's head
+    ``z = logits / temperature`` in float32 (float64 stays float64; a ``[N]`` (``[B]``)
+    temperature: one per row of the first dim), after Hugging Face's head
     maps: ``x = logits · logit_scale``, then with ``final_logit_softcapping = c``
     ``x = c · tanh(x / c)``; the support ``K`` is
     ``keep_mask``, or the sampler's (:func:`sampler_keep_mask` on ``z``, in that dtype), and
@@ -118,6 +119,8 @@ def logprobs_and_entropy_reference(
         x = x * logit_scale
     if final_logit_softcapping is not None:
         x = final_logit_softcapping * torch.tanh(x / final_logit_softcapping)
+    if isinstance(temperature, torch.Tensor):  # one per row of the first dim
+        temperature = temperature.to(x.dtype).reshape(-1, *[1] * (x.dim() - 1))
     z = x / temperature
     idx = target.long().unsqueeze(-1)
     if top_k is not None or top_p is not None or min_p is not None:

@@ -661,8 +661,11 @@ class TritonLogits(_engine.Producer):
     threshold_given = True
 
     def __init__(self, x: torch.Tensor, plan: Plan, torch_producer: _engine.Producer) -> None:
+        if isinstance(plan.temperature, torch.Tensor):  # the options route these to torch
+            raise NotImplementedError("the Triton kernels take a float temperature")
         self.x, self.fallback = _rows_view(x, plan.v_local), torch_producer
         self.logits = torch_producer.logits  # type: ignore[method-assign]
+        self.tau = plan.temperature
 
     def stats(
         self, plan: Plan, i: int, j: int, keep: torch.Tensor | None, out: torch.Tensor
@@ -672,7 +675,7 @@ class TritonLogits(_engine.Producer):
         if plan.sampler is not None and plan.threshold is not None:
             thr = plan.threshold[i:j]  # found by the engine in one process
         shard_stats(
-            self.x[i:j], plan.target[i:j], offset=plan.start, temperature=plan.temperature,
+            self.x[i:j], plan.target[i:j], offset=plan.start, temperature=self.tau,
             keep_mask=keep, threshold=thr, over_support=plan.over_support,
             with_entropy=plan.with_entropy, with_squares=plan.sum_pi_squared,
             row_valid=_rows(plan.row_valid, i, j), out=out,
@@ -687,7 +690,7 @@ class TritonLogits(_engine.Producer):
             self.x[i:j], plan.target[i:j], [t[i:j] for t in plan.saved],
             None if plan.g_logp is None else plan.g_logp[i:j],
             None if plan.g_ent is None else plan.g_ent[i:j],
-            offset=plan.start, temperature=plan.temperature, keep_mask=keep,
+            offset=plan.start, temperature=self.tau, keep_mask=keep,
             threshold=None if plan.threshold is None else plan.threshold[i:j],
             over_support=plan.over_support, row_valid=_rows(plan.row_valid, i, j), out=out,
         )  # fmt: skip
