@@ -19,6 +19,7 @@ from rlops._checks import (
     check_unit_interval,
     shape_error,
 )
+from rlops.testing.report import by_name
 
 __all__ = ["MismatchReport", "MismatchRow", "diagnose_mismatch"]
 
@@ -81,10 +82,7 @@ class MismatchReport:
         return iter(self.rows)
 
     def __getitem__(self, name: str) -> MismatchRow:
-        for r in self.rows:
-            if r.name == name:
-                return r
-        raise KeyError(f"no hypothesis named {name!r}: they are {[r.name for r in self.rows]}")
+        return by_name(self.rows, name, "hypothesis")
 
     def table(self, shown: int = 12) -> str:
         """The first ``shown`` hypotheses as a table, and the verdict."""

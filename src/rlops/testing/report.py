@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 __all__ = ["Check", "ContractError", "Report"]
 
 
 class ContractError(AssertionError):
     """Raised by :meth:`Report.raise_if_failed`; its message is the report's table."""
+
+
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
+_N = TypeVar("_N", bound=_Named)
+
+
+def by_name(items: Sequence[_N], name: str, what: str) -> _N:
+    """The item of ``items`` called ``name``; a ``KeyError`` listing the names otherwise."""
+    for item in items:
+        if item.name == name:
+            return item
+    raise KeyError(f"no {what} named {name!r}: they are {[i.name for i in items]}")
 
 
 @dataclass(frozen=True)
@@ -72,10 +89,7 @@ class Report:
         return iter(self.checks)
 
     def __getitem__(self, name: str) -> Check:
-        for c in self.checks:
-            if c.name == name:
-                return c
-        raise KeyError(f"no check named {name!r}: the checks are {[c.name for c in self.checks]}")
+        return by_name(self.checks, name, "check")
 
     def __str__(self) -> str:
         names = [c.name for c in self.checks]
