@@ -409,3 +409,22 @@ def test_trls_fused_head_in_float32_on_a_half_weight(spied):
     with torch.autocast("cpu", dtype=BF16):
         _linear_head(hidden.float(), weight, None, target, 1.0, 4096)
     assert spied[-1][1] is None
+
+
+def test_float32_logits_under_torch_compile():
+    """The option traces whole (``fullgraph=True``) and gives eager's values and gradients."""
+    hidden, weight, target, grads = _operands(9, 257, seed=11)
+
+    def loss(h, w):
+        logp, ent = rlops.linear_logprobs_and_entropy(h, w, target, logits_dtype=F32, top_p=0.9)
+        return (logp * grads[0] + ent * grads[1]).sum()
+
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    torch._dynamo.reset()
+    got = torch.compile(loss, backend="aot_eager", fullgraph=True)(h, w)
+    g_got = torch.autograd.grad(got, (h, w))
+    want = loss(h, w)
+    g_want = torch.autograd.grad(want, (h, w))
+    torch.testing.assert_close(got, want)
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b)
