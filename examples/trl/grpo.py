@@ -14,6 +14,7 @@ Needs the ``trl`` extra (TRL 1.16), installed from the checkout:
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 
@@ -27,11 +28,9 @@ WORDS = "yes no one two three four five the cat sat on a mat dog ran up and down
 GENERATIONS, BATCH, COMPLETION = 4, 8, 8  # completions per prompt, per step, tokens
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--small", action="store_true", help="2 steps")
-    parser.add_argument("--check", action="store_true", help="compare the first step with TRL")
-    args = parser.parse_args()
+def make_trainer(steps: int, check: bool = False, **options):
+    """TRL's GRPOTrainer behind rlops' mixin, on a tiny random Llama and a word-level tokenizer;
+    ``options`` go to ``GRPOConfig`` (``temperature``, ``top_k``, ...)."""
     try:
         import transformers
         import trl
@@ -73,32 +72,42 @@ def main() -> None:
     def reward_yes(completions, **kwargs):
         return [c.split().count("yes") / max(len(c.split()), 1) for c in completions]
 
-    steps = 2 if args.small else STEPS
-    with tempfile.TemporaryDirectory() as out:
-        grpo_args = trl.GRPOConfig(
-            output_dir=out,
-            per_device_train_batch_size=BATCH,
-            num_generations=GENERATIONS,
-            max_completion_length=COMPLETION,
-            max_steps=steps,
-            learning_rate=3e-3,
-            logging_steps=1,
-            report_to=[],
-            use_cpu=True,
-            save_strategy="no",
-            disable_tqdm=True,
-            seed=0,
-            bf16=False,  # float32 on CPU (TRL's default autocasts to bfloat16)
-        )
-        trainer = Trainer(
-            model=model,
-            reward_funcs=reward_yes,
-            args=grpo_args,
-            train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
-            processing_class=tokenizer,
-            check=args.check,
-        )
+    grpo_args = trl.GRPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=BATCH,
+        num_generations=GENERATIONS,
+        max_completion_length=COMPLETION,
+        max_steps=steps,
+        learning_rate=3e-3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        bf16=False,  # float32 on CPU (TRL's default autocasts to bfloat16)
+        **options,
+    )
+    return Trainer(
+        model=model,
+        reward_funcs=reward_yes,
+        args=grpo_args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
+        processing_class=tokenizer,
+        check=check,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--small", action="store_true", help="2 steps")
+    parser.add_argument("--check", action="store_true", help="compare the first step with TRL")
+    args = parser.parse_args()
+    trainer = make_trainer(2 if args.small else STEPS, check=args.check)
+    try:
         trainer.train()
+    finally:
+        shutil.rmtree(trainer.args.output_dir, ignore_errors=True)
     for log in trainer.state.log_history:
         if "reward" in log:
             print(
