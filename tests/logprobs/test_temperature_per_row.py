@@ -6,8 +6,8 @@ Expected values come from the definition in float64: ``z = x / τ_row``,
 ``softmax(z)``; top-k keeps the ``k`` largest ``z``, top-p the shortest prefix of ``z`` sorted
 down whose mass reaches ``p``. Several chunks (``chunk_size``), a row mask, the softcap's
 map, gradients (gradcheck), a constant tensor against the float, 2 real Gloo ranks of a
-vocabulary-sharded group, ``torch.compile``, the routing away from the Triton kernels, and
-the errors.
+vocabulary-sharded group, ``torch.compile`` and the errors (the Triton kernels':
+``test_triton_temperature.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from tests._distributed import run_distributed
 
-from rlops.logprobs import _options, linear_logprobs_and_entropy, logprobs_and_entropy
+from rlops.logprobs import linear_logprobs_and_entropy, logprobs_and_entropy
 from rlops.logprobs.reference import logprobs_and_entropy_reference
 
 V = 1000
@@ -192,17 +192,6 @@ def test_gradcheck_both_ops():
     assert torch.autograd.gradcheck(logits_op, (x,))
     assert torch.autograd.gradgradcheck(lambda x: logprobs_and_entropy(x, y, temperature=tau), (x,))
     assert torch.autograd.gradcheck(linear_op, (h, w))
-
-
-def test_triton_takes_a_float_temperature_only(monkeypatch):
-    monkeypatch.setattr(_options, "resolve", lambda method, x: "triton")
-    x = torch.randn(4, 9, dtype=torch.float64)
-    y = torch.tensor([0, 1, 2, 8])
-    tau = torch.tensor([0.5, 1.0, 2.0, 4.0], dtype=torch.float64)
-    with pytest.raises(NotImplementedError, match="per-row temperature"):
-        logprobs_and_entropy(x, y, temperature=tau, method="triton")
-    logp, _ = logprobs_and_entropy(x, y, temperature=tau, method="auto")  # runs chunked
-    _close(logp, _definition(x, y, tau)[0], torch.float64)
 
 
 def test_under_torch_compile():

@@ -519,6 +519,7 @@ TP_CASES = {
     "entropy detached": {"entropy_grad": False},
     "sum_pi_squared masked": {"mask": True, "with_sum_pi_squared": True, "chunk_size": 7},
     "sum_pi_squared top_k": {"top_k": 6, "with_sum_pi_squared": True, "with_entropy": False},
+    "per-row temperature": {"temperature": torch.linspace(0.3, 2.5, 19), "top_k": 6},
 }
 
 

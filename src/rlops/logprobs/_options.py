@@ -254,13 +254,6 @@ def checked(
         wider = logits_dtype not in (None, compute_dtype(x.dtype))  # float64 from half logits
         if chosen == "triton" and (logit_scale != 1.0 or softcap is not None or wider):
             chosen = "chunked"  # the kernels have no scale, softcap or float64 upcast: torch
-        if chosen == "triton" and per_row:
-            if method == "triton":
-                raise NotImplementedError(
-                    'method="triton" takes a float temperature; a per-row temperature tensor '
-                    'runs on method="chunked" (or "auto", which chooses it)'
-                )
-            chosen = "chunked"
     if isinstance(temperature, torch.Tensor):  # per token, in the compute dtype
         wide = compute_dtype(x.dtype) if logits_dtype is None else logits_dtype
         temperature = _per_token(temperature, lead, wide)

@@ -6,9 +6,9 @@ one pass over vocabulary tiles, never materialising the scaled logits.
 (``s ← s·e^{m−m'} + Σ e^{z−m'}``, the entropy's ``u`` and the float64 ``Σ e``, ``Σ e²``
 likewise), folds the slices in order and writes the columns of
 :func:`rlops.logprobs._softmax.stats_chunk`; :func:`logits_grad` writes each tile's
-``g_lp·(onehot − p_keep) − g_H·p·(log p + H)``, divided by ``τ``, in the logits' dtype. Slices
-of a fixed size, vector loads and why a row's bits do not depend on the batch:
-``docs/design/logprobs.md`` and ``docs/gpu.md``.
+``g_lp·(onehot − p_keep) − g_H·p·(log p + H)``, divided by ``τ`` (a float, or the row's
+own: one load per row), in the logits' dtype. Slices of a fixed size, vector loads and why a
+row's bits do not depend on the batch: ``docs/design/logprobs.md`` and ``docs/gpu.md``.
 """
 
 from __future__ import annotations
@@ -69,7 +69,16 @@ def _splits(x: torch.Tensor, row_blocks: int, units: int) -> tuple[int, int]:
 
 
 @triton.jit
+def _row_tau(tau_ptr, rows, row_ok, TAU_STRIDE: tl.constexpr, ACC: tl.constexpr):
+    # the rows' temperatures [BLOCK_N], one load per row: each row's own (TAU_STRIDE 1, a
+    # per-row tensor) or the one float's (TAU_STRIDE 0: every row reads element 0; read only
+    # when SCALE, else any element: a placeholder)
+    return tl.load(tau_ptr + rows * TAU_STRIDE, mask=row_ok, other=1.0).to(ACC)
+
+
+@triton.jit
 def _scaled(x_ptrs, ok, tau, SCALE: tl.constexpr, ACC: tl.constexpr):
+    # tau: the rows' temperatures, shaped to broadcast against x_ptrs
     z = tl.load(x_ptrs, mask=ok, other=float("-inf")).to(ACC)
     if SCALE:
         if ACC == tl.float64:
@@ -110,7 +119,7 @@ def _stats_tile(
     SCALE: tl.constexpr, ACC: tl.constexpr,
 ):  # fmt: skip
     # one tile of the rows' logits (columns cols, loaded where ok) into the accumulators
-    z = _scaled(x_rows + cols[None, :], ok, tau, SCALE, ACC)
+    z = _scaled(x_rows + cols[None, :], ok, tau[:, None], SCALE, ACC)
     if MASK or THRESH:
         if MASK:
             keep = tl.load(k_rows + cols[None, :], mask=ok, other=0) != 0
@@ -147,8 +156,9 @@ def _stats_kernel(
     stride_k, stride_o, offset, N_SLICES, ALIGN_V: tl.constexpr, ALIGN_X: tl.constexpr,
     ALIGN_K: tl.constexpr, ROWMASK: tl.constexpr, MASK: tl.constexpr, THRESH: tl.constexpr,
     TWO: tl.constexpr, ENTROPY: tl.constexpr, SQUARES: tl.constexpr, SQ_COL: tl.constexpr,
-    SCALE: tl.constexpr, PARTIAL: tl.constexpr, NP: tl.constexpr, SLICE_TILES: tl.constexpr,
-    PEEL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    SCALE: tl.constexpr, TAU_STRIDE: tl.constexpr, PARTIAL: tl.constexpr, NP: tl.constexpr,
+    SLICE_TILES: tl.constexpr, PEEL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    ACC: tl.constexpr,
 ):  # fmt: skip
     # TWO: the log-prob's distribution (the support) and the entropy's (all logits) differ;
     # SQUARES: ρ = Σ e² / (Σ e)² (e = exp(z − m), sums in float64) of the log-prob's
@@ -172,7 +182,7 @@ def _stats_kernel(
     V = V * ALIGN_V  # V and the strides come in units of ALIGN: rows start 16-byte aligned
     stride_x = stride_x * ALIGN_X  # and a tile's bound is known per vector, so tiles load
     stride_k = stride_k * ALIGN_K  # as vectors
-    tau = tl.load(tau_ptr).to(ACC)  # read only when SCALE (else any element: a placeholder)
+    tau = _row_tau(tau_ptr, rows, row_ok, TAU_STRIDE, ACC)
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=0) - offset
     if THRESH:
         thr = tl.load(thr_ptr + rows, mask=row_ok, other=0.0).to(ACC)
@@ -260,13 +270,14 @@ def _merge_kernel(
     x_ptr, tgt_ptr, tau_ptr, valid_ptr, out_ptr, part_ptr, N, V, stride_x, stride_o, offset,
     N_SLICES, ALIGN_V: tl.constexpr, ALIGN_X: tl.constexpr, ROWMASK: tl.constexpr,
     TWO: tl.constexpr, ENTROPY: tl.constexpr, SQUARES: tl.constexpr, SQ_COL: tl.constexpr,
-    SCALE: tl.constexpr, NP: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr,
+    SCALE: tl.constexpr, TAU_STRIDE: tl.constexpr, NP: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACC: tl.constexpr,
 ):  # fmt: skip
     # the rows' slices of _stats_kernel (PARTIAL) folded in slice order, whichever program
     # reduced each: a row's statistics do not depend on how the vocabulary was split
     rows, row_in, row_ok = _block_rows(N, valid_ptr, BLOCK_N, ROWMASK)
     rows64 = rows.to(tl.int64)
-    tau = tl.load(tau_ptr).to(ACC)
+    tau = _row_tau(tau_ptr, rows, row_ok, TAU_STRIDE, ACC)
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=0) - offset
     zy = _target_logit(x_ptr, rows64 * (stride_x * ALIGN_X), tgt, row_ok, V * ALIGN_V, tau,
                        SCALE, ACC)  # fmt: skip
@@ -327,8 +338,9 @@ def _grad_kernel(
     glp_ptr, gent_ptr, valid_ptr, dx_ptr, N, V, stride_x, stride_k, stride_d, offset, PER,
     ALIGN_V: tl.constexpr, ALIGN_X: tl.constexpr, ALIGN_K: tl.constexpr, ALIGN_D: tl.constexpr,
     ROWMASK: tl.constexpr, MASK: tl.constexpr, THRESH: tl.constexpr, TWO: tl.constexpr,
-    HAS_LP: tl.constexpr, HAS_ENT: tl.constexpr, SCALE: tl.constexpr, PEEL: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr,
+    HAS_LP: tl.constexpr, HAS_ENT: tl.constexpr, SCALE: tl.constexpr,
+    TAU_STRIDE: tl.constexpr, PEEL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    ACC: tl.constexpr,
 ):  # fmt: skip
     rows, row_in, row_ok = _block_rows(N, valid_ptr, BLOCK_N, ROWMASK)
     rows64 = rows.to(tl.int64)
@@ -349,7 +361,7 @@ def _grad_kernel(
                 tl.store(dx_ptr + rows64[:, None] * stride_d + cols[None, :], zeros,
                          mask=row_in[:, None] & (cols < V)[None, :])  # fmt: skip
             return
-    tau = tl.load(tau_ptr).to(ACC)  # read only when SCALE (else any element: a placeholder)
+    tau = _row_tau(tau_ptr, rows, row_ok, TAU_STRIDE, ACC)
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=0) - offset
     # (M, log S) of the log-prob distribution; (M, log S, H) of the entropy's
     mp = tl.load(mp_ptr + rows, mask=row_ok, other=0.0)
@@ -396,7 +408,7 @@ def _grad_tile(
 ):  # fmt: skip
     # one tile of the gradient: read where ok, written where st (ROWMASK: zeros where st and
     # not ok, a masked row beside valid ones in a block of several rows)
-    z = _scaled(x_rows + cols[None, :], ok, tau, SCALE, ACC)
+    z = _scaled(x_rows + cols[None, :], ok, tau[:, None], SCALE, ACC)
     onehot = cols[None, :] == tgt[:, None]
     if MASK or THRESH:
         if MASK:
@@ -417,7 +429,7 @@ def _grad_tile(
             p_keep = tl.where(keep, p_keep, 0.0)
         grad += glp[:, None] * (tl.where(onehot, 1.0, 0.0) - p_keep)
     if SCALE:
-        grad = grad * (1.0 / tau)
+        grad = grad * (1.0 / tau)[:, None]
     if ROWMASK:
         grad = tl.where(ok, grad, 0.0)
         ok = st
@@ -488,13 +500,21 @@ def _support_args(
     return keep, _column(threshold, n, acc)
 
 
-def _tau(temperature: float, acc: torch.dtype, like: torch.Tensor) -> torch.Tensor:
-    """The temperature as a one-element device tensor (a fill: no host-to-device copy, and one
-    compiled kernel for every temperature), or ``like`` as a placeholder when the logits are
-    not scaled."""
+def _tau(
+    temperature: float | torch.Tensor, n: int, acc: torch.dtype, like: torch.Tensor
+) -> tuple[torch.Tensor, int, bool]:
+    """``(tau, TAU_STRIDE, SCALE)``: a per-row temperature (``[N]`` or ``[N, 1]``) as a
+    contiguous ``[N]`` in ``acc`` read at stride 1; a float as a one-element device tensor (a
+    fill: no host-to-device copy, and one compiled kernel for every temperature) read at
+    stride 0, or ``like`` as a placeholder when the logits are not scaled."""
+    if isinstance(temperature, torch.Tensor):
+        if temperature.numel() != n or not temperature.is_floating_point():
+            got = f"{list(temperature.shape)} {temperature.dtype}"
+            raise ValueError(f"temperature must be a float or a floating [{n}] tensor, got {got}")
+        return temperature.reshape(n).to(acc).contiguous(), 1, True
     if temperature == 1.0:
-        return like
-    return torch.full((1,), temperature, dtype=acc, device=like.device)
+        return like, 0, False
+    return torch.full((1,), temperature, dtype=acc, device=like.device), 0, True
 
 
 def shard_stats(
@@ -502,7 +522,7 @@ def shard_stats(
     target: torch.Tensor,
     *,
     offset: int = 0,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     keep_mask: torch.Tensor | None = None,
     threshold: torch.Tensor | None = None,
     over_support: bool = False,
@@ -518,9 +538,10 @@ def shard_stats(
     :func:`~rlops.logprobs._softmax.stats_chunk`.
 
     ``logits`` ``[N, V_local]`` (any float dtype), ``target`` ``[N]`` global ids, ``offset``
-    this shard's first id. ``keep_mask`` ``[N, V_local]`` bool, or ``threshold`` ``[N]`` (the
-    sampler's support ``z ≥ t`` on the scaled logits, as
-    :func:`rlops.logprobs._support.threshold_chunk` gives it): the log-prob is then over the
+    this shard's first id, ``temperature`` a float or one per row (``[N]``). ``keep_mask``
+    ``[N, V_local]`` bool, or ``threshold`` ``[N]`` (the sampler's support ``z ≥ t`` on the
+    scaled logits, as :func:`rlops.logprobs._support.threshold_chunk` gives it): the log-prob
+    is then over the
     kept logits (the target always kept), the entropy over all of them — or over the support
     too with ``over_support`` (then only ``k = 3 + 1`` columns, as without a support).
     ``with_squares``: one more column, last, ``ρ = Σ p²`` of the log-prob distribution within
@@ -549,7 +570,7 @@ def shard_stats(
     if n == 0:
         return out
     tgt = target.reshape(n).to(torch.int64).contiguous()
-    tau = _tau(temperature, acc, x)
+    tau, tau_stride, scale = _tau(temperature, n, acc, x)
     valid = _valid(row_valid, n)
     bn, bv, warps = _config(x, n, v, block_n, block_v)
     tiles = slice_tiles or _slice_tiles(x)
@@ -561,7 +582,7 @@ def shard_stats(
                        device=x.device)  # fmt: skip
     flags = dict(
         ROWMASK=valid is not None, TWO=two, ENTROPY=with_entropy, SQUARES=with_squares,
-        SQ_COL=ncol - 1, SCALE=temperature != 1.0, NP=n_part, ACC=tl_dtype(acc),
+        SQ_COL=ncol - 1, SCALE=scale, TAU_STRIDE=tau_stride, NP=n_part, ACC=tl_dtype(acc),
     )  # fmt: skip
     launch(
         _stats_kernel, (triton.cdiv(n, bn), n_slices),
@@ -592,7 +613,7 @@ def logits_grad(
     g_ent: torch.Tensor | None,
     *,
     offset: int = 0,
-    temperature: float = 1.0,
+    temperature: float | torch.Tensor = 1.0,
     keep_mask: torch.Tensor | None = None,
     threshold: torch.Tensor | None = None,
     over_support: bool = False,
@@ -608,7 +629,8 @@ def logits_grad(
     (:func:`rlops.logprobs._softmax.merge`), each ``[N]`` or ``[N, 1]`` (a ``[5, N]`` tensor
     works too). ``g_logp``, ``g_ent``: ``[N]`` upstream gradients or None (at least one
     given). ``row_valid`` ``[N]`` bool (the op's row mask): rows where it is False get a zero
-    gradient, written without reading anything of theirs. ``out``: ``[N, V_local]`` rows of a
+    gradient, written without reading anything of theirs. ``temperature``: as in
+    :func:`shard_stats`. ``out``: ``[N, V_local]`` rows of a
     unit column stride, any float dtype (the gradient is computed in float32, or float64, and
     rounded to it)."""
     v = logits.shape[-1]
@@ -629,7 +651,7 @@ def logits_grad(
     if n == 0:
         return out
     tgt = target.reshape(n).to(torch.int64).contiguous()
-    tau = _tau(temperature, acc, x)
+    tau, tau_stride, scale = _tau(temperature, n, acc, x)
     glp, gent = _column(g_logp, n, acc), _column(g_ent, n, acc)
     mp, lsp, *rest = cols
     me, lse, h = rest if g_ent is not None else (mp, mp, mp)
@@ -644,7 +666,7 @@ def logits_grad(
         n, v // _align_v(v), *_strides(x, keep, out), offset, per,
         ALIGN_V=_align_v(v), ALIGN_X=_align(x), ALIGN_K=_align(keep), ALIGN_D=_align(out),
         ROWMASK=valid is not None, MASK=keep is not None, THRESH=thr is not None, TWO=two,
-        HAS_LP=glp is not None, HAS_ENT=gent is not None, SCALE=temperature != 1.0,
+        HAS_LP=glp is not None, HAS_ENT=gent is not None, SCALE=scale, TAU_STRIDE=tau_stride,
         PEEL=_peel(v, x, keep), BLOCK_N=bn, BLOCK_V=bv, ACC=tl_dtype(acc), num_warps=warps,
     )  # fmt: skip
     return out
@@ -661,11 +683,8 @@ class TritonLogits(_engine.Producer):
     threshold_given = True
 
     def __init__(self, x: torch.Tensor, plan: Plan, torch_producer: _engine.Producer) -> None:
-        if isinstance(plan.temperature, torch.Tensor):  # the options route these to torch
-            raise NotImplementedError("the Triton kernels take a float temperature")
         self.x, self.fallback = _rows_view(x, plan.v_local), torch_producer
         self.logits = torch_producer.logits  # type: ignore[method-assign]
-        self.tau = plan.temperature
 
     def stats(
         self, plan: Plan, i: int, j: int, keep: torch.Tensor | None, out: torch.Tensor
@@ -675,7 +694,7 @@ class TritonLogits(_engine.Producer):
         if plan.sampler is not None and plan.threshold is not None:
             thr = plan.threshold[i:j]  # found by the engine in one process
         shard_stats(
-            self.x[i:j], plan.target[i:j], offset=plan.start, temperature=self.tau,
+            self.x[i:j], plan.target[i:j], offset=plan.start, temperature=_tau_rows(plan, i, j),
             keep_mask=keep, threshold=thr, over_support=plan.over_support,
             with_entropy=plan.with_entropy, with_squares=plan.sum_pi_squared,
             row_valid=_rows(plan.row_valid, i, j), out=out,
@@ -690,7 +709,7 @@ class TritonLogits(_engine.Producer):
             self.x[i:j], plan.target[i:j], [t[i:j] for t in plan.saved],
             None if plan.g_logp is None else plan.g_logp[i:j],
             None if plan.g_ent is None else plan.g_ent[i:j],
-            offset=plan.start, temperature=self.tau, keep_mask=keep,
+            offset=plan.start, temperature=_tau_rows(plan, i, j), keep_mask=keep,
             threshold=None if plan.threshold is None else plan.threshold[i:j],
             over_support=plan.over_support, row_valid=_rows(plan.row_valid, i, j), out=out,
         )  # fmt: skip
@@ -698,3 +717,8 @@ class TritonLogits(_engine.Producer):
 
 def _rows(t: torch.Tensor | None, i: int, j: int) -> torch.Tensor | None:
     return None if t is None else t[i:j]
+
+
+def _tau_rows(plan: Plan, i: int, j: int) -> float | torch.Tensor:
+    """The temperature of rows ``i:j``: a float, or their slice of the per-row ``[N, 1]``."""
+    return plan.head.rows(i, j).temperature
