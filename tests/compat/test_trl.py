@@ -256,11 +256,13 @@ def test_metrics_have_trl_names_and_values(tokenizer, tmp_path):
         {},
         {"scale_rewards": "batch", "reward_weights": [0.5, 2.0]},
         {"multi_objective_aggregation": "normalize_then_sum", "scale_rewards": "none"},
+        {"use_adaptive_entropy": True, "entropy_coef": 0.01, "entropy_target": 100.0},
     ],
 )
 def test_training_step_checks_against_trl(tokenizer, tmp_path, options):
     """check=True compares the first advantages, loss and gradients with TRL's own, with
-    unscorable (None) rewards from one of two reward functions."""
+    unscorable (None) rewards from one of two reward functions (adaptive entropy: and the
+    coefficient TRL's update leaves, applied once, not twice)."""
     trainer = _trainer(
         tokenizer, tmp_path, reward_funcs=(_reward_len, _reward_sometimes), check=True, **options
     )
@@ -268,6 +270,55 @@ def test_training_step_checks_against_trl(tokenizer, tmp_path, options):
     assert trainer._rlops_adv_checked and trainer._rlops_loss_checked
     logged = trainer.state.log_history[0]
     assert {"entropy", "clip_ratio/region_mean", "reward"} <= set(logged)
+    if options.get("use_adaptive_entropy"):
+        assert trainer.entropy_coef == pytest.approx(0.015, abs=1e-15)
+        assert logged["entropy_coef"] == pytest.approx(0.015)
+        assert 0 < trainer._last_world_entropy < 100
+
+
+def _entropy_state(trainer, state=None):
+    before = (trainer.entropy_coef, trainer._last_world_entropy, trainer._entropy_window_stats)
+    if state is not None:
+        trainer.entropy_coef, trainer._last_world_entropy, trainer._entropy_window_stats = state
+    return before
+
+
+@pytest.mark.parametrize(
+    ("target", "last", "applied", "coef_after"),
+    [
+        (100.0, 0.1, True, 0.025),  # gated on, entropy below the target: raised
+        (0.2, 0.1, True, 0.015),  # gated on, entropy above the target: lowered
+        (100.0, math.inf, False, 0.025),  # no entropy measured yet: not applied
+    ],
+)
+def test_adaptive_entropy_matches_trl(tokenizer, tmp_path, target, last, applied, coef_after):
+    """use_adaptive_entropy: the loss and gradients with TRL's gated coefficient, and the
+    coefficient and entropy TRL's update leaves, from the same state."""
+    trainer = _trainer(
+        tokenizer, tmp_path, use_adaptive_entropy=True, entropy_coef=0.02, entropy_target=target
+    )
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = _batch(trainer)
+    start = (0.02, last, None)
+    _entropy_state(trainer, start)
+    trl_loss, trl_grad = _loss_and_grads(trainer, inputs, use_trl=True)
+    trl_after = _entropy_state(trainer, start)
+    ours_loss, ours_grad = _loss_and_grads(trainer, inputs, use_trl=False)
+    ours_after = _entropy_state(trainer, start)
+    trainer.model.double()
+    inputs64 = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+    oracle_loss, oracle_grad = _loss_and_grads(trainer, inputs64, use_trl=True)
+    assert_within_reference("adaptive entropy loss", ours_loss, oracle_loss, trl_loss)
+    assert_within_reference("adaptive entropy gradient", ours_grad, oracle_grad, trl_grad)
+    assert trl_after[0] == pytest.approx(coef_after, abs=1e-15)
+    assert ours_after[0] == trl_after[0]
+    assert ours_after[1] == pytest.approx(trl_after[1], rel=1e-5)
+    assert ours_after[2] is None and trl_after[2] is None
+    # the bonus acts only when gated on: without it the loss differs
+    _entropy_state(trainer, (0.02, math.inf if applied else 0.1, None))
+    other = trl.GRPOTrainer._compute_loss(trainer, trainer.model, inputs64).detach()
+    assert (other != oracle_loss).item()
 
 
 def test_check_raises_on_a_difference(tokenizer, tmp_path):
@@ -283,7 +334,8 @@ def test_check_raises_on_a_difference(tokenizer, tmp_path):
     ("options", "config", "match"),
     [
         ({"loss_type": "vespo"}, {}, "loss_type='vespo'"),
-        ({"use_adaptive_entropy": True}, {}, "use_adaptive_entropy"),
+        ({"use_adaptive_entropy": True, "entropy_coef_min": 2.0}, {}, "entropy_coef_min"),
+        ({"use_adaptive_entropy": True, "entropy_coef_delta": -0.1}, {}, "entropy_coef_delta"),
         ({"off_policy_mask_threshold": 0.5}, {}, "off_policy_mask_threshold"),
         ({"delta": 1.1, "epsilon_high": 0.28}, {}, "delta=1.1"),
         ({}, {"final_logit_softcapping": -30.0}, "final_logit_softcapping"),

@@ -122,6 +122,18 @@ BAD_OPTIONS = [
     ("gspo", "dual_clip", 0.5, ValueError, "> 1"),
     ("gspo", "dual_clip", math.nan, ValueError, "> 1"),
     ("gspo", "dual_clip", "3", TypeError, REAL),
+    ("ipo", "ipo_threshold", -0.1, ValueError, ">= 0"),
+    ("ipo", "ipo_threshold", math.nan, ValueError, ">= 0"),
+    ("ipo", "ipo_threshold", None, TypeError, REAL),
+    ("ipo", "adv_tau", -1.0, ValueError, ">= 0"),
+    ("ipo", "adv_tau", math.inf, ValueError, "finite"),
+    ("ipo", "kl_tau", "x", TypeError, REAL),
+    ("ipo", "kl_tau", torch.ones(2), TypeError, "1-dim tensor"),
+    ("topr", "positive_weight", -1.0, ValueError, ">= 0"),
+    ("topr", "positive_weight", math.nan, ValueError, ">= 0"),
+    ("topr", "positive_weight", "1", TypeError, REAL),
+    ("topr", "negative_weight", math.inf, ValueError, "finite"),
+    ("topr", "negative_weight", None, TypeError, REAL),
 ]
 
 
@@ -146,6 +158,9 @@ def test_bad_kind_option_raises_naming_it(kind, option, bad, exc, words):
         ("dppo_kl", "tau_pos"),
         ("dro", "clip_ratio_c"),
         ("ppo", "level"),
+        ("ipo", "clip_low"),
+        ("topr", "clip_high"),
+        ("ppo", "ipo_threshold"),
     ],
 )
 def test_option_of_another_kind_raises_listing_the_kinds_options(kind, other):

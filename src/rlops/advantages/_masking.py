@@ -60,6 +60,30 @@ class GaeInputs:
         """A per-row discount in the compute dtype (a float stays a float)."""
         return value.to(self.rewards.dtype) if isinstance(value, torch.Tensor) else value
 
+    def twice(self, gamma_lam: float | torch.Tensor) -> GaeInputs:
+        """This call's rows stacked twice, ``[2N, T]``: the first N with this ``gamma_lam``, the
+        next N with ``gamma_lam`` (a float or ``[N, 1]``) — two λ in one scan per step."""
+        n, device = self.rewards.shape[0], self.rewards.device
+
+        def two(x):
+            return None if x is None else torch.cat([x, x])
+
+        def col(d):  # float64: exactly the float a Python number is
+            return as_rows(d, n, torch.float64, device).reshape(n, 1)
+
+        g = two(col(self.gamma)) if isinstance(self.gamma, torch.Tensor) else self.gamma
+        return dataclasses.replace(
+            self,
+            rewards=two(self.rewards),
+            values=two(self.values),
+            mask=two(self.mask),
+            dones=two(self.dones),
+            gamma=g,
+            gamma_lam=torch.cat([col(self.gamma_lam), col(gamma_lam)]),
+            cut=two(self.cut),
+            end=two(self.end),
+        )
+
 
 def indicators(shape, ref: torch.Tensor, mask, dones):
     """Check the optional ``mask`` and ``dones`` of ``rewards`` ``ref``; return them as bool."""

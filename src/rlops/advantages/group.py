@@ -1,6 +1,6 @@
 """Outcome-reward estimators with a baseline from a group of samples (or a greedy rollout):
-GRPO / Dr.GRPO, RLOO, REINFORCE++-baseline, ReMax, OPO, GPG, GRPO pass@k, GDPO and the optimal
-token baseline, with verl's conventions (``compute_*_outcome_advantage``; edge cases in
+GRPO / Dr.GRPO, RLOO, REINFORCE++-baseline, ReMax, OPO, GPG, GRPO pass@k, GDPO, the optimal
+token baseline and MaxRL, with verl's conventions (``compute_*_outcome_advantage``; edge cases in
 docs/reference/group.md): group statistics over every sample of the group, unbiased std, a
 group of one with mean 0 and std 1; ``(advantages, returns)`` ``[B, T]`` in the dtype of the
 scores, 0 on mask-0 tokens. Groups are found with one sort, reduced with ``index_add``: no
@@ -33,6 +33,7 @@ __all__ = [
     "gpg_advantages",
     "grpo_advantages",
     "grpo_passk_advantages",
+    "maxrl_advantages",
     "opo_advantages",
     "optimal_token_baseline_advantages",
     "reinforce_plus_plus_baseline_advantages",
@@ -588,3 +589,52 @@ def optimal_token_baseline_advantages(
     adv = torch.where(keep, adv, 0).to(dtype)
     ret = torch.where(keep, g_ret, 0).to(dtype)
     return adv.to(rewards.dtype), ret.to(rewards.dtype)
+
+
+def maxrl_advantages(
+    scores: torch.Tensor,
+    index: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MaxRL: the group-centred score divided by the group mean, not the std, for an unbiased
+    gradient of a truncated maximum-likelihood objective (https://arxiv.org/abs/2602.02710).
+
+        A_i = (s_i − μ_g) / (μ_g + eps)   where μ_g > 0,   0 where μ_g ≤ 0      (n_g ≥ 2)
+        A_i = s_i                                                          (a group of one)
+
+    For non-negative (canonically 0/1) scores. ``eps=0`` is prime-rl's ``MaxRLAlgorithm``,
+    ``1e-6`` SkyRL's ``compute_maxrl_advantage``. Edges: a group of one keeps its score, as
+    SkyRL and the paper (REINFORCE at ``n = 1``; prime-rl gives it 0); SkyRL divides also where
+    ``μ_g < 0`` (only possible with negative scores), rlops and prime-rl give 0. Rows count
+    as SkyRL counts them, each a member of its group whatever its mask; prime-rl leaves rows
+    without an action token out of the group, which here is giving them ids of their own.
+
+    Args:
+        scores: ``[B]`` outcome scores (or ``[B, T]`` token rewards, summed over ``T``).
+        index: ``[B]`` integer group id per sample.
+        mask: ``[B, T]`` 0/1 action mask.
+        eps: ``>= 0``, added to the group mean.
+
+    Returns:
+        ``(advantages, returns)``, the same ``[B, T]`` tensor.
+
+    Example:
+        >>> import torch
+        >>> adv, _ = maxrl_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]),
+        ...                           torch.tensor([0, 0, 0, 0, 1, 1, 2]), torch.ones(7, 1))
+        >>> adv[:, 0]  # pass rate 1/4: ±(1 − 1/4)·4; no success: 0; alone: its score
+        tensor([ 3., -1., -1., -1.,  0.,  0.,  1.])
+    """
+    eps = check_nonneg("eps", eps)
+    s = _prepare(scores, index, mask)
+    gid = _dense_group_ids(index)
+    n, centred, _ = _group_moments(s, gid)
+    x = s.to(centred.dtype)
+    mean = _group_sum(x, gid) / n
+    live = mean > 0
+    a = centred / torch.where(live, mean + eps, 1)  # a safe divisor: no NaN in either branch
+    a = torch.where(n > 1, torch.where(live, a, 0.0), x)
+    adv = _broadcast(a, mask, scores.dtype)
+    return adv, adv

@@ -14,6 +14,7 @@ from rlops._checks import (
     as_float_tensor,
     check_2d,
     check_chunk_size,
+    check_finite_positive,
     check_same_device,
     compute_dtype,
     per_row_discount,
@@ -31,8 +32,9 @@ from rlops.advantages._masking import (
     token_decay,
 )
 from rlops.advantages.reference import gae_reference
-from rlops.distributed.collectives import fails_together
+from rlops.distributed.collectives import Call, fails_together
 from rlops.distributed.layout import check_cp_layout
+from rlops.distributed.rows import Rows
 from rlops.scan import (
     CHUNKED,
     COMPILED,
@@ -132,6 +134,8 @@ def gae(
     *,
     gamma: float | torch.Tensor,
     lam: float | torch.Tensor,
+    returns_lam: float | torch.Tensor | None = None,
+    lam_length_alpha: float | None = None,
     mask: torch.Tensor | None = None,
     dones: torch.Tensor | None = None,
     bootstrap: torch.Tensor | None = None,
@@ -147,6 +151,12 @@ def gae(
         A[t]     = delta[t] + gamma * lam * A[next(t)]
         returns  = V + A
 
+    VAPO's decoupled λ (https://arxiv.org/abs/2504.05118, as NeMo-RL's ``gae_lambda_policy``,
+    ``gae_lambda_value`` and ``length_adaptive_alpha``): the returns are ``V + A`` of a GAE with
+    ``returns_lam``; with ``lam_length_alpha = α`` the advantages take per row
+    ``lam_b = 1 − 1 / max(α·L_b, 1)``, ``L_b`` the row's action tokens (on all ranks of
+    ``cp_group``). Two λ: the rows stacked, one scan per step.
+
     ``next(t)`` is the next action token of the same sequence (``t + 1`` without ``mask`` and
     ``dones``); past a sequence's last one ``V = A = 0`` (terminated), or ``V`` is the bootstrap
     value (truncated). Mask-0 tokens are skipped, not reset; a done ends a sequence.
@@ -155,7 +165,11 @@ def gae(
         rewards: ``[B, T]`` per-token rewards (floating); ignored on mask-0 tokens.
         values: ``[B, T]`` value estimates.
         gamma: the discount, a float in [0, 1] or a per-row tensor ``[B]``.
-        lam: GAE's λ, a float in [0, 1] or a per-row tensor ``[B]``.
+        lam: GAE's λ, a float in [0, 1] or a per-row tensor ``[B]``: the advantages' (unless
+            ``lam_length_alpha``) and the returns' (unless ``returns_lam``).
+        returns_lam: optional λ of the returns (the value targets), as ``lam``.
+        lam_length_alpha: optional α > 0 (VAPO's 0.05): the advantages' λ from each row's
+            length; one sequence per row (refused with ``dones`` or ``truncated``).
         mask: optional ``[B, T]`` bool or 0/1, 1 = action token.
         dones: optional ``[B, T]`` bool or 0/1; ``dones[t]`` ends a sequence at token t.
         bootstrap: optional floating ``[B]`` (the value after each row's end, where it is cut)
@@ -193,6 +207,12 @@ def gae(
         >>> m = torch.tensor([[1, 1, 1, 0, 1, 1]])
         >>> rlops.gae(r, torch.zeros_like(r), gamma=1.0, lam=1.0, mask=m, dones=dones)[0]
         tensor([[1., 1., 2., 0., 2., 3.]])
+
+        VAPO: the value targets with λ = 1, the advantages with λ = 1 − 1/(0.5·3):
+
+        >>> r, v = torch.tensor([[0.0, 0.0, 1.0]]), torch.zeros(1, 3)
+        >>> rlops.gae(r, v, gamma=1.0, lam=1.0, lam_length_alpha=0.5)
+        (tensor([[0.1111, 0.3333, 1.0000]]), tensor([[1., 1., 1.]]))
     """
     rewards = check_2d("rewards", rewards)
     values = as_float_tensor("values", values)
@@ -204,16 +224,48 @@ def gae(
     b = rewards.shape[0]
     gamma_ = per_row_discount("gamma", gamma, b, rewards)
     lam_ = per_row_discount("lam", lam, b, rewards)
+    ret_lam = (
+        lam_ if returns_lam is None else per_row_discount("returns_lam", returns_lam, b, rewards)
+    )
+    alpha = None
+    if lam_length_alpha is not None:
+        alpha = check_finite_positive("lam_length_alpha", lam_length_alpha)
     mask, dones = indicators(rewards.shape, rewards, mask, dones)
     out_dtype = torch.promote_types(rewards.dtype, values.dtype)
     dtype = compute_dtype(out_dtype)
     ends, cut, end = bootstrap_inputs(bootstrap, truncated, rewards, dones, dtype)
+    adv_lam = lam_
+    if alpha is not None:
+        if ends is not None:
+            raise ValueError(
+                "lam_length_alpha needs one sequence per row (L_b, the row's action tokens, is "
+                "the response length): rows packed with dones= or truncated= are not supported; "
+                "unpack them, or pass each row's λ as lam (a [B] tensor)"
+            )
+        adv_lam = _length_adaptive_lam(alpha, mask, rewards, cp_group, cp_layout)
     call = GaeInputs(
-        rewards.to(dtype), values.to(dtype), mask, ends, gamma_, gamma_ * lam_, cut, end,
+        rewards.to(dtype), values.to(dtype), mask, ends, gamma_, gamma_ * adv_lam, cut, end,
         chunk_size, cp_group, cp_layout,
     )  # fmt: skip
-    adv, ret = RETURNS(method, call.case, call)
+    floats = isinstance(ret_lam, float) and isinstance(adv_lam, float)
+    if ret_lam is adv_lam or (floats and ret_lam == adv_lam):
+        adv, ret = RETURNS(method, call.case, call)
+    else:  # two λ: the rows stacked, the advantages from the first half, returns the second
+        both = call.twice(gamma_ * ret_lam)
+        adv, ret = RETURNS(method, both.case, both)
+        adv, ret = adv[:b], ret[b:]
     return adv.to(out_dtype), ret.to(out_dtype)
+
+
+def _length_adaptive_lam(alpha: float, mask, like: torch.Tensor, cp_group, cp_layout):
+    """VAPO's ``1 − 1/max(α·L_b, 1)`` per row, ``[B, 1]`` float64, with ``L_b`` the row's
+    action tokens on every rank of ``cp_group`` (one gather there)."""
+    keep = torch.ones_like(like, dtype=torch.bool) if mask is None else mask
+    rows = Rows(keep, torch.float64, cp_group=cp_group, cp_layout=cp_layout)
+    if rows.cp:
+        fields = {"lam_length_alpha": alpha, **rows.fields()}
+        rows.call = Call("gae", implied=None, rows=keep.shape[0], **fields)
+    return 1.0 - 1.0 / (alpha * rows.count).clamp_min(1.0)
 
 
 @fails_together("RLOPS_CP_CHECK")

@@ -155,6 +155,12 @@ KIND_OPTIONS: dict[str, dict[str, tuple[object, Callable]]] = {
         "clip_ratio_c": (20.0, check_positive),
     },
     "dro": {"dro_beta": (1.0, check_nonneg)},
+    "ipo": {
+        "ipo_threshold": (0.1, check_nonneg),
+        "adv_tau": (1.0, check_nonneg),
+        "kl_tau": (1e-3, check_nonneg),
+    },
+    "topr": {"positive_weight": (1.0, check_nonneg), "negative_weight": (1.0, check_nonneg)},
 }
 
 

@@ -192,6 +192,22 @@ def _dro(lp, lr, adv, rows, dro_beta) -> Out:
     return -adv * lp + (0.5 * dro_beta) * lr * lr, {}
 
 
+def _ipo(lp, lr, adv, rows, ipo_threshold, adv_tau, kl_tau) -> Out:
+    keep = rows.keep
+    # |π − π_old| with π − π_old = −π·expm1(−lr) (no cancellation), read detached
+    moved = (torch.exp(lp.detach()) * torch.expm1(-lr.detach())).abs() > ipo_threshold
+    loss = torch.where(moved, 0, -adv_tau * adv * _exp(lr)) + kl_tau * lr * lr
+    return loss, {"pg_clipfrac": _hits(moved, keep)}
+
+
+def _topr(lp, lr, adv, rows, positive_weight, negative_weight) -> Out:
+    taper = _exp(lr).detach().clamp_max(1.0)  # sg(clip(r, 0, 1))
+    nonneg = adv >= 0
+    weight = torch.where(nonneg, positive_weight, negative_weight * taper)
+    # pg_clipfrac: where the taper binds, r > 1 with A < 0
+    return -weight * adv * lp, {"pg_clipfrac": _hits(~nonneg & (lr > 0), rows.keep)}
+
+
 def _clip_cov(
     lp, lr, adv, rows, clip_low, clip_high, clip_cov_ratio, clip_cov_lb, clip_cov_ub, generator
 ) -> Out:
@@ -252,6 +268,8 @@ _KINDS: dict[str, Callable[..., Out]] = {
     "dppo_tv": _dppo_tv,
     "dppo_kl": _dppo_kl,
     "dro": _dro,
+    "ipo": _ipo,
+    "topr": _topr,
 }
 
 

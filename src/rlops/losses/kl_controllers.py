@@ -1,5 +1,6 @@
 """verl's KL-coefficient controllers: β (``.value``) fixed or adapted by ``update(current_kl,
-n_steps)`` after each batch (a device tensor is not read: docs/design/losses.md)."""
+n_steps)`` after each batch; TRL's adaptive entropy coefficient, ``update(entropy)`` after each
+optimizer step (a device tensor is not read: docs/design/losses.md)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 import numbers
 import warnings
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 
@@ -18,10 +20,13 @@ from rlops._checks import (
     check_finite_positive,
     check_nonneg,
     check_positive,
+    check_real,
+    is_finite,
     values_checked,
 )
 
 __all__ = [
+    "AdaptiveEntropyController",
     "AdaptiveKLController",
     "FixedKLController",
     "get_kl_controller",
@@ -37,14 +42,16 @@ def _on_device(t: torch.Tensor) -> bool:
     return t.device.type != "cpu"
 
 
-def _current_kl(current_kl: object, read: bool = True) -> float | torch.Tensor:
+def _current_kl(
+    current_kl: object, read: bool = True, name: str = "current_kl"
+) -> float | torch.Tensor:
     """``current_kl`` checked: a float, or a 0-dim tensor on its device (or unread)."""
-    kl = as_real_or_tensor("current_kl", current_kl)
+    kl = as_real_or_tensor(name, current_kl)
     if not isinstance(kl, torch.Tensor) or not read:
         return kl
     if _on_device(kl):
         return kl.to(torch.float64 if kl.device.type != "mps" else torch.float32)
-    return as_real("current_kl", kl)
+    return as_real(name, kl)
 
 
 class FixedKLController:
@@ -114,6 +121,117 @@ class AdaptiveKLController:
         return (
             f"AdaptiveKLController(value={self.value}, target_kl={self.target}, "
             f"horizon={self.horizon})"
+        )
+
+
+class AdaptiveEntropyController:
+    """Skywork-OR1's adaptive entropy coefficient (https://arxiv.org/abs/2505.22312), as TRL's
+    ``GRPOTrainer`` applies it (``use_adaptive_entropy``; names and defaults of ``GRPOConfig``).
+
+    Each ``update(entropy)``, at an optimizer step's end, with ``H`` the step's mean per-token
+    entropy over the loss's tokens (all ranks)::
+
+        entropy_coef = min(entropy_coef + entropy_coef_delta, entropy_coef_max)   if H <= target
+                       max(entropy_coef − entropy_coef_delta, entropy_coef_min)   otherwise
+        value        = entropy_coef if H <= target else 0    (0 before the first update)
+
+    ``value`` is the coefficient of the next step's bonus, ``loss − value·H`` (TRL's gating: the
+    coefficient adapts all along, and acts only while the entropy is at or below the target).
+    ``entropy`` is the last ``H`` (TRL's ``_last_world_entropy``, ``inf`` at first).
+
+    Args:
+        entropy_coef: the initial coefficient (finite; TRL starts it at its ``entropy_coef``
+            and clamps it into the bounds at the first update only).
+        entropy_target: the target mean entropy in nats (not NaN).
+        entropy_coef_delta: the step, finite ``>= 0``.
+        entropy_coef_min, entropy_coef_max: the bounds, ``min <= max`` (not NaN).
+
+    ``update`` takes a float or a 0-dim tensor: an accelerator's is not read, and ``.value``
+    and ``.entropy_coef`` become 0-dim tensors on its device; a NaN entropy raises where it is
+    read (TRL's would count as above the target).
+
+    Example:
+        >>> ctrl = AdaptiveEntropyController(entropy_coef=0.01, entropy_target=0.5)
+        >>> ctrl.value  # no entropy measured yet
+        0.0
+        >>> ctrl.update(0.3); round(ctrl.value, 6)  # below the target: raised and applied
+        0.015
+        >>> ctrl.update(0.9); ctrl.value, round(ctrl.entropy_coef, 6)  # above: lowered, off
+        (0.0, 0.01)
+    """
+
+    def __init__(
+        self,
+        entropy_coef: float = 0.0,
+        entropy_target: float = 0.2,
+        entropy_coef_delta: float = 0.005,
+        entropy_coef_min: float = 0.0,
+        entropy_coef_max: float = 1.0,
+    ) -> None:
+        coef = as_real("entropy_coef", entropy_coef)
+        if not is_finite(coef):
+            raise ValueError(f"entropy_coef must be a finite number, got {entropy_coef}")
+        self.entropy_coef: float | torch.Tensor = coef
+        self.entropy_target = check_real("entropy_target", entropy_target)
+        self.entropy_coef_delta = check_nonneg("entropy_coef_delta", entropy_coef_delta)
+        self.entropy_coef_min = check_real("entropy_coef_min", entropy_coef_min)
+        self.entropy_coef_max = check_real("entropy_coef_max", entropy_coef_max)
+        if self.entropy_coef_min > self.entropy_coef_max:
+            raise ValueError(
+                "entropy_coef_min must be <= entropy_coef_max, got entropy_coef_min="
+                f"{entropy_coef_min} > entropy_coef_max={entropy_coef_max}"
+            )
+        self.entropy: float | torch.Tensor = math.inf
+
+    @property
+    def value(self) -> float | torch.Tensor:
+        """The coefficient to apply now: ``entropy_coef`` if the last entropy was at or below
+        the target, else 0."""
+        if isinstance(self.entropy, torch.Tensor):
+            return torch.where(self.entropy <= self.entropy_target, self.entropy_coef, 0.0)
+        return self.entropy_coef if self.entropy <= self.entropy_target else 0.0
+
+    def update(self, entropy: float | torch.Tensor) -> None:
+        """Move ``entropy_coef`` one ``entropy_coef_delta`` towards the target's side (the
+        formula above), and keep ``entropy`` for :attr:`value`."""
+        h = _current_kl(entropy, name="entropy")
+        coef = self.entropy_coef
+        if isinstance(h, torch.Tensor) or isinstance(coef, torch.Tensor):
+            self._update_on_device(h, coef)
+            return
+        if math.isnan(h):
+            raise ValueError(f"entropy must not be NaN, got {entropy}")
+        delta = self.entropy_coef_delta
+        if h <= self.entropy_target:  # TRL's two expressions, in Python floats as TRL's
+            self.entropy_coef = min(coef + delta, self.entropy_coef_max)
+        else:
+            self.entropy_coef = max(coef - delta, self.entropy_coef_min)
+        self.entropy = h
+
+    def _update_on_device(self, h: float | torch.Tensor, coef: float | torch.Tensor) -> None:
+        """:meth:`update` with 0-dim tensors on the entropy's (or coefficient's) device."""
+        device = h.device if isinstance(h, torch.Tensor) else cast(torch.Tensor, coef).device
+        if isinstance(coef, torch.Tensor) and coef.device != device:
+            raise ValueError(
+                f"entropy is on {device} but the coefficient is on {coef.device}; pass the "
+                "entropy of one device"
+            )
+        dtype = torch.float64 if device.type != "mps" else torch.float32
+        h_t = torch.as_tensor(h, dtype=dtype, device=device)
+        if values_checked(h_t) and bool(h_t.isnan()):
+            raise ValueError("entropy must not be NaN")
+        c, delta = torch.as_tensor(coef, dtype=dtype, device=device), self.entropy_coef_delta
+        up = (c + delta).clamp(max=self.entropy_coef_max)
+        down = (c - delta).clamp(min=self.entropy_coef_min)
+        self.entropy_coef = torch.where(h_t <= self.entropy_target, up, down)
+        self.entropy = h_t
+
+    def __repr__(self) -> str:
+        return (
+            f"AdaptiveEntropyController(entropy_coef={self.entropy_coef}, "
+            f"entropy_target={self.entropy_target}, "
+            f"entropy_coef_delta={self.entropy_coef_delta}, "
+            f"entropy_coef_min={self.entropy_coef_min}, entropy_coef_max={self.entropy_coef_max})"
         )
 
 

@@ -45,6 +45,11 @@ class PolicyLossOptions(AggregationOptions, total=False):
     lambda_pos: float | torch.Tensor
     lambda_neg: float | torch.Tensor
     dro_beta: float | torch.Tensor
+    ipo_threshold: float | torch.Tensor
+    adv_tau: float | torch.Tensor
+    kl_tau: float | torch.Tensor
+    positive_weight: float | torch.Tensor
+    negative_weight: float | torch.Tensor
 
 
 @fails_together()
@@ -76,9 +81,18 @@ def policy_loss(
         dppo_tv    −A·sg(min(r, clip_ratio_c))·log π in the trust region      2602.04879
         dppo_kl    dppo_tv with the Bernoulli KL(π_old‖π) as the divergence
         dro        −A·log π + ½·dro_beta·lr²                                  2405.19107
+        ipo        −adv_tau·A·r·[|π − π_old| ≤ ipo_threshold] + kl_tau·lr²    prime-rl
+        topr       −w₊·A·log π (A ≥ 0), −w₋·sg(clip(r, 0, 1))·A·log π (A < 0)  2503.14286
         clip_cov   ppo, 0 on a random share of unclipped high-cov tokens      2505.22617
         kl_cov     −A·r, + ppo_kl_coef·|lr| on the tokens of largest cov      2505.22617
         geo_mean   −A·sg(R_i)·exp(l − sg l), R_i = exp(mean_i l), l clipped   2507.20673
+
+    ipo: prime-rl's ``ipo_loss_fn`` (https://github.com/PrimeIntellect-ai/prime-rl), π and
+    π_old the probabilities, ``pg_clipfrac`` the share of dropped tokens. topr: w₊, w₋ are
+    ``positive_weight``, ``negative_weight``; it splits by the sign of A, ROLL by the row's
+    score (the same with binary scores and a group baseline); ROLL's older form, with the
+    positive and the negative rows averaged separately, is two calls, each with its rows in
+    ``mask`` (docs/design/losses.md shows both).
 
     Args:
         logp: ``[B, T]`` log-probs under the policy being trained.

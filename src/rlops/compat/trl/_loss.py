@@ -249,8 +249,10 @@ def loss_and_stats(
     entropies: torch.Tensor | None,
     num_items_in_batch: float | torch.Tensor | None,
     group: Group,
-) -> tuple[torch.Tensor, torch.Tensor, Sums, dict[str, torch.Tensor]]:
-    """:func:`grpo_loss` on checked inputs: ``(loss, policy_loss, sums, per_row)``."""
+) -> tuple[torch.Tensor, torch.Tensor, Sums, dict[str, torch.Tensor], torch.Tensor | None]:
+    """:func:`grpo_loss` on checked inputs: ``(loss, policy_loss, sums, per_row, bonus)``,
+    ``bonus`` the detached ``[entropy sum, token count]`` over the bonus's tokens (TRL's
+    adaptive controller's window statistics), None without entropies."""
     lp, old, adv, keep = x
     b, t = lp.shape
     rho, entropy_coef = o.top_entropy_quantile, o.entropy_coef
@@ -292,14 +294,18 @@ def loss_and_stats(
     )
     ga = o.gradient_accumulation_steps if o.training else 1
     loss = policy if o.loss_type in ("dapo", "cispo") else policy / ga
+    effective = keep if entropy_keep is None else keep & entropy_keep
+    bonus = None
     if entropy_coef != 0:
         assert entropies is not None
-        effective = keep if entropy_keep is None else keep & entropy_keep
         loss = loss + rlops.entropy_loss(entropies, effective, coef=entropy_coef / ga)[0]
     if entropies is not None:
         _add_mean(sums, "entropy", entropies, keep, tokens)
+        # TRL's torch.stack of the two sums (the count promoted to the entropies' dtype)
+        bonus = torch.stack([torch.where(effective, entropies, 0).sum(), effective.sum()])
+        bonus = bonus.detach()
     per_row = _clip_stats(o, x, ratio, sums, tokens)
-    return loss, policy.detach(), sums, per_row
+    return loss, policy.detach(), sums, per_row, bonus
 
 
 def grpo_loss(
@@ -380,7 +386,7 @@ def grpo_loss(
         steps_per_generation=steps_per_generation,
         training=training,
     )
-    loss, policy, sums, per_row = loss_and_stats(
+    loss, policy, sums, per_row, _ = loss_and_stats(
         x, options, ref_per_token_logps, entropies, num_items_in_batch, group
     )
     metrics = {"policy_loss": policy}

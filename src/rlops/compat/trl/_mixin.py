@@ -14,6 +14,7 @@ from rlops._types import Group
 from rlops.compat.trl._advantages import check_reward_weights, grpo_advantages
 from rlops.compat.trl._head import RlopsChunkedLogProb, head_options, patch
 from rlops.compat.trl._loss import LOSS_TYPES, LossOptions, checked_batch, loss_and_stats
+from rlops.kl_controllers import AdaptiveEntropyController
 
 SUPPORTED_TRL = ">=1.16,<1.17"
 """The TRL versions :class:`GRPOMixin` is tested against (the ``trl`` extra pins them)."""
@@ -96,11 +97,7 @@ class GRPOMixin:
         if t.loss_type not in LOSS_TYPES:
             raise _unsupported("loss_type", t.loss_type, f"the loss types served are {LOSS_TYPES}")
         if t.use_adaptive_entropy:
-            raise _unsupported(
-                "use_adaptive_entropy",
-                True,
-                "use a static entropy_coef (the adaptive controller is TRL's)",
-            )
+            self._rlops_entropy_controller()  # TRL's settings checked, named as TRL names them
         if t.off_policy_mask_threshold is not None:
             raise _unsupported(
                 "off_policy_mask_threshold",
@@ -163,6 +160,47 @@ class GRPOMixin:
             "steps_per_generation": args.steps_per_generation,
         }
         return LossOptions(**{**config, **per_step})
+
+    def _rlops_entropy_controller(self) -> AdaptiveEntropyController:
+        """TRL's adaptive entropy state (``entropy_coef``, ``_last_world_entropy``: what its
+        checkpoints save) as a controller."""
+        t: Any = self
+        args = t.args
+        ctrl = AdaptiveEntropyController(
+            entropy_coef=t.entropy_coef,
+            entropy_target=args.entropy_target,
+            entropy_coef_delta=args.entropy_coef_delta,
+            entropy_coef_min=args.entropy_coef_min,
+            entropy_coef_max=args.entropy_coef_max,
+        )
+        ctrl.entropy = t._last_world_entropy
+        return ctrl
+
+    def _rlops_entropy_state(self, state: tuple | None = None) -> tuple:
+        """TRL's adaptive entropy state, set to ``state`` when given; the state before."""
+        t: Any = self
+        before = (t.entropy_coef, t._last_world_entropy, t._entropy_window_stats)
+        if state is not None:
+            t.entropy_coef, t._last_world_entropy, t._entropy_window_stats = state
+        return before
+
+    def _rlops_adapt_entropy(self, ctrl: AdaptiveEntropyController, bonus: torch.Tensor) -> None:
+        """TRL's adaptive update: the micro-batch's ``[entropy sum, count]`` into the window;
+        at the optimizer step's end the mean over every process updates the coefficient."""
+        t: Any = self
+        window = t._entropy_window_stats
+        t._entropy_window_stats = bonus if window is None else window + bonus
+        if not t.accelerator.sync_gradients:
+            return
+        stats = t.accelerator.reduce(t._entropy_window_stats, reduction="sum")
+        entropy = (stats[0] / stats[1].clamp(min=1.0)).item()
+        if math.isnan(entropy):  # TRL's comparison: above the target (the controller raises)
+            low, delta = ctrl.entropy_coef_min, ctrl.entropy_coef_delta
+            ctrl.entropy_coef = max(float(ctrl.entropy_coef) - delta, low)
+        else:
+            ctrl.update(entropy)
+        t.entropy_coef, t._last_world_entropy = ctrl.entropy_coef, entropy
+        t._entropy_window_stats = None
 
     @contextmanager
     def _rlops_as_trl(self):
@@ -293,8 +331,10 @@ class GRPOMixin:
         logged = {k: len(v) for k, v in t._metrics[mode].items()}
         params = [p for p in model.parameters() if p.requires_grad]
         grads = t.accelerator.num_processes == 1 and torch.is_grad_enabled()
+        state = self._rlops_entropy_state()
         with self._rlops_as_trl():
             ref = super()._compute_loss(model, inputs)  # type: ignore[misc]
+        trl_coef = self._rlops_entropy_state(state)[0]  # TRL's update undone: ours runs it
         ref_grads = torch.autograd.grad(ref, params, allow_unused=True) if grads else ()
         ref = ref.detach()
         for key in list(t._metrics[mode]):  # keep TRL's metrics of this step out of the logs
@@ -302,6 +342,8 @@ class GRPOMixin:
         loss = self._rlops_loss(model, inputs)
         tol = _tolerance(params[0].dtype if params else torch.float32, t.args)
         _compare("loss", loss.detach(), ref, tol)
+        coef = torch.tensor(float(t.entropy_coef))
+        _compare("entropy coefficient", coef, torch.tensor(float(trl_coef)), tol)
         if grads:
             ours = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
             pairs = [(a, b) for a, b in zip(ours, ref_grads, strict=True) if b is not None]
@@ -329,12 +371,15 @@ class GRPOMixin:
         )
         mode = "train" if t.model.training else "eval"
         x = checked_batch(logps, inputs.get("old_per_token_logps"), inputs["advantages"], mask)
+        ctrl = self._rlops_entropy_controller() if t.use_adaptive_entropy else None
+        # the coefficient (and, adaptive, its gating) of the last optimizer step's end
+        coef = t.entropy_coef if ctrl is None else ctrl.value
         options = self._rlops_loss_options(
-            entropy_coef=t.entropy_coef if t._entropy_bonus_enabled else 0.0,
+            entropy_coef=coef if t._entropy_bonus_enabled else 0.0,
             gradient_accumulation_steps=t.current_gradient_accumulation_steps,
             training=mode == "train",
         )
-        loss, policy, sums, per_row = loss_and_stats(
+        loss, policy, sums, per_row, bonus = loss_and_stats(
             x,
             options,
             inputs.get("ref_per_token_logps"),
@@ -342,6 +387,9 @@ class GRPOMixin:
             inputs.get("num_items_in_batch"),
             _group(t.accelerator),
         )
+        if ctrl is not None and mode == "train":  # evaluation leaves the controller as it is
+            assert bonus is not None
+            self._rlops_adapt_entropy(ctrl, bonus)
         self._rlops_log(mode, policy, sums, per_row)
         return loss
 
