@@ -697,6 +697,7 @@ def test_exports_are_pinned_and_documented():
     assert verl.__all__ == [
         "POLICY_LOSS_REGISTRY",
         "agg_loss",
+        "compute_forward_kl_topk",
         "compute_gae_advantage_return",
         "compute_gdpo_outcome_advantage",
         "compute_gpg_outcome_advantage",

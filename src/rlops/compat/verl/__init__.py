@@ -18,6 +18,7 @@ from rlops.compat.verl._advantages import (
     compute_remax_outcome_advantage,
     compute_rloo_outcome_advantage,
 )
+from rlops.compat.verl._distillation import compute_forward_kl_topk
 from rlops.compat.verl._losses import agg_loss, compute_value_loss, kl_penalty
 from rlops.compat.verl._metrics import compute_is_metrics, compute_rs_metrics
 from rlops.compat.verl._policy_losses import (
@@ -51,6 +52,7 @@ from rlops.compat.verl._torch_functional import (
 __all__ = [
     "POLICY_LOSS_REGISTRY",
     "agg_loss",
+    "compute_forward_kl_topk",
     "compute_gae_advantage_return",
     "compute_gdpo_outcome_advantage",
     "compute_gpg_outcome_advantage",
