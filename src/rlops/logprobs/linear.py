@@ -7,18 +7,25 @@ loops, the collective and the merge are the engine's (:mod:`rlops.logprobs._engi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from typing import Any, Literal, overload
 
 import torch
 from typing_extensions import Unpack  # torch's own dependency (typing.Unpack: 3.11+)
 
-from rlops.logprobs import _engine
+from rlops.logprobs import _engine, _softmax
 from rlops.logprobs._options import ROW_ALIGN, LogprobOptions, Options
 from rlops.logprobs._plan import Plan
 from rlops.logprobs._tensor_parallel import copy_to_tensor_parallel_region
 
-__all__ = ["copy_to_tensor_parallel_region", "linear_logprobs_and_entropy"]
+__all__ = [
+    "TokenGrad",
+    "copy_to_tensor_parallel_region",
+    "linear_logprobs_and_entropy",
+    "linear_logprobs_one_pass",
+]
 
 _OP = "linear_logprobs_and_entropy"
 # The narrowest vocabulary slice of a backward tile.
@@ -422,3 +429,141 @@ def linear_logprobs_and_entropy(
     if with_sum_pi_squared:
         return logp, (ent if with_entropy else None), squares
     return logp, (ent if with_entropy else None)
+
+
+#: ``token_grad(index, logp, entropy) -> (∂L/∂logp, ∂L/∂H)``: a chunk's ``[C]`` flat token
+#: indices and its ``[C]`` log-probs and entropies in, their ``[C]`` gradients out.
+TokenGrad = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor | None]
+]
+
+
+class _Kept(_engine.Producer):
+    """A chunk's logits made once, then read by its statistics (kept intact) and by its
+    gradient, their last reader (which may overwrite them)."""
+
+    def __init__(self, inner: _Matmul) -> None:
+        self.inner, self.key = inner, (-1, -1)
+
+    def sloped(self, i: int, j: int) -> tuple[torch.Tensor, bool, torch.Tensor | None]:
+        if self.key != (i, j):
+            self.z, _, self.slope = self.inner.sloped(i, j)
+            self.key = (i, j)
+            return self.z, False, self.slope
+        self.key = (-1, -1)  # the second reader is the last
+        return self.z, True, self.slope
+
+    def logits(self, i: int, j: int) -> tuple[torch.Tensor, bool]:
+        return self.sloped(i, j)[:2]
+
+
+def linear_logprobs_one_pass(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    token_grad: TokenGrad,
+    *,
+    bias: torch.Tensor | None = None,
+    with_entropy: bool = True,
+    **options: Unpack[LogprobOptions],
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`linear_logprobs_and_entropy` and the gradients of a loss of its outputs, in one
+    pass over the vocabulary: each chunk's logits are made once, give the chunk's log-probs and
+    entropies, then ``token_grad`` gives the loss's per-token gradients and the same logits
+    give the chunk's share of the hidden, weight and bias gradients (three matmuls in all; the
+    op and its backward take four).
+
+    For a loss whose gradient with respect to a token's log-prob and entropy depends on that
+    token alone (given numbers known before the pass, as a loss's normaliser); one process
+    (under tensor parallelism a row's log-normaliser needs the group's statistics first).
+
+    Args:
+        hidden, weight, target, bias, with_entropy, **options: as
+            :func:`linear_logprobs_and_entropy` (no ``group``).
+        token_grad: :data:`TokenGrad`, called once per chunk, in order.
+
+    Returns:
+        ``(logp, entropy, grad_hidden, grad_weight, grad_bias)``: the op's outputs (detached)
+        and the gradients of the loss (``grad_bias`` None without a bias).
+
+    Example:
+        >>> import torch
+        >>> h, w, y = torch.randn(5, 4), torch.randn(7, 4), torch.tensor([0, 1, 2, 3, 4])
+        >>> out = linear_logprobs_one_pass(h, w, y, lambda i, lp, e: (-torch.ones_like(lp), None))
+        >>> hh = h.clone().requires_grad_()
+        >>> (-linear_logprobs_and_entropy(hh, w, y)[0].sum()).backward()
+        >>> torch.allclose(out[2], hh.grad, atol=1e-6)
+        True
+    """
+    hidden, weight, bias = _autocast(hidden, weight, bias)
+    given = Options.given(_OP, options, with_entropy=with_entropy, with_sum_pi_squared=False)
+    if given.group is not None:
+        raise ValueError(
+            "linear_logprobs_one_pass runs in one process (group=None): under tensor "
+            "parallelism differentiate linear_logprobs_and_entropy instead"
+        )
+    inputs, plan, (sel, s_rows, s_ids) = _engine.prepare(
+        _OP, given, "hidden", hidden, target, weight=weight, bias=bias
+    )
+    support = None if s_rows is None or s_ids is None else (s_rows, s_ids)
+    plan = plan.bound(inputs.target, inputs.keep, sel, support)
+    assert inputs.weight is not None  # checked: the linear op's weight
+    with _no_autocast(inputs.x), torch.no_grad():
+        return _one_pass(plan, inputs.x, inputs.weight, inputs.bias, token_grad)
+
+
+def _one_pass(
+    plan: Plan,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    token_grad: TokenGrad,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The loop of :func:`linear_logprobs_one_pass` on a bound plan."""
+    h2 = _rows(hidden, plan)
+    n, dev, dtype = plan.rows, plan.device, plan.dtype
+    producer = _Kept(_Matmul(h2, weight, bias, plan))
+    if plan.sampler is not None:
+        plan = replace(plan, threshold=torch.empty((n, 1), dtype=dtype, device=dev))
+    index = plan.rows_of if plan.rows_of is not None else torch.arange(n, device=dev)
+    n_cols = _softmax.n_columns(plan.masked, plan.with_entropy, False)
+    logp = torch.zeros(n, dtype=dtype, device=dev)
+    ent = torch.zeros(n, dtype=dtype, device=dev) if plan.with_entropy else None
+    g_logp = torch.zeros((n, 1), dtype=dtype, device=dev)
+    g_ent = torch.zeros((n, 1), dtype=dtype, device=dev)
+    saved: list[torch.Tensor] = []
+    grad_h = torch.empty_like(h2, memory_format=torch.contiguous_format)
+    grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+    grad_b = None if bias is None else torch.zeros(bias.shape, dtype=dtype, device=dev)
+    for i in plan.starts:
+        j = i + plan.chunk
+        keep = plan.keep_rows(i, j)
+        stats = torch.empty((plan.n_rows(i, j), n_cols), dtype=dtype, device=dev)
+        producer.stats(plan, i, j, keep, stats)
+        lp, h, kept = _softmax.merge(stats.unsqueeze(0), plan.masked, plan.with_entropy)
+        gl, ge = token_grad(index[i:j], lp, h)
+        cols, has_h = _softmax.unpack_saved(_softmax.pack_saved(kept, plan.masked, True))
+        if not saved:
+            saved = [torch.empty((n, 1), dtype=dtype, device=dev) for _ in cols]
+        for dst, col in zip(saved, cols, strict=True):
+            dst[i:j] = col
+        logp[i:j], g_logp[i:j, 0] = lp, gl
+        if ent is not None and h is not None:
+            ent[i:j] = h
+        if ge is not None:
+            g_ent[i:j, 0] = ge
+        tile = replace(plan, saved=tuple(saved), g_logp=g_logp, g_ent=g_ent if has_h else None)
+        g = producer.grad(tile, i, j, keep)
+        plan.zero_masked(g, i)
+        if grad_b is not None:
+            grad_b += g.sum(dim=0)
+        g = g.to(h2.dtype)
+        torch.mm(g, weight, out=grad_h[i:j])
+        _add_weight_grad(grad_w, g, h2[i:j])
+    return (
+        plan.expand(logp),
+        None if ent is None else plan.expand(ent),
+        _scattered(grad_h, hidden, plan),
+        grad_w.to(weight.dtype),
+        None if grad_b is None or bias is None else grad_b.to(bias.dtype),
+    )

@@ -52,6 +52,7 @@ __all__ = [
     "time_interleaved",
     "time_median",
     "torch_threads",
+    "variants_in_fresh_processes",
 ]
 
 K = TypeVar("K")
@@ -478,3 +479,26 @@ def time_in_fresh_process(
     name = " / ".join(setup.__name__ for setup, _, _ in setups.values())
     args = (dict(setups), list(counts), repeats, warmup, budget_s)
     return run_in_fresh_process(_time_job, *args, name=name, timeout=timeout)
+
+
+def variants_in_fresh_processes(
+    setup: Callable[..., Callable[[], Any]],
+    variants: Sequence[str],
+    kwargs: dict,
+    prime_kwargs: dict,
+    *,
+    threads: int = 1,
+    repeats: int = 5,
+) -> dict[str, tuple[float, int]]:
+    """``{variant: (median seconds, peak extra bytes)}`` of ``setup(**kwargs, variant=v)``'s
+    steps: the peaks one fresh process each (:func:`peak_in_fresh_process`), the times
+    interleaved in one (:func:`time_in_fresh_process`), at ``threads`` torch threads."""
+    setups = {
+        v: (setup, {**kwargs, "variant": v}, {**prime_kwargs, "variant": v}) for v in variants
+    }
+    peaks = {
+        v: peak_in_fresh_process(fn, kw, prime_kwargs=prime, threads=threads)
+        for v, (fn, kw, prime) in setups.items()
+    }
+    times = time_in_fresh_process(setups, [threads], repeats=repeats)
+    return {v: (times[v][threads], peaks[v]) for v in variants}
