@@ -73,9 +73,54 @@ CASES: dict[str, Case] = {
         lambda d: rlops.discounted_returns(d["r"], gamma=0.99, mask=d["mask"], dones=d["dones"]),
         ("r",),
     ),
+    "distillation_loss": (
+        lambda d: rlops.distillation_loss(
+            d["logits"],
+            *torch.log_softmax(d["logits"].detach().flip(-1), -1).topk(3, -1),
+            kind="jsd",
+            tail=True,
+            temperature=0.8,
+        ),
+        ("logits",),
+    ),
+    "linear_distillation_loss": (
+        lambda d: rlops.linear_distillation_loss(
+            d["hidden"],
+            d["weight"],
+            torch.log_softmax(d["logits"].detach().reshape(-1, d["logits"].shape[-1]), -1),
+            bias=d["bias"],
+            kind="reverse_kl",
+        ),
+        ("hidden", "weight", "bias"),
+    ),
     "entropy_loss": (lambda d: rlops.entropy_loss(d["x"], d["mask"], coef=0.01), ("x",)),
+    "linear_policy_loss": (
+        lambda d: rlops.linear_policy_loss(
+            d["hidden"].view(*d["target"].shape, -1),
+            d["weight"],
+            d["target"],
+            d["old"],
+            d["adv"],
+            d["mask"],
+            bias=d["bias"],
+            entropy_coef=0.01,
+        ),
+        ("hidden", "weight", "bias"),
+    ),
     "gae": (
         lambda d: rlops.gae(d["r"], d["v"], gamma=0.99, lam=0.95, mask=d["mask"], dones=d["dones"]),
+        ("r", "v"),
+    ),
+    "gae returns_lam lam_length_alpha": (
+        lambda d: rlops.gae(
+            d["r"],
+            d["v"],
+            gamma=0.99,
+            lam=0.95,
+            returns_lam=1.0,
+            lam_length_alpha=0.05,
+            mask=d["mask"],
+        ),
         ("r", "v"),
     ),
     "gpg_advantages": (
@@ -89,6 +134,20 @@ CASES: dict[str, Case] = {
     "grpo_passk_advantages": (
         lambda d: rlops.grpo_passk_advantages(d["score"], d["index"], d["mask"]),
         ("score",),
+    ),
+    "gigpo_advantages": (
+        lambda d: rlops.gigpo_advantages(
+            d["score"], d["index"], d["x"][:, 0], d["target"][:, 0] % 2, d["mask"]
+        ),
+        ("score", "x"),
+    ),
+    "maxrl_advantages": (
+        lambda d: rlops.maxrl_advantages(d["score"].abs(), d["index"], d["mask"]),
+        ("score",),
+    ),
+    "overlong_penalty": (
+        lambda d: rlops.overlong_penalty(d["kl"].sum(-1) * 10, 300, 100, 0.5),
+        ("kl",),
     ),
     "kl_penalty": (lambda d: rlops.kl_penalty(d["logp"], d["old"], "low_var_kl"), ("logp",)),
     "linear_logprobs_and_entropy": (
@@ -167,6 +226,24 @@ CASES: dict[str, Case] = {
     "value_loss": (
         lambda d: rlops.value_loss(d["v"], d["old"], d["r"], d["mask"], clip=0.2),
         ("v",),
+    ),
+    "value_loss huber": (
+        lambda d: rlops.value_loss(
+            d["v"], d["old"], d["r"], d["mask"], clip=0.2, loss="huber", huber_delta=0.5
+        ),
+        ("v",),
+    ),
+    "policy_loss ipo": (
+        lambda d: rlops.policy_loss(
+            d["logp"], d["old"], d["adv"], d["mask"], kind="ipo", ipo_threshold=0.2, kl_tau=0.1
+        ),
+        ("logp",),
+    ),
+    "policy_loss topr": (
+        lambda d: rlops.policy_loss(
+            d["logp"], d["old"], d["adv"], d["mask"], kind="topr", negative_weight=0.5
+        ),
+        ("logp",),
     ),
     "behavior_importance_weights": (
         lambda d: rlops.behavior_importance_weights(

@@ -383,6 +383,54 @@ def _meta_cases(dev: str) -> dict[str, list]:
                 t(B * 8, H, grad=True), t(V, H, grad=True), ids(B * 8), chunk_size=5
             ),
         ],
+        "linear_policy_loss": [
+            lambda: rlops.linear_policy_loss(
+                t(B, 8, H, grad=True),
+                t(V, H, grad=True),
+                ids(B, 8),
+                t(B, 8),
+                t(B, 8),
+                m[:, :8],
+                entropy_coef=0.01,
+                logprob_options={"chunk_size": 5},
+            ),
+            lambda: rlops.linear_policy_loss(
+                t(B, 8, H, grad=True),
+                t(V, H, grad=True),
+                ids(B, 8),
+                t(B, 8),
+                t(B, 8),
+                m_float[:, :8],
+                kind="gspo",
+                agg="seq-mean-token-mean",
+            ),
+        ],
+        "distillation_loss": [
+            lambda: rlops.distillation_loss(
+                t(B, 8, V, grad=True),
+                -t(B, 8, 3).abs() - 2,
+                ids(B, 8, 3, high=1) + torch.arange(3).to(dev),
+                kind="jsd",
+                tail=True,
+            ),
+        ],
+        "linear_distillation_loss": [
+            lambda: rlops.linear_distillation_loss(
+                t(B * 8, H, grad=True),
+                t(V, H, grad=True),
+                torch.log_softmax(t(B * 8, V), -1),
+                kind="reverse_kl",
+            ),
+        ],
+        "maxrl_advantages": [
+            lambda: rlops.maxrl_advantages(t(B, grad=True), ids(B, high=2), m),
+        ],
+        "gigpo_advantages": [
+            lambda: rlops.gigpo_advantages(t(B), ids(B, high=2), t(B), ids(B, high=2), m),
+        ],
+        "overlong_penalty": [
+            lambda: rlops.overlong_penalty(ids(B, high=T), T - 4, 8),
+        ],
         "entropy_loss": [
             lambda: rlops.entropy_loss(t(B, T, grad=True), m, coef=0.01),
             lambda: rlops.entropy_loss(

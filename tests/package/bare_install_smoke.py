@@ -38,10 +38,21 @@ def main() -> None:
             -r.abs(), -v.abs(), mask, upper=2.0, level="sequence", agg="max", action="clamp"
         ),
         "entropy_loss": lambda: rlops.entropy_loss(x, mask, coef=0.01),
+        "distillation_loss": lambda: rlops.distillation_loss(
+            logits, *torch.log_softmax(logits.detach() * 0.5, -1).topk(2, -1), tail=True
+        ),
+        "linear_distillation_loss": lambda: rlops.linear_distillation_loss(
+            hidden, weight, torch.log_softmax(torch.randn(B * T, V, generator=g), -1)
+        ),
         "gdpo_advantages": lambda: rlops.gdpo_advantages(
             torch.stack([score, -score], -1), index, mask
         ),
+        "gigpo_advantages": lambda: rlops.gigpo_advantages(
+            score, index, x[:, 0], torch.tensor([0, 1, 0]), mask
+        ),
         "gpg_advantages": lambda: rlops.gpg_advantages(score, index, mask),
+        "maxrl_advantages": lambda: rlops.maxrl_advantages(score.abs(), index, mask),
+        "overlong_penalty": lambda: rlops.overlong_penalty(mask.sum(-1), 8, 4),
         "grpo_passk_advantages": lambda: rlops.grpo_passk_advantages(
             score, torch.zeros(B, dtype=torch.long), mask
         ),
@@ -51,6 +62,9 @@ def main() -> None:
         "kl_penalty": lambda: rlops.kl_penalty(r, v, "low_var_kl"),
         "linear_logprobs_and_entropy": lambda: rlops.linear_logprobs_and_entropy(
             hidden, weight, target.reshape(-1)
+        ),
+        "linear_policy_loss": lambda: rlops.linear_policy_loss(
+            hidden.view(B, T, H), weight, target, -r.abs(), x, mask, entropy_coef=0.01
         ),
         "logprobs_and_entropy": lambda: rlops.logprobs_and_entropy(logits, target),
         "m2po_mask": lambda: rlops.m2po_mask(-r.abs(), -v.abs(), mask, threshold=0.5),

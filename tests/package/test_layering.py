@@ -40,6 +40,7 @@ LAYERS = {
     "rlops.logprobs": 2,
     "rlops.advantages": 3,
     "rlops.losses": 3,
+    "rlops.distillation": 3,  # on the log-prob ops' layout and the group call
     "rlops.corrections": 3,  # rollout correction and selection masks
     "rlops.kl_controllers": 3.5,  # the kept import paths: re-exports only
     "rlops.selection": 3.5,

@@ -6,11 +6,13 @@ from rlops.losses.aggregation import AGG_MODES, AggregationOptions, aggregate_lo
 from rlops.losses.entropy import entropy_loss
 from rlops.losses.kl import KL_KINDS, kl_penalty
 from rlops.losses.kl_controllers import (
+    AdaptiveEntropyController,
     AdaptiveKLController,
     FixedKLController,
     get_kl_controller,
     kl_controller,
 )
+from rlops.losses.linear import ONE_PASS_KINDS, linear_policy_loss
 from rlops.losses.policy import POLICY_KINDS, PolicyLossOptions, policy_loss
 from rlops.losses.value import value_loss
 
@@ -18,7 +20,9 @@ __all__ = [
     "AGG_MODES",
     "KL_KINDS",
     "MAX_EXP_ARG",
+    "ONE_PASS_KINDS",
     "POLICY_KINDS",
+    "AdaptiveEntropyController",
     "AdaptiveKLController",
     "AggregationOptions",
     "FixedKLController",
@@ -28,6 +32,7 @@ __all__ = [
     "get_kl_controller",
     "kl_controller",
     "kl_penalty",
+    "linear_policy_loss",
     "policy_loss",
     "value_loss",
 ]
