@@ -220,6 +220,45 @@ def grad_chunk(
     return grad
 
 
+def plain_chunk(
+    z: torch.Tensor, idx: torch.Tensor, in_range: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """One process, every logit kept: ``(log p_y [C], H [C], state)`` of the scaled chunk ``z``
+    ``[C, V]`` (overwritten), ``state`` what :func:`plain_grad` needs (``z − m``,
+    ``e = exp(z − m)``, ``log S`` and ``H``): the statistics and the gradient of a one-pass
+    step share one ``exp`` and two chunk buffers."""
+    zy = z.gather(1, idx)
+    m = z.amax(dim=-1, keepdim=True)
+    m = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # an all -inf row: s = 0
+    d = z.sub_(m).clamp_(min=_FLOOR)
+    e = d.exp()
+    s = e.sum(dim=-1, keepdim=True)
+    log_s = s.log()
+    h = log_s - torch.linalg.vecdot(e, d).unsqueeze(1) / s
+    logp = torch.where(in_range, (zy - m) - log_s, torch.zeros_like(zy))
+    return logp[:, 0], h[:, 0], (d, e, s, log_s, h)
+
+
+def plain_grad(
+    state: tuple[torch.Tensor, ...],
+    idx: torch.Tensor,
+    in_range: torch.Tensor,
+    g_logp: torch.Tensor,
+    g_ent: torch.Tensor,
+    inv_tau: float | torch.Tensor,
+) -> torch.Tensor:
+    """The gradient w.r.t. the unscaled logits of :func:`plain_chunk`'s chunk from the upstream
+    ``g_logp``, ``g_ent`` ``[C, 1]``: ``(p·(a·log p + b) + g·1_y)/τ`` with ``a = −g_H``,
+    ``b = a·H − g``, in the state's buffers."""
+    d, e, s, log_s, h = state
+    p = e.div_(s)
+    a = g_ent * (-inv_tau)
+    b = a * h - g_logp * inv_tau
+    grad = torch.addcmul(b, d.sub_(log_s), a, out=d).mul_(p)
+    onehot = torch.where(in_range, g_logp * inv_tau, torch.zeros_like(g_logp))
+    return grad.scatter_add_(1, idx, onehot)
+
+
 def _kept_probs(
     z: torch.Tensor,
     idx: torch.Tensor,

@@ -535,25 +535,40 @@ def _one_pass(
     grad_h = torch.empty_like(h2, memory_format=torch.contiguous_format)
     grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
     grad_b = None if bias is None else torch.zeros(bias.shape, dtype=dtype, device=dev)
+    # every logit kept and the entropy asked for: the statistics and the gradient share an exp
+    plain = plan.with_entropy and not plan.masked and plan.sampler is None
+    plain = plain and plan.keep is None and plan.support_rows is None
+    ent_c: torch.Tensor | None
     for i in plan.starts:
         j = i + plan.chunk
         keep = plan.keep_rows(i, j)
-        stats = torch.empty((plan.n_rows(i, j), n_cols), dtype=dtype, device=dev)
-        producer.stats(plan, i, j, keep, stats)
-        lp, h, kept = _softmax.merge(stats.unsqueeze(0), plan.masked, plan.with_entropy)
-        gl, ge = token_grad(index[i:j], lp, h)
-        cols, has_h = _softmax.unpack_saved(_softmax.pack_saved(kept, plan.masked, True))
-        if not saved:
-            saved = [torch.empty((n, 1), dtype=dtype, device=dev) for _ in cols]
-        for dst, col in zip(saved, cols, strict=True):
-            dst[i:j] = col
-        logp[i:j], g_logp[i:j, 0] = lp, gl
-        if ent is not None and h is not None:
-            ent[i:j] = h
-        if ge is not None:
-            g_ent[i:j, 0] = ge
-        tile = replace(plan, saved=tuple(saved), g_logp=g_logp, g_ent=g_ent if has_h else None)
-        g = producer.grad(tile, i, j, keep)
+        if plain:
+            z, _, slope = producer.inner.sloped(i, j)
+            idx, in_range = plan.target_index(i, j)
+            lp, h, state = _softmax.plain_chunk(z, idx, in_range)
+            gl, ge = token_grad(index[i:j], lp, h)
+            ge = torch.zeros_like(gl) if ge is None else ge
+            tau = plan.head.rows(i, j).grad_scale
+            g = _softmax.plain_grad(state, idx, in_range, gl[:, None], ge[:, None], tau)
+            g = g if slope is None else g.mul_(slope)
+            logp[i:j], ent_c = lp, h
+        else:
+            stats = torch.empty((plan.n_rows(i, j), n_cols), dtype=dtype, device=dev)
+            producer.stats(plan, i, j, keep, stats)
+            lp, ent_c, kept = _softmax.merge(stats.unsqueeze(0), plan.masked, plan.with_entropy)
+            gl, ge = token_grad(index[i:j], lp, ent_c)
+            cols, has_h = _softmax.unpack_saved(_softmax.pack_saved(kept, plan.masked, True))
+            if not saved:
+                saved = [torch.empty((n, 1), dtype=dtype, device=dev) for _ in cols]
+            for dst, col in zip(saved, cols, strict=True):
+                dst[i:j] = col
+            logp[i:j], g_logp[i:j, 0] = lp, gl
+            if ge is not None:
+                g_ent[i:j, 0] = ge
+            tile = replace(plan, saved=tuple(saved), g_logp=g_logp, g_ent=g_ent if has_h else None)
+            g = producer.grad(tile, i, j, keep)
+        if ent is not None and ent_c is not None:
+            ent[i:j] = ent_c
         plan.zero_masked(g, i)
         if grad_b is not None:
             grad_b += g.sum(dim=0)
