@@ -20,47 +20,12 @@ the peak a fresh process adds over its inputs (``peak_in_fresh_process``). Ratio
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 
-import torch
-
-import rlops
 from rlops.measure.options import positive_int
 from rlops.measure.timing import variants_in_fresh_processes
+from rlops.measure.workloads import POLICY_STEPS, setup_policy_step
 
-VARIANTS = ("materialised", "fused", "one pass")
-ROWS = 8
-
-
-def setup(n: int, v: int, h: int, variant: str, dtype: str = "float32") -> Callable[[], None]:
-    """The loss phase of ``variant`` on fresh leaves (the gradients dropped after each call)."""
-    dt = getattr(torch, dtype)
-    gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(ROWS, n // ROWS, h, generator=gen).to(dt).requires_grad_()
-    weight = (torch.randn(v, h, generator=gen) * (4 / h**0.5)).to(dt).requires_grad_()
-    target = torch.randint(0, v, (ROWS, n // ROWS), generator=gen)
-    old = -torch.rand(ROWS, n // ROWS, generator=gen) * 8
-    adv = torch.randn(ROWS, n // ROWS, generator=gen)
-    mask = torch.rand(ROWS, n // ROWS, generator=gen) > 0.1
-
-    def losses(logp, ent):
-        loss = rlops.policy_loss(logp, old, adv, mask)[0]
-        return loss + rlops.entropy_loss(ent, mask, coef=0.01)[0]
-
-    def step() -> None:
-        if variant == "materialised":
-            logits = hidden @ weight.T
-            loss = losses(*rlops.logprobs_and_entropy(logits, target))
-        elif variant == "fused":
-            loss = losses(*rlops.linear_logprobs_and_entropy(hidden, weight, target))
-        else:
-            loss = rlops.linear_policy_loss(
-                hidden, weight, target, old, adv, mask, entropy_coef=0.01
-            )[0]
-        loss.backward()
-        hidden.grad = weight.grad = None
-
-    return step
+VARIANTS = POLICY_STEPS
 
 
 def main() -> None:
@@ -72,11 +37,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=positive_int, default=5)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = ap.parse_args()
-    n, v, h = args.n - args.n % ROWS, args.v, args.hidden
+    n, v, h = args.n - args.n % 8, args.v, args.hidden
     shape = {"n": n, "v": v, "h": h, "dtype": args.dtype}
     tiny = {"n": 64, "v": 256, "h": 32, "dtype": args.dtype}
     got = variants_in_fresh_processes(
-        setup, VARIANTS, shape, tiny, threads=args.threads, repeats=args.repeats
+        setup_policy_step, VARIANTS, shape, tiny, threads=args.threads, repeats=args.repeats
     )
     mib = 1 << 20
     print(f"N x V x H = {n} x {v} x {h}, {args.dtype}, {args.threads} thread(s), PPO token-mean "
@@ -89,6 +54,7 @@ def main() -> None:
     for name, (t, p) in got.items():
         print(f"{name:13} {t:7.3f} {t / t_mat:6.2f} {t / t_fused:7.2f} | {p / mib:8.1f} "
               f"{p / p_mat:6.2f} {p / p_fused:7.2f}")  # fmt: skip
+
 
 if __name__ == "__main__":
     main()

@@ -12,10 +12,24 @@ from collections.abc import Callable
 
 import torch
 
-from rlops import linear_logprobs_and_entropy, logprobs_and_entropy
+from rlops import (
+    entropy_loss,
+    linear_logprobs_and_entropy,
+    linear_policy_loss,
+    logprobs_and_entropy,
+    policy_loss,
+)
 from rlops.measure.baselines import logprobs_entropy_unfused
 
-__all__ = ["DTYPES", "setup_agentic", "setup_linear", "setup_logits", "top_p_keep_mask"]
+__all__ = [
+    "DTYPES",
+    "POLICY_STEPS",
+    "setup_agentic",
+    "setup_linear",
+    "setup_logits",
+    "setup_policy_step",
+    "top_p_keep_mask",
+]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -150,6 +164,46 @@ def setup_agentic(
     def step() -> None:
         outs = linear_logprobs_and_entropy(hidden, weight, target, **kw())
         torch.autograd.backward(list(outs), grads)
+        hidden.grad = weight.grad = None
+
+    return step
+
+
+#: The variants of :func:`setup_policy_step`.
+POLICY_STEPS = ("materialised", "fused", "one pass")
+
+
+def setup_policy_step(
+    n: int, v: int, h: int, variant: str, *, dtype: str = "float32", device: str = "cpu"
+) -> Callable[[], None]:
+    """A PPO step's loss phase from hidden states ``[8, n/8, h]`` and an output weight
+    ``[v, h]`` in ``dtype``: a token-mean PPO loss plus an entropy bonus (coef 0.01), forward
+    and backward (gradients of both leaves). ``variant`` (:data:`POLICY_STEPS`):
+    ``"materialised"`` (``h @ W.T``, ``logprobs_and_entropy``, the losses), ``"fused"``
+    (``linear_logprobs_and_entropy``, the losses: its backward makes the logits again) or
+    ``"one pass"`` (``linear_policy_loss``: the gradients made in the forward)."""
+    rows = 8
+    gen = torch.Generator().manual_seed(0)
+    dt, t = DTYPES[dtype], max(n // rows, 1)
+    hidden = _randn(rows, t, h, gen=gen, dtype=dt).to(device).requires_grad_()
+    weight = _randn(v, h, gen=gen, dtype=dt, scale=4 * h**-0.5).to(device).requires_grad_()
+    target = torch.randint(0, v, (rows, t), generator=gen).to(device)
+    old = (-torch.rand(rows, t, generator=gen) * 8).to(device)
+    adv = torch.randn(rows, t, generator=gen).to(device)
+    mask = (torch.rand(rows, t, generator=gen) > 0.1).to(device)
+
+    def losses(logp: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
+        loss = policy_loss(logp, old, adv, mask)[0]
+        return loss + entropy_loss(ent, mask, coef=0.01)[0]
+
+    def step() -> None:
+        if variant == "materialised":
+            loss = losses(*logprobs_and_entropy(hidden @ weight.T, target))
+        elif variant == "fused":
+            loss = losses(*linear_logprobs_and_entropy(hidden, weight, target))
+        else:
+            loss = linear_policy_loss(hidden, weight, target, old, adv, mask, entropy_coef=0.01)[0]
+        loss.backward()
         hidden.grad = weight.grad = None
 
     return step
