@@ -19,7 +19,8 @@ from rlops.scan.decay import decayed
 class GaeInputs:
     """One checked call of GAE or discounted returns, what every backend takes.
 
-    ``rewards`` / ``values`` ``[N, T]`` in the compute dtype (``values`` None for returns, with
+    ``rewards`` / ``values`` ``[N, T]`` in the compute dtype or both bfloat16 (:meth:`widened`;
+    ``values`` None for returns, with
     ``gamma_lam = gamma``); ``mask`` / ``dones`` bool or None (``dones``: every sequence end,
     truncations included); ``gamma`` / ``gamma_lam`` floats, ``[N, 1]`` or ``[N]`` tensors
     (``[N]`` in the backends' form, :meth:`per_row`); ``cut`` ``[N, T]`` the value after each
@@ -55,6 +56,14 @@ class GaeInputs:
         g, gl = self.gamma, self.gamma_lam
         assert isinstance(g, torch.Tensor) and isinstance(gl, torch.Tensor), "per_row() first"
         return g, gl
+
+    def widened(self) -> GaeInputs:
+        """This call in the compute dtype: bfloat16 rewards and values (kept so for the compiled
+        kernels, which read them as they are) in float32."""
+        if self.rewards.dtype != torch.bfloat16:
+            return self
+        v = None if self.values is None else self.values.float()
+        return dataclasses.replace(self, rewards=self.rewards.float(), values=v)
 
     def cast(self, value: float | torch.Tensor) -> float | torch.Tensor:
         """A per-row discount in the compute dtype (a float stays a float)."""

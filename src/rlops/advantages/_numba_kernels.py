@@ -9,20 +9,24 @@ combination of inputs, so numba's on-disk cache keeps them apart.
 import numba
 import numpy as np
 
-from rlops.scan.exact_arith import fma, lanes, set_llvm_optsize
+from rlops.scan.exact_arith import fma, group, lanes, load, narrow, set_llvm_optsize, store
 
 _jit = numba.njit(cache=True, nogil=True)
+# one group of four rows, compiled apart from the loop over groups that calls it (``gae_*``,
+# ``returns_kl``): inlined into that loop, LLVM schedules the time loop worse
+_kernel = numba.njit(nogil=True)
 
 
 @numba.njit(inline="always")
 def step(t, r, v, m, d, c, e, o, g, gl, nxt, acc, has_values, has_mask, has_dones, has_cut):
     # One token of one row; ``acc`` is the float64 advantage (or return) carry, ``nxt`` the
-    # value of the next action token and ``g`` gamma (both in the input dtype, as the TD
+    # value of the next action token and ``g`` gamma (both in the arithmetic dtype, as the TD
     # residual of every other method), ``gl`` gamma * lam in float64 (0.999 is not a float32:
     # the carry decays by the exact value). Without values the residual is the reward itself
     # (``r + g * 0 - 0`` up to the sign of 0) and the return is the carry. ``c`` the value
-    # after each end (``has_cut``).
-    zero = o.dtype.type(0)
+    # after each end (``has_cut``). bfloat16 arrays are their bits, computed in float32. The
+    # mask is branched on: masks come in runs (padding, tool output), which predict well.
+    zero = narrow(o, 0.0)
     if has_dones:
         if d[t]:  # replaced, never multiplied by 0
             if has_values:
@@ -32,19 +36,19 @@ def step(t, r, v, m, d, c, e, o, g, gl, nxt, acc, has_values, has_mask, has_done
                 acc = np.float64(c[t]) if has_cut else 0.0
     if (not has_mask) or m[t]:
         if has_values:
-            vt = v[t]
-            acc = fma(gl, acc, np.float64(r[t] + g * nxt - vt))
-            out = o.dtype.type(acc)
-            o[t] = out + vt
-            e[t] = out
+            vt = load(v, t)
+            acc = fma(gl, acc, np.float64(load(r, t) + g * nxt - vt))
+            out = narrow(o, acc)
+            store(o, t, out + vt)
+            store(e, t, out)
             nxt = vt
         else:
-            acc = fma(gl, acc, np.float64(r[t]))
-            o[t] = o.dtype.type(acc)
+            acc = fma(gl, acc, np.float64(load(r, t)))
+            store(o, t, narrow(o, acc))
     else:  # a mask-0 token: 0 out, the carries pass through
-        o[t] = zero
+        store(o, t, zero)
         if has_values:
-            e[t] = zero
+            store(e, t, zero)
     return nxt, acc
 
 
@@ -63,7 +67,7 @@ def body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, hv, hm, hd, hc):
         n0, n1, n2, n3 = lanes(init, rows)
         a0 = a1 = a2 = a3 = np.float64(0)
     else:
-        n0 = n1 = n2 = n3 = ret.dtype.type(0)
+        n0 = n1 = n2 = n3 = narrow(ret, 0.0)
         b0, b1, b2, b3 = lanes(init, rows)
         a0, a1, a2, a3 = np.float64(b0), np.float64(b1), np.float64(b2), np.float64(b3)
     for t in range(r.shape[1] - 1, -1, -1):
@@ -73,76 +77,148 @@ def body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, hv, hm, hd, hc):
         n3, a3 = step(t, r3, v3, m3, d3, c3, e3, o3, g3, l3, n3, a3, hv, hm, hd, hc)
 
 
-@_jit
-def gae_0000(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
+@_kernel
+def _gae_0000(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
     set_llvm_optsize()
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, False, False, False, False)
 
 
 @_jit
-def gae_0010(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
+def gae_0000(r, v, mask, dones, cut, init, g, gl, adv, ret, start, stop):
+    for k in range(start, stop):
+        _gae_0000(r, v, mask, dones, cut, init, g, gl, adv, ret, group(k, r.shape[0]))
+
+
+@_kernel
+def _gae_0010(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
     set_llvm_optsize()
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, False, False, True, False)
 
 
 @_jit
-def gae_0011(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
+def gae_0010(r, v, mask, dones, cut, init, g, gl, adv, ret, start, stop):
+    for k in range(start, stop):
+        _gae_0010(r, v, mask, dones, cut, init, g, gl, adv, ret, group(k, r.shape[0]))
+
+
+@_kernel
+def _gae_0011(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
     set_llvm_optsize()
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, False, False, True, True)
 
 
 @_jit
-def gae_0100(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
+def gae_0011(r, v, mask, dones, cut, init, g, gl, adv, ret, start, stop):
+    for k in range(start, stop):
+        _gae_0011(r, v, mask, dones, cut, init, g, gl, adv, ret, group(k, r.shape[0]))
+
+
+@_kernel
+def _gae_0100(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
     set_llvm_optsize()
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, False, True, False, False)
 
 
 @_jit
-def gae_0110(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
+def gae_0100(r, v, mask, dones, cut, init, g, gl, adv, ret, start, stop):
+    for k in range(start, stop):
+        _gae_0100(r, v, mask, dones, cut, init, g, gl, adv, ret, group(k, r.shape[0]))
+
+
+@_kernel
+def _gae_0110(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
     set_llvm_optsize()
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, False, True, True, False)
 
 
 @_jit
-def gae_0111(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
+def gae_0110(r, v, mask, dones, cut, init, g, gl, adv, ret, start, stop):
+    for k in range(start, stop):
+        _gae_0110(r, v, mask, dones, cut, init, g, gl, adv, ret, group(k, r.shape[0]))
+
+
+@_kernel
+def _gae_0111(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
     set_llvm_optsize()
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, False, True, True, True)
 
 
 @_jit
-def gae_1000(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
+def gae_0111(r, v, mask, dones, cut, init, g, gl, adv, ret, start, stop):
+    for k in range(start, stop):
+        _gae_0111(r, v, mask, dones, cut, init, g, gl, adv, ret, group(k, r.shape[0]))
+
+
+@_kernel
+def _gae_1000(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
     set_llvm_optsize()
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, True, False, False, False)
 
 
 @_jit
-def gae_1010(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
+def gae_1000(r, v, mask, dones, cut, init, g, gl, adv, ret, start, stop):
+    for k in range(start, stop):
+        _gae_1000(r, v, mask, dones, cut, init, g, gl, adv, ret, group(k, r.shape[0]))
+
+
+@_kernel
+def _gae_1010(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
     set_llvm_optsize()
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, True, False, True, False)
 
 
 @_jit
-def gae_1011(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
+def gae_1010(r, v, mask, dones, cut, init, g, gl, adv, ret, start, stop):
+    for k in range(start, stop):
+        _gae_1010(r, v, mask, dones, cut, init, g, gl, adv, ret, group(k, r.shape[0]))
+
+
+@_kernel
+def _gae_1011(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
     set_llvm_optsize()
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, True, False, True, True)
 
 
 @_jit
-def gae_1100(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
+def gae_1011(r, v, mask, dones, cut, init, g, gl, adv, ret, start, stop):
+    for k in range(start, stop):
+        _gae_1011(r, v, mask, dones, cut, init, g, gl, adv, ret, group(k, r.shape[0]))
+
+
+@_kernel
+def _gae_1100(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
     set_llvm_optsize()
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, True, True, False, False)
 
 
 @_jit
-def gae_1110(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
+def gae_1100(r, v, mask, dones, cut, init, g, gl, adv, ret, start, stop):
+    for k in range(start, stop):
+        _gae_1100(r, v, mask, dones, cut, init, g, gl, adv, ret, group(k, r.shape[0]))
+
+
+@_kernel
+def _gae_1110(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
     set_llvm_optsize()
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, True, True, True, False)
 
 
 @_jit
-def gae_1111(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
+def gae_1110(r, v, mask, dones, cut, init, g, gl, adv, ret, start, stop):
+    for k in range(start, stop):
+        _gae_1110(r, v, mask, dones, cut, init, g, gl, adv, ret, group(k, r.shape[0]))
+
+
+@_kernel
+def _gae_1111(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
     set_llvm_optsize()
     body(r, v, mask, dones, cut, init, g, gl, adv, ret, rows, True, True, True, True)
+
+
+@_jit
+def gae_1111(r, v, mask, dones, cut, init, g, gl, adv, ret, start, stop):
+    for k in range(start, stop):
+        _gae_1111(r, v, mask, dones, cut, init, g, gl, adv, ret, group(k, r.shape[0]))
 
 
 #: ``(values, mask, dones, cut)`` -> the kernel for those inputs: the digits of its name
@@ -168,10 +244,8 @@ def kl_step(t, kl, m, o, ck, gl, pend, acc):
     return pend, acc
 
 
-@_jit
-def returns_kl(kl, outcome, ck, mask, gl, ret, rows):
-    # ret[n, t] = REINFORCE++ return; ``outcome`` [N] and ``ck`` in the input dtype, ``gl`` [N]
-    # the float64 discount (never 0: such rows go to the chunked method).
+@_kernel
+def _returns_kl(kl, outcome, ck, mask, gl, ret, rows):
     set_llvm_optsize()
     k0, k1, k2, k3 = lanes(kl, rows)
     m0, m1, m2, m3 = lanes(mask, rows)
@@ -185,3 +259,11 @@ def returns_kl(kl, outcome, ck, mask, gl, ret, rows):
         p1, a1 = kl_step(t, k1, m1, o1, c, l1, p1, a1)
         p2, a2 = kl_step(t, k2, m2, o2, c, l2, p2, a2)
         p3, a3 = kl_step(t, k3, m3, o3, c, l3, p3, a3)
+
+
+@_jit
+def returns_kl(kl, outcome, ck, mask, gl, ret, start, stop):
+    # ret[n, t] = REINFORCE++ return; ``outcome`` [N] and ``ck`` in the input dtype, ``gl`` [N]
+    # the float64 discount (never 0: such rows go to the chunked method).
+    for k in range(start, stop):
+        _returns_kl(kl, outcome, ck, mask, gl, ret, group(k, kl.shape[0]))

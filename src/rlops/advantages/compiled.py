@@ -7,41 +7,48 @@ from __future__ import annotations
 import torch
 
 from rlops.advantages._masking import GaeInputs
-from rlops.scan.compiled import as_array, run_rows
+from rlops.scan.compiled import as_array, bits, output, run_rows
 
 __all__ = ["gae_compiled", "reinforce_returns_compiled"]
 
 
 def gae_compiled(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused GAE in one pass (with ``values=None``, discounted returns), from a call in the
-    compute dtype (float32/64, CPU) with float64 discounts: the carry decays by ``gamma_lam`` in
-    float64, ``gamma`` enters the TD residual in the input dtype. Returns ``(advantages, returns)``.
+    """Fused GAE in one pass (with ``values=None``, discounted returns), from a call in
+    float32/64 or bfloat16 (read and written as it is, computed in float32; CPU) with float64
+    discounts: the carry decays by ``gamma_lam`` in float64, ``gamma`` enters the TD residual
+    in the arithmetic dtype. Returns ``(advantages, returns)`` in the call's dtype.
     """
     from rlops.advantages._numba_kernels import GAE
 
+    if x.rewards.dtype == torch.bfloat16 and x.values is not None and x.mask is not None:
+        # LLVM spills this kernel's carries in bfloat16 (4x slower than float32 copies)
+        adv, ret = gae_compiled(x.widened())
+        return adv.bfloat16(), ret.bfloat16()
     rewards, values, mask, dones, cut = x.rewards.contiguous(), x.values, x.mask, x.dones, x.cut
+    values = None if values is None else values.contiguous()
+    wide = torch.float32 if rewards.dtype == torch.bfloat16 else rewards.dtype
     gamma, gamma_lam = x.rows()
     n, t_len = rewards.shape
-    ret = torch.empty_like(rewards)
-    adv = ret if values is None else torch.empty_like(rewards)
+    ret = output(rewards)
+    adv = ret if values is None else output(rewards)
     if n == 0 or t_len == 0:
         return adv, ret
     has_cut = dones is not None and cut is not None
-    init = rewards.new_zeros(n) if x.end is None else x.end.to(rewards.dtype).contiguous()
+    init = rewards.new_zeros(n, dtype=wide) if x.end is None else x.end.to(wide).contiguous()
     run_rows(
         GAE[(values is not None, mask is not None, dones is not None, has_cut)],
         n,
         rewards.numel(),
-        rewards.numpy(),
-        as_array(values, n, rewards.dtype),
+        bits(rewards),
+        as_array(None, n, wide) if values is None else bits(values),
         as_array(mask, n, torch.bool),
         as_array(dones, n, torch.bool),
-        as_array(cut if has_cut else None, n, rewards.dtype),
+        as_array(cut if has_cut else None, n, wide),
         init.numpy(),
-        gamma.expand(n).to(rewards.dtype).contiguous().numpy(),
+        gamma.expand(n).to(wide).contiguous().numpy(),
         gamma_lam.expand(n).to(torch.float64).contiguous().numpy(),
-        adv.numpy(),
-        ret.numpy(),
+        bits(adv),
+        bits(ret),
     )
     return adv, ret
 
@@ -61,7 +68,7 @@ def reinforce_returns_compiled(
 
     kl = kl.contiguous()
     n, t_len = kl.shape
-    ret = torch.empty_like(kl)
+    ret = output(kl)
     if n == 0 or t_len == 0:
         return ret
     run_rows(

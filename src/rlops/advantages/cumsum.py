@@ -90,7 +90,10 @@ def discounted_cumsum(
     dtype = compute_dtype(x.dtype)
     xt = x.movedim(dim, -1)
     lead = xt.shape[:-1]
-    x2 = xt.reshape(math.prod(lead), xt.shape[-1]).to(dtype)
+    x2 = xt.reshape(math.prod(lead), xt.shape[-1])
+    # the compiled kernels read and write bfloat16 as it is (computed in float32)
+    if not (method == "compiled" and x.dtype == torch.bfloat16 and cp_group is None):
+        x2 = x2.to(dtype)
     decay = _canonical_decay(discount, x, dim, dtype)
     if cp_group is not None:
         from rlops.advantages.context_parallel import Layout, cp_scan

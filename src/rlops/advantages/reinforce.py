@@ -69,7 +69,7 @@ def _two_step(method: str, c: Call) -> torch.Tensor:
         # the last action token of each row: T-1 - (first action index in the flipped row)
         last = (t_len - 1) - c.mask.flip(-1).to(torch.uint8).argmax(-1, keepdim=True)
         outcome = torch.where(c.mask.any(-1), c.outcome, 0.0).unsqueeze(-1)
-        token_rewards = token_rewards.scatter_add(1, last, outcome)
+        token_rewards.scatter_add_(1, last, outcome)  # a new tensor: written in place
     return discounted_returns(token_rewards, gamma=c.gamma, mask=c.mask, method=method)
 
 

@@ -49,6 +49,7 @@ __all__ = ["RETURNS", "GaeInputs", "context_parallel_row", "discounted_returns",
 
 
 def _reference(method: str, c: GaeInputs):
+    c = c.widened()
     return gae_reference(c.per_row(c.rewards.dtype))
 
 
@@ -61,10 +62,11 @@ def _triton(method: str, c: GaeInputs):
     from rlops.advantages.triton import gae_triton  # triton is imported on first use only
 
     # the discounts are rounded once to the kernels' carry dtype (float32, float64 for float64)
-    return gae_triton(c.per_row(torch.float64))
+    return gae_triton(c.widened().per_row(torch.float64))
 
 
 def _chunked(method: str, c: GaeInputs):
+    c = c.widened()
     r, v, mask, gamma = c.rewards, c.values, c.mask, c.cast(c.gamma)
     if v is None:
         x = returns_input(r, mask, c.dones, gamma, c.cut, c.end)
@@ -84,7 +86,7 @@ def _chunked(method: str, c: GaeInputs):
 def _context_parallel(method: str, c: GaeInputs):
     from rlops.advantages.context_parallel import Layout, bootstrap_fields, cp_gae, cp_scan
 
-    layout = Layout(c.cp_group, c.cp_layout)
+    layout, c = Layout(c.cp_group, c.cp_layout), c.widened()
     if c.values is None:
         gamma = c.cast(c.gamma)
         # the row's end value enters on the rank holding the row's last token
@@ -243,8 +245,11 @@ def gae(
                 "unpack them, or pass each row's λ as lam (a [B] tensor)"
             )
         adv_lam = _length_adaptive_lam(alpha, mask, rewards, cp_group, cp_layout)
+    # bfloat16 stays so until a row needs float32 (GaeInputs.widened): the compiled kernels read it
+    if not rewards.dtype == values.dtype == torch.bfloat16:
+        rewards, values = rewards.to(dtype), values.to(dtype)
     call = GaeInputs(
-        rewards.to(dtype), values.to(dtype), mask, ends, gamma_, gamma_ * adv_lam, cut, end,
+        rewards, values, mask, ends, gamma_, gamma_ * adv_lam, cut, end,
         chunk_size, cp_group, cp_layout,
     )  # fmt: skip
     floats = isinstance(ret_lam, float) and isinstance(adv_lam, float)
@@ -320,6 +325,6 @@ def discounted_returns(
     mask, dones = indicators(rewards.shape, rewards, mask, dones)
     dtype = compute_dtype(rewards.dtype)
     ends, cut, end = bootstrap_inputs(bootstrap, truncated, rewards, dones, dtype)
-    r = rewards.to(dtype)
+    r = rewards if rewards.dtype == torch.bfloat16 else rewards.to(dtype)  # as in gae
     call = GaeInputs(r, None, mask, ends, gamma_, gamma_, cut, end, chunk_size, cp_group, cp_layout)
     return RETURNS(method, call.case, call)[1].to(rewards.dtype)

@@ -2,9 +2,11 @@
 
 Each section is a list of :class:`Row`, measured side by side in one run:
 
-* ``advantages``: for each T, GAE (per-token loop, chunk loop, rlops chunked / auto, and the
-  memory floor: one add plus one copy over the bytes GAE must read and write) and REINFORCE++
-  returns (per-sample token loop, chunk loop, rlops), on ``[B, T]``.
+* ``advantages``: for each T, GAE (per-token loop, chunk loop, rlops chunked / auto) and
+  REINFORCE++ returns (per-sample token loop, chunk loop, rlops), on ``[B, T]``, each beside
+  the memory floor, the allocating one: what any function returning new tensors pays,
+  ``torch.add(r, v)`` and ``r.clone()`` (read two ``[B, T]`` inputs, write two new outputs),
+  timed once for both tables.
 * ``group``: GRPO and RLOO advantages at ``[group_batch, T_min]`` against the per-sample loop.
 * ``logprobs``: log-prob + entropy, forward and backward, time and peak extra memory, each in
   a fresh process (CPU) or with the CUDA allocator's peak: over logits, fused vs unfused
@@ -229,6 +231,8 @@ def bench_advantages(
                     unit_bytes=unit,
                 )
             )  # fmt: skip
+        floor = next(r for r in reversed(rows) if r.method == FLOOR)
+        rows.append(dataclasses.replace(floor, case="reinforce++ returns"))  # the same timing
         if progress is not None:
             progress()
     order = [

@@ -126,9 +126,12 @@ def scan_chunked(
 ) -> torch.Tensor:
     """Reverse scan of ``x`` ``[N, T]``; ``decay`` a float, ``[N, 1]`` or ``[N, T]``.
 
-    ``x`` is in the compute dtype (float32 or float64); the result has its dtype. Differentiable
-    with respect to ``x`` (and a per-token ``decay``).
+    ``x`` is in the compute dtype (float32 or float64; bfloat16, which the compiled kernels
+    read as it is, is scanned in float32); the result has its dtype. Differentiable with
+    respect to ``x`` (and a per-token ``decay``).
     """
+    if x.dtype == torch.bfloat16:
+        return scan_chunked(x.float(), decay, chunk_size).to(x.dtype)
     n, t_len = x.shape
     if n == 0 or t_len == 0:
         return x.clone()

@@ -1,21 +1,26 @@
 """Compiled single-pass CPU scan (numba, the ``fast`` extra), four rows at once with float64
 carries; large inputs split by rows over :mod:`rlops._threads` (:func:`run_rows`, shared with
-the estimators' kernels). numba and numpy are imported on first use only.
+the estimators' kernels). bfloat16 is read and written as it is (its bits, :func:`bits`) and
+computed in float32. numba and numpy are imported on first use only.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import sys
 
 import torch
 
 from rlops._threads import for_each
 from rlops.scan.decay import is_per_token
 
-__all__ = ["LANES", "as_array", "available", "run_rows", "scan_compiled"]
+__all__ = ["LANES", "as_array", "available", "bits", "output", "run_rows", "scan_compiled"]
 
 LANES = 4
 _MIN_ELEMENTS_PER_THREAD = 1 << 17
+_PAGE, _MADV_POPULATE_WRITE = 4096, 23
+_MIN_POPULATE = 1 << 20  # bytes: smaller blocks come from malloc's heap, mapped already
 
 
 @functools.cache
@@ -33,18 +38,60 @@ def available() -> bool:
 
 
 def run_rows(kernel, n_rows: int, n_elements: int, *args) -> None:
-    """Run ``kernel(*args, rows)`` over groups of 4 rows, on several threads when it pays.
-    A short last group repeats its last row (the same values are written twice)."""
-    groups = [tuple(min(r + k, n_rows - 1) for k in range(LANES)) for r in range(0, n_rows, LANES)]
-    threads = min(torch.get_num_threads(), n_elements // _MIN_ELEMENTS_PER_THREAD, len(groups))
-    per = -(-len(groups) // max(threads, 1))
-    parts = [groups[i : i + per] for i in range(0, len(groups), per)]
+    """Run ``kernel(*args, start, stop)`` on the groups of 4 rows ``start`` to ``stop`` (a
+    short last group repeats its last row: the same values are written twice): one call, or
+    one per thread when it pays, each on a contiguous range of groups."""
+    groups = -(-n_rows // LANES)
+    threads = max(1, min(torch.get_num_threads(), n_elements // _MIN_ELEMENTS_PER_THREAD, groups))
+    per = -(-groups // threads)
+    parts = [(g, min(g + per, groups)) for g in range(0, groups, per)]
 
     def work(part):
-        for rows in part:
-            kernel(*args, rows)
+        kernel(*args, *part)
 
     for_each(work, parts, torch.device("cpu"))
+
+
+def bits(t: torch.Tensor):
+    """A contiguous CPU tensor as the numpy array the kernels take: bfloat16 as its ``uint16``
+    bits (the kernels compute it in float32), any other dtype as it is."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.uint16).numpy()
+    return t.numpy()
+
+
+@functools.cache
+def _madvise():
+    """libc's ``madvise`` on Linux 5.14+ (``MADV_POPULATE_WRITE``), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    probe = torch.empty(2 * _PAGE, dtype=torch.uint8)  # a kernel without the advice: EINVAL
+    start = -(-probe.data_ptr() // _PAGE) * _PAGE
+    return madvise if madvise(start, _PAGE, _MADV_POPULATE_WRITE) == 0 else None
+
+
+def output(like: torch.Tensor) -> torch.Tensor:
+    """``torch.empty_like(like)`` (contiguous, CPU) with its whole pages mapped in now, by the
+    calling thread in one system call: a fresh large block is page-faulted in on first write,
+    one trap per 4 KiB page, and the workers of a split call would take those traps in parallel
+    (slower than one thread on some hosts, virtual machines above all). On memory already
+    mapped (a block malloc reuses) it costs a walk of the page table; without the advice (not
+    Linux, a kernel before 5.14) it does nothing."""
+    out = torch.empty_like(like, memory_format=torch.contiguous_format)
+    nbytes = out.numel() * out.element_size()
+    madvise = _madvise() if nbytes >= _MIN_POPULATE else None
+    if madvise is not None:
+        start = -(-out.data_ptr() // _PAGE) * _PAGE
+        end = (out.data_ptr() + nbytes) // _PAGE * _PAGE
+        if end > start:
+            madvise(start, end - start, _MADV_POPULATE_WRITE)  # a hint: failure changes nothing
+    return out
 
 
 def as_array(t: torch.Tensor | None, n: int, dtype: torch.dtype):
@@ -56,27 +103,29 @@ def as_array(t: torch.Tensor | None, n: int, dtype: torch.dtype):
 
 
 def scan_compiled(x: torch.Tensor, decay: float | torch.Tensor) -> torch.Tensor:
-    """Reverse scan of ``x`` ``[N, T]`` (float32/64, CPU); ``decay`` a float, [N, 1] or [N, T].
+    """Reverse scan of ``x`` ``[N, T]`` (float32/64, or bfloat16 computed in float32, CPU);
+    ``decay`` a float, [N, 1] or [N, T]. Returns ``y`` in ``x``'s dtype.
 
-    Per-row decays are passed in float64 (the carry's dtype), per-token decays in ``x``'s
-    dtype."""
+    Per-row decays are passed in float64 (the carry's dtype), per-token decays in the
+    arithmetic dtype (float32 for bfloat16)."""
     from rlops.scan import _numba_kernels as k
 
     x = x.contiguous()
     n, t_len = x.shape
-    y = torch.empty_like(x)
+    y = output(x)
     if n == 0 or t_len == 0:
         return y
     if is_per_token(decay, t_len):
-        a = decay.to(x.dtype).expand(n, t_len).contiguous()
-        run_rows(k.scan_tokens, n, x.numel(), x.numpy(), a.numpy(), y.numpy())
+        arith = torch.float32 if x.dtype == torch.bfloat16 else x.dtype
+        a = decay.to(arith).expand(n, t_len).contiguous()
+        run_rows(k.scan_tokens, n, x.numel(), bits(x), a.numpy(), bits(y))
     else:
         if isinstance(decay, torch.Tensor):
             w = decay.reshape(-1).expand(n)
         else:
             w = torch.full((n,), float(decay), dtype=torch.float64)
         wide = w.to(torch.float64).contiguous().numpy()
-        run_rows(k.scan_rows, n, x.numel(), x.numpy(), wide, y.numpy())
+        run_rows(k.scan_rows, n, x.numel(), bits(x), wide, bits(y))
         cut = w == 0  # a zero decay is an exact cut: y = x, whatever follows (even NaN)
         if bool(cut.any()):  # a host tensor: no device synchronisation
             y[cut] = x[cut]

@@ -1,0 +1,225 @@
+"""bfloat16 in the compiled CPU kernels: read and written as it is (its bits), computed in
+float32, so a bfloat16 call gives the float32 call's result rounded once, bit for bit, with no
+float32 copy of an input or an output.
+
+* The kernels' element helpers (``scan.exact_arith``): ``load`` is torch's bfloat16 to float32
+  on every one of the 65,536 bit patterns; ``store`` rounds float32 to bfloat16 as torch does
+  (to nearest even; NaN stays NaN) on random bit patterns, ties and subnormals.
+* ``discounted_cumsum``, ``discounted_returns`` and ``gae`` (masks, dones, bootstraps) in
+  bfloat16: the float32 compiled result rounded to bfloat16, at odd sizes, with NaN and inf.
+* The inputs reach the kernels in bfloat16; rows split over threads give the same bits; a
+  kernel that fails to compile falls back to the float32 chunked scan.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from tests.tolerances import needs_numba
+
+import rlops
+from rlops import _backends
+from rlops.advantages import compiled as fused
+from rlops.advantages.returns import RETURNS
+from rlops.scan import SCAN, Row
+from rlops.scan import compiled as scan_compiled
+
+pytestmark = needs_numba
+BF16 = torch.bfloat16
+SIZES = [(1, 1), (3, 127), (4, 128), (9, 129), (5, 1000)]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bits, NaN equal to any NaN (torch's own bfloat16 NaN differs by path)."""
+    return (
+        a.dtype == b.dtype
+        and torch.equal(a.isnan(), b.isnan())
+        and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+    )
+
+
+def _helpers():
+    import numba
+
+    from rlops.scan.exact_arith import load, store
+
+    @numba.njit
+    def widen(x, y):
+        for i in range(x.shape[0]):
+            y[i] = load(x, i)
+
+    @numba.njit
+    def narrow(x, y):
+        for i in range(x.shape[0]):
+            store(y, i, x[i])
+
+    return widen, narrow
+
+
+def test_load_is_torchs_bfloat16_to_float32_on_every_bit_pattern():
+    widen, _ = _helpers()
+    every = torch.arange(65536, dtype=torch.int32).to(torch.uint16).view(BF16)
+    got = torch.empty(65536, dtype=torch.float32)
+    widen(every.view(torch.uint16).numpy(), got.numpy())
+    assert torch.equal(got.view(torch.int32), every.float().view(torch.int32))  # NaNs too
+
+
+def test_store_rounds_float32_to_bfloat16_as_torch_does():
+    _, narrow = _helpers()
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31 - 1, (200_000,), generator=g, dtype=torch.int64)
+    high = torch.randint(0, 65536, (4096,), generator=g, dtype=torch.int64) << 16
+    ties = high | 0x8000  # halfway: to the even neighbour
+    x = torch.cat([bits, ties, high | 0x7FFF, high | 0x8001, torch.arange(70000)])
+    x = x.to(torch.int32).view(torch.float32)  # random patterns, subnormals, inf, NaN
+    x = torch.cat([x, torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 3.4e38, -3.4e38])])
+    got = torch.empty(x.shape, dtype=BF16)
+    narrow(x.numpy(), got.view(torch.uint16).numpy())
+    assert _same(got, x.to(BF16))
+
+
+@pytest.mark.parametrize(("b", "t"), SIZES)
+@pytest.mark.parametrize("decay", ["float", "row", "token", "zero row", "token cuts"])
+def test_discounted_cumsum_is_the_float32_kernel_rounded(b, t, decay):
+    g = torch.Generator().manual_seed(b * t)
+    x = torch.randn(b, t, generator=g).to(BF16)
+    a: float | torch.Tensor = 0.97
+    if decay == "row":
+        a = torch.rand(b, 1, generator=g)
+    elif decay == "zero row":
+        a = torch.rand(b, 1, generator=g)
+        a[0] = 0.0
+    elif decay.startswith("token"):
+        a = torch.rand(b, t, generator=g)
+        if decay == "token cuts":
+            a[a < 0.1] = 0.0
+            x[0, t // 2] = float("nan")  # cut off from what lies before a zero decay
+    got = rlops.discounted_cumsum(x, a, method="compiled")
+    want = rlops.discounted_cumsum(x.float(), a, method="compiled").to(BF16)
+    assert _same(got, want)
+
+
+def _inputs(b, t, seed):
+    g = torch.Generator().manual_seed(seed)
+    r, v = torch.randn(b, t, generator=g).to(BF16), torch.randn(b, t, generator=g).to(BF16)
+    mask = torch.rand(b, t, generator=g) < 0.8
+    dones = torch.rand(b, t, generator=g) < 0.02
+    truncated = dones & (torch.rand(b, t, generator=g) < 0.5)
+    boot = torch.randn(b, t, generator=g)
+    return r, v, mask, dones, truncated, boot
+
+
+@pytest.mark.parametrize(("b", "t"), SIZES)
+@pytest.mark.parametrize("kind", ["plain", "mask", "dones", "bootstrap", "truncated", "per row"])
+def test_gae_and_returns_are_the_float32_kernels_rounded(b, t, kind):
+    r, v, mask, dones, truncated, boot = _inputs(b, t, seed=b + t)
+    kw: dict = {}
+    gamma: float | torch.Tensor = 0.99
+    if kind == "mask":
+        kw = {"mask": mask}
+    elif kind == "dones":
+        kw = {"mask": mask, "dones": dones}
+    elif kind == "bootstrap":
+        kw = {"mask": mask, "bootstrap": boot[:, 0]}
+    elif kind == "truncated":
+        kw = {"mask": mask, "dones": dones, "bootstrap": boot, "truncated": truncated}
+    else:
+        gamma = torch.rand(b, dtype=torch.float64) * 0.5 + 0.5
+    adv, ret = rlops.gae(r, v, gamma=gamma, lam=0.95, method="compiled", **kw)
+    adv32, ret32 = rlops.gae(r.float(), v.float(), gamma=gamma, lam=0.95, method="compiled", **kw)
+    assert _same(adv, adv32.to(BF16)) and _same(ret, ret32.to(BF16))
+    got = rlops.discounted_returns(r, gamma=gamma, method="compiled", **kw)
+    want = rlops.discounted_returns(r.float(), gamma=gamma, method="compiled", **kw)
+    assert _same(got, want.to(BF16))
+
+
+def test_nan_and_inf_reach_what_they_reach():
+    r, v, mask, *_ = _inputs(4, 64, seed=7)
+    r[0, 10], v[1, 20], r[2, 30] = float("nan"), float("inf"), -float("inf")
+    r[3, 40] = float("nan")
+    mask[3, 40] = False  # a mask-0 token's reward is ignored, NaN or not
+    adv, ret = rlops.gae(r, v, gamma=1.0, lam=0.9, mask=mask, method="compiled")
+    adv32, ret32 = rlops.gae(r.float(), v.float(), gamma=1.0, lam=0.9, mask=mask)
+    assert _same(adv, adv32.to(BF16)) and _same(ret, ret32.to(BF16))
+    assert adv[0, :11][mask[0, :11]].isnan().all() and not adv[0, 11:].isnan().any()
+    assert not adv[3].isnan().any()
+
+
+def test_the_kernels_read_bfloat16_as_it_is(monkeypatch):
+    seen = []
+    real_gae, real_scan = fused.gae_compiled, scan_compiled.scan_compiled
+
+    def gae_spy(call):
+        seen.append(
+            ("gae", call.rewards.dtype, call.values.dtype if call.values is not None else None)
+        )
+        return real_gae(call)
+
+    def scan_spy(x, decay):
+        seen.append(("scan", x.dtype))
+        return real_scan(x, decay)
+
+    monkeypatch.setattr(fused, "gae_compiled", gae_spy)
+    monkeypatch.setattr(scan_compiled, "scan_compiled", scan_spy)
+    r, v, mask, *_ = _inputs(3, 50, seed=1)
+    adv, ret = rlops.gae(r, v, gamma=0.99, lam=0.95)
+    assert adv.dtype == ret.dtype == BF16
+    assert rlops.discounted_returns(r, gamma=0.99, mask=mask).dtype == BF16
+    assert rlops.discounted_cumsum(r, 0.9).dtype == BF16
+    assert seen == [("gae", BF16, BF16), ("gae", BF16, None), ("scan", BF16)]
+    seen.clear()  # a masked GAE goes through float32 (its bfloat16 kernel is slower), once
+    assert rlops.gae(r, v, gamma=0.99, lam=0.95, mask=mask)[0].dtype == BF16
+    assert seen == [("gae", BF16, BF16), ("gae", torch.float32, torch.float32)]
+    seen.clear()  # mixed dtypes are promoted first, as before
+    rlops.gae(r, v.float(), gamma=0.99, lam=0.95)
+    assert seen == [("gae", torch.float32, torch.float32)]
+
+
+@pytest.mark.parametrize("fn", ["gae", "cumsum"])
+def test_rows_split_over_threads_give_the_same_bits(fn):
+    r, v, mask, *_ = _inputs(9, 1 << 15, seed=3)  # 3 groups of rows, split over 2 threads
+
+    def run():
+        if fn == "gae":
+            return torch.cat(rlops.gae(r, v, gamma=0.99, lam=0.95, mask=mask, method="compiled"))
+        return rlops.discounted_cumsum(r, 0.97, method="compiled")
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one.view(torch.int16), two.view(torch.int16))
+
+
+@pytest.fixture
+def clean_failures(monkeypatch):
+    monkeypatch.setattr(_backends, "_failed", {})
+
+
+def test_a_kernel_that_fails_to_compile_falls_back_to_float32_chunked(clean_failures, monkeypatch):
+    from numba.core.errors import TypingError
+
+    def broken(method, *args):
+        raise TypingError("cannot compile here")
+
+    for table in (SCAN, RETURNS):
+        rows = [
+            Row(r.backends, broken) if r.backends[0].name == "compiled" else r for r in table.rows
+        ]
+        monkeypatch.setattr(table, "rows", rows)
+    r, v, mask, *_ = _inputs(3, 100, seed=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        adv, ret = rlops.gae(r, v, gamma=0.99, lam=0.95, mask=mask)
+        y = rlops.discounted_cumsum(r, 0.9, method="compiled")
+    adv32, ret32 = rlops.gae(
+        r.float(), v.float(), gamma=0.99, lam=0.95, mask=mask, method="chunked"
+    )
+    assert _same(adv, adv32.to(BF16)) and _same(ret, ret32.to(BF16))
+    assert _same(y, rlops.discounted_cumsum(r.float(), 0.9, method="chunked").to(BF16))

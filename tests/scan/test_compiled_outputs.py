@@ -1,0 +1,53 @@
+"""The compiled kernels' plumbing (``rlops.scan.compiled``): the outputs they write (mapped in
+by the calling thread, contiguous, whatever the input's layout) and the split of the groups of
+four rows over threads (every group once, in contiguous ranges, one call per thread)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import pytest
+import torch
+
+from rlops.scan import compiled
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (3, 7), (8, 1 << 16)])  # empty, small, 2 MiB
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_an_output_is_a_new_contiguous_tensor_like_the_input(shape, dtype):
+    like = torch.randn(shape[::-1]).to(dtype).t()  # not contiguous
+    out = compiled.output(like)
+    assert out.shape == like.shape and out.dtype == dtype and out.is_contiguous()
+    assert out.data_ptr() != like.data_ptr() or out.numel() == 0
+    out.fill_(1.0)  # every page writable
+    assert bool((out == 1).all())
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 9, 257])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_groups_are_split_in_contiguous_ranges_one_call_per_thread(rows, threads):
+    calls, lock = [], threading.Lock()
+
+    def kernel(tag, start, stop):
+        with lock:
+            calls.append((tag, start, stop))
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        compiled.run_rows(kernel, rows, rows << 18, "args")
+    finally:
+        torch.set_num_threads(before)
+    groups = -(-rows // compiled.LANES)
+    ranges = sorted((start, stop) for _, start, stop in calls)
+    assert all(tag == "args" for tag, _, _ in calls)
+    assert len(ranges) == min(threads, groups)
+    assert ranges[0][0] == 0 and ranges[-1][1] == groups
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))  # no gap, no overlap
+
+
+def test_a_small_call_stays_on_the_callers_thread():
+    seen = []
+    compiled.run_rows(lambda start, stop: seen.append(threading.current_thread()), 64, 64 * 100)
+    assert seen == [threading.current_thread()]
