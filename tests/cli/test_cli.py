@@ -40,6 +40,9 @@ def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
         ("output layer + log-prob + entropy", "rlops fused linear", True),
         ("top-p 0.9 output layer", "materialised + keep mask", False),
         ("top-p 0.9 output layer", "rlops fused linear top-p", True),
+        ("PPO loss phase from the output layer", "materialised + losses", False),
+        ("PPO loss phase from the output layer", "rlops fused linear + losses", False),
+        ("PPO loss phase from the output layer", "rlops linear_policy_loss", True),
     }
     agentic = {(r["case"], r["method"], r["ours"]) for r in rows if r["section"] == "agentic"}
     assert agentic == {

@@ -50,7 +50,12 @@ from rlops.measure.timing import (
     time_median,
     torch_threads,
 )
-from rlops.measure.workloads import setup_agentic, setup_linear, setup_logits
+from rlops.measure.workloads import (
+    setup_agentic,
+    setup_linear,
+    setup_logits,
+    setup_policy_step,
+)
 
 __all__ = [
     "BUDGET_S",
@@ -338,9 +343,12 @@ def bench_logprobs(
     * from ``[N, hidden]`` hidden states and a ``[vocab, hidden]`` output weight: the logits
       materialised then rlops fused vs rlops fused linear (no ``[N, vocab]`` logits);
     * the same with a top-p sampler's support replayed: materialised logits and a full
-      ``[N, vocab]`` keep mask (sort, cumsum, scatter) vs rlops fused linear with ``top_p``.
+      ``[N, vocab]`` keep mask (sort, cumsum, scatter) vs rlops fused linear with ``top_p``;
+    * a PPO step's loss phase (token-mean PPO + entropy bonus) from the hidden states: the
+      logits materialised, rlops fused linear then the losses, and ``linear_policy_loss`` (one
+      pass over the vocabulary, the gradients made in the forward).
 
-    ``progress()`` after each of the three cases.
+    ``progress()`` after each of the four cases.
     """
     device = torch.device(device)
     kw: dict[str, Any] = dict(device=device, repeats=repeats, counts=thread_counts(device, threads))
@@ -368,9 +376,17 @@ def bench_logprobs(
                     setup_linear, {**linear, "fused": True, "top_p": top_p},
                     {**tiny_linear, "fused": True, "top_p": top_p}),
             }),
+            ("PPO loss phase from the output layer", f"{n}x{vocab}, H={hidden}", {
+                f"materialised + {label}" if label == "losses" else label: (
+                    setup_policy_step, {**linear, "variant": variant},
+                    {**tiny_linear, "variant": variant})
+                for label, variant in (("losses", "materialised"),
+                                       ("rlops fused linear + losses", "fused"),
+                                       ("rlops linear_policy_loss", "one pass"))
+            }),
         ]  # fmt: skip
         for case, shape, variants in cases:
-            ours = list(variants)[1]
+            ours = list(variants)[-1]  # rlops' own: the last variant
             rows += _case_rows("logprobs", case, n, shape, variants, ours, **kw)
             if progress is not None:
                 progress()
