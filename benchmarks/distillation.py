@@ -89,5 +89,6 @@ def main() -> None:
     for name, (t, p) in got.items():
         print(f"{name:13} {t:7.3f} {t / t_mat:6.2f} | {p / mib:8.1f} {p / p_mat:6.2f}")
 
+
 if __name__ == "__main__":
     main()

@@ -81,6 +81,17 @@ def test_odd_sizes_and_many_chunks(n, kind, monkeypatch):
     _check(z, a, None, dict(kind=kind), f"{kind} full n={n}")
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("offset", [0.0, 150.0])
+def test_full_teacher_large_and_spread_logits(kind, offset):
+    """A full teacher's forward and reverse KL are sums split at the shard's own max, with the
+    log-normaliser added after: within the rule where logits are large (offset) and spread
+    (log-probs down to about −100) and the teacher is sharp."""
+    z = logits((40, 300), seed=5, scale=12.0) + offset
+    a, _ = teacher((40, 300), None, seed=6, scale=8.0)
+    _check(z, a, None, dict(kind=kind, temperature=0.9), f"{kind} offset={offset}")
+
+
 @pytest.mark.parametrize("beta", [0.0, 1.0, 0.5])
 def test_jsd_ends(beta):
     z = logits((9, 20))
@@ -180,13 +191,40 @@ def test_metrics():
     assert set(full) == {"student_mass", "teacher_mass"}
 
 
-def test_empty_rows():
-    z = torch.zeros(0, 11, requires_grad=True)
+@pytest.mark.parametrize(
+    ("v", "k"), [(1, 1), (15, 1), (16, 1), (17, 1), (129, 7), (1000, 7), (4099, 64), (20000, 16)]
+)
+@pytest.mark.parametrize("ties", [False, True])
+def test_student_top_values_are_topk(v, k, ties):
+    """The student's k largest logits, searched through block maxima, are ``topk``'s values
+    exactly (as a multiset): with ties, −inf, a row of −inf and columns left over."""
+    x = logits((6, v), seed=v)
+    if ties:
+        x = x.round()
+    x[0, ::3] = -torch.inf
+    x[1] = -torch.inf
+    got = _engine.top_values(x, k).sort(1, descending=True).values
+    assert torch.equal(got, x.topk(k, 1).values)
+
+
+def test_overlap_with_ties_on_a_wide_vocabulary():
+    """``overlap_count`` from its definition (teacher ids whose logit is at least the student's
+    k-th largest: ties count) where the top-k search goes through block maxima."""
+    z = logits((3, 50, 700)).round()
+    a, ids = teacher((3, 50, 700), 9)
+    _, m = distillation_loss(z, a, ids)
+    theta = z.topk(9, -1).values[..., -1:]
+    assert torch.equal(m["overlap_count"], (z.gather(-1, ids) >= theta).sum(-1))
+
+
+@pytest.mark.parametrize("v", [11, 1000])  # 1000: the top-k search through block maxima
+def test_empty_rows(v):
+    z = torch.zeros(0, v, requires_grad=True)
     loss, _m = distillation_loss(
         z, torch.zeros(0, 3), torch.zeros(0, 3, dtype=torch.int64), tail=True
     )
     loss.sum().backward()
-    assert loss.shape == (0,) and z.grad.shape == (0, 11)
+    assert loss.shape == (0,) and z.grad.shape == (0, v)
 
 
 def test_teacher_is_a_constant():

@@ -2,8 +2,9 @@
 contiguous slice of the logits' columns (or of the output layer's rows); its loss and metrics
 must equal the single-process result, its gradient shard the slice of the full gradient, and
 (for the fused output layer) the ranks' partial hidden gradients must sum to the full one.
-A top-k teacher costs the forward one checked exchange (the shard sizes) and one gather of the
-statistics, a full teacher one more (the rows' sums); the backward none."""
+A top-k teacher, or a full one with forward or reverse KL without the clamp, costs the forward
+one checked exchange (the shard sizes) and one gather of the statistics; a full teacher with the
+JSD or the clamp one more (the rows' sums); the backward none."""
 
 from __future__ import annotations
 
@@ -43,8 +44,30 @@ CASES = {
     ),
     "float32 reverse tail": (torch.float32, 7, dict(kind="reverse_kl", tail=True), False, False),
     "linear tail unequal": (torch.float64, 6, dict(tail=True, kind="jsd"), True, True),
+    "full forward clamp unequal": (
+        torch.float64,
+        None,
+        dict(log_prob_min_clamp=-5.0),
+        True,
+        False,
+    ),
+    "float32 full reverse unequal": (
+        torch.float32,
+        None,
+        dict(kind="reverse_kl", temperature=0.7),
+        True,
+        False,
+    ),
     "linear full": (torch.float64, None, dict(kind="reverse_kl"), False, True),
 }
+
+
+def _gathers(name):
+    """The forward's gathers: two for a full teacher whose divergence needs the whole
+    log-normaliser first (the JSD, the clamp), one otherwise."""
+    _, k, kw, _, _ = CASES[name]
+    two = k is None and (kw.get("kind") == "jsd" or kw.get("log_prob_min_clamp") is not None)
+    return 2 if two else 1
 
 
 def _sizes(world, unequal):
@@ -95,9 +118,9 @@ def _work(rank, world):
         start = sum(sizes[:rank])
         out[name] = _run(name, slice(start, start + sizes[rank]), dist.group.WORLD)
     os.environ["RLOPS_TP_CHECK"] = "0"  # equal shards, no exchange: one gather
-    out["unchecked"] = _run(
-        "forward tail clamp", slice(rank * V // world, (rank + 1) * V // world), dist.group.WORLD
-    )
+    equal = slice(rank * V // world, (rank + 1) * V // world)
+    out["unchecked"] = _run("forward tail clamp", equal, dist.group.WORLD)
+    out["unchecked full"] = _run("full forward", equal, dist.group.WORLD)
     del os.environ["RLOPS_TP_CHECK"]
     try:  # rank 0 asks for another kind: every rank raises the same ValueError
         _run(
@@ -144,18 +167,21 @@ def test_matches_single_process(results, name):
             torch.testing.assert_close(g_r[2], grads[2][cols], rtol=1e-5, atol=1e-6)
         else:
             torch.testing.assert_close(g_r[0], grads[0][:, cols], rtol=1e-5, atol=1e-6)
-        assert fwd == (2 if CASES[name][1] is not None else 3), fwd
+        assert fwd == 1 + _gathers(name), fwd  # the checked exchange and the gathers
         assert bwd == 0
     if linear:  # partial hidden gradients: their sum is the whole one
         torch.testing.assert_close(hidden_sum, grads[0], rtol=1e-5, atol=1e-6)
 
 
-def test_unchecked_is_one_gather(results):
+@pytest.mark.parametrize(("key", "name"), [("unchecked", "forward tail clamp"),
+                                         ("unchecked full", "full forward")])  # fmt: skip
+def test_unchecked_is_one_gather(results, key, name):
     _world, ranks = results
-    loss = _run("forward tail clamp")[0]
+    loss, metrics = _run(name)[:2]
     for res in ranks:
-        torch.testing.assert_close(res["unchecked"][0], loss)
-        assert res["unchecked"][3] == 1
+        torch.testing.assert_close(res[key][0], loss)
+        torch.testing.assert_close(res[key][1]["teacher_mass"], metrics["teacher_mass"])
+        assert res[key][3] == 1 and res[key][4] == 0
 
 
 def test_mismatched_calls_raise_on_every_rank(results):

@@ -38,8 +38,8 @@ class _Matmul(_engine.Producer):
         if gh is not None:
             gh[i:j] = dz.to(self.w.dtype) @ self.w
         hc = self.h[i:j].to(self.dtype)
-        if gw is not None:
-            gw.addmm_(dz.T, hc)
+        if gw is not None:  # ``weightᵀ``'s gradient: the faster layout for the BLAS
+            gw.addmm_(hc.T, dz)
         if gb is not None:
             gb += dz.sum(0)
 
@@ -62,12 +62,12 @@ class _LinearDistill(torch.autograd.Function):
         dt = a.dtype
         prod.grads = [
             torch.empty_like(h) if need[0] else None,
-            w.new_zeros(w.shape, dtype=dt) if need[1] else None,
+            w.new_zeros(w.shape[::-1], dtype=dt) if need[1] else None,
             w.new_zeros(w.shape[:1], dtype=dt) if b is not None and need[2] else None,
         ]
         run_backward(prod, a, ids, tuple(saved), gloss.to(dt), ctx.spec)
         gh, gw, gb = prod.grads
-        gw = None if gw is None else gw.to(w.dtype)
+        gw = None if gw is None else gw.T.to(w.dtype).contiguous()
         gb = None if gb is None else gb.to(b.dtype)
         return gh, gw, gb, None, None, None
 

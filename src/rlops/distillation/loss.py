@@ -105,8 +105,9 @@ def distillation_loss(
     ``log_prob_min_clamp`` clamps both top-k log-probs from below (verl's ``clamp_min``: no
     gradient below it); the tail and the masses use the unclamped values. Rows are processed
     in chunks (never a second ``[N, V]``); over ``group`` the logits are vocabulary shards
-    (contiguous, as :func:`rlops.logprobs_and_entropy` takes them) and a top-k teacher costs
-    one gather in the forward and none in the backward (a full teacher: two).
+    (contiguous, as :func:`rlops.logprobs_and_entropy` takes them) and the forward costs one
+    gather (a full teacher with ``jsd`` or the clamp: two, the log-normaliser first), the
+    backward none.
 
     Args:
         logits: ``[..., V_local]`` the student's logits (``[N, V]`` or ``[B, T, V]``), float.
