@@ -20,47 +20,12 @@ adds over its inputs. Ratios are against ``materialised``, from this run.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 
-import torch
-
-import rlops
 from rlops.measure.options import positive_int
 from rlops.measure.timing import variants_in_fresh_processes
+from rlops.measure.workloads import DISTILLATION_STEPS, setup_distillation
 
-VARIANTS = ("materialised", "logits op", "linear op")
-
-
-def setup(n: int, v: int, h: int, k: int, variant: str, tail: bool = False) -> Callable[[], None]:
-    """The loss step of ``variant`` on fresh leaves (the gradients dropped after each call)."""
-    gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(n, h, generator=gen).requires_grad_()
-    weight = (torch.randn(v, h, generator=gen) * (4 / h**0.5)).requires_grad_()
-    a, ids = torch.empty(n, k), torch.empty(n, k, dtype=torch.int64)
-    for r in range(0, n, 256):  # the teacher's top-k, never a [N, V] before the measurement
-        top = torch.log_softmax(torch.randn(min(256, n - r), v, generator=gen) * 3, -1).topk(k, -1)
-        a[r : r + 256], ids[r : r + 256] = top.values, top.indices
-
-    def materialised() -> torch.Tensor:
-        logp = torch.log_softmax(hidden @ weight.T, -1)
-        s = logp.gather(-1, ids)
-        loss = (a.exp() * (a - s)).sum(-1)
-        if tail:
-            pt, ps = 1 - a.exp().sum(-1), 1 - s.exp().sum(-1)
-            loss = loss + pt * (pt.log() - ps.log())
-        return loss
-
-    def step() -> None:
-        if variant == "materialised":
-            loss = materialised()
-        elif variant == "logits op":
-            loss = rlops.distillation_loss(hidden @ weight.T, a, ids, tail=tail)[0]
-        else:
-            loss = rlops.linear_distillation_loss(hidden, weight, a, ids, tail=tail)[0]
-        loss.mean().backward()
-        hidden.grad = weight.grad = None
-
-    return step
+VARIANTS = DISTILLATION_STEPS
 
 
 def main() -> None:
@@ -76,7 +41,7 @@ def main() -> None:
     shape = {"n": args.n, "v": args.v, "h": args.hidden, "k": args.k, "tail": args.tail}
     tiny = {"n": 64, "v": 256, "h": 32, "k": min(args.k, 16), "tail": args.tail}
     got = variants_in_fresh_processes(
-        setup, VARIANTS, shape, tiny, threads=args.threads, repeats=args.repeats
+        setup_distillation, VARIANTS, shape, tiny, threads=args.threads, repeats=args.repeats
     )
     mib = 1 << 20
     print(f"N x V x H = {args.n} x {args.v} x {args.hidden}, k = {args.k}, float32, "

@@ -43,6 +43,9 @@ def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
         ("PPO loss phase from the output layer", "materialised + losses", False),
         ("PPO loss phase from the output layer", "rlops fused linear + losses", False),
         ("PPO loss phase from the output layer", "rlops linear_policy_loss", True),
+        ("top-k distillation from the output layer", "materialised (log_softmax, gather)", False),
+        ("top-k distillation from the output layer", "logits + rlops distillation_loss", False),
+        ("top-k distillation from the output layer", "rlops linear_distillation_loss", True),
     }
     agentic = {(r["case"], r["method"], r["ours"]) for r in rows if r["section"] == "agentic"}
     assert agentic == {

@@ -155,6 +155,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, float]]:
             steps.append((f"logprobs N={n}: output layer", 6 + linear))
             steps.append((f"logprobs N={n}: top-p output layer", 6 + linear + 2e-7 * elements))
             steps.append((f"logprobs N={n}: PPO loss phase", 6 + 1.5 * linear))
+            steps.append((f"logprobs N={n}: distillation", 6 + 1.5 * linear))
     if "agentic" in args.sections:
         for n in args.logprob_tokens:
             linear = 4e-10 * n * args.vocab * args.hidden * runs

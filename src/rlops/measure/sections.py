@@ -52,6 +52,7 @@ from rlops.measure.timing import (
 )
 from rlops.measure.workloads import (
     setup_agentic,
+    setup_distillation,
     setup_linear,
     setup_logits,
     setup_policy_step,
@@ -346,15 +347,18 @@ def bench_logprobs(
       ``[N, vocab]`` keep mask (sort, cumsum, scatter) vs rlops fused linear with ``top_p``;
     * a PPO step's loss phase (token-mean PPO + entropy bonus) from the hidden states: the
       logits materialised, rlops fused linear then the losses, and ``linear_policy_loss`` (one
-      pass over the vocabulary, the gradients made in the forward).
+      pass over the vocabulary, the gradients made in the forward);
+    * top-k (k = 64) forward-KL distillation from the output layer: verl's default path (the
+      logits, ``log_softmax``, gather), the logits then ``distillation_loss``, and
+      ``linear_distillation_loss`` (no ``[N, vocab]`` logits).
 
-    ``progress()`` after each of the four cases.
+    ``progress()`` after each of the five cases.
     """
     device = torch.device(device)
     kw: dict[str, Any] = dict(device=device, repeats=repeats, counts=thread_counts(device, threads))
     rows = []
     for n in token_counts:
-        logits, tiny = {"t": n, "v": vocab}, {"t": 8, "v": 64}
+        logits, tiny, k = {"t": n, "v": vocab}, {"t": 8, "v": 64}, min(64, vocab)
         linear, tiny_linear = {"n": n, "v": vocab, "h": hidden}, {"n": 8, "v": 64, "h": 8}
         cases: list[tuple[str, str, dict[str, Setup]]] = [
             ("log-prob + entropy", f"{n}x{vocab}", {
@@ -383,6 +387,13 @@ def bench_logprobs(
                 for label, variant in (("losses", "materialised"),
                                        ("rlops fused linear + losses", "fused"),
                                        ("rlops linear_policy_loss", "one pass"))
+            }),
+            ("top-k distillation from the output layer", f"{n}x{vocab}, H={hidden}, k={k}", {
+                label: (setup_distillation, {**linear, "k": k, "variant": variant},
+                        {**tiny_linear, "k": min(k, 8), "variant": variant})
+                for label, variant in (("materialised (log_softmax, gather)", "materialised"),
+                                       ("logits + rlops distillation_loss", "logits op"),
+                                       ("rlops linear_distillation_loss", "linear op"))
             }),
         ]  # fmt: skip
         for case, shape, variants in cases:

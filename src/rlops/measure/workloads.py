@@ -13,7 +13,9 @@ from collections.abc import Callable
 import torch
 
 from rlops import (
+    distillation_loss,
     entropy_loss,
+    linear_distillation_loss,
     linear_logprobs_and_entropy,
     linear_policy_loss,
     logprobs_and_entropy,
@@ -22,9 +24,11 @@ from rlops import (
 from rlops.measure.baselines import logprobs_entropy_unfused
 
 __all__ = [
+    "DISTILLATION_STEPS",
     "DTYPES",
     "POLICY_STEPS",
     "setup_agentic",
+    "setup_distillation",
     "setup_linear",
     "setup_logits",
     "setup_policy_step",
@@ -204,6 +208,49 @@ def setup_policy_step(
         else:
             loss = linear_policy_loss(hidden, weight, target, old, adv, mask, entropy_coef=0.01)[0]
         loss.backward()
+        hidden.grad = weight.grad = None
+
+    return step
+
+
+#: The variants of :func:`setup_distillation`.
+DISTILLATION_STEPS = ("materialised", "logits op", "linear op")
+
+
+def setup_distillation(
+    n: int, v: int, h: int, k: int, variant: str, *, tail: bool = False, device: str = "cpu"
+) -> Callable[[], None]:
+    """Top-k forward-KL distillation from hidden states ``[n, h]`` and an output weight
+    ``[v, h]`` (float32), forward + backward of the token mean. ``variant``
+    (:data:`DISTILLATION_STEPS`): ``"materialised"`` (``h @ W.T``, ``log_softmax``, gather,
+    the divergence: verl's default path), ``"logits op"`` (``h @ W.T``, then
+    ``distillation_loss``) or ``"linear op"`` (``linear_distillation_loss``: no ``[n, v]``)."""
+    gen = torch.Generator().manual_seed(0)
+    hidden = _randn(n, h, gen=gen, dtype=torch.float32).to(device).requires_grad_()
+    weight = _randn(v, h, gen=gen, dtype=torch.float32, scale=4 * h**-0.5)
+    weight = weight.to(device).requires_grad_()
+    a, ids = torch.empty(n, k), torch.empty(n, k, dtype=torch.int64)
+    for r in range(0, n, 256):  # the teacher's top-k, never a [n, v] before the measurement
+        top = torch.log_softmax(torch.randn(min(256, n - r), v, generator=gen) * 3, -1).topk(k, -1)
+        a[r : r + 256], ids[r : r + 256] = top.values, top.indices
+    a, ids = a.to(device), ids.to(device)
+
+    def materialised() -> torch.Tensor:
+        s = torch.log_softmax(hidden @ weight.T, -1).gather(-1, ids)
+        loss = (a.exp() * (a - s)).sum(-1)
+        if tail:
+            pt, ps = 1 - a.exp().sum(-1), 1 - s.exp().sum(-1)
+            loss = loss + pt * (pt.log() - ps.log())
+        return loss
+
+    def step() -> None:
+        if variant == "materialised":
+            loss = materialised()
+        elif variant == "logits op":
+            loss = distillation_loss(hidden @ weight.T, a, ids, tail=tail)[0]
+        else:
+            loss = linear_distillation_loss(hidden, weight, a, ids, tail=tail)[0]
+        loss.mean().backward()
         hidden.grad = weight.grad = None
 
     return step
