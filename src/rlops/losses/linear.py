@@ -208,7 +208,8 @@ def _weights(keep: torch.Tensor, agg: str, options: Mapping[str, Any]) -> torch.
     """``w = ∂ aggregate_loss(ℓ) / ∂ℓ`` ``[B, T]``: the aggregation is linear in ``ℓ``, so its
     weights come from one call on zeros (the normalisers from the mask and ``options``)."""
     with torch.enable_grad():
-        x = torch.zeros(keep.shape, dtype=torch.float64, device=keep.device, requires_grad=True)
+        dtype = torch.float32 if keep.device.type == "mps" else torch.float64  # MPS: no float64
+        x = torch.zeros(keep.shape, dtype=dtype, device=keep.device, requires_grad=True)
         (w,) = torch.autograd.grad(aggregate_loss(x, keep, agg, **options), x)
     return w
 
