@@ -9,7 +9,15 @@ from typing import Any
 import torch
 from typing_extensions import Unpack  # torch's own dependency (typing.Unpack: 3.11+)
 
-from rlops._checks import as_bool_mask, check_2d, check_choice, check_same_shape
+from rlops._checks import (
+    as_bool_mask,
+    as_real,
+    check_2d,
+    check_bool,
+    check_choice,
+    check_same_shape,
+    is_finite,
+)
 from rlops.distributed.rows import Rows
 from rlops.logprobs.linear import linear_logprobs_and_entropy, linear_logprobs_one_pass
 from rlops.losses._checks import check_options
@@ -102,6 +110,11 @@ def linear_policy_loss(
     check_choice("kind", kind, POLICY_KINDS)
     if agg is None:
         raise ValueError("agg=None is not a loss: linear_policy_loss needs an aggregation mode")
+    coef_read = not isinstance(entropy_coef, torch.Tensor)  # a device tensor is not read
+    if coef_read and not is_finite(as_real("entropy_coef", entropy_coef)):
+        raise ValueError(f"entropy_coef must be a finite number, got {entropy_coef}")
+    if one_pass is not None:
+        check_bool("one_pass", one_pass)
     local = kind in ONE_PASS_KINDS and options.get("level", "token") == "token"
     if one_pass and not local:
         raise ValueError(
