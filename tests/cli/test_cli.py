@@ -62,7 +62,11 @@ def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
         times = [r["times"][str(n)] for n in counts]
         assert r["seconds"] == min(times) and r["times"][str(r["threads"])] == r["seconds"]
     assert isinstance(data["warnings"], list)
-    assert all(r["peak_bytes"] > 0 for r in rows if r["section"] == "logprobs")
+    # the fused distillation op's chunks fit in freed heap at the quick size: measured, maybe 0
+    lean = ("top-k distillation from the output layer", "rlops linear_distillation_loss")
+    logprob_rows = [r for r in rows if r["section"] == "logprobs"]
+    assert all(r["peak_bytes"] is not None and r["peak_bytes"] >= 0 for r in logprob_rows)
+    assert all(r["peak_bytes"] > 0 for r in logprob_rows if (r["case"], r["method"]) != lean)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     out = capsys.readouterr().out
     assert "Verdict:" in out and "gae [2x2048]: per-token loop" in out
