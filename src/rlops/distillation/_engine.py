@@ -82,6 +82,36 @@ def _local_ids(ids: torch.Tensor, spec: Spec, v_local: int) -> tuple[torch.Tenso
     return local.clamp(0, max(v_local - 1, 0)), inside
 
 
+def _width(v: int) -> int:
+    """Columns per block of the element-wise loops: at most 64 blocks of whole 64-column steps,
+    at least 512 columns, from the shard's width alone; a block of a chunk stays in L2."""
+    return max(512, -(-v // 4096) * 64)
+
+
+def _exp_sum(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``Σ_j e^{x_j − m}`` ``[C]`` of ``x [C, V]`` (overwritten with ``e^{x − m}``), block by
+    block of columns: each block read once, while in cache."""
+    total = x.new_zeros(x.shape[0])
+    width = _width(x.shape[1])
+    for v0 in range(0, x.shape[1], width):
+        total += x[:, v0 : v0 + width].sub_(m).exp_().sum(1)
+    return total
+
+
+def _shifted_exp(
+    x: torch.Tensor, shifts: tuple[torch.Tensor, ...], c: torch.Tensor
+) -> torch.Tensor:
+    """``x ← e^{x − s₁ − s₂ …}·c`` in place (``sᵢ``, ``c`` ``[C, 1]``; the shifts subtracted one
+    after the other), block by block of columns (each block in cache for all of it)."""
+    width = _width(x.shape[1])
+    for v0 in range(0, x.shape[1], width):
+        xb = x[:, v0 : v0 + width]
+        for t in shifts:
+            xb.sub_(t)
+        xb.exp_().mul_(c)
+    return x
+
+
 def top_values(x: torch.Tensor, kk: int) -> torch.Tensor:
     """The ``kk`` largest values of each row of ``x [C, V]`` (a multiset, unsorted), exactly:
     :func:`_top`'s values."""
@@ -129,12 +159,12 @@ def topk_forward(
         stats[i:j, 3 + k : 3 + k + kk] = top
         stats[i:j, 3 + k + kk :] = -torch.inf
         m = top.amax(1, keepdim=True)  # the row's max is among its top-k
-        e = x.sub_(m).exp_()
         stats[i:j, 0] = m[:, 0]
-        stats[i:j, 1] = e.sum(1)
-        if tail:  # the tail's own sum, never ``1 − Σ_K``: e − e is exactly 0
-            e.scatter_add_(1, col, torch.where(inside, -e.gather(1, col), 0.0))
-            stats[i:j, 2] = e.sum(1)
+        if tail:  # the tail's own sum, never ``1 − Σ_K``: K's logits made -inf, their e^x 0
+            x.scatter_add_(1, col, x.new_zeros(col.shape).masked_fill_(inside, -torch.inf))
+        rest = _exp_sum(x, m)
+        stats[i:j, 2] = rest
+        stats[i:j, 1] = rest + torch.where(inside, (xk - m).exp(), 0.0).sum(1) if tail else rest
     rows = _gathered(stats, spec, "top-k")
     m_max = rows[:, :, 0].amax(0)
     w = (rows[:, :, 0] - m_max).exp()
@@ -176,17 +206,19 @@ def topk_backward(
     tail = g.shape[1] > k
     scale = -total * (-log_s).exp()[:, None]
     for i, j in spec.chunks(prod):
-        x = _scaled(prod.logits(i, j), spec).sub_(m_max[i:j, None])
+        x = _scaled(prod.logits(i, j), spec)
         col, inside = _local_ids(ids[i:j], spec, v)
+        m = m_max[i:j, None]
         if not tail:  # −p·Σg = e^{x − m}·(−Σg/S)
-            dz = x.exp_().mul_(scale[i:j])
+            dz = _shifted_exp(x, (m,), scale[i:j])
             dz.scatter_add_(1, col, torch.where(inside, gs[i:j, :k], 0.0))
         elif spec.world == 1:  # off K: p·(g_tail/P_tail − Σg) = e^{x − log T}·(g_tail − Σg·P_tail)
-            p_k = (x.gather(1, col) - log_s[i:j, None]).exp()
+            p_k = ((x.gather(1, col) - m) - log_s[i:j, None]).exp()
             c = gs[i:j, k:] - total[i:j] * (log_tail[i:j] - log_s[i:j]).exp()[:, None]
-            dz = x.sub_(log_tail[i:j, None]).exp_().mul_(c)
+            dz = _shifted_exp(x, (m, log_tail[i:j, None]), c)
             dz.scatter_(1, col, gs[i:j, :k] - p_k * total[i:j])  # K: written, never cancelled
         else:  # ids of other shards: e^{x − log T} zeroed on K exactly (x − inf)
+            x.sub_(m)
             wt = x - log_tail[i:j, None]
             wt.scatter_add_(1, col, x.new_zeros(col.shape).masked_fill_(inside, -torch.inf))
             dz = wt.exp_().mul_(gs[i:j, k:])

@@ -20,7 +20,9 @@ _OP = "linear_distillation_loss"
 
 
 class _Matmul(_engine.Producer):
-    """Rows of ``hidden @ weightᵀ (+ bias)`` in the compute dtype; gradients accumulated."""
+    """Rows of ``hidden @ weightᵀ (+ bias)`` in the compute dtype; gradients accumulated. The
+    loops are done with a chunk before they ask for the next: every chunk's logits are made in
+    the same buffers (no fresh pages to fault in per chunk)."""
 
     def __init__(
         self, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, dtype: torch.dtype
@@ -28,14 +30,29 @@ class _Matmul(_engine.Producer):
         self.h, self.w, self.b, self.dtype = h, w, b, dtype
         self.rows, self.v_local = h.shape[0], w.shape[0]
         self.grads: list[torch.Tensor | None] = [None, None, None]
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def _buffer(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self.buffers.get(dtype)
+        if buf is None or buf.shape[0] < rows:
+            buf = self.h.new_empty((rows, self.v_local), dtype=dtype)
+            self.buffers[dtype] = buf
+        return buf[:rows]
 
     def logits(self, i: int, j: int) -> torch.Tensor:
-        z = (self.h[i:j] @ self.w.T).to(self.dtype)
+        h = self.h[i:j]
+        if torch.compiler.is_compiling():
+            z = (h @ self.w.T).to(self.dtype)
+        else:
+            z = torch.mm(h, self.w.T, out=self._buffer(h.shape[0], h.dtype))
+            z = z if z.dtype == self.dtype else self._buffer(h.shape[0], self.dtype).copy_(z)
         return z if self.b is None else z.add_(self.b)
 
     def add_grad(self, i: int, j: int, dz: torch.Tensor) -> None:
         gh, gw, gb = self.grads
-        if gh is not None:
+        if gh is not None and dz.dtype == self.w.dtype and not torch.compiler.is_compiling():
+            torch.mm(dz, self.w, out=gh[i:j])
+        elif gh is not None:
             gh[i:j] = dz.to(self.w.dtype) @ self.w
         hc = self.h[i:j].to(self.dtype)
         if gw is not None:  # ``weightᵀ``'s gradient: the faster layout for the BLAS

@@ -220,23 +220,36 @@ def grad_chunk(
     return grad
 
 
+def _plain_width(v: int) -> int:
+    """Columns per block of :func:`plain_chunk` and :func:`plain_grad`: at most 64 blocks of
+    whole 64-column steps, at least 512 columns, from the shard's width alone (a row's sums do
+    not depend on how many rows share its chunk). A block of a default chunk stays in L2."""
+    return max(512, -(-v // 4096) * 64)
+
+
 def plain_chunk(
     z: torch.Tensor, idx: torch.Tensor, in_range: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
     """One process, every logit kept: ``(log p_y [C], H [C], state)`` of the scaled chunk ``z``
-    ``[C, V]`` (overwritten), ``state`` what :func:`plain_grad` needs (``z − m``,
-    ``e = exp(z − m)``, ``log S`` and ``H``): the statistics and the gradient of a one-pass
-    step share one ``exp`` and two chunk buffers."""
+    ``[C, V]`` (overwritten with ``d = z − m``), ``state`` what :func:`plain_grad` needs
+    (``d``, ``s = Σ e^d``, ``log s`` and ``H = log s − Σ e^d·d / s``). After the row max, each
+    block of columns is read once while in cache: ``d``, ``e^d`` (a block's temporary) and both
+    sums."""
     zy = z.gather(1, idx)
     m = z.amax(dim=-1, keepdim=True)
     m = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # an all -inf row: s = 0
-    d = z.sub_(m).clamp_(min=_FLOOR)
-    e = d.exp()
-    s = e.sum(dim=-1, keepdim=True)
+    s = z.new_zeros((z.shape[0], 1))
+    ed = z.new_zeros((z.shape[0], 1))
+    width = _plain_width(z.shape[1])
+    for v0 in range(0, z.shape[1], width):
+        d_b = z[:, v0 : v0 + width].sub_(m).clamp_(min=_FLOOR)
+        e_b = d_b.exp()
+        s += e_b.sum(dim=-1, keepdim=True)
+        ed += torch.linalg.vecdot(e_b, d_b).unsqueeze(1)
     log_s = s.log()
-    h = log_s - torch.linalg.vecdot(e, d).unsqueeze(1) / s
+    h = log_s - ed / s
     logp = torch.where(in_range, (zy - m) - log_s, torch.zeros_like(zy))
-    return logp[:, 0], h[:, 0], (d, e, s, log_s, h)
+    return logp[:, 0], h[:, 0], (z, s, log_s, h)
 
 
 def plain_grad(
@@ -244,19 +257,29 @@ def plain_grad(
     idx: torch.Tensor,
     in_range: torch.Tensor,
     g_logp: torch.Tensor,
-    g_ent: torch.Tensor,
+    g_ent: torch.Tensor | None,
     inv_tau: float | torch.Tensor,
 ) -> torch.Tensor:
     """The gradient w.r.t. the unscaled logits of :func:`plain_chunk`'s chunk from the upstream
-    ``g_logp``, ``g_ent`` ``[C, 1]``: ``(p·(a·log p + b) + g·1_y)/τ`` with ``a = −g_H``,
-    ``b = a·H − g``, in the state's buffers."""
-    d, e, s, log_s, h = state
-    p = e.div_(s)
-    a = g_ent * (-inv_tau)
-    b = a * h - g_logp * inv_tau
-    grad = torch.addcmul(b, d.sub_(log_s), a, out=d).mul_(p)
+    ``g_logp``, ``g_ent`` ``[C, 1]`` (None: 0): ``(p·(a·log p + b) + g·1_y)/τ`` with
+    ``a = −g_H``, ``b = a·H − g``, written ``e^d·(a/s · d + (b − a·log s)/s)`` by blocks of
+    columns (``e^d`` made again: cheaper than keeping it), in ``d`` (``e^d·b/s`` without an
+    entropy gradient)."""
+    d, s, log_s, h = state
+    b = -g_logp * inv_tau
+    a = None if g_ent is None else g_ent * (-inv_tau)
+    b_s = b / s if a is None else (b + a * h - a * log_s) / s
+    a_s = None if a is None else a / s
+    width = _plain_width(d.shape[1])
+    for v0 in range(0, d.shape[1], width):
+        d_b = d[:, v0 : v0 + width]
+        if a_s is None:
+            d_b.exp_().mul_(b_s)
+        else:
+            e_b = d_b.exp()
+            d_b.mul_(a_s).add_(b_s).mul_(e_b)
     onehot = torch.where(in_range, g_logp * inv_tau, torch.zeros_like(g_logp))
-    return grad.scatter_add_(1, idx, onehot)
+    return d.scatter_add_(1, idx, onehot)
 
 
 def _kept_probs(

@@ -57,17 +57,23 @@ def _linear(
     return z if bias is None else z.add_(bias)
 
 
-def _wide_matmul(h: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _wide_matmul(
+    h: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``h @ weightᵀ`` ``[C, V]`` in ``dtype`` from narrower operands, never rounded to theirs:
     a product of two half numbers is exact in float32, so the matmul of the upcast operands is
     a float32 accumulation of the exact products. The weight is upcast by blocks of rows of
-    ``_WIDE_WEIGHT_BYTES`` (never a whole copy of ``[V, H]``)."""
+    ``_WIDE_WEIGHT_BYTES`` (never a whole copy of ``[V, H]``). ``out``: written there."""
     hw = h.to(dtype)
     v, width = weight.shape
     step = max(ROW_ALIGN, _WIDE_WEIGHT_BYTES // (width * dtype.itemsize))
     if step >= v:
-        return hw @ weight.to(dtype).T
-    z = hw.new_empty((hw.shape[0], v))
+        return (
+            torch.mm(hw, weight.to(dtype).T, out=out)
+            if out is not None
+            else hw @ weight.to(dtype).T
+        )
+    z = hw.new_empty((hw.shape[0], v)) if out is None else out
     for v0 in range(0, v, step):
         z[:, v0 : v0 + step] = hw @ weight[v0 : v0 + step].to(dtype).T
     return z
@@ -75,7 +81,9 @@ def _wide_matmul(h: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> t
 
 class _Matmul(_engine.Producer):
     """Chunks of rows of ``hidden @ weightᵀ (+ bias)`` (:func:`_linear`), then through the
-    head's map in the compute dtype; a fresh buffer each time."""
+    head's map in the compute dtype; a fresh buffer each time, or with ``reuse`` the same
+    buffers for every chunk (a chunk is done with before the next is made: no page faults
+    per chunk)."""
 
     def __init__(
         self,
@@ -84,10 +92,12 @@ class _Matmul(_engine.Producer):
         bias: torch.Tensor | None,
         plan: Plan,
         row_block: int | None = None,
+        reuse: bool = False,
     ) -> None:
         self.h2, self.weight, self.bias = h2, weight, bias
         self.dtype, self.head, self.wide = plan.dtype, plan.head, plan.logits_dtype
         self.row_block = row_block
+        self.buffers: dict[str, torch.Tensor] | None = {} if reuse else None
 
     def logits(self, i: int, j: int) -> tuple[torch.Tensor, bool]:
         return self.head.rows(i, j).scaled(self._raw(i, j), self.dtype, True)
@@ -101,6 +111,8 @@ class _Matmul(_engine.Producer):
     def _raw(self, i: int, j: int) -> torch.Tensor:
         """Rows ``i:j``; with ``row_block`` (the forward's chunk), one matmul per block of the
         forward's rows: the forward's bits."""
+        if self.buffers is not None:
+            return self._reused(i, j)
         if self.row_block is None or j - i <= self.row_block:
             z = _linear(self.h2[i:j], self.weight, self.bias, self.wide)
         else:
@@ -110,6 +122,44 @@ class _Matmul(_engine.Producer):
                          self.wide)
                  for a in blocks]
             )  # fmt: skip
+        return z
+
+    def _buffer(self, name: str, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        assert self.buffers is not None
+        buf = self.buffers.get(name)
+        if buf is None or buf.shape[0] < rows or buf.dtype != dtype:
+            buf = torch.empty((rows, self.weight.shape[0]), dtype=dtype, device=self.h2.device)
+            self.buffers[name] = buf
+        return buf[:rows]
+
+    def narrowed(self, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A chunk's logit gradient ``g`` in ``dtype`` (the matmuls'); with ``reuse``, in the
+        buffer of the raw logits when it has that dtype (they are read no more)."""
+        if g.dtype == dtype:
+            return g
+        raw = None if self.buffers is None else self.buffers.get("z")
+        if raw is None or raw.dtype != dtype:
+            return g.to(dtype)
+        return raw[: g.shape[0]].copy_(g)
+
+    def _reused(self, i: int, j: int) -> torch.Tensor:
+        """:func:`_linear`'s rows ``i:j`` (the same bits) in the reused buffers, in the compute
+        dtype."""
+        h = self.h2[i:j]
+        c = h.shape[0]
+        pad = -c % ROW_ALIGN
+        if pad:
+            h = torch.cat([h, h.new_zeros(pad, h.shape[1])])
+        out = self._buffer("z", c + pad, self.wide or h.dtype)
+        if self.wide is None:
+            torch.mm(h, self.weight.T, out=out)
+        else:
+            _wide_matmul(h, self.weight, self.wide, out=out)
+        z = out[:c]
+        if self.bias is not None:
+            z.add_(self.bias)
+        if z.dtype != self.dtype:
+            z = self._buffer("cast", c, self.dtype).copy_(z)
         return z
 
 
@@ -519,22 +569,46 @@ def _one_pass(
     bias: torch.Tensor | None,
     token_grad: TokenGrad,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The loop of :func:`linear_logprobs_one_pass` on a bound plan."""
+    """The loop of :func:`linear_logprobs_one_pass` on a bound plan; the chunks' buffers are
+    gone before the weight gradient takes the weight's dtype."""
     h2 = _rows(hidden, plan)
     n, dev, dtype = plan.rows, plan.device, plan.dtype
-    producer = _Kept(_Matmul(h2, weight, bias, plan))
+    logp = torch.zeros(n, dtype=dtype, device=dev)
+    ent = torch.zeros(n, dtype=dtype, device=dev) if plan.with_entropy else None
+    grad_h = torch.empty_like(h2, memory_format=torch.contiguous_format)
+    grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
+    grad_b = None if bias is None else torch.zeros(bias.shape, dtype=dtype, device=dev)
+    _one_pass_chunks(plan, h2, weight, bias, token_grad, (logp, ent, grad_h, grad_w, grad_b))
+    return (
+        plan.expand(logp),
+        None if ent is None else plan.expand(ent),
+        _scattered(grad_h, hidden, plan),
+        grad_w.to(weight.dtype),
+        None if grad_b is None or bias is None else grad_b.to(bias.dtype),
+    )
+
+
+def _one_pass_chunks(
+    plan: Plan,
+    h2: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    token_grad: TokenGrad,
+    outs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None],
+) -> None:
+    """Each chunk of rows into ``outs`` (``logp``, ``ent``, ``grad_h``, ``grad_w``,
+    ``grad_b``), the logits made once, in buffers reused from chunk to chunk."""
+    logp, ent, grad_h, grad_w, grad_b = outs
+    n, dev, dtype = plan.rows, plan.device, plan.dtype
+    matmul = _Matmul(h2, weight, bias, plan, reuse=True)
+    producer = _Kept(matmul)
     if plan.sampler is not None:
         plan = replace(plan, threshold=torch.empty((n, 1), dtype=dtype, device=dev))
     index = plan.rows_of if plan.rows_of is not None else torch.arange(n, device=dev)
     n_cols = _softmax.n_columns(plan.masked, plan.with_entropy, False)
-    logp = torch.zeros(n, dtype=dtype, device=dev)
-    ent = torch.zeros(n, dtype=dtype, device=dev) if plan.with_entropy else None
     g_logp = torch.zeros((n, 1), dtype=dtype, device=dev)
     g_ent = torch.zeros((n, 1), dtype=dtype, device=dev)
     saved: list[torch.Tensor] = []
-    grad_h = torch.empty_like(h2, memory_format=torch.contiguous_format)
-    grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device)
-    grad_b = None if bias is None else torch.zeros(bias.shape, dtype=dtype, device=dev)
     # every logit kept and the entropy asked for: the statistics and the gradient share an exp
     plain = plan.with_entropy and not plan.masked and plan.sampler is None
     plain = plain and plan.keep is None and plan.support_rows is None
@@ -543,13 +617,13 @@ def _one_pass(
         j = i + plan.chunk
         keep = plan.keep_rows(i, j)
         if plain:
-            z, _, slope = producer.inner.sloped(i, j)
+            z, _, slope = matmul.sloped(i, j)
             idx, in_range = plan.target_index(i, j)
             lp, h, state = _softmax.plain_chunk(z, idx, in_range)
             gl, ge = token_grad(index[i:j], lp, h)
-            ge = torch.zeros_like(gl) if ge is None else ge
             tau = plan.head.rows(i, j).grad_scale
-            g = _softmax.plain_grad(state, idx, in_range, gl[:, None], ge[:, None], tau)
+            ge = None if ge is None else ge[:, None]
+            g = _softmax.plain_grad(state, idx, in_range, gl[:, None], ge, tau)
             g = g if slope is None else g.mul_(slope)
             logp[i:j], ent_c = lp, h
         else:
@@ -572,13 +646,6 @@ def _one_pass(
         plan.zero_masked(g, i)
         if grad_b is not None:
             grad_b += g.sum(dim=0)
-        g = g.to(h2.dtype)
-        torch.mm(g, weight, out=grad_h[i:j])
-        _add_weight_grad(grad_w, g, h2[i:j])
-    return (
-        plan.expand(logp),
-        None if ent is None else plan.expand(ent),
-        _scattered(grad_h, hidden, plan),
-        grad_w.to(weight.dtype),
-        None if grad_b is None or bias is None else grad_b.to(bias.dtype),
-    )
+        # the weight's gradient from the compute dtype's g: no half partial sums to add up
+        grad_w.addmm_(g.T, h2[i:j].to(grad_w.dtype))
+        torch.mm(matmul.narrowed(g, h2.dtype), weight, out=grad_h[i:j])
