@@ -92,6 +92,7 @@ class _Matmul(_engine.Producer):
         bias: torch.Tensor | None,
         plan: Plan,
         row_block: int | None = None,
+        *,
         reuse: bool = False,
     ) -> None:
         self.h2, self.weight, self.bias = h2, weight, bias

@@ -40,7 +40,7 @@ def linear_policy_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
-    old_logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
@@ -52,6 +52,7 @@ def linear_policy_loss(
     rollout_is_weights: torch.Tensor | None = None,
     logprob_options: Mapping[str, Any] | None = None,
     one_pass: bool | None = None,
+    return_logprobs: bool = False,
     **options: Unpack[PolicyLossOptions],
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Policy loss plus entropy bonus straight from the hidden states, in one pass over the
@@ -73,7 +74,8 @@ def linear_policy_loss(
 
     Args:
         hidden: ``[B, T, H]`` hidden states; ``weight`` ``[V, H]``; ``bias`` ``[V]`` or None.
-        target, old_logp, advantages, mask: ``[B, T]``: sampled ids, constants, 0/1 mask.
+        target, old_logp, advantages, mask: ``[B, T]``: sampled ids, constants, 0/1 mask;
+            ``old_logp`` None: on-policy, the detached log-probs themselves (ratio 1).
         temperature: as :func:`linear_logprobs_and_entropy` (a float or per-row tensor).
         entropy_coef: the entropy bonus' coefficient (0: none).
         kind, agg, rollout_is_weights, **options: as :func:`policy_loss` (``agg`` not None;
@@ -83,6 +85,9 @@ def linear_policy_loss(
             ``group``, ...).
         one_pass: None: one pass where the kind allows it; True: demand it (a ``ValueError``
             naming the kind otherwise); False: the composition.
+        return_logprobs: also put the detached ``[B, T]`` log-probs and entropies in
+            ``metrics`` under ``"logp"`` and ``"entropy"`` (what the metrics of a caller's
+            own, e.g. clip fractions, are made of).
 
     Returns:
         ``(loss, metrics)``: the 0-dim loss and :func:`policy_loss`'s metrics.
@@ -100,13 +105,14 @@ def linear_policy_loss(
         True
     """
     lp_options = _logprob_options(logprob_options)
-    check_2d("old_logp", old_logp)
-    check_same_shape("old_logp", old_logp, advantages=advantages)
-    if not isinstance(target, torch.Tensor) or target.shape != old_logp.shape:
+    ref_name, ref = ("advantages", advantages) if old_logp is None else ("old_logp", old_logp)
+    check_2d(ref_name, ref)
+    if old_logp is not None:
+        check_same_shape("old_logp", old_logp, advantages=advantages)
+    if not isinstance(target, torch.Tensor) or target.shape != ref.shape:
         shape = getattr(target, "shape", type(target).__name__)
-        raise ValueError(
-            f"target must be [B, T] like old_logp {tuple(old_logp.shape)}, got {shape}"
-        )
+        raise ValueError(f"target must be [B, T] like {ref_name} {tuple(ref.shape)}, got {shape}")
+    check_bool("return_logprobs", return_logprobs)
     check_choice("kind", kind, POLICY_KINDS)
     if agg is None:
         raise ValueError("agg=None is not a loss: linear_policy_loss needs an aggregation mode")
@@ -131,22 +137,29 @@ def linear_policy_loss(
     # traced, the loss's per-chunk autograd has no graph form: the composition (the same value)
     composed = composed or torch.compiler.is_compiling()
     head = {"bias": bias, "temperature": temperature, **lp_options}
-    loss_args = (old_logp, advantages, mask)
     loss_kw: dict[str, Any] = {"kind": kind, "agg": agg, "rollout_is_weights": rollout_is_weights}
     if composed:
         logp, ent = linear_logprobs_and_entropy(hidden, weight, target, **head)
-        loss, metrics = policy_loss(logp, *loss_args, **loss_kw, **options)
-        return _with_entropy(loss, ent, mask, entropy_coef, agg, options), metrics
-    token_grad = _TokenGrad(
-        target, *loss_args, kind, agg, rollout_is_weights, entropy_coef, options
-    )
-    logp, ent, *grads = linear_logprobs_one_pass(
-        hidden.detach(), weight.detach(), target, token_grad, **head
-    )
-    logp, ent = logp.view(target.shape), None if ent is None else ent.view(target.shape)
-    loss, metrics = policy_loss(logp, *loss_args, **loss_kw, **options)
-    loss = _with_entropy(loss, ent, mask, entropy_coef, agg, options).detach()
-    return _Attached.apply(loss, hidden, weight, bias, *grads), metrics
+        old = logp.detach() if old_logp is None else old_logp
+        loss, metrics = policy_loss(logp, old, advantages, mask, **loss_kw, **options)
+        loss = _with_entropy(loss, ent, mask, entropy_coef, agg, options)
+    else:
+        token_grad = _TokenGrad(
+            target, old_logp, advantages, mask, kind, agg, rollout_is_weights, entropy_coef,
+            options,
+        )  # fmt: skip
+        logp, ent, *grads = linear_logprobs_one_pass(
+            hidden.detach(), weight.detach(), target, token_grad, **head
+        )
+        logp, ent = logp.view(target.shape), None if ent is None else ent.view(target.shape)
+        old = logp if old_logp is None else old_logp
+        loss, metrics = policy_loss(logp, old, advantages, mask, **loss_kw, **options)
+        loss = _with_entropy(loss, ent, mask, entropy_coef, agg, options).detach()
+        loss = _Attached.apply(loss, hidden, weight, bias, *grads)
+    if return_logprobs:
+        assert ent is not None  # linear_policy_loss always computes the entropy
+        metrics = {**metrics, "logp": logp.detach(), "entropy": ent.detach()}
+    return loss, metrics
 
 
 def _logprob_options(given: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -185,9 +198,12 @@ class _TokenGrad:
     ``w_t·∂ℓ_t/∂log p_t`` by autograd on the kind's own per-token loss, and ``−coef·w_t``."""
 
     def __init__(self, target, old_logp, advantages, mask, kind, agg, is_weights, coef, options):
-        keep = as_bool_mask("mask", mask, old_logp.shape, "old_logp", old_logp)
+        name, ref = ("advantages", advantages) if old_logp is None else ("old_logp", old_logp)
+        keep = as_bool_mask("mask", mask, ref.shape, name, ref)
         self.keep, self.kind = keep.reshape(-1), kind
-        self.old, self.adv = old_logp.detach().reshape(-1), advantages.detach().reshape(-1)
+        # None: on-policy, the ratio's denominator is the chunk's own detached log-probs
+        self.old = None if old_logp is None else old_logp.detach().reshape(-1)
+        self.adv = advantages.detach().reshape(-1)
         self.is_w = None if is_weights is None else is_weights.detach().reshape(-1)
         self.kind_options = check_options(kind, {k: v for k, v in options.items()
                                                  if k not in AGGREGATION_KEYS})  # fmt: skip
@@ -200,7 +216,7 @@ class _TokenGrad:
         w = self.w.index_select(0, index).to(lp.dtype)
         with torch.enable_grad():
             x = lp.detach().requires_grad_()
-            old = self.old.index_select(0, index).to(lp.dtype)
+            old = lp.detach() if self.old is None else self.old.index_select(0, index).to(lp.dtype)
             lpk = torch.where(keep, x, 0)
             lr = torch.where(keep, x - old, 0)
             adv = torch.where(keep, self.adv.index_select(0, index).to(lp.dtype), 0)
@@ -213,7 +229,8 @@ class _TokenGrad:
             if self.is_w is not None:
                 loss_mat = loss_mat * torch.where(keep, self.is_w.index_select(0, index), 0)
             (g,) = torch.autograd.grad((loss_mat * w).sum(), x)
-        g_ent = None if ent is None else -self.coef * w
+        no_bonus = not isinstance(self.coef, torch.Tensor) and self.coef == 0
+        g_ent = None if ent is None or no_bonus else -self.coef * w
         return g, g_ent
 
 

@@ -26,6 +26,7 @@ from rlops._checks import (
     shape_error,
 )
 from rlops._types import Group
+from rlops.losses import ONE_PASS_KINDS
 
 LOSS_TYPES = ("bnpo", "cispo", "dapo", "dr_grpo", "grpo", "luspo", "sapo")
 """TRL's ``loss_type`` values served here (TRL's ``"vespo"`` is not)."""
@@ -215,6 +216,54 @@ def _normaliser(
     if o.training:
         nt = nt * accumulation / (o.steps_per_generation or accumulation)
     return "token-mean", None, nt
+
+
+class OnePass(NamedTuple):
+    """TRL's loss as one :func:`rlops.linear_policy_loss` call: its keywords, and the divisor of
+    the loss it returns (TRL's gradient accumulation)."""
+
+    kwargs: dict[str, Any]
+    divisor: int
+
+
+def one_pass_eligible(o: LossOptions) -> bool:
+    """Whether TRL's loss of ``o`` is a loss :func:`rlops.linear_policy_loss` makes in one pass
+    with TRL's value and gradients: a token-level kind of :data:`rlops.ONE_PASS_KINDS` weighed by
+    nothing read from the log-probs (no KL term, top-entropy mask or cispo cap), and an entropy
+    bonus, if any, weighed per token as the policy's normaliser (not grpo's and sapo's row
+    means)."""
+    return (
+        o.beta == 0
+        and o.top_entropy_quantile == 1
+        and o.importance_sampling_level == "token"
+        and o.cap is None
+        and o.kind in ONE_PASS_KINDS
+        and (o.entropy_coef == 0 or o.loss_type not in ("grpo", "sapo"))
+    )
+
+
+def one_pass_call(
+    o: LossOptions, keep: torch.Tensor, num_items_in_batch: object, lp: torch.Tensor
+) -> OnePass:
+    """The :class:`OnePass` of TRL's loss of ``o`` (:func:`one_pass_eligible`) on the bool mask
+    ``keep`` ``[B, T]``, ``lp`` a tensor of the log-probs' dtype and device.
+
+    TRL adds ``−c/ga·Σ m·H / Σ m``; the one pass adds ``−c'·Σ w·H`` with the policy's weight
+    ``w`` per action token (``1/n``, ``1/(B·L)`` or ``1/B``), so ``c' = c/(ga·s·w·Σ m)`` with
+    ``s`` the scale of the returned loss (``1/ga`` but for dapo and cispo)."""
+    mode, lsf, nt = _normaliser(o, num_items_in_batch, lp)
+    ga = o.gradient_accumulation_steps if o.training else 1
+    divisor = 1 if o.loss_type in ("dapo", "cispo") else ga
+    aggregation = {"loss_scale_factor": lsf, "num_tokens": nt, "empty_rows": "count"}
+    coef: float | torch.Tensor = o.entropy_coef * divisor / ga
+    if o.entropy_coef != 0 and not (mode == "token-mean" and nt is None):
+        rows = float(keep.shape[0])
+        per_token = {"seq-mean-token-sum-norm": rows * (lsf or 1.0), "seq-mean-token-sum": rows}
+        inverse_w = per_token[mode] if nt is None else nt  # 1/w
+        tokens = keep.sum().clamp_min(1).to(lp.dtype)
+        coef = coef * inverse_w / tokens
+    kwargs = {"kind": o.kind, "agg": mode, "entropy_coef": coef, **aggregation}
+    return OnePass({**kwargs, **o.policy_options}, divisor)
 
 
 def _clip_stats(

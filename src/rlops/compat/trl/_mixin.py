@@ -13,7 +13,14 @@ from rlops._checks import check_finite_positive, check_logit_scale, check_softca
 from rlops._types import Group
 from rlops.compat.trl._advantages import check_reward_weights, grpo_advantages
 from rlops.compat.trl._head import RlopsChunkedLogProb, head_options, patch
-from rlops.compat.trl._loss import LOSS_TYPES, LossOptions, checked_batch, loss_and_stats
+from rlops.compat.trl._loss import (
+    LOSS_TYPES,
+    LossOptions,
+    checked_batch,
+    loss_and_stats,
+    one_pass_call,
+    one_pass_eligible,
+)
 from rlops.kl_controllers import AdaptiveEntropyController
 
 SUPPORTED_TRL = ">=1.16,<1.17"
@@ -46,7 +53,8 @@ class GRPOMixin:
     ``class Trainer(GRPOMixin, trl.GRPOTrainer)`` trains as TRL's trainer with the log-probs
     from the hidden states (:func:`rlops.linear_logprobs_and_entropy`), :func:`grpo_advantages`
     and :func:`grpo_loss`; ``check=True`` compares its first step with TRL's
-    (docs/integration-trl.md).
+    (docs/integration-trl.md). Where TRL's loss allows it, the loss comes from
+    :func:`rlops.linear_policy_loss` in one pass over the vocabulary (``one_pass=False``: never).
 
     Example (not run here: it needs TRL, a model and a dataset)::
 
@@ -70,12 +78,15 @@ class GRPOMixin:
                 cls, f"{cls.__name__} puts trl.GRPOTrainer first, whose methods hide the mixin's"
             )
 
-    def __init__(self, *args: Any, check: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, check: bool = False, one_pass: bool = True, **kwargs: Any
+    ) -> None:
         # checked here, not at class creation: a class between (class M(GRPOMixin)) is fine
         if not any(_is_trl_grpo_trainer(c) for c in type(self).__mro__):
             name = type(self).__name__
             raise _bases_error(type(self), f"{name} does not derive from trl.GRPOTrainer")
         self._rlops_check = bool(check)
+        self._rlops_one_pass = bool(one_pass)
         self._rlops_loss_checked = self._rlops_adv_checked = False
         self._rlops_use_trl = False
         self._rlops_rewards: torch.Tensor | None = None
@@ -245,42 +256,22 @@ class GRPOMixin:
         if given:
             raise _unsupported(given[0], "...", "multimodal inputs are not supported")
         t: Any = self
-        unwrapped = t.accelerator.unwrap_model(model)
-        head = unwrapped.get_output_embeddings()
-        # the head's scale and softcap, as TRL's fused head reads them (checked at construction)
-        scaled, _ = head_options(unwrapped.config.get_text_config())
-        weight, bias = head.weight, head.bias
-        # TRL's float32 head: float32 logits from the weight as it is, never a float32 copy
-        wide = torch.float32 if t.args.cast_lm_head_to_fp32 else None
+        weight, bias, lp_options = _head(t, model)
         entropy_grad = bool(t._entropy_bonus_enabled) and torch.is_grad_enabled()
-        k = logits_to_keep
-        batch_size = batch_size or input_ids.size(0)
         logps, entropies = [], []
-        for start in range(0, input_ids.size(0), batch_size):  # TRL's micro-batches
-            ids = input_ids[start : start + batch_size]
-            am = attention_mask[start : start + batch_size]
-            with t.accelerator.autocast():
-                out = model(
-                    input_ids=ids,
-                    attention_mask=am,
-                    output_hidden_states=True,
-                    logits_to_keep=1,
-                    use_cache=False,
-                )
-            # the hidden state at position p predicts token p + 1
-            hidden = out.hidden_states[-1][:, -k - 1 : -1].to(weight.dtype)
-            valid = am[:, -k:].bool()  # padding after a completion's end costs nothing
+        for hidden, target, valid in _hidden(
+            t, model, input_ids, attention_mask, logits_to_keep, batch_size, weight.dtype
+        ):
             lp, ent = rlops.linear_logprobs_and_entropy(
                 hidden,
                 weight,
-                ids[:, -k:],
+                target,
                 bias=bias,
                 temperature=t.temperature,
                 with_entropy=compute_entropy,
                 entropy_grad=entropy_grad,
-                mask=valid,
-                logits_dtype=wide,
-                **scaled,
+                mask=valid,  # padding after a completion's end costs nothing
+                **lp_options,
             )
             logps.append(lp)
             if compute_entropy:
@@ -366,11 +357,7 @@ class GRPOMixin:
             if "tool_mask" not in inputs
             else (completion_mask * inputs["tool_mask"])
         )
-        logps, entropies, _ = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True
-        )
         mode = "train" if t.model.training else "eval"
-        x = checked_batch(logps, inputs.get("old_per_token_logps"), inputs["advantages"], mask)
         ctrl = self._rlops_entropy_controller() if t.use_adaptive_entropy else None
         # the coefficient (and, adaptive, its gating) of the last optimizer step's end
         coef = t.entropy_coef if ctrl is None else ctrl.value
@@ -379,7 +366,20 @@ class GRPOMixin:
             gradient_accumulation_steps=t.current_gradient_accumulation_steps,
             training=mode == "train",
         )
-        loss, policy, sums, per_row, bonus = loss_and_stats(
+        old = inputs.get("old_per_token_logps")
+        # without gradients (evaluation) the one pass's gradients would be made for nothing
+        one_pass = self._rlops_one_pass and torch.is_grad_enabled()
+        if one_pass and one_pass_eligible(options):
+            loss, logps, entropies = self._rlops_one_pass_loss(
+                model, input_ids, attention_mask, mask, inputs, options
+            )
+        else:
+            one_pass = False
+            logps, entropies, _ = self._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, completion_ids.size(1), compute_entropy=True
+            )
+        x = checked_batch(logps, old, inputs["advantages"], mask)
+        composed, policy, sums, per_row, bonus = loss_and_stats(
             x,
             options,
             inputs.get("ref_per_token_logps"),
@@ -387,11 +387,43 @@ class GRPOMixin:
             inputs.get("num_items_in_batch"),
             _group(t.accelerator),
         )
+        if not one_pass:  # TRL's loss of the log-probs (one pass: of its detached ones)
+            loss = composed
         if ctrl is not None and mode == "train":  # evaluation leaves the controller as it is
             assert bonus is not None
             self._rlops_adapt_entropy(ctrl, bonus)
         self._rlops_log(mode, policy, sums, per_row)
         return loss
+
+    def _rlops_one_pass_loss(self, model, input_ids, attention_mask, mask, inputs, options):
+        """TRL's loss by :func:`rlops.linear_policy_loss` in one pass, and the detached
+        log-probs and entropies ``[B, T]`` its metrics are made of."""
+        t: Any = self
+        weight, bias, lp_options = _head(t, model)
+        k = inputs["completion_ids"].size(1)
+        # one forward over the batch (TRL's loss takes it whole), then one call over [B, k, H]
+        ((hidden, target, _),) = _hidden(t, model, input_ids, attention_mask, k, None, weight.dtype)
+        dtype = torch.promote_types(weight.dtype, torch.float32)  # the log-probs' dtype
+        probe = torch.zeros(target.shape, dtype=dtype, device=hidden.device)
+        x = checked_batch(probe, None, inputs["advantages"], mask)
+        call = one_pass_call(options, x.keep, inputs.get("num_items_in_batch"), x.logps)
+        loss, metrics = rlops.linear_policy_loss(
+            hidden,
+            weight,
+            target,
+            inputs.get("old_per_token_logps"),
+            x.adv,
+            x.keep,
+            bias=bias,
+            temperature=t.temperature,
+            logprob_options=lp_options,
+            one_pass=True,
+            return_logprobs=True,
+            **call.kwargs,
+        )
+        if call.divisor != 1:
+            loss = loss / call.divisor
+        return loss, metrics["logp"], metrics["entropy"]
 
     def _rlops_log(
         self,
@@ -424,6 +456,36 @@ class GRPOMixin:
                 else (finite.min() if name.endswith("_min") else finite.max()).item()
             )
             metrics[name].append(value)
+
+
+def _head(t: Any, model) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]:
+    """The output layer's weight and bias, and the log-prob op's options TRL's head has."""
+    unwrapped = t.accelerator.unwrap_model(model)
+    head = unwrapped.get_output_embeddings()
+    # the head's scale and softcap, as TRL's fused head reads them (checked at construction)
+    scaled, _ = head_options(unwrapped.config.get_text_config())
+    # TRL's float32 head: float32 logits from the weight as it is, never a float32 copy
+    wide = torch.float32 if t.args.cast_lm_head_to_fp32 else None
+    return head.weight, head.bias, {**scaled, "logits_dtype": wide}
+
+
+def _hidden(t: Any, model, input_ids, attention_mask, k, batch_size, dtype):
+    """Per TRL micro-batch of trainer ``t``: the last hidden states ``[b, k, H]`` in ``dtype``
+    that predict the last ``k`` tokens, those tokens ``[b, k]`` and their attention mask."""
+    batch_size = batch_size or input_ids.size(0)
+    for start in range(0, input_ids.size(0), batch_size):  # TRL's micro-batches
+        ids = input_ids[start : start + batch_size]
+        am = attention_mask[start : start + batch_size]
+        with t.accelerator.autocast():
+            out = model(
+                input_ids=ids,
+                attention_mask=am,
+                output_hidden_states=True,
+                logits_to_keep=1,
+                use_cache=False,
+            )
+        # the hidden state at position p predicts token p + 1
+        yield out.hidden_states[-1][:, -k - 1 : -1].to(dtype), ids[:, -k:], am[:, -k:].bool()
 
 
 def _group(accelerator: Any) -> Group:
