@@ -110,9 +110,12 @@ def test_a_zero_discount_takes_the_chunked_row_of_the_returns():
     assert REINFORCE.row("compiled", _case(dtype=torch.bfloat16, discounts=(0.9,)))[1] == (
         "compiled"
     )
-    assert REINFORCE.row("compiled", _case(dtype=torch.bfloat16, discounts=(0.9,)))[0].run is (
+    assert REINFORCE.row("compiled", _case(dtype=torch.float16, discounts=(0.9,)))[0].run is (
         REINFORCE.row("chunked", _case())[0].run
-    )  # half precision: the two-step construction, handed the compiled method
+    )  # float16: the two-step construction, handed the compiled method (bfloat16 has a kernel)
+    assert REINFORCE.row("compiled", _case(dtype=torch.bfloat16, discounts=(0.0,)))[0].run is (
+        REINFORCE.row("chunked", _case())[0].run
+    )
 
 
 def test_context_parallel_rows_serve_every_method():

@@ -1,15 +1,24 @@
 """numba kernels behind :mod:`rlops.advantages.compiled` (imported only when numba is installed).
 
 GAE, discounted returns and REINFORCE++ returns fused with mask skipping, dones, the
-next-action value and the bootstrap in one backward pass, four rows at a time, the advantage
-carry in float64 (docs/design/scan.md, docs/design/masks.md). One top-level kernel per
-combination of inputs, so numba's on-disk cache keeps them apart.
+next-action value and the bootstrap in one backward pass, four rows at a time (masked GAE in
+bfloat16: two), the advantage carry in float64 (docs/design/scan.md, docs/design/masks.md).
+One top-level kernel per combination of inputs, so numba's on-disk cache keeps them apart.
 """
 
 import numba
 import numpy as np
 
-from rlops.scan.exact_arith import fma, group, lanes, load, narrow, set_llvm_optsize, store
+from rlops.scan.exact_arith import (
+    fma,
+    group,
+    lanes,
+    load,
+    narrow,
+    rounded,
+    set_llvm_optsize,
+    store,
+)
 
 _jit = numba.njit(cache=True, nogil=True)
 # one group of four rows, compiled apart from the loop over groups that calls it (``gae_*``,
@@ -230,17 +239,105 @@ GAE = {
 
 
 @numba.njit(inline="always")
+def select_step(t, r, v, m, d, c, e, o, g, gl, nxt, acc, has_dones, has_cut):
+    # ``step`` with values and a mask, the mask a select: in bfloat16 (bits) ``step``'s mask
+    # branch on four rows spills their row pointers (3x slower than this on two rows). The
+    # outputs are named before the stores: numba 0.68 drops a store whose value is written as
+    # a conditional expression in the call.
+    zero = np.float32(0)
+    if has_dones:
+        if d[t]:
+            nxt = c[t] if has_cut else zero
+            acc = 0.0
+    vt = load(v, t)
+    new = fma(gl, acc, np.float64(load(r, t) + g * nxt - vt))
+    out = narrow(o, new)
+    keep = m[t]
+    adv_t = out if keep else zero
+    ret_t = out + vt if keep else zero
+    store(e, t, adv_t)
+    store(o, t, ret_t)
+    return (vt if keep else nxt), (new if keep else acc)
+
+
+@numba.njit(inline="always")
+def pair(r, v, mask, dones, cut, init, g, gl, adv, ret, i, j, hd, hc):
+    # rows i and j of masked bfloat16 GAE
+    r0, r1, v0, v1, m0, m1 = r[i], r[j], v[i], v[j], mask[i], mask[j]
+    d0, d1, c0, c1 = dones[i], dones[j], cut[i], cut[j]
+    e0, e1, o0, o1 = adv[i], adv[j], ret[i], ret[j]
+    g0, g1, l0, l1, n0, n1 = g[i], g[j], gl[i], gl[j], init[i], init[j]
+    a0 = a1 = np.float64(0)
+    for t in range(r.shape[1] - 1, -1, -1):
+        n0, a0 = select_step(t, r0, v0, m0, d0, c0, e0, o0, g0, l0, n0, a0, hd, hc)
+        n1, a1 = select_step(t, r1, v1, m1, d1, c1, e1, o1, g1, l1, n1, a1, hd, hc)
+
+
+@_kernel
+def _masked_bf16_00(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
+    set_llvm_optsize()
+    pair(r, v, mask, dones, cut, init, g, gl, adv, ret, rows[0], rows[1], False, False)
+    pair(r, v, mask, dones, cut, init, g, gl, adv, ret, rows[2], rows[3], False, False)
+
+
+@_jit
+def masked_bf16_00(r, v, mask, dones, cut, init, g, gl, adv, ret, start, stop):
+    for k in range(start, stop):
+        _masked_bf16_00(r, v, mask, dones, cut, init, g, gl, adv, ret, group(k, r.shape[0]))
+
+
+@_kernel
+def _masked_bf16_10(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
+    set_llvm_optsize()
+    pair(r, v, mask, dones, cut, init, g, gl, adv, ret, rows[0], rows[1], True, False)
+    pair(r, v, mask, dones, cut, init, g, gl, adv, ret, rows[2], rows[3], True, False)
+
+
+@_jit
+def masked_bf16_10(r, v, mask, dones, cut, init, g, gl, adv, ret, start, stop):
+    for k in range(start, stop):
+        _masked_bf16_10(r, v, mask, dones, cut, init, g, gl, adv, ret, group(k, r.shape[0]))
+
+
+@_kernel
+def _masked_bf16_11(r, v, mask, dones, cut, init, g, gl, adv, ret, rows):
+    set_llvm_optsize()
+    pair(r, v, mask, dones, cut, init, g, gl, adv, ret, rows[0], rows[1], True, True)
+    pair(r, v, mask, dones, cut, init, g, gl, adv, ret, rows[2], rows[3], True, True)
+
+
+@_jit
+def masked_bf16_11(r, v, mask, dones, cut, init, g, gl, adv, ret, start, stop):
+    for k in range(start, stop):
+        _masked_bf16_11(r, v, mask, dones, cut, init, g, gl, adv, ret, group(k, r.shape[0]))
+
+
+#: GAE with values and a mask on bfloat16 bits, two rows at a time: ``(dones, cut)`` -> kernel
+MASKED_BF16 = {
+    (name[-2] == "1", name[-1] == "1"): kernel
+    for name, kernel in globals().items()
+    if name.startswith("masked_bf16_")
+}
+
+
+@numba.njit(inline="always")
 def kl_step(t, kl, m, o, ck, gl, pend, acc):
     # One token of REINFORCE++ returns: the reward is ``ck * kl[t]`` (``ck = -kl_coef`` in the
-    # input dtype), plus the outcome ``pend`` on the row's last action token, the first one met
-    # walking back (``pend`` is 0 after it); mask-0 tokens pass the carry through.
-    zero = o.dtype.type(0)
+    # arithmetic dtype), plus the outcome ``pend`` on the row's last action token, the first one
+    # met walking back (``pend`` is 0 after it); mask-0 tokens pass the carry through. In
+    # bfloat16 (bits) the product is rounded to bfloat16, and its sum with the outcome again,
+    # as the two-step form writes them (adding a 0 outcome turns -0 to +0 only: the carry,
+    # never -0, moves the same).
+    zero = narrow(o, 0.0)
     if m[t]:
-        acc = fma(gl, acc, np.float64(ck * kl[t] + pend))
-        o[t] = o.dtype.type(acc)
+        reward = rounded(o, ck * load(kl, t)) + pend
+        if pend != zero:  # a no-op in full precision
+            reward = rounded(o, reward)
+        acc = fma(gl, acc, np.float64(reward))
+        store(o, t, narrow(o, acc))
         pend = zero
     else:
-        o[t] = zero
+        store(o, t, zero)
     return pend, acc
 
 
@@ -263,7 +360,7 @@ def _returns_kl(kl, outcome, ck, mask, gl, ret, rows):
 
 @_jit
 def returns_kl(kl, outcome, ck, mask, gl, ret, start, stop):
-    # ret[n, t] = REINFORCE++ return; ``outcome`` [N] and ``ck`` in the input dtype, ``gl`` [N]
+    # ret[n, t] = REINFORCE++ return; ``outcome`` [N] and ``ck`` in the arithmetic dtype, ``gl`` [N]
     # the float64 discount (never 0: such rows go to the chunked method).
     for k in range(start, stop):
         _returns_kl(kl, outcome, ck, mask, gl, ret, group(k, kl.shape[0]))

@@ -18,12 +18,8 @@ def gae_compiled(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
     discounts: the carry decays by ``gamma_lam`` in float64, ``gamma`` enters the TD residual
     in the arithmetic dtype. Returns ``(advantages, returns)`` in the call's dtype.
     """
-    from rlops.advantages._numba_kernels import GAE
+    from rlops.advantages._numba_kernels import GAE, MASKED_BF16
 
-    if x.rewards.dtype == torch.bfloat16 and x.values is not None and x.mask is not None:
-        # LLVM spills this kernel's carries in bfloat16 (4x slower than float32 copies)
-        adv, ret = gae_compiled(x.widened())
-        return adv.bfloat16(), ret.bfloat16()
     rewards, values, mask, dones, cut = x.rewards.contiguous(), x.values, x.mask, x.dones, x.cut
     values = None if values is None else values.contiguous()
     wide = torch.float32 if rewards.dtype == torch.bfloat16 else rewards.dtype
@@ -35,8 +31,11 @@ def gae_compiled(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         return adv, ret
     has_cut = dones is not None and cut is not None
     init = rewards.new_zeros(n, dtype=wide) if x.end is None else x.end.to(wide).contiguous()
+    kernel = GAE[(values is not None, mask is not None, dones is not None, has_cut)]
+    if rewards.dtype == torch.bfloat16 and values is not None and mask is not None:
+        kernel = MASKED_BF16[(dones is not None, has_cut)]  # two rows at a time, the mask a select
     run_rows(
-        GAE[(values is not None, mask is not None, dones is not None, has_cut)],
+        kernel,
         n,
         rewards.numel(),
         bits(rewards),
@@ -60,9 +59,10 @@ def reinforce_returns_compiled(
     kl_coef: float,
     gamma: torch.Tensor,
 ) -> torch.Tensor:
-    """REINFORCE++ returns in one pass from ``kl`` ``[N, T]`` (float32/64, CPU), ``outcome``
-    ``[N]``, ``mask`` bool and ``gamma`` ``[N]`` float64 with no zero; the token reward is rounded
-    in ``kl``'s dtype, as :func:`rlops.reinforce_plus_plus_returns` builds it.
+    """REINFORCE++ returns in one pass from ``kl`` ``[N, T]`` (float32/64, or bfloat16 computed
+    in float32, CPU), ``outcome`` ``[N]``, ``mask`` bool and ``gamma`` ``[N]`` float64 with no
+    zero; the token reward is rounded in ``kl``'s dtype (in bfloat16 also once more with the
+    outcome added), as :func:`rlops.reinforce_plus_plus_returns` builds it.
     """
     from rlops.advantages._numba_kernels import returns_kl
 
@@ -71,15 +71,16 @@ def reinforce_returns_compiled(
     ret = output(kl)
     if n == 0 or t_len == 0:
         return ret
+    wide = torch.float32 if kl.dtype == torch.bfloat16 else kl.dtype
     run_rows(
         returns_kl,
         n,
         kl.numel(),
-        kl.numpy(),
-        outcome.to(kl.dtype).contiguous().numpy(),
-        torch.tensor([-kl_coef], dtype=kl.dtype).numpy(),
+        bits(kl),
+        outcome.to(kl.dtype).to(wide).contiguous().numpy(),  # the outcome as rounded in kl's dtype
+        torch.tensor([-kl_coef], dtype=wide).numpy(),
         as_array(mask, n, torch.bool),
         gamma.expand(n).to(torch.float64).contiguous().numpy(),
-        ret.numpy(),
+        bits(ret),
     )
     return ret

@@ -1,6 +1,6 @@
 """REINFORCE++ token returns and their dispatch table :data:`REINFORCE`: one fused numba or
-Triton kernel from the KL (full precision), else the token rewards handed to
-:func:`rlops.discounted_returns`; under ``cp_group=`` the carry-only form.
+Triton kernel from the KL (full precision; numba also in bfloat16), else the token rewards
+handed to :func:`rlops.discounted_returns`; under ``cp_group=`` the carry-only form.
 """
 
 from __future__ import annotations
@@ -92,8 +92,10 @@ def _full_precision(case: scan.Case) -> bool:
 
 
 def _fusable(case: scan.Case) -> bool:
-    # the numba kernel also multiplies its carries (no exact cut at a zero discount)
-    return _full_precision(case) and not case.zero_discount()
+    # the numba kernel also multiplies its carries (no exact cut at a zero discount); in
+    # bfloat16 it rounds the token reward, then its sum with the outcome, as the two-step form
+    bf16 = case.dtype == torch.bfloat16
+    return (_full_precision(case) or bf16) and not case.zero_discount()
 
 
 # REINFORCE++ returns: (method, device, grad, dtype, CP) -> implementation
