@@ -28,7 +28,8 @@ def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
     assert main(argv) == 0
     data = json.loads(path.read_text())
     rows = data["rows"]
-    assert {r["section"] for r in rows} == {"advantages", "group", "logprobs", "agentic"}
+    sections = {"advantages", "group", "logprobs", "agentic", "distillation"}
+    assert {r["section"] for r in rows} == sections
     methods = {r["method"] for r in rows}
     assert {"per-token loop", "chunk loop (C=256)", "rlops auto", "memory floor"} <= methods
     assert {"unfused (log_softmax)", "rlops fused"} <= methods
@@ -43,9 +44,19 @@ def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
         ("PPO loss phase from the output layer", "materialised + losses", False),
         ("PPO loss phase from the output layer", "rlops fused linear + losses", False),
         ("PPO loss phase from the output layer", "rlops linear_policy_loss", True),
-        ("top-k distillation from the output layer", "materialised (log_softmax, gather)", False),
-        ("top-k distillation from the output layer", "logits + rlops distillation_loss", False),
-        ("top-k distillation from the output layer", "rlops linear_distillation_loss", True),
+    }
+    distillation = {(r["case"], r["method"], r["ours"]) for r in rows
+                    if r["section"] == "distillation"}  # fmt: skip
+    kl = "top-k forward KL from the output layer"
+    tail = "top-k forward KL + tail from the output layer"
+    assert distillation == {
+        (kl, "verl default (log_softmax, gather)", False),
+        (kl, "verl chunked (use_chunked_topk)", False),
+        (kl, "logits + rlops distillation_loss", False),
+        (kl, "rlops linear_distillation_loss", True),
+        (tail, "materialised + tail (log_softmax, gather)", False),
+        (tail, "logits + rlops distillation_loss", False),
+        (tail, "rlops linear_distillation_loss", True),
     }
     agentic = {(r["case"], r["method"], r["ours"]) for r in rows if r["section"] == "agentic"}
     assert agentic == {
@@ -63,10 +74,10 @@ def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
         assert r["seconds"] == min(times) and r["times"][str(r["threads"])] == r["seconds"]
     assert isinstance(data["warnings"], list)
     # the fused distillation op's chunks fit in freed heap at the quick size: measured, maybe 0
-    lean = ("top-k distillation from the output layer", "rlops linear_distillation_loss")
-    logprob_rows = [r for r in rows if r["section"] == "logprobs"]
-    assert all(r["peak_bytes"] is not None and r["peak_bytes"] >= 0 for r in logprob_rows)
-    assert all(r["peak_bytes"] > 0 for r in logprob_rows if (r["case"], r["method"]) != lean)
+    lean = {(kl, "rlops linear_distillation_loss"), (tail, "rlops linear_distillation_loss")}
+    fresh = [r for r in rows if r["section"] in ("logprobs", "distillation")]
+    assert all(r["peak_bytes"] is not None and r["peak_bytes"] >= 0 for r in fresh)
+    assert all(r["peak_bytes"] > 0 for r in fresh if (r["case"], r["method"]) not in lean)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     out = capsys.readouterr().out
     assert "Verdict:" in out and "gae [2x2048]: per-token loop" in out
@@ -74,6 +85,8 @@ def test_bench_quick_writes_json_and_plot(tmp_path, capsys):
     assert "- output layer + log-prob + entropy [256x4096, H=64], forward + backward:" in out
     assert "- top-p 0.9 output layer [256x4096, H=64], forward + backward:" in out
     assert "- agentic: 20 kept ids per row [256x4096, H=64], forward + backward:" in out
+    assert f"- {kl} [256x4096, H=64, k=64], forward + backward: " in out
+    assert f"- {tail} [256x4096, H=64, k=64], forward + backward: " in out
 
 
 @pytest.mark.parametrize(

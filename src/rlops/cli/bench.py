@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-SECTIONS = ("advantages", "group", "logprobs", "agentic")
+SECTIONS = ("advantages", "group", "logprobs", "agentic", "distillation")
 # Sizes by default, with --quick and with --full; an option given explicitly wins over them.
 # slow_limit_s: a baseline that would take longer at full length is extrapolated from T = 1024.
 _PRESETS = {  # setting: (default, --quick, --full)
@@ -74,9 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for flag, metavar, many, text in (
         ("--seq-len", "T", True, "sequence lengths T for the advantages"),
         ("--vocab", "V", False, "vocabulary size"),
-        ("--logprob-tokens", "N", True, "token counts for the log-prob section"),
-        ("--hidden", "H", False, "hidden size of the log-prob section's output-layer rows "
-         "(materialised logits vs the fused linear op)"),
+        ("--logprob-tokens", "N", True, "token counts for the log-prob, agentic and "
+         "distillation sections"),
+        ("--hidden", "H", False, "hidden size of the output-layer rows of those sections "
+         "(materialised logits vs the fused linear ops)"),
         ("--group-batch", "N", False, "samples for the group estimators, in groups of 8, at "
          "T = the smallest --seq-len"),
         ("--repeats", "N", False, "timed runs per method and thread count"),
@@ -155,12 +156,16 @@ def plan(args: argparse.Namespace) -> list[tuple[str, float]]:
             steps.append((f"logprobs N={n}: output layer", 6 + linear))
             steps.append((f"logprobs N={n}: top-p output layer", 6 + linear + 2e-7 * elements))
             steps.append((f"logprobs N={n}: PPO loss phase", 6 + 1.5 * linear))
-            steps.append((f"logprobs N={n}: distillation", 6 + 1.5 * linear))
     if "agentic" in args.sections:
         for n in args.logprob_tokens:
             linear = 4e-10 * n * args.vocab * args.hidden * runs
             steps.append((f"agentic N={n}: row mask", 6 + linear))
             steps.append((f"agentic N={n}: kept ids", 6 + 2 * linear))
+    if "distillation" in args.sections:
+        for n in args.logprob_tokens:  # four variants, then three
+            linear = 4e-10 * n * args.vocab * args.hidden * runs
+            steps.append((f"distillation N={n}: top-k forward KL", 9 + 3 * linear))
+            steps.append((f"distillation N={n}: with the tail", 7 + 2.2 * linear))
     if steps:  # the first step also pays for first calls (numba's cache, thread pools)
         steps[0] = (steps[0][0], steps[0][1] + 2.0)
     return steps
@@ -214,8 +219,9 @@ def _run(args: argparse.Namespace) -> int:
             elif section == "group":
                 new = sections.bench_group(args.group_batch, min(args.seq_len), **common)
                 progress.update()
-            elif section == "agentic":
-                new = sections.bench_agentic(
+            elif section in ("agentic", "distillation"):
+                measure = getattr(sections, f"bench_{section}")
+                new = measure(
                     args.logprob_tokens,
                     args.vocab,
                     hidden=args.hidden,
@@ -385,7 +391,7 @@ def verdicts(rows: list[Row]) -> list[str]:
         size = max(r.size for r in group)
         at = [r for r in group if r.size == size]
         ours = next(r for r in at if r.ours)
-        if section in ("logprobs", "agentic"):
+        if section in ("logprobs", "agentic", "distillation"):
             base = next(r for r in at if not r.ours)
             line = (
                 f"- {case} [{ours.shape}], forward + backward: {_ms(base)} -> {_ms(ours)} "

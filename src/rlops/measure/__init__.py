@@ -11,7 +11,7 @@ Its public surface is seven modules, each with an explicit ``__all__``:
   at one or several torch thread counts (set for a block and put back after), and peak
   memory, in this process or a fresh one;
 * :mod:`~rlops.measure.sections`: the rows of ``rlops bench`` (advantages, group, logprobs,
-  agentic);
+  agentic, distillation);
 * :mod:`~rlops.measure.plot`: the figure of a bench run;
 * :mod:`~rlops.measure.ppo`: the PPO step ``rlops profile`` runs stage by stage;
 * :mod:`~rlops.measure.options`: argument types and checks of the commands that measure.

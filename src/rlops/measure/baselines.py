@@ -11,6 +11,10 @@
   loop over samples; ``remax_flip_cumsum``: ReMax's vectorised flip-cumsum form.
 * ``logprobs_entropy_unfused``: ``log_softmax`` + gather and the softmax entropy over the full
   vocabulary, every ``[..., V]`` temporary materialised (as verl's ``entropy_from_logits``).
+* ``topk_forward_kl_log_softmax`` and ``topk_forward_kl_chunked``: verl's two paths to the
+  top-k forward KL of distillation from the student's logits, the default (``log_softmax``
+  over the vocabulary, gather) and ``use_chunked_topk`` (gather minus a ``logsumexp`` per
+  chunk of rows, under autograd).
 
 ``tests/cli/test_baselines.py`` checks that each gives the values of the rlops function it is
 measured against.
@@ -30,6 +34,8 @@ __all__ = [
     "masked_whiten_moments",
     "remax_flip_cumsum",
     "returns_token_loop",
+    "topk_forward_kl_chunked",
+    "topk_forward_kl_log_softmax",
 ]
 
 
@@ -132,3 +138,44 @@ def logprobs_entropy_unfused(logits: torch.Tensor, target: torch.Tensor):
     probs = torch.softmax(logits, dim=-1)
     entropy = torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
     return logp, entropy
+
+
+def topk_forward_kl_log_softmax(
+    logits: torch.Tensor, teacher_logp: torch.Tensor, teacher_ids: torch.Tensor, *, tail=False
+) -> torch.Tensor:
+    """Per-token ``sum_j p_j (log p_j - log q_j)`` over the teacher's top-k ``[..., k]``, with
+    ``log q = log_softmax(logits).gather(ids)``: the ``[..., V]`` log-softmax is made, kept
+    for the backward, and its gradient made whole (verl's default path). ``tail``: plus the
+    rest of the vocabulary as one bucket, ``p_r log(p_r / q_r)``, ``p_r = 1 - sum_j p_j``
+    (not verl's: it has no tail)."""
+    s = torch.log_softmax(logits, -1).gather(-1, teacher_ids)
+    loss = (teacher_logp.exp() * (teacher_logp - s)).sum(-1)
+    if tail:
+        pt, ps = 1 - teacher_logp.exp().sum(-1), 1 - s.exp().sum(-1)
+        loss = loss + pt * (pt.log() - ps.log())
+    return loss
+
+
+def topk_forward_kl_chunked(
+    logits: torch.Tensor,
+    teacher_logp: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    chunk_size: int = 4096,
+) -> torch.Tensor:
+    """The same forward KL (no tail) by verl's ``use_chunked_topk`` path: the rows of
+    ``logits [..., V]`` in chunks of ``chunk_size`` (verl's default), each chunk's
+    ``gather(ids) - logsumexp`` (in float32, or wider) written into a ``[rows, k]`` buffer under
+    autograd. Its forward makes no ``[..., V]`` log-softmax; its backward makes, per chunk,
+    the ``logsumexp`` and gather gradients of the chunk and the slice's gradient the size of
+    the whole logits. Float64 stays float64 (verl casts to float32)."""
+    v, k = logits.shape[-1], teacher_ids.shape[-1]
+    flat, ids = logits.reshape(-1, v), teacher_ids.reshape(-1, k)
+    wide = torch.promote_types(logits.dtype, torch.float32)
+    log_q = torch.empty(ids.shape, dtype=logits.dtype, device=logits.device)
+    for start in range(0, flat.shape[0], chunk_size):
+        rows = flat[start : start + chunk_size].to(wide)
+        lse = torch.logsumexp(rows, dim=-1, keepdim=True)
+        got = torch.gather(rows, -1, ids[start : start + chunk_size]) - lse
+        log_q[start : start + chunk_size] = got.to(logits.dtype)
+    log_q, log_p = log_q.reshape(teacher_ids.shape).to(wide), teacher_logp.to(wide)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)

@@ -16,9 +16,14 @@ from rlops.measure.sections import Row
 
 __all__ = ["PAIRS", "figure", "plot_rows"]
 
-PAIRS = ("logprobs", "agentic")  # sections of two variants per case: drawn as rlops / baseline
+PAIRS = ("logprobs", "agentic", "distillation")  # drawn as rlops / its first baseline
 _FAMILY = {"per-sample token loop": "per-token loop", "chunk loop (C=256)": "chunk loop"}
-_SHORT = {"log-prob + entropy": "over logits", "output layer + log-prob + entropy": "output layer"}
+_SHORT = {
+    "log-prob + entropy": "over logits",
+    "output layer + log-prob + entropy": "output layer",
+    "top-k forward KL from the output layer": "top-k KL",
+    "top-k forward KL + tail from the output layer": "top-k KL + tail",
+}
 
 
 def plot_rows(rows: list[Row], path: str) -> None:

@@ -12,10 +12,13 @@ Each section is a list of :class:`Row`, measured side by side in one run:
   a fresh process (CPU) or with the CUDA allocator's peak: over logits, fused vs unfused
   (log_softmax + gather, softmax entropy); from the output layer's hidden states, materialised
   logits + fused vs the fused linear op; and with a top-p support, materialised logits + a
-  full keep mask vs the fused linear op with ``top_p``.
+  full keep mask vs the fused linear op with ``top_p``; a PPO step's loss phase.
 * ``agentic``: the fused linear op as an agentic trainer calls it, forward and backward, time
   and peak extra memory: every row vs a row ``mask`` of a few valid rows; a dense ``[N, V]``
   ``keep_mask`` of a few kept ids per row vs the same sets as CSR (``support_ids``).
+* ``distillation``: top-k forward-KL distillation from the output layer, forward and backward,
+  time and peak extra memory, measured as log-probs: verl's default and chunked paths, the
+  logits then ``distillation_loss``, ``linear_distillation_loss``; and with the tail.
 
 The methods of a section (of a case, for log-probs) are timed interleaved
 (:func:`~rlops.measure.timing.time_interleaved`): every repeat calls each of them once, in
@@ -65,6 +68,7 @@ __all__ = [
     "Row",
     "bench_advantages",
     "bench_agentic",
+    "bench_distillation",
     "bench_group",
     "bench_logprobs",
     "thread_counts",
@@ -81,7 +85,7 @@ Callback = Callable[[], None] | None
 
 @dataclasses.dataclass
 class Row:
-    section: str  # "advantages", "group", "logprobs", "agentic"
+    section: str  # "advantages", "group", "logprobs", "agentic", "distillation"
     case: str  # "gae", "reinforce++ returns", "grpo", "log-prob + entropy", ...
     size: int  # T (or tokens for logprobs)
     shape: str
@@ -347,18 +351,16 @@ def bench_logprobs(
       ``[N, vocab]`` keep mask (sort, cumsum, scatter) vs rlops fused linear with ``top_p``;
     * a PPO step's loss phase (token-mean PPO + entropy bonus) from the hidden states: the
       logits materialised, rlops fused linear then the losses, and ``linear_policy_loss`` (one
-      pass over the vocabulary, the gradients made in the forward);
-    * top-k (k = 64) forward-KL distillation from the output layer: verl's default path (the
-      logits, ``log_softmax``, gather), the logits then ``distillation_loss``, and
-      ``linear_distillation_loss`` (no ``[N, vocab]`` logits).
+      pass over the vocabulary, the gradients made in the forward).
 
-    ``progress()`` after each of the five cases.
+    Distillation has its own section (:func:`bench_distillation`). ``progress()`` after each
+    of the four cases.
     """
     device = torch.device(device)
     kw: dict[str, Any] = dict(device=device, repeats=repeats, counts=thread_counts(device, threads))
     rows = []
     for n in token_counts:
-        logits, tiny, k = {"t": n, "v": vocab}, {"t": 8, "v": 64}, min(64, vocab)
+        logits, tiny = {"t": n, "v": vocab}, {"t": 8, "v": 64}
         linear, tiny_linear = {"n": n, "v": vocab, "h": hidden}, {"n": 8, "v": 64, "h": 8}
         cases: list[tuple[str, str, dict[str, Setup]]] = [
             ("log-prob + entropy", f"{n}x{vocab}", {
@@ -388,17 +390,71 @@ def bench_logprobs(
                                        ("rlops fused linear + losses", "fused"),
                                        ("rlops linear_policy_loss", "one pass"))
             }),
-            ("top-k distillation from the output layer", f"{n}x{vocab}, H={hidden}, k={k}", {
-                label: (setup_distillation, {**linear, "k": k, "variant": variant},
-                        {**tiny_linear, "k": min(k, 8), "variant": variant})
-                for label, variant in (("materialised (log_softmax, gather)", "materialised"),
-                                       ("logits + rlops distillation_loss", "logits op"),
-                                       ("rlops linear_distillation_loss", "linear op"))
-            }),
         ]  # fmt: skip
         for case, shape, variants in cases:
             ours = list(variants)[-1]  # rlops' own: the last variant
             rows += _case_rows("logprobs", case, n, shape, variants, ours, **kw)
+            if progress is not None:
+                progress()
+    return rows
+
+
+# The variants of bench_distillation's cases: (label, variant of setup_distillation).
+_DISTILLATION = (
+    ("verl default (log_softmax, gather)", "materialised"),
+    ("verl chunked (use_chunked_topk)", "verl chunked"),
+    ("logits + rlops distillation_loss", "logits op"),
+    ("rlops linear_distillation_loss", "linear op"),
+)
+
+
+def bench_distillation(
+    token_counts: list[int],
+    vocab: int,
+    *,
+    hidden: int = 512,
+    k: int = 64,
+    device: torch.device | str = "cpu",
+    repeats: int = 3,
+    threads: int | None = None,
+    progress: Callback = None,
+) -> list[Row]:
+    """Top-k forward-KL distillation from ``[N, hidden]`` hidden states and a ``[vocab,
+    hidden]`` output weight (:func:`rlops.measure.workloads.setup_distillation`), forward +
+    backward of the token mean, time (the variants of a case interleaved) and peak extra
+    memory, for each token count N:
+
+    * over the teacher's top-k (``min(k, vocab)``): verl's default path (the logits,
+      ``log_softmax``, gather), verl's ``use_chunked_topk`` path (a ``logsumexp`` and a gather
+      per chunk of 4096 rows), the logits then ``distillation_loss``, and
+      ``linear_distillation_loss`` (no ``[N, vocab]`` logits);
+    * the same with the tail (the rest of the vocabulary as one bucket): verl has no tail, so
+      the materialised path with the tail written plainly, and the two rlops ops.
+
+    ``progress()`` after each of the two cases.
+    """
+    device = torch.device(device)
+    kw: dict[str, Any] = dict(device=device, repeats=repeats, counts=thread_counts(device, threads))
+    rows = []
+    k = min(k, vocab)
+    # with the tail: verl has none, so its default path is no longer verl's, and no chunked path
+    tail_label = {"verl default (log_softmax, gather)": "materialised + tail (log_softmax, gather)"}
+    for n in token_counts:
+        step = {"n": n, "v": vocab, "h": hidden, "k": k}
+        prime = {"n": 8, "v": 64, "h": 8, "k": min(k, 8)}
+        shape = f"{n}x{vocab}, H={hidden}, k={k}"
+        for tail in (False, True):
+            variants: dict[str, Setup] = {
+                tail_label.get(label, label) if tail else label: (
+                    setup_distillation,
+                    {**step, "variant": variant, "tail": tail},
+                    {**prime, "variant": variant, "tail": tail},
+                )
+                for label, variant in _DISTILLATION
+                if not (tail and variant == "verl chunked")
+            }
+            case = f"top-k forward KL{' + tail' if tail else ''} from the output layer"
+            rows += _case_rows("distillation", case, n, shape, variants, _DISTILLATION[-1][0], **kw)
             if progress is not None:
                 progress()
     return rows

@@ -21,7 +21,11 @@ from rlops import (
     logprobs_and_entropy,
     policy_loss,
 )
-from rlops.measure.baselines import logprobs_entropy_unfused
+from rlops.measure.baselines import (
+    logprobs_entropy_unfused,
+    topk_forward_kl_chunked,
+    topk_forward_kl_log_softmax,
+)
 
 __all__ = [
     "DISTILLATION_STEPS",
@@ -214,7 +218,7 @@ def setup_policy_step(
 
 
 #: The variants of :func:`setup_distillation`.
-DISTILLATION_STEPS = ("materialised", "logits op", "linear op")
+DISTILLATION_STEPS = ("materialised", "verl chunked", "logits op", "linear op")
 
 
 def setup_distillation(
@@ -223,8 +227,16 @@ def setup_distillation(
     """Top-k forward-KL distillation from hidden states ``[n, h]`` and an output weight
     ``[v, h]`` (float32), forward + backward of the token mean. ``variant``
     (:data:`DISTILLATION_STEPS`): ``"materialised"`` (``h @ W.T``, ``log_softmax``, gather,
-    the divergence: verl's default path), ``"logits op"`` (``h @ W.T``, then
-    ``distillation_loss``) or ``"linear op"`` (``linear_distillation_loss``: no ``[n, v]``)."""
+    the divergence: verl's default path), ``"verl chunked"`` (``h @ W.T``, verl's
+    ``use_chunked_topk`` path, no tail), ``"logits op"`` (``h @ W.T``, then
+    ``distillation_loss``) or ``"linear op"`` (``linear_distillation_loss``: no ``[n, v]``).
+    The baselines are :func:`~rlops.measure.baselines.topk_forward_kl_log_softmax` and
+    :func:`~rlops.measure.baselines.topk_forward_kl_chunked`, without verl's clamp of the
+    log-probs or its top-k overlap metrics."""
+    if variant not in DISTILLATION_STEPS:
+        raise ValueError(f"variant must be one of {DISTILLATION_STEPS}, got {variant!r}")
+    if tail and variant == "verl chunked":
+        raise ValueError("variant 'verl chunked' has no tail: verl's path has none (tail=False)")
     gen = torch.Generator().manual_seed(0)
     hidden = _randn(n, h, gen=gen, dtype=torch.float32).to(device).requires_grad_()
     weight = _randn(v, h, gen=gen, dtype=torch.float32, scale=4 * h**-0.5)
@@ -235,17 +247,11 @@ def setup_distillation(
         a[r : r + 256], ids[r : r + 256] = top.values, top.indices
     a, ids = a.to(device), ids.to(device)
 
-    def materialised() -> torch.Tensor:
-        s = torch.log_softmax(hidden @ weight.T, -1).gather(-1, ids)
-        loss = (a.exp() * (a - s)).sum(-1)
-        if tail:
-            pt, ps = 1 - a.exp().sum(-1), 1 - s.exp().sum(-1)
-            loss = loss + pt * (pt.log() - ps.log())
-        return loss
-
     def step() -> None:
         if variant == "materialised":
-            loss = materialised()
+            loss = topk_forward_kl_log_softmax(hidden @ weight.T, a, ids, tail=tail)
+        elif variant == "verl chunked":
+            loss = topk_forward_kl_chunked(hidden @ weight.T, a, ids)
         elif variant == "logits op":
             loss = distillation_loss(hidden @ weight.T, a, ids, tail=tail)[0]
         else:
