@@ -107,6 +107,20 @@ CASES: dict[str, Case] = {
         ),
         ("hidden", "weight", "bias"),
     ),
+    "linear_policy_loss on-policy return_logprobs": (
+        lambda d: rlops.linear_policy_loss(
+            d["hidden"].view(*d["target"].shape, -1),
+            d["weight"],
+            d["target"],
+            None,
+            d["adv"],
+            d["mask"],
+            bias=d["bias"],
+            entropy_coef=0.01,
+            return_logprobs=True,
+        ),
+        ("hidden", "weight", "bias"),
+    ),
     "gae": (
         lambda d: rlops.gae(d["r"], d["v"], gamma=0.99, lam=0.95, mask=d["mask"], dones=d["dones"]),
         ("r", "v"),

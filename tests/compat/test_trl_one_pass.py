@@ -190,3 +190,10 @@ def test_training_step_checks_the_one_pass_against_trl(
     one_pass_calls.clear()
     _trainer(tokenizer, tmp_path, cls=NoOnePass, reward_funcs=reward_funcs, **options).train()
     assert not one_pass_calls
+
+
+@pytest.mark.parametrize("flag", ["one_pass", "check"])
+@pytest.mark.parametrize("value", [1, "yes", None, torch.tensor(True)])
+def test_the_mixin_flags_must_be_bools(flag, value):
+    with pytest.raises(TypeError, match=f"{flag} must be a bool, got"):
+        Trainer(**{flag: value})

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 import rlops
-from rlops._checks import check_finite_positive, check_logit_scale, check_softcap
+from rlops._checks import check_bool, check_finite_positive, check_logit_scale, check_softcap
 from rlops._types import Group
 from rlops.compat.trl._advantages import check_reward_weights, grpo_advantages
 from rlops.compat.trl._head import RlopsChunkedLogProb, head_options, patch
@@ -85,8 +85,8 @@ class GRPOMixin:
         if not any(_is_trl_grpo_trainer(c) for c in type(self).__mro__):
             name = type(self).__name__
             raise _bases_error(type(self), f"{name} does not derive from trl.GRPOTrainer")
-        self._rlops_check = bool(check)
-        self._rlops_one_pass = bool(one_pass)
+        self._rlops_check = check_bool("check", check)
+        self._rlops_one_pass = check_bool("one_pass", one_pass)
         self._rlops_loss_checked = self._rlops_adv_checked = False
         self._rlops_use_trl = False
         self._rlops_rewards: torch.Tensor | None = None
