@@ -91,3 +91,26 @@ def for_each(body: Callable[[object], None], items: Iterable, device: torch.devi
     for e in errors:
         if e is not None:
             raise e
+
+
+def split_with_caller(body: Callable[[object], None], items: Iterable) -> None:
+    """``body(item)`` for every item, the first on the calling thread and the others over
+    :func:`pool` (one worker to wake per item after the first, and the caller's core, whose
+    caches hold what it just wrote, does a share); serially where :func:`for_each` would be.
+    For bodies that run no torch op (compiled kernels): the caller's own thread count is not
+    lowered while it runs its item. Exceptions propagate (the first item's that raised, after
+    every item has run)."""
+    items = list(items)
+    workers = 1 if torch.compiler.is_compiling() else torch.get_num_threads()
+    if getattr(_state, "worker", False) or workers <= 1 or len(items) <= 1:
+        for item in items:
+            body(item)
+        return
+    futures = [pool(workers).submit(body, item) for item in items[1:]]
+    try:
+        body(items[0])
+    finally:
+        errors = [f.exception() for f in futures]
+    for e in errors:
+        if e is not None:
+            raise e

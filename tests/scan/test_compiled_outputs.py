@@ -51,3 +51,48 @@ def test_a_small_call_stays_on_the_callers_thread():
     seen = []
     compiled.run_rows(lambda start, stop: seen.append(threading.current_thread()), 64, 64 * 100)
     assert seen == [threading.current_thread()]
+
+
+@pytest.mark.parametrize("lanes", [4, 8])
+def test_a_split_call_runs_its_first_share_on_the_callers_thread(lanes):
+    """With two threads the caller takes the first range of groups (no worker to wake for it)
+    and a pool worker the other; every group is run once."""
+    calls, lock = [], threading.Lock()
+
+    def kernel(start, stop):
+        with lock:
+            calls.append((threading.current_thread(), start, stop))
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        compiled.run_rows(kernel, 64, 64 << 18, lanes=lanes)
+    finally:
+        torch.set_num_threads(before)
+    groups = 64 // lanes
+    by_range = {(start, stop): thread for thread, start, stop in calls}
+    assert sorted(by_range) == [(0, groups // 2), (groups // 2, groups)]
+    assert by_range[0, groups // 2] is threading.current_thread()
+    assert by_range[groups // 2, groups] is not threading.current_thread()
+
+
+def test_a_split_call_raises_after_every_share_has_run():
+    from rlops._threads import split_with_caller
+
+    ran = []
+
+    def body(item):
+        ran.append(item)
+        if item == 1:
+            raise ValueError("item 1")
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(ValueError, match="item 1"):
+            split_with_caller(body, [0, 1])
+        with pytest.raises(ValueError, match="item 1"):
+            split_with_caller(body, [1, 0])
+    finally:
+        torch.set_num_threads(before)
+    assert sorted(ran) == [0, 0, 1, 1]

@@ -1,5 +1,5 @@
 """Fused single-pass CPU kernels for GAE, discounted returns and REINFORCE++ returns (numba,
-the ``fast`` extra; the kernels are in ``_numba_kernels.py``).
+the ``fast`` extra; the kernels are in :mod:`rlops.scan.tiles`).
 """
 
 from __future__ import annotations
@@ -7,9 +7,14 @@ from __future__ import annotations
 import torch
 
 from rlops.advantages._masking import GaeInputs
-from rlops.scan.compiled import as_array, bits, output, run_rows
+from rlops.scan.compiled import bits, output, run_rows
 
 __all__ = ["gae_compiled", "reinforce_returns_compiled"]
+
+
+def _array(t: torch.Tensor | None, dtype: torch.dtype):
+    # a kernel's optional [N, T] input as a contiguous numpy array of dtype (None stays None)
+    return None if t is None else t.to(dtype).contiguous().numpy()
 
 
 def gae_compiled(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -18,7 +23,7 @@ def gae_compiled(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
     discounts: the carry decays by ``gamma_lam`` in float64, ``gamma`` enters the TD residual
     in the arithmetic dtype. Returns ``(advantages, returns)`` in the call's dtype.
     """
-    from rlops.advantages._numba_kernels import GAE, MASKED_BF16
+    from rlops.scan import tiles
 
     rewards, values, mask, dones, cut = x.rewards.contiguous(), x.values, x.mask, x.dones, x.cut
     values = None if values is None else values.contiguous()
@@ -29,25 +34,22 @@ def gae_compiled(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
     adv = ret if values is None else output(rewards)
     if n == 0 or t_len == 0:
         return adv, ret
-    has_cut = dones is not None and cut is not None
     init = rewards.new_zeros(n, dtype=wide) if x.end is None else x.end.to(wide).contiguous()
-    kernel = GAE[(values is not None, mask is not None, dones is not None, has_cut)]
-    if rewards.dtype == torch.bfloat16 and values is not None and mask is not None:
-        kernel = MASKED_BF16[(dones is not None, has_cut)]  # two rows at a time, the mask a select
     run_rows(
-        kernel,
+        tiles.gae,
         n,
         rewards.numel(),
         bits(rewards),
-        as_array(None, n, wide) if values is None else bits(values),
-        as_array(mask, n, torch.bool),
-        as_array(dones, n, torch.bool),
-        as_array(cut if has_cut else None, n, wide),
+        None if values is None else bits(values),
+        _array(mask, torch.bool),
+        _array(dones, torch.bool),
+        _array(cut if dones is not None else None, wide),
         init.numpy(),
         gamma.expand(n).to(wide).contiguous().numpy(),
         gamma_lam.expand(n).to(torch.float64).contiguous().numpy(),
-        bits(adv),
+        None if values is None else bits(adv),
         bits(ret),
+        lanes=tiles.WIDTH,
     )
     return adv, ret
 
@@ -64,7 +66,7 @@ def reinforce_returns_compiled(
     zero; the token reward is rounded in ``kl``'s dtype (in bfloat16 also once more with the
     outcome added), as :func:`rlops.reinforce_plus_plus_returns` builds it.
     """
-    from rlops.advantages._numba_kernels import returns_kl
+    from rlops.scan import tiles
 
     kl = kl.contiguous()
     n, t_len = kl.shape
@@ -73,14 +75,15 @@ def reinforce_returns_compiled(
         return ret
     wide = torch.float32 if kl.dtype == torch.bfloat16 else kl.dtype
     run_rows(
-        returns_kl,
+        tiles.reinforce,
         n,
         kl.numel(),
         bits(kl),
         outcome.to(kl.dtype).to(wide).contiguous().numpy(),  # the outcome as rounded in kl's dtype
         torch.tensor([-kl_coef], dtype=wide).numpy(),
-        as_array(mask, n, torch.bool),
+        _array(mask, torch.bool),
         gamma.expand(n).to(torch.float64).contiguous().numpy(),
         bits(ret),
+        lanes=tiles.WIDTH,
     )
     return ret

@@ -1,4 +1,5 @@
-"""numba kernels behind :mod:`rlops.scan.compiled` (imported only when numba is installed): each
+"""The per-token scan's numba kernels behind :mod:`rlops.scan.compiled` (imported only when
+numba is installed; a decay per row, and the estimators: :mod:`rlops.scan.tiles`): each
 a top-level function (numba's on-disk cache keeps them apart) running the groups of four rows
 ``start`` to ``stop`` one after the other, each group a function of its own; float64 carries
 advanced by one fused multiply-add; bfloat16 arrays are their bits, computed in float32
@@ -12,31 +13,6 @@ from rlops.scan.exact_arith import fma, group, lanes, load, narrow, set_llvm_opt
 
 _jit = numba.njit(cache=True, nogil=True)
 _kernel = numba.njit(nogil=True)  # one group, compiled apart from the loop over groups
-
-
-@_kernel
-def _scan_rows(x, w, y, rows):
-    set_llvm_optsize()
-    x0, x1, x2, x3 = lanes(x, rows)
-    y0, y1, y2, y3 = lanes(y, rows)
-    w0, w1, w2, w3 = lanes(w, rows)
-    c0 = c1 = c2 = c3 = np.float64(0)
-    for t in range(x.shape[1] - 1, -1, -1):
-        c0 = fma(w0, c0, np.float64(load(x0, t)))
-        c1 = fma(w1, c1, np.float64(load(x1, t)))
-        c2 = fma(w2, c2, np.float64(load(x2, t)))
-        c3 = fma(w3, c3, np.float64(load(x3, t)))
-        store(y0, t, narrow(y, c0))
-        store(y1, t, narrow(y, c1))
-        store(y2, t, narrow(y, c2))
-        store(y3, t, narrow(y, c3))
-
-
-@_jit
-def scan_rows(x, w, y, start, stop):
-    # y[n, t] = x[n, t] + w[n] * y[n, t+1]; the decay constant along time, float64, never 0.
-    for k in range(start, stop):
-        _scan_rows(x, w, y, group(k, x.shape[0]))
 
 
 @numba.njit(inline="always")

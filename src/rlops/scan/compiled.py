@@ -1,6 +1,7 @@
-"""Compiled single-pass CPU scan (numba, the ``fast`` extra), four rows at once with float64
-carries; large inputs split by rows over :mod:`rlops._threads` (:func:`run_rows`, shared with
-the estimators' kernels). bfloat16 is read and written as it is (its bits, :func:`bits`) and
+"""Compiled single-pass CPU scan (numba, the ``fast`` extra), eight rows in the lanes of one
+vector with float64 carries (:mod:`rlops.scan.tiles`; per-token decays four rows at once);
+large inputs split by rows over :mod:`rlops._threads` (:func:`run_rows`, shared with the
+estimators' kernels). bfloat16 is read and written as it is (its bits, :func:`bits`) and
 computed in float32. numba and numpy are imported on first use only.
 """
 
@@ -12,7 +13,7 @@ import sys
 
 import torch
 
-from rlops._threads import for_each
+from rlops._threads import split_with_caller
 from rlops.scan.decay import is_per_token
 
 __all__ = ["LANES", "as_array", "available", "bits", "output", "run_rows", "scan_compiled"]
@@ -37,11 +38,12 @@ def available() -> bool:
     return _numba() is not None
 
 
-def run_rows(kernel, n_rows: int, n_elements: int, *args) -> None:
-    """Run ``kernel(*args, start, stop)`` on the groups of 4 rows ``start`` to ``stop`` (a
-    short last group repeats its last row: the same values are written twice): one call, or
-    one per thread when it pays, each on a contiguous range of groups."""
-    groups = -(-n_rows // LANES)
+def run_rows(kernel, n_rows: int, n_elements: int, *args, lanes: int = LANES) -> None:
+    """Run ``kernel(*args, start, stop)`` on the groups of ``lanes`` rows ``start`` to ``stop``
+    (a short last group repeats its last row: the same values are written twice): one call, or
+    one per thread when it pays, each on a contiguous range of groups, the calling thread
+    running the first."""
+    groups = -(-n_rows // lanes)
     threads = max(1, min(torch.get_num_threads(), n_elements // _MIN_ELEMENTS_PER_THREAD, groups))
     per = -(-groups // threads)
     parts = [(g, min(g + per, groups)) for g in range(0, groups, per)]
@@ -49,7 +51,7 @@ def run_rows(kernel, n_rows: int, n_elements: int, *args) -> None:
     def work(part):
         kernel(*args, *part)
 
-    for_each(work, parts, torch.device("cpu"))
+    split_with_caller(work, parts)
 
 
 def bits(t: torch.Tensor):
@@ -109,6 +111,7 @@ def scan_compiled(x: torch.Tensor, decay: float | torch.Tensor) -> torch.Tensor:
     Per-row decays are passed in float64 (the carry's dtype), per-token decays in the
     arithmetic dtype (float32 for bfloat16)."""
     from rlops.scan import _numba_kernels as k
+    from rlops.scan import tiles
 
     x = x.contiguous()
     n, t_len = x.shape
@@ -125,7 +128,9 @@ def scan_compiled(x: torch.Tensor, decay: float | torch.Tensor) -> torch.Tensor:
         else:
             w = torch.full((n,), float(decay), dtype=torch.float64)
         wide = w.to(torch.float64).contiguous().numpy()
-        run_rows(k.scan_rows, n, x.numel(), bits(x), wide, bits(y))
+        start = torch.zeros(n, dtype=torch.float32 if x.dtype == torch.bfloat16 else x.dtype)
+        args = (None, None, None, None, start.numpy(), None, wide, None, bits(y))
+        run_rows(tiles.gae, n, x.numel(), bits(x), *args, lanes=tiles.WIDTH)
         cut = w == 0  # a zero decay is an exact cut: y = x, whatever follows (even NaN)
         if bool(cut.any()):  # a host tensor: no device synchronisation
             y[cut] = x[cut]

@@ -4,8 +4,7 @@ instruction selection for the calling kernel (float32 inputs converted straight 
 ``lanes(x, rows)``, the four rows a kernel runs at once, ``group(g, n)`` the rows of group
 ``g`` of ``n``; ``load(x, t)``, ``narrow(o, v)`` and ``store(o, t, v)``, an element in a kernel's
 arithmetic dtype, bfloat16 arrays held as their ``uint16`` bits and computed in float32
-(docs/design/scan.md); ``rounded(o, v)``, ``v`` rounded to ``o``'s dtype and kept in the
-arithmetic dtype.
+(docs/design/scan.md).
 """
 
 import numba
@@ -13,7 +12,7 @@ import numpy as np
 from numba.core import types
 from numba.extending import intrinsic, overload
 
-__all__ = ["fma", "group", "lanes", "load", "narrow", "rounded", "set_llvm_optsize", "store"]
+__all__ = ["fma", "group", "lanes", "load", "narrow", "set_llvm_optsize", "store"]
 
 
 @intrinsic
@@ -68,12 +67,6 @@ def store(o, t, v):
     (NaN a quiet NaN), as torch rounds a float32."""
 
 
-def rounded(o, v):
-    """``v`` in the arithmetic dtype rounded to ``o``'s dtype, still in the arithmetic dtype: for
-    bfloat16 bits the float32 :func:`store` would write (what a torch op computing in float32
-    and returning bfloat16 gives), else ``v``."""
-
-
 @overload(load, inline="always")
 def _load(x, t):
     if _bits(x):
@@ -86,13 +79,6 @@ def _narrow(o, v):
     if _bits(o):
         return lambda o, v: np.float32(v)
     return lambda o, v: o.dtype.type(v)
-
-
-@overload(rounded, inline="always")
-def _rounded(o, v):
-    if _bits(o):
-        return lambda o, v: np.uint32(np.uint32(_bf16_bits(v)) << np.uint32(16)).view(np.float32)
-    return lambda o, v: v
 
 
 @overload(store, inline="always")

@@ -1,0 +1,446 @@
+"""Rows in SIMD lanes: the LLVM IR of the numba kernels' reverse scans (imported only when numba
+is installed; docs/design/scan.md).
+
+A kernel's group of :data:`WIDTH` rows runs as one vector per quantity, one lane per row. Each
+row's ``WIDTH`` tokens ``t0 .. t0 + WIDTH - 1`` are loaded as one vector, the ``WIDTH x WIDTH``
+tile transposed in registers (``log2(WIDTH)`` rounds of two-source shuffles), so that the step at
+token ``t0 + j`` works on the vector of all rows at ``t0 + j``; outputs are transposed back and
+stored as rows. The tokens before the last whole tile (``T % WIDTH`` of them, at a row's start)
+are gathered and scattered one token at a time. Each lane does the very operations of the
+scalar step it stands for, in the same order and dtypes (the float64 carry advanced by one
+fused multiply-add), so a row's output bits do not depend on the rows beside it, on the group
+or on the thread count.
+
+:func:`reverse_scan` emits that loop for a ``step`` written with an IR builder; :class:`Group`
+holds one group's row offsets and the dtypes: bfloat16 arrays are their ``uint16`` bits,
+computed in float32 (widened by a shift, stored rounded to nearest even with a NaN the quiet
+NaN, as torch rounds a float32); bool arrays are bytes, loaded as ``i1`` lanes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numba
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+__all__ = ["WIDTH", "Group", "gae", "reinforce", "reverse_scan"]
+
+#: rows per group, one per vector lane
+WIDTH = 8
+
+F32, F64 = ir.FloatType(), ir.DoubleType()
+I1, I8, I16, I32, I64 = (ir.IntType(n) for n in (1, 8, 16, 32, 64))
+
+
+def vector(t: ir.Type, w: int = WIDTH) -> ir.VectorType:
+    return ir.VectorType(t, w)
+
+
+def splat(value: ir.Constant, w: int = WIDTH) -> ir.Constant:
+    """The constant ``value`` in every lane."""
+    return ir.Constant(vector(value.type, w), [value] * w)
+
+
+def constant(t: ir.Type, x) -> ir.Constant:
+    """``x`` of type ``t`` in every lane."""
+    return splat(ir.Constant(t, x))
+
+
+def _size(ty) -> int:
+    # bytes per element of a numba array type: the alignment of its loads and stores
+    return 1 if ty.dtype == types.boolean else ty.dtype.bitwidth // 8
+
+
+def transpose(b: ir.IRBuilder, xs: list) -> list:
+    """The ``W x W`` matrix whose rows are the vectors ``xs``, transposed: each round swaps,
+    between rows ``i`` and ``i + s``, the lanes whose bit ``s`` differs from the row's."""
+    w = len(xs)
+    xs = list(xs)
+    s = 1
+    while s < w:
+        lo = ir.Constant(vector(I32, w), [p if not p & s else w + p - s for p in range(w)])
+        hi = ir.Constant(vector(I32, w), [p + s if not p & s else w + p for p in range(w)])
+        out = list(xs)
+        for i in range(w):
+            if not i & s:
+                out[i] = b.shuffle_vector(xs[i], xs[i + s], lo)
+                out[i + s] = b.shuffle_vector(xs[i], xs[i + s], hi)
+        xs = out
+        s *= 2
+    return xs
+
+
+def widen_bf16(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """``<W x i16>`` bfloat16 bits to the float32 values they stand for (exact)."""
+    w = x.type.count
+    return b.bitcast(
+        b.shl(b.zext(x, vector(I32, w)), splat(ir.Constant(I32, 16), w)), vector(F32, w)
+    )
+
+
+def _bf16_high(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    # <W x float> to <W x i32> holding x's bfloat16 bits (to nearest even, a NaN the quiet
+    # NaN) in its high half, zeros in its low half
+    w = x.type.count
+    u = b.bitcast(x, vector(I32, w))
+    odd = b.and_(b.lshr(u, splat(ir.Constant(I32, 16), w)), splat(ir.Constant(I32, 1), w))
+    up = b.add(b.add(u, splat(ir.Constant(I32, 0x7FFF), w)), odd)
+    up = b.and_(up, splat(ir.Constant(I32, 0xFFFF0000), w))
+    return b.select(b.fcmp_unordered("uno", x, x), splat(ir.Constant(I32, 0x7FC00000), w), up)
+
+
+def round_bf16(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """``<W x float>`` to bfloat16 bits ``<W x i16>``: to nearest even, a NaN the quiet NaN."""
+    w = x.type.count
+    return b.trunc(b.lshr(_bf16_high(b, x), splat(ir.Constant(I32, 16), w)), vector(I16, w))
+
+
+def rounded_bf16(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    """``x`` (float32 lanes) rounded to bfloat16 and back: what a float32 op returning bfloat16
+    gives."""
+    return widen_bf16(b, round_bf16(b, x))
+
+
+def _lanes(b: ir.IRBuilder, x: ir.Value, first: int) -> ir.Value:
+    # lanes first .. first + WIDTH - 1 of x
+    if x.type.count == WIDTH:
+        return x
+    lanes = ir.Constant(vector(I32), list(range(first, first + WIDTH)))
+    return b.shuffle_vector(x, ir.Constant(x.type, ir.Undefined), lanes)
+
+
+def _concat(b: ir.IRBuilder, x: ir.Value, y: ir.Value) -> ir.Value:
+    # the lanes of x, then those of y
+    n = x.type.count + y.type.count
+    return b.shuffle_vector(x, y, ir.Constant(vector(I32, n), list(range(n))))
+
+
+class Group:
+    """One group of :data:`WIDTH` rows of ``[N, T]`` C-contiguous arrays: rows ``WIDTH * k``
+    on, a short last group repeating row ``N - 1`` (the same values written twice), walked
+    back in tiles of ``tokens`` tokens (a multiple of :data:`WIDTH`: wider tiles widen and
+    round bfloat16 on wider vectors)."""
+
+    def __init__(self, context, b, n: ir.Value, t_len: ir.Value, k: ir.Value, tokens: int):
+        self.context, self.b, self.t_len, self.tokens = context, b, t_len, tokens
+        last = b.sub(n, ir.Constant(I64, 1))
+        first = b.mul(k, ir.Constant(I64, WIDTH))
+        self.rows = []
+        for i in range(WIDTH):
+            row = b.add(first, ir.Constant(I64, i))
+            self.rows.append(b.select(b.icmp_signed("<", row, last), row, last))
+        self.offsets = [b.mul(row, t_len) for row in self.rows]
+
+    def data(self, arr: tuple) -> ir.Value:
+        """The data pointer of ``arr``, a ``(numba type, value)`` pair."""
+        ty, value = arr
+        return self.context.make_array(ty)(self.context, self.b, value).data
+
+    def lanes(self, arr: tuple) -> ir.Value:
+        """``[x[row] for row in rows]`` of a 1-D array, in its dtype."""
+        b, data = self.b, self.data(arr)
+        out = ir.Constant(vector(data.type.pointee), ir.Undefined)
+        for i, row in enumerate(self.rows):
+            out = b.insert_element(out, b.load(b.gep(data, [row])), ir.Constant(I32, i))
+        return out
+
+    def _arith(self, ty, x: ir.Value) -> ir.Value:
+        # loaded lanes as computed: bfloat16 bits widened, bools as i1
+        if ty.dtype == types.uint16:
+            return widen_bf16(self.b, x)
+        if ty.dtype == types.boolean:
+            return self.b.icmp_unsigned("!=", x, ir.Constant(x.type, None))
+        return x
+
+    def _pointer(self, data: ir.Value, off: ir.Value, t0: ir.Value) -> ir.Value:
+        et = data.type.pointee
+        return self.b.bitcast(
+            self.b.gep(data, [self.b.add(off, t0)]), vector(et, self.tokens).as_pointer()
+        )
+
+    def _paired(self, ty) -> bool:
+        # bfloat16 in tiles of 2 * WIDTH tokens: a row's tokens read and written as WIDTH
+        # 32-bit words, an even token in each word's low half, an odd one in its high half
+        return ty.dtype == types.uint16 and self.tokens == 2 * WIDTH
+
+    def load(self, arr: tuple, t0: ir.Value) -> list:
+        """:attr:`tokens` vectors: the ``j``-th holds every row's token ``t0 + j``."""
+        b, data, ty = self.b, self.data(arr), arr[0]
+        if self._paired(ty):  # widened by a shift and a mask, no shuffle
+            words = []
+            for off in self.offsets:
+                p = b.bitcast(b.gep(data, [b.add(off, t0)]), vector(I32).as_pointer())
+                words.append(b.load(p, align=2))
+            even = [b.bitcast(b.shl(x, constant(I32, 16)), vector(F32)) for x in words]
+            odd = [b.bitcast(b.and_(x, constant(I32, 0xFFFF0000)), vector(F32)) for x in words]
+            pairs = zip(transpose(b, even), transpose(b, odd), strict=True)
+            return [x for pair in pairs for x in pair]
+        if ty.dtype == types.boolean:
+            return self._bools(data, t0)
+        rows = []
+        for off in self.offsets:
+            x = b.load(self._pointer(data, off, t0), align=_size(ty))
+            rows.append(widen_bf16(b, x) if ty.dtype == types.uint16 else x)
+        out = []
+        for part in range(self.tokens // WIDTH):  # one WIDTH x WIDTH tile at a time
+            out += transpose(b, [_lanes(b, x, part * WIDTH) for x in rows])
+        return out
+
+    def _bools(self, data: ir.Value, t0: ir.Value) -> list:
+        # A bool tile without shuffles: row i's 8 bytes (each 0 or 1) shifted left by i and
+        # or-ed together hold, in byte j, the 8 rows' bits at token j: one lane mask each.
+        b = self.b
+        out = []
+        for part in range(0, self.tokens, 8):
+            word = None
+            for i, off in enumerate(self.offsets):
+                p = b.bitcast(
+                    b.gep(data, [b.add(off, b.add(t0, ir.Constant(I64, part)))]), I64.as_pointer()
+                )
+                x = b.shl(b.load(p, align=1), ir.Constant(I64, i))
+                word = x if word is None else b.or_(word, x)
+            for j in range(8):
+                byte = b.trunc(b.lshr(word, ir.Constant(I64, 8 * j)), I8)
+                out.append(b.bitcast(byte, vector(I1)))
+        return out
+
+    def store(self, arr: tuple, t0: ir.Value, xs: list) -> None:
+        """Store the vectors ``xs`` (``xs[j]`` every row's token ``t0 + j``) into ``arr``."""
+        b, data, ty = self.b, self.data(arr), arr[0]
+        if self._paired(ty):
+            even, odd = transpose(b, xs[0::2]), transpose(b, xs[1::2])
+            for off, e, o in zip(self.offsets, even, odd, strict=True):
+                low = b.lshr(_bf16_high(b, e), constant(I32, 16))
+                p = b.bitcast(b.gep(data, [b.add(off, t0)]), vector(I32).as_pointer())
+                b.store(b.or_(low, _bf16_high(b, o)), p, align=2)
+            return
+        parts = [transpose(b, xs[p : p + WIDTH]) for p in range(0, self.tokens, WIDTH)]
+        for i, off in enumerate(self.offsets):
+            x = parts[0][i]
+            for part in parts[1:]:
+                x = _concat(b, x, part[i])
+            if ty.dtype == types.uint16:
+                x = round_bf16(b, x)
+            b.store(x, self._pointer(data, off, t0), align=_size(ty))
+
+    def gather(self, arr: tuple, t: ir.Value) -> ir.Value:
+        """Every row's token ``t``, as computed."""
+        b, data = self.b, self.data(arr)
+        out = ir.Constant(vector(data.type.pointee), ir.Undefined)
+        for i, off in enumerate(self.offsets):
+            x = b.load(b.gep(data, [b.add(off, t)]))
+            out = b.insert_element(out, x, ir.Constant(I32, i))
+        return self._arith(arr[0], out)
+
+    def scatter(self, arr: tuple, t: ir.Value, x: ir.Value) -> None:
+        """Store the vector ``x`` as every row's token ``t``."""
+        b, data = self.b, self.data(arr)
+        if arr[0].dtype == types.uint16:
+            x = round_bf16(b, x)
+        for i, off in enumerate(self.offsets):
+            b.store(b.extract_element(x, ir.Constant(I32, i)), b.gep(data, [b.add(off, t)]))
+
+
+Step = Callable[[dict, dict], tuple[dict, dict]]
+
+
+def reverse_scan(group: Group, inputs: dict, outputs: dict, state: dict, step: Step) -> dict:
+    """Emit the backward pass over time of one group: ``step(x, state) -> (y, state)`` with
+    ``x`` the named input vectors at one token, ``y`` the named output vectors there and
+    ``state`` the carries (vectors) from the token after it. ``inputs`` and ``outputs`` map
+    names to ``(numba type, value)`` arrays; returns the state after token 0."""
+    b = group.b
+    t_len = group.t_len
+    w = ir.Constant(I64, group.tokens)
+    head = b.srem(t_len, w)  # the tokens before the last whole tile
+    slots = {k: cgutils.alloca_once_value(b, v) for k, v in state.items()}
+
+    def run(x):
+        y, new = step(x, {k: b.load(p) for k, p in slots.items()})
+        for k, p in slots.items():
+            b.store(new[k], p)
+        return y
+
+    with cgutils.for_range(b, b.sdiv(t_len, w)) as loop:
+        t0 = b.sub(t_len, b.mul(b.add(loop.index, ir.Constant(I64, 1)), w))
+        tiles = {k: group.load(arr, t0) for k, arr in inputs.items()}
+        ys: dict = {k: [None] * group.tokens for k in outputs}
+        carry = {k: b.load(p) for k, p in slots.items()}
+        for j in range(group.tokens - 1, -1, -1):
+            y, carry = step({k: tile[j] for k, tile in tiles.items()}, carry)
+            for k in outputs:
+                ys[k][j] = y[k]
+        for k, p in slots.items():
+            b.store(carry[k], p)
+        for k, arr in outputs.items():
+            group.store(arr, t0, ys[k])
+    with cgutils.for_range(b, head) as loop:
+        t = b.sub(b.sub(head, ir.Constant(I64, 1)), loop.index)
+        y = run({k: group.gather(arr, t) for k, arr in inputs.items()})
+        for k, arr in outputs.items():
+            group.scatter(arr, t, y[k])
+    return {k: b.load(p) for k, p in slots.items()}
+
+
+def _fma(b: ir.IRBuilder, a: ir.Value, x: ir.Value, c: ir.Value) -> ir.Value:
+    """``a * x + c`` rounded once, lane by lane (float64)."""
+    t = a.type
+    fn = cgutils.get_or_insert_function(
+        b.module, ir.FunctionType(t, [t, t, t]), f"llvm.fma.v{t.count}f64"
+    )
+    return b.call(fn, [a, x, c])
+
+
+class _Kernel:
+    """The arguments of a group kernel: ``(numba type, value)`` per array (None where the
+    call passed None), the arithmetic dtype's conversions to and from the float64 carry."""
+
+    def __init__(self, context, b, signature, args):
+        self.b = b
+        self.arrays = [
+            None if isinstance(ty, types.NoneType) else (ty, value)
+            for ty, value in zip(signature.args[:-1], args[:-1], strict=True)
+        ]
+        first = self.arrays[0]
+        shape = context.make_array(first[0])(context, b, first[1]).shape
+        n, t_len = cgutils.unpack_tuple(b, shape, 2)
+        tokens = 2 * WIDTH if first[0].dtype == types.uint16 else WIDTH
+        self.group = Group(context, b, n, t_len, args[-1], tokens)
+        self.wide = first[0].dtype == types.float64  # else float32 arithmetic
+        self.zero = constant(F64 if self.wide else F32, 0.0)
+        self.bits = first[0].dtype == types.uint16
+
+    def ext(self, x: ir.Value) -> ir.Value:
+        return x if self.wide else self.b.fpext(x, vector(F64))
+
+    def narrow(self, x: ir.Value) -> ir.Value:
+        return x if self.wide else self.b.fptrunc(x, vector(F32))
+
+
+@intrinsic
+def _gae_group(typingctx, r, v, mask, dones, cut, init, g, gl, adv, ret, k):
+    # One group of GAE (with ``v`` None, discounted returns): the step of
+    # ``rlops.advantages.reference`` with the carry in float64 (see ``gae``).
+    sig = types.void(r, v, mask, dones, cut, init, g, gl, adv, ret, k)
+
+    def codegen(context, b, signature, args):
+        kern = _Kernel(context, b, signature, args)
+        r_, v_, m_, d_, c_, init_, g_, gl_, adv_, ret_ = kern.arrays
+        grp, zero = kern.group, kern.zero
+        gamma_lam = grp.lanes(gl_)
+        inputs = {"r": r_, "v": v_, "m": m_, "d": d_, "c": c_}
+        inputs = {key: arr for key, arr in inputs.items() if arr is not None}
+        if v_ is not None:
+            gamma = grp.lanes(g_)
+            state = {"acc": constant(F64, 0.0), "nxt": grp.lanes(init_)}
+            outputs = {"adv": adv_, "ret": ret_}
+        else:
+            state = {"acc": kern.ext(grp.lanes(init_))}
+            outputs = {"ret": ret_}
+
+        def step(x, s):
+            acc = s["acc"]
+            if d_ is not None:  # an episode ends here: the carries are replaced, never scaled
+                if v_ is not None:
+                    s["nxt"] = b.select(x["d"], x["c"] if c_ is not None else zero, s["nxt"])
+                    acc = b.select(x["d"], constant(F64, 0.0), acc)
+                else:
+                    end = kern.ext(x["c"]) if c_ is not None else constant(F64, 0.0)
+                    acc = b.select(x["d"], end, acc)
+            if v_ is not None:
+                vt, nxt = x["v"], s["nxt"]
+                delta = b.fsub(b.fadd(x["r"], b.fmul(gamma, nxt)), vt)
+                new = _fma(b, gamma_lam, acc, kern.ext(delta))
+                out = kern.narrow(new)
+                y = {"adv": out, "ret": b.fadd(out, vt)}
+                if m_ is None:
+                    return y, {"acc": new, "nxt": vt}
+                m = x["m"]  # a mask-0 token: 0 out, the carries pass through
+                y = {key: b.select(m, value, zero) for key, value in y.items()}
+                return y, {"acc": b.select(m, new, acc), "nxt": b.select(m, vt, nxt)}
+            new = _fma(b, gamma_lam, acc, kern.ext(x["r"]))
+            if m_ is None:
+                return {"ret": kern.narrow(new)}, {"acc": new}
+            m = x["m"]
+            return {"ret": b.select(m, kern.narrow(new), zero)}, {"acc": b.select(m, new, acc)}
+
+        reverse_scan(grp, inputs, outputs, state, step)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _reinforce_group(typingctx, kl, outcome, ck, mask, gl, ret, k):
+    # One group of REINFORCE++ returns (see ``reinforce``).
+    sig = types.void(kl, outcome, ck, mask, gl, ret, k)
+
+    def codegen(context, b, signature, args):
+        kern = _Kernel(context, b, signature, args)
+        kl_, outcome_, ck_, m_, gl_, ret_ = kern.arrays
+        grp, zero = kern.group, kern.zero
+        gamma_lam = grp.lanes(gl_)
+        coef = b.load(grp.data(ck_))
+        coef = b.shuffle_vector(
+            b.insert_element(
+                ir.Constant(vector(coef.type), ir.Undefined), coef, ir.Constant(I32, 0)
+            ),
+            ir.Constant(vector(coef.type), ir.Undefined),
+            constant(I32, 0),
+        )
+        state = {"acc": constant(F64, 0.0), "pend": grp.lanes(outcome_)}
+
+        def step(x, s):
+            reward = b.fmul(coef, x["kl"])
+            if kern.bits:  # rounded to bfloat16 as the token reward, and again with the outcome
+                reward = b.fadd(rounded_bf16(b, reward), s["pend"])
+                pending = b.fcmp_unordered("!=", s["pend"], zero)
+                reward = b.select(pending, rounded_bf16(b, reward), reward)
+            else:
+                reward = b.fadd(reward, s["pend"])
+            new = _fma(b, gamma_lam, s["acc"], kern.ext(reward))
+            m = x["m"]  # the outcome is added on the last action token, met first
+            return {"ret": b.select(m, kern.narrow(new), zero)}, {
+                "acc": b.select(m, new, s["acc"]),
+                "pend": b.select(m, zero, s["pend"]),
+            }
+
+        reverse_scan(grp, {"kl": kl_, "m": m_}, {"ret": ret_}, state, step)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_jit = numba.njit(cache=True, nogil=True)
+
+
+@_jit
+def gae(r, v, mask, dones, cut, init, g, gl, adv, ret, start, stop):
+    """GAE advantages and returns of the row groups ``start`` to ``stop`` of ``r`` ``[N, T]``
+    (with ``v`` None, discounted returns into ``ret``; ``adv`` is then None): ``mask``,
+    ``dones`` (bool) and ``cut`` (the value after each end, in the arithmetic dtype) each
+    ``[N, T]`` or None; ``init`` ``[N]`` the row's end value (the next-value carry with values,
+    else the starting return), ``g`` ``[N]`` gamma in the arithmetic dtype (the TD residual's),
+    ``gl`` ``[N]`` gamma * lam in float64 (the carry's decay). Per token, walking back::
+
+        if done: nxt, acc = cut or 0, 0          (no values: acc = cut or 0)
+        if mask: acc = fma(gl, acc, f64(r + g * nxt - v)); adv = narrow(acc); ret = adv + v;
+                 nxt = v
+        else:    adv = ret = 0                   (the carries pass through)
+    """
+    for k in range(start, stop):
+        _gae_group(r, v, mask, dones, cut, init, g, gl, adv, ret, k)
+
+
+@_jit
+def reinforce(kl, outcome, ck, mask, gl, ret, start, stop):
+    """REINFORCE++ returns of the row groups ``start`` to ``stop``: the token reward is
+    ``ck[0] * kl[t]`` (``ck = -kl_coef`` in the arithmetic dtype; in bfloat16 rounded, and
+    rounded again with the outcome added), plus ``outcome`` ``[N]`` on the row's last mask-1
+    token, the first met walking back; mask-0 tokens give 0 and pass the carry through; ``gl``
+    ``[N]`` the float64 discount, never 0 (such rows go to the chunked method)."""
+    for k in range(start, stop):
+        _reinforce_group(kl, outcome, ck, mask, gl, ret, k)

@@ -1,0 +1,140 @@
+"""The vector kernels of ``rlops.scan.tiles`` (eight rows in the lanes of one vector, tiles of 8
+or 16 tokens, the tokens before the last whole tile one at a time):
+
+* a row's output bits do not depend on the rows beside it, on its group (a short last group
+  repeats its last row) or on the thread count: each row of a batch equals that row alone;
+* every length around the tile sizes (1, 7, 8, 9, 15, 16, 17, 31, 33, 130) matches the plain
+  loop in float64 rounded once, within the float32 rounding of the outputs;
+* the bool tile (bytes shifted into lane masks) reads each token's own mask: a mask with one
+  token off per row, at every position of a tile, zeroes exactly that token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.tolerances import needs_numba
+
+import rlops
+
+pytestmark = needs_numba
+
+LENGTHS = [1, 7, 8, 9, 15, 16, 17, 31, 33, 130]
+DTYPES = [torch.float32, torch.float64, torch.bfloat16]
+
+
+def _inputs(n: int, t: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randn(n, t, generator=g).to(dtype)
+    v = torch.randn(n, t, generator=g).to(dtype)
+    kl = (torch.randn(n, t, generator=g) * 0.1).to(dtype)
+    outcome = torch.randn(n, generator=g).to(dtype)
+    mask = torch.rand(n, t, generator=g) > 0.3
+    dones = torch.rand(n, t, generator=g) > 0.9
+    truncated = dones & (torch.rand(n, t, generator=g) > 0.5)
+    bootstrap = torch.randn(n, t, generator=g).to(dtype)
+    return r, v, kl, outcome, mask, dones, truncated, bootstrap
+
+
+def _calls(n: int, t: int, dtype: torch.dtype, rows: slice = slice(None)) -> dict:
+    """Every kind of compiled tile call on the ``rows`` of ``[n, t]`` inputs."""
+    inputs = (x[rows] for x in _inputs(n, t, dtype, 0))
+    r, v, kl, outcome, mask, dones, truncated, bootstrap = inputs
+    ends = {"dones": dones, "truncated": truncated, "bootstrap": bootstrap}
+    kw = {"gamma": 0.99, "lam": 0.95, "method": "compiled"}
+    return {
+        "gae": lambda: rlops.gae(r, v, **kw),
+        "gae mask": lambda: rlops.gae(r, v, mask=mask, **kw),
+        "gae mask dones": lambda: rlops.gae(r, v, mask=mask, **ends, **kw),
+        "returns": lambda: rlops.discounted_returns(r, gamma=0.99, method="compiled"),
+        "returns mask dones": lambda: rlops.discounted_returns(
+            r, gamma=0.97, mask=mask, **ends, method="compiled"
+        ),
+        "reinforce++": lambda: rlops.reinforce_plus_plus_returns(
+            outcome, kl, mask, kl_coef=0.1, gamma=0.99, method="compiled"
+        ),
+        "cumsum": lambda: rlops.discounted_cumsum(r, 0.9, method="compiled"),
+    }
+
+
+def _flat(out) -> list[torch.Tensor]:
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [9, 17, 130])
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(dtype, t):
+    n = 11  # a full group of eight and a short one of three
+    batch = {k: _flat(f()) for k, f in _calls(n, t, dtype).items()}
+    for i in (0, 7, 8, 10):
+        alone = {k: _flat(f()) for k, f in _calls(n, t, dtype, slice(i, i + 1)).items()}
+        for k in batch:
+            for got, want in zip(alone[k], batch[k], strict=True):
+                assert _same(got[0], want[i]), (k, i)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_bits_do_not_depend_on_the_thread_count(dtype):
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = {k: _flat(f()) for k, f in _calls(64, 4099, dtype).items()}
+        torch.set_num_threads(2)
+        two = {k: _flat(f()) for k, f in _calls(64, 4099, dtype).items()}
+    finally:
+        torch.set_num_threads(before)
+    for k in one:
+        for a, b in zip(one[k], two[k], strict=True):
+            assert _same(a, b), k
+
+
+def _gae_loop(r, v, gamma, lam, mask=None):
+    """GAE by its definition, in float64: delta = r + gamma * V(next kept token) - V, the
+    advantage carried back over kept tokens only (mask-0 tokens give 0)."""
+    r, v = r.double(), v.double()
+    n, t = r.shape
+    adv = torch.zeros(n, t, dtype=torch.float64)
+    for i in range(n):
+        nxt, acc = 0.0, 0.0
+        for s in range(t - 1, -1, -1):
+            if mask is not None and not mask[i, s]:
+                continue
+            delta = r[i, s] + gamma * nxt - v[i, s]
+            acc = delta + gamma * lam * acc
+            adv[i, s] = acc
+            nxt = v[i, s]
+    return adv
+
+
+@pytest.mark.parametrize("t", LENGTHS)
+@pytest.mark.parametrize("masked", [False, True])
+def test_every_length_around_the_tiles_matches_the_definition(t, masked):
+    r, v, _, _, mask, *_ = _inputs(9, t, torch.float32, t)
+    m = mask if masked else None
+    adv, ret = rlops.gae(r, v, gamma=0.99, lam=0.95, mask=m, method="compiled")
+    want = _gae_loop(r, v, 0.99, 0.95, m)
+    # one rounding of the float64 carry to float32 (half an ulp of the largest output), and
+    # the float32 TD residual's (|delta| <~ 6, within 1e-6 each, summed over ~20 tokens)
+    tol = 1e-5 * max(1.0, want.abs().max().item())
+    assert (adv.double() - want).abs().max().item() <= tol
+    want_ret = torch.where(m, want + v.double(), 0.0) if masked else want + v.double()
+    assert (ret.double() - want_ret).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_token_reads_its_own_mask(dtype):
+    # row i is off at token (i + k) for k in 0, 16, 32, ...: every position of a tile, per lane
+    n, t = 8, 67
+    r = torch.ones(n, t, dtype=dtype)
+    mask = torch.ones(n, t, dtype=torch.bool)
+    for i in range(n):
+        mask[i, i::9] = False
+    ret = rlops.discounted_returns(r, gamma=1.0, mask=mask, method="compiled")
+    assert torch.equal(ret == 0, ~mask)
+    # the return counts the kept tokens from here to the row's end
+    want = mask.flip(-1).cumsum(-1).flip(-1).to(dtype) * mask
+    assert torch.equal(ret, want)
