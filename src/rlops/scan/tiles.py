@@ -54,23 +54,31 @@ def _size(ty) -> int:
     return 1 if ty.dtype == types.boolean else ty.dtype.bitwidth // 8
 
 
+_UNPACK = {  # x86's in-lane interleaves on 8 lanes (two 128-bit halves of four)
+    "lo32": [0, 8, 1, 9, 4, 12, 5, 13],
+    "hi32": [2, 10, 3, 11, 6, 14, 7, 15],
+    "lo64": [0, 1, 8, 9, 4, 5, 12, 13],
+    "hi64": [2, 3, 10, 11, 6, 7, 14, 15],
+}
+
+
+def _unpack(b: ir.IRBuilder, kind: str, x: ir.Value, y: ir.Value) -> ir.Value:
+    return b.shuffle_vector(x, y, ir.Constant(vector(I32), _UNPACK[kind]))
+
+
 def transpose(b: ir.IRBuilder, xs: list) -> list:
-    """The ``W x W`` matrix whose rows are the vectors ``xs``, transposed: each round swaps,
-    between rows ``i`` and ``i + s``, the lanes whose bit ``s`` differs from the row's."""
-    w = len(xs)
-    xs = list(xs)
-    s = 1
-    while s < w:
-        lo = ir.Constant(vector(I32, w), [p if not p & s else w + p - s for p in range(w)])
-        hi = ir.Constant(vector(I32, w), [p + s if not p & s else w + p for p in range(w)])
-        out = list(xs)
-        for i in range(w):
-            if not i & s:
-                out[i] = b.shuffle_vector(xs[i], xs[i + s], lo)
-                out[i + s] = b.shuffle_vector(xs[i], xs[i + s], hi)
-        xs = out
-        s *= 2
-    return xs
+    """The 4 x 4 blocks in each half of the vectors ``xs`` (eight of 8 lanes, as
+    :meth:`Group.load` reads a tile: vector ``i`` holds the first four tokens of rows ``i`` and
+    ``i + 4``, vector ``i + 4`` their last four) transposed: vector ``j`` then holds the eight
+    rows' token ``j``. Its own inverse. Two rounds of in-lane interleaves, the shuffles x86 runs
+    in one instruction each; the swap of halves is done by the half-row loads and stores."""
+    out = []
+    for a, c, d, e in (xs[0:4], xs[4:8]):
+        t0, t1 = _unpack(b, "lo32", a, c), _unpack(b, "hi32", a, c)
+        t2, t3 = _unpack(b, "lo32", d, e), _unpack(b, "hi32", d, e)
+        out += [_unpack(b, "lo64", t0, t2), _unpack(b, "hi64", t0, t2)]
+        out += [_unpack(b, "lo64", t1, t3), _unpack(b, "hi64", t1, t3)]
+    return out
 
 
 def widen_bf16(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
@@ -104,11 +112,9 @@ def rounded_bf16(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
     return widen_bf16(b, round_bf16(b, x))
 
 
-def _lanes(b: ir.IRBuilder, x: ir.Value, first: int) -> ir.Value:
-    # lanes first .. first + WIDTH - 1 of x
-    if x.type.count == WIDTH:
-        return x
-    lanes = ir.Constant(vector(I32), list(range(first, first + WIDTH)))
+def _sub(b: ir.IRBuilder, x: ir.Value, first: int, n: int) -> ir.Value:
+    # lanes first .. first + n - 1 of x
+    lanes = ir.Constant(vector(I32, n), list(range(first, first + n)))
     return b.shuffle_vector(x, ir.Constant(x.type, ir.Undefined), lanes)
 
 
@@ -155,11 +161,37 @@ class Group:
             return self.b.icmp_unsigned("!=", x, ir.Constant(x.type, None))
         return x
 
-    def _pointer(self, data: ir.Value, off: ir.Value, t0: ir.Value) -> ir.Value:
-        et = data.type.pointee
-        return self.b.bitcast(
-            self.b.gep(data, [self.b.add(off, t0)]), vector(et, self.tokens).as_pointer()
-        )
+    def _halves(self, data: ir.Value, lane: ir.Type, span: int, t0: ir.Value) -> list:
+        # The pointers of a tile's half rows, [[row i, first half], [row i, second half]] per
+        # row: ``span`` elements of data per lane of type ``lane`` (2 for bfloat16 words)
+        b, h = self.b, WIDTH // 2
+        out = []
+        for off in self.offsets:
+            at = [b.add(off, b.add(t0, ir.Constant(I64, k * h * span))) for k in (0, 1)]
+            out.append([b.bitcast(b.gep(data, [a]), vector(lane, h).as_pointer()) for a in at])
+        return out
+
+    def _load_rows(self, data: ir.Value, lane: ir.Type, span: int, t0: ir.Value, align: int):
+        # The WIDTH rows of a tile after the transpose's round of halves: vector i holds the
+        # first halves of rows i and i + W/2, vector i + W/2 their second halves
+        h = WIDTH // 2
+        ptr = self._halves(data, lane, span, t0)
+        ys = [None] * WIDTH
+        for i in range(h):
+            for k in (0, 1):
+                lo, hi = (self.b.load(ptr[r][k], align=align) for r in (i, i + h))
+                ys[i + k * h] = _concat(self.b, lo, hi)
+        return ys
+
+    def _store_rows(self, data, lane: ir.Type, span: int, t0: ir.Value, ws: list, align: int):
+        # the inverse of _load_rows: store vectors laid out as it returns them
+        h = WIDTH // 2
+        ptr = self._halves(data, lane, span, t0)
+        for i in range(h):
+            for k in (0, 1):
+                w = ws[i + k * h]
+                self.b.store(_sub(self.b, w, 0, h), ptr[i][k], align=align)
+                self.b.store(_sub(self.b, w, h, h), ptr[i + h][k], align=align)
 
     def _paired(self, ty) -> bool:
         # bfloat16 in tiles of 2 * WIDTH tokens: a row's tokens read and written as WIDTH
@@ -170,24 +202,39 @@ class Group:
         """:attr:`tokens` vectors: the ``j``-th holds every row's token ``t0 + j``."""
         b, data, ty = self.b, self.data(arr), arr[0]
         if self._paired(ty):  # widened by a shift and a mask, no shuffle
-            words = []
-            for off in self.offsets:
-                p = b.bitcast(b.gep(data, [b.add(off, t0)]), vector(I32).as_pointer())
-                words.append(b.load(p, align=2))
+            words = self._load_rows(data, I32, 2, t0, 2)
             even = [b.bitcast(b.shl(x, constant(I32, 16)), vector(F32)) for x in words]
             odd = [b.bitcast(b.and_(x, constant(I32, 0xFFFF0000)), vector(F32)) for x in words]
             pairs = zip(transpose(b, even), transpose(b, odd), strict=True)
             return [x for pair in pairs for x in pair]
         if ty.dtype == types.boolean:
             return self._bools(data, t0)
-        rows = []
-        for off in self.offsets:
-            x = b.load(self._pointer(data, off, t0), align=_size(ty))
-            rows.append(widen_bf16(b, x) if ty.dtype == types.uint16 else x)
         out = []
-        for part in range(self.tokens // WIDTH):  # one WIDTH x WIDTH tile at a time
-            out += transpose(b, [_lanes(b, x, part * WIDTH) for x in rows])
+        for part in range(0, self.tokens, WIDTH):  # one WIDTH x WIDTH tile at a time
+            at = b.add(t0, ir.Constant(I64, part))
+            rows = self._load_rows(data, data.type.pointee, 1, at, _size(ty))
+            if ty.dtype == types.uint16:
+                rows = [widen_bf16(b, x) for x in rows]
+            out += transpose(b, rows)
         return out
+
+    def store(self, arr: tuple, t0: ir.Value, xs: list) -> None:
+        """Store the vectors ``xs`` (``xs[j]`` every row's token ``t0 + j``) into ``arr``."""
+        b, data, ty = self.b, self.data(arr), arr[0]
+        if self._paired(ty):
+            even, odd = transpose(b, xs[0::2]), transpose(b, xs[1::2])
+            words = [
+                b.or_(b.lshr(_bf16_high(b, e), constant(I32, 16)), _bf16_high(b, o))
+                for e, o in zip(even, odd, strict=True)
+            ]
+            self._store_rows(data, I32, 2, t0, words, 2)
+            return
+        for part in range(0, self.tokens, WIDTH):
+            ws = transpose(b, xs[part : part + WIDTH])
+            if ty.dtype == types.uint16:
+                ws = [round_bf16(b, w) for w in ws]
+            at = b.add(t0, ir.Constant(I64, part))
+            self._store_rows(data, data.type.pointee, 1, at, ws, _size(ty))
 
     def _bools(self, data: ir.Value, t0: ir.Value) -> list:
         # A bool tile without shuffles: row i's 8 bytes (each 0 or 1) shifted left by i and
@@ -206,25 +253,6 @@ class Group:
                 byte = b.trunc(b.lshr(word, ir.Constant(I64, 8 * j)), I8)
                 out.append(b.bitcast(byte, vector(I1)))
         return out
-
-    def store(self, arr: tuple, t0: ir.Value, xs: list) -> None:
-        """Store the vectors ``xs`` (``xs[j]`` every row's token ``t0 + j``) into ``arr``."""
-        b, data, ty = self.b, self.data(arr), arr[0]
-        if self._paired(ty):
-            even, odd = transpose(b, xs[0::2]), transpose(b, xs[1::2])
-            for off, e, o in zip(self.offsets, even, odd, strict=True):
-                low = b.lshr(_bf16_high(b, e), constant(I32, 16))
-                p = b.bitcast(b.gep(data, [b.add(off, t0)]), vector(I32).as_pointer())
-                b.store(b.or_(low, _bf16_high(b, o)), p, align=2)
-            return
-        parts = [transpose(b, xs[p : p + WIDTH]) for p in range(0, self.tokens, WIDTH)]
-        for i, off in enumerate(self.offsets):
-            x = parts[0][i]
-            for part in parts[1:]:
-                x = _concat(b, x, part[i])
-            if ty.dtype == types.uint16:
-                x = round_bf16(b, x)
-            b.store(x, self._pointer(data, off, t0), align=_size(ty))
 
     def gather(self, arr: tuple, t: ir.Value) -> ir.Value:
         """Every row's token ``t``, as computed."""
@@ -307,7 +335,7 @@ class _Kernel:
         first = self.arrays[0]
         shape = context.make_array(first[0])(context, b, first[1]).shape
         n, t_len = cgutils.unpack_tuple(b, shape, 2)
-        tokens = 2 * WIDTH if first[0].dtype == types.uint16 else WIDTH
+        tokens = 2 * WIDTH
         self.group = Group(context, b, n, t_len, args[-1], tokens)
         self.wide = first[0].dtype == types.float64  # else float32 arithmetic
         self.zero = constant(F64 if self.wide else F32, 0.0)
