@@ -78,13 +78,16 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(dtype, t):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_bits_do_not_depend_on_the_thread_count(dtype):
+@pytest.mark.parametrize("shape", [(64, 4099), (8, 32771), (6, 43701)])
+def test_the_bits_do_not_depend_on_the_thread_count(dtype, shape):
+    """1 thread: one call on every group of eight rows; 2 threads: the groups split over the
+    threads where there are several."""
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = {k: _flat(f()) for k, f in _calls(64, 4099, dtype).items()}
+        one = {k: _flat(f()) for k, f in _calls(*shape, dtype).items()}
         torch.set_num_threads(2)
-        two = {k: _flat(f()) for k, f in _calls(64, 4099, dtype).items()}
+        two = {k: _flat(f()) for k, f in _calls(*shape, dtype).items()}
     finally:
         torch.set_num_threads(before)
     for k in one:
