@@ -96,3 +96,43 @@ def test_a_split_call_raises_after_every_share_has_run():
     finally:
         torch.set_num_threads(before)
     assert sorted(ran) == [0, 0, 1, 1]
+
+
+def test_mapped_in_tells_fresh_pages_from_written_ones():
+    """``output`` maps a fresh block in at once and skips the advice on a reused one: the
+    first and last pages of an anonymous mapping never written are not mapped in; after a
+    write to each, they are."""
+    import ctypes
+    import mmap
+
+    if compiled._mincore() is None:
+        pytest.skip("no mincore here")
+    size = 16 * compiled._PAGE
+    block = mmap.mmap(-1, size)
+    try:
+        start = ctypes.addressof(ctypes.c_char.from_buffer(block))
+        assert not compiled._mapped_in(start, start + size)
+        block[0] = 1
+        assert not compiled._mapped_in(start, start + size)  # the last page still unwritten
+        block[size - 1] = 1
+        assert compiled._mapped_in(start, start + size)
+    finally:
+        block.close()
+
+
+def test_an_output_on_reused_memory_skips_the_advice(monkeypatch):
+    calls = []
+    advice = compiled._madvise()
+    if advice is None:
+        pytest.skip("no MADV_POPULATE_WRITE here")
+    monkeypatch.setattr(compiled, "_madvise", lambda: lambda *a: calls.append(a) or 0)
+    like = torch.zeros(1 << 20)  # 4 MiB
+    first = compiled.output(like)
+    first.fill_(1.0)  # every page mapped in
+    fresh = len(calls)
+    monkeypatch.setattr(compiled, "_mapped_in", lambda start, end: True)
+    compiled.output(like)
+    assert len(calls) == fresh  # mapped in already: no advice
+    monkeypatch.setattr(compiled, "_mapped_in", lambda start, end: False)
+    compiled.output(like)
+    assert len(calls) == fresh + 1
