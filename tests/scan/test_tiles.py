@@ -3,8 +3,10 @@ or 16 tokens, the tokens before the last whole tile one at a time):
 
 * a row's output bits do not depend on the rows beside it, on its group (a short last group
   repeats its last row) or on the thread count: each row of a batch equals that row alone;
-* every length around the tile sizes (1, 7, 8, 9, 15, 16, 17, 31, 33, 130) matches the plain
-  loop in float64 rounded once, within the float32 rounding of the outputs;
+* every length around the tile sizes (1, 7, 8, 9, 15, 16, 17, 31, 33, 130) and around the
+  rows' skew (from 64 tiles of 16 tokens on, row i walks its tiles i steps after row 0: 1023,
+  1024, 1040, 3001) matches the plain loop in float64 rounded once, within the float32
+  rounding of the outputs;
 * the bool tile (bytes shifted into lane masks) reads each token's own mask: a mask with one
   token off per row, at every position of a tile, zeroes exactly that token.
 """
@@ -19,7 +21,7 @@ import rlops
 
 pytestmark = needs_numba
 
-LENGTHS = [1, 7, 8, 9, 15, 16, 17, 31, 33, 130]
+LENGTHS = [1, 7, 8, 9, 15, 16, 17, 31, 33, 130, 1023, 1024, 1040, 3001]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 
 
@@ -66,7 +68,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t", [9, 17, 130])
+@pytest.mark.parametrize("t", [9, 17, 130, 1043])
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(dtype, t):
     n = 11  # a full group of eight and a short one of three
     batch = {k: _flat(f()) for k, f in _calls(n, t, dtype).items()}
@@ -129,9 +131,10 @@ def test_every_length_around_the_tiles_matches_the_definition(t, masked):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_each_token_reads_its_own_mask(dtype):
-    # row i is off at token (i + k) for k in 0, 16, 32, ...: every position of a tile, per lane
-    n, t = 8, 67
+@pytest.mark.parametrize("t", [67, 1031])
+def test_each_token_reads_its_own_mask(dtype, t):
+    # row i is off at tokens i, i + 9, i + 18, ...: every position of a tile, in every lane
+    n = 8
     r = torch.ones(n, t, dtype=dtype)
     mask = torch.ones(n, t, dtype=torch.bool)
     for i in range(n):

@@ -1,20 +1,23 @@
 """Rows in SIMD lanes: the LLVM IR of the numba kernels' reverse scans (imported only when numba
 is installed; docs/design/scan.md).
 
-A kernel's group of :data:`WIDTH` rows runs as one vector per quantity, one lane per row. Each
-row's ``WIDTH`` tokens ``t0 .. t0 + WIDTH - 1`` are loaded as one vector, the ``WIDTH x WIDTH``
-tile transposed in registers (``log2(WIDTH)`` rounds of two-source shuffles), so that the step at
-token ``t0 + j`` works on the vector of all rows at ``t0 + j``; outputs are transposed back and
-stored as rows. The tokens before the last whole tile (``T % WIDTH`` of them, at a row's start)
-are gathered and scattered one token at a time. Each lane does the very operations of the
-scalar step it stands for, in the same order and dtypes (the float64 carry advanced by one
-fused multiply-add), so a row's output bits do not depend on the rows beside it, on the group
-or on the thread count.
+A kernel's group of :data:`WIDTH` rows runs as one vector per quantity, one lane per row,
+walking back over tiles of 16 tokens. A tile's rows are loaded half a row at a time, two rows'
+halves to a vector (the first round of the 8 x 8 transpose, done by the loads), and two rounds
+of in-lane interleaves (:func:`transpose`) finish it: the step at token ``t0 + j`` then works
+on the vector of all rows at ``t0 + j``. Outputs go back the same way. On long rows, row ``i``
+walks its tiles ``i`` steps after row 0 (rows a power-of-two apart would otherwise share cache
+sets). The tokens before the last whole tile (``T % 16`` of them, at a row's start) are
+gathered and scattered one token at a time. Each lane does the very operations of the scalar
+step it stands for, in the same order and dtypes (the float64 carry advanced by one fused
+multiply-add), so a row's output bits do not depend on the rows beside it, on the group or on
+the thread count.
 
 :func:`reverse_scan` emits that loop for a ``step`` written with an IR builder; :class:`Group`
 holds one group's row offsets and the dtypes: bfloat16 arrays are their ``uint16`` bits,
-computed in float32 (widened by a shift, stored rounded to nearest even with a NaN the quiet
-NaN, as torch rounds a float32); bool arrays are bytes, loaded as ``i1`` lanes.
+computed in float32 (a 32-bit word of two tokens widened by a shift and a mask, stored rounded
+to nearest even with a NaN the quiet NaN, as torch rounds a float32); bool arrays are bytes,
+turned into lane masks without shuffles. :func:`gae` and :func:`reinforce` are the kernels.
 """
 
 from __future__ import annotations
@@ -139,6 +142,10 @@ class Group:
             row = b.add(first, ir.Constant(I64, i))
             self.rows.append(b.select(b.icmp_signed("<", row, last), row, last))
         self.offsets = [b.mul(row, t_len) for row in self.rows]
+        #: per row, whether its stores go to the arrays (None: every row's do)
+        self.active: list | None = None
+        #: where the other rows' stores go (64 bytes, never read)
+        self.scratch = cgutils.alloca_once(b, ir.ArrayType(I8, 64))
 
     def data(self, arr: tuple) -> ir.Value:
         """The data pointer of ``arr``, a ``(numba type, value)`` pair."""
@@ -161,17 +168,18 @@ class Group:
             return self.b.icmp_unsigned("!=", x, ir.Constant(x.type, None))
         return x
 
-    def _halves(self, data: ir.Value, lane: ir.Type, span: int, t0: ir.Value) -> list:
+    def _halves(self, data: ir.Value, lane: ir.Type, span: int, t0: list) -> list:
         # The pointers of a tile's half rows, [[row i, first half], [row i, second half]] per
-        # row: ``span`` elements of data per lane of type ``lane`` (2 for bfloat16 words)
+        # row, row i's tile from token t0[i]: ``span`` elements of data per lane of type
+        # ``lane`` (2 for bfloat16 words)
         b, h = self.b, WIDTH // 2
         out = []
-        for off in self.offsets:
-            at = [b.add(off, b.add(t0, ir.Constant(I64, k * h * span))) for k in (0, 1)]
+        for off, t in zip(self.offsets, t0, strict=True):
+            at = [b.add(off, b.add(t, ir.Constant(I64, k * h * span))) for k in (0, 1)]
             out.append([b.bitcast(b.gep(data, [a]), vector(lane, h).as_pointer()) for a in at])
         return out
 
-    def _load_rows(self, data: ir.Value, lane: ir.Type, span: int, t0: ir.Value, align: int):
+    def _load_rows(self, data: ir.Value, lane: ir.Type, span: int, t0: list, align: int):
         # The WIDTH rows of a tile after the transpose's round of halves: vector i holds the
         # first halves of rows i and i + W/2, vector i + W/2 their second halves
         h = WIDTH // 2
@@ -183,23 +191,33 @@ class Group:
                 ys[i + k * h] = _concat(self.b, lo, hi)
         return ys
 
-    def _store_rows(self, data, lane: ir.Type, span: int, t0: ir.Value, ws: list, align: int):
-        # the inverse of _load_rows: store vectors laid out as it returns them
-        h = WIDTH // 2
+    def _store_rows(self, data, lane: ir.Type, span: int, t0: list, ws: list, align: int):
+        # the inverse of _load_rows: store vectors laid out as it returns them; the rows not
+        # :attr:`active` store into :attr:`scratch` instead
+        b, h = self.b, WIDTH // 2
         ptr = self._halves(data, lane, span, t0)
+        if self.active is not None:
+            ptr = [
+                [b.select(on, p, b.bitcast(self.scratch, p.type)) for p in row]
+                for on, row in zip(self.active, ptr, strict=True)
+            ]
         for i in range(h):
             for k in (0, 1):
                 w = ws[i + k * h]
-                self.b.store(_sub(self.b, w, 0, h), ptr[i][k], align=align)
-                self.b.store(_sub(self.b, w, h, h), ptr[i + h][k], align=align)
+                b.store(_sub(b, w, 0, h), ptr[i][k], align=align)
+                b.store(_sub(b, w, h, h), ptr[i + h][k], align=align)
 
     def _paired(self, ty) -> bool:
         # bfloat16 in tiles of 2 * WIDTH tokens: a row's tokens read and written as WIDTH
         # 32-bit words, an even token in each word's low half, an odd one in its high half
         return ty.dtype == types.uint16 and self.tokens == 2 * WIDTH
 
-    def load(self, arr: tuple, t0: ir.Value) -> list:
-        """:attr:`tokens` vectors: the ``j``-th holds every row's token ``t0 + j``."""
+    def _at(self, t0: list, part: int) -> list:
+        return [self.b.add(t, ir.Constant(I64, part)) for t in t0]
+
+    def load(self, arr: tuple, t0: list) -> list:
+        """:attr:`tokens` vectors: lane ``i`` of the ``j``-th holds row ``i``'s token
+        ``t0[i] + j``."""
         b, data, ty = self.b, self.data(arr), arr[0]
         if self._paired(ty):  # widened by a shift and a mask, no shuffle
             words = self._load_rows(data, I32, 2, t0, 2)
@@ -211,15 +229,15 @@ class Group:
             return self._bools(data, t0)
         out = []
         for part in range(0, self.tokens, WIDTH):  # one WIDTH x WIDTH tile at a time
-            at = b.add(t0, ir.Constant(I64, part))
-            rows = self._load_rows(data, data.type.pointee, 1, at, _size(ty))
+            rows = self._load_rows(data, data.type.pointee, 1, self._at(t0, part), _size(ty))
             if ty.dtype == types.uint16:
                 rows = [widen_bf16(b, x) for x in rows]
             out += transpose(b, rows)
         return out
 
-    def store(self, arr: tuple, t0: ir.Value, xs: list) -> None:
-        """Store the vectors ``xs`` (``xs[j]`` every row's token ``t0 + j``) into ``arr``."""
+    def store(self, arr: tuple, t0: list, xs: list) -> None:
+        """Store the vectors ``xs`` (lane ``i`` of ``xs[j]`` row ``i``'s token ``t0[i] + j``)
+        into ``arr``, for the rows :attr:`active` (every row where it is None)."""
         b, data, ty = self.b, self.data(arr), arr[0]
         if self._paired(ty):
             even, odd = transpose(b, xs[0::2]), transpose(b, xs[1::2])
@@ -233,20 +251,17 @@ class Group:
             ws = transpose(b, xs[part : part + WIDTH])
             if ty.dtype == types.uint16:
                 ws = [round_bf16(b, w) for w in ws]
-            at = b.add(t0, ir.Constant(I64, part))
-            self._store_rows(data, data.type.pointee, 1, at, ws, _size(ty))
+            self._store_rows(data, data.type.pointee, 1, self._at(t0, part), ws, _size(ty))
 
-    def _bools(self, data: ir.Value, t0: ir.Value) -> list:
+    def _bools(self, data: ir.Value, t0: list) -> list:
         # A bool tile without shuffles: row i's 8 bytes (each 0 or 1) shifted left by i and
         # or-ed together hold, in byte j, the 8 rows' bits at token j: one lane mask each.
         b = self.b
         out = []
         for part in range(0, self.tokens, 8):
             word = None
-            for i, off in enumerate(self.offsets):
-                p = b.bitcast(
-                    b.gep(data, [b.add(off, b.add(t0, ir.Constant(I64, part)))]), I64.as_pointer()
-                )
+            for i, (off, t) in enumerate(zip(self.offsets, self._at(t0, part), strict=True)):
+                p = b.bitcast(b.gep(data, [b.add(off, t)]), I64.as_pointer())
                 x = b.shl(b.load(p, align=1), ir.Constant(I64, i))
                 word = x if word is None else b.or_(word, x)
             for j in range(8):
@@ -275,6 +290,16 @@ class Group:
 Step = Callable[[dict, dict], tuple[dict, dict]]
 
 
+_SKEW_FROM = 64  # tiles a row from which its group walks the rows skewed
+
+
+def _broadcast(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
+    # the scalar x in every lane
+    undef = ir.Constant(vector(x.type), ir.Undefined)
+    lane0 = b.insert_element(undef, x, ir.Constant(I32, 0))
+    return b.shuffle_vector(lane0, undef, constant(I32, 0))
+
+
 def reverse_scan(group: Group, inputs: dict, outputs: dict, state: dict, step: Step) -> dict:
     """Emit the backward pass over time of one group: ``step(x, state) -> (y, state)`` with
     ``x`` the named input vectors at one token, ``y`` the named output vectors there and
@@ -292,19 +317,50 @@ def reverse_scan(group: Group, inputs: dict, outputs: dict, state: dict, step: S
             b.store(new[k], p)
         return y
 
-    with cgutils.for_range(b, b.sdiv(t_len, w)) as loop:
-        t0 = b.sub(t_len, b.mul(b.add(loop.index, ir.Constant(I64, 1)), w))
+    def tile(t0: list, live: ir.Value | None) -> None:
+        # one tile, row i from token t0[i]; with `live` (a lane mask) the other lanes keep
+        # their carries and their rows' stores go to scratch memory
         tiles = {k: group.load(arr, t0) for k, arr in inputs.items()}
         ys: dict = {k: [None] * group.tokens for k in outputs}
-        carry = {k: b.load(p) for k, p in slots.items()}
+        before = {k: b.load(p) for k, p in slots.items()}
+        carry = dict(before)
         for j in range(group.tokens - 1, -1, -1):
             y, carry = step({k: tile[j] for k, tile in tiles.items()}, carry)
             for k in outputs:
                 ys[k][j] = y[k]
         for k, p in slots.items():
-            b.store(carry[k], p)
+            b.store(carry[k] if live is None else b.select(live, carry[k], before[k]), p)
         for k, arr in outputs.items():
             group.store(arr, t0, ys[k])
+
+    # Row i walks its tiles `skew * i` steps after row 0 (skew 1 on long rows), so that the
+    # rows' lines fall in different cache sets: where T is a power of two the rows are a
+    # multiple of 4 KiB apart, and 32 lines in one set of a 12-way cache made float32 GAE a
+    # quarter slower. In the first and last WIDTH - 1 steps a row may have no tile: its lane
+    # computes on its first tile again, keeps its carries and stores to scratch memory.
+    tiles_n = b.sdiv(t_len, w)
+    skew = b.zext(b.icmp_signed(">=", tiles_n, ir.Constant(I64, _SKEW_FROM)), I64)
+    ramp = b.mul(skew, ir.Constant(I64, WIDTH - 1))
+    lag = [b.mul(skew, ir.Constant(I64, i)) for i in range(WIDTH)]
+    lane_lag = b.mul(_broadcast(b, skew), ir.Constant(vector(I64), list(range(WIDTH))))
+    with cgutils.for_range(b, b.add(tiles_n, ramp)) as loop:
+        k = loop.index
+        edge = b.or_(b.icmp_signed("<", k, ramp), b.icmp_signed(">=", k, tiles_n))
+        with b.if_else(edge) as (masked, plain):
+            with masked:
+                idx = [b.sub(k, d) for d in lag]
+                on = [b.icmp_unsigned("<", i, tiles_n) for i in idx]  # below 0: large
+                first = [b.select(a, i, ir.Constant(I64, 0)) for a, i in zip(on, idx, strict=True)]
+                t0 = [b.sub(t_len, b.mul(b.add(i, ir.Constant(I64, 1)), w)) for i in first]
+                live = b.icmp_unsigned(
+                    "<", b.sub(_broadcast(b, k), lane_lag), _broadcast(b, tiles_n)
+                )
+                group.active = on
+                tile(t0, live)
+                group.active = None
+            with plain:
+                t0 = [b.sub(t_len, b.mul(b.add(b.sub(k, d), ir.Constant(I64, 1)), w)) for d in lag]
+                tile(t0, None)
     with cgutils.for_range(b, head) as loop:
         t = b.sub(b.sub(head, ir.Constant(I64, 1)), loop.index)
         y = run({k: group.gather(arr, t) for k, arr in inputs.items()})
