@@ -144,3 +144,34 @@ def test_each_token_reads_its_own_mask(dtype, t):
     # the return counts the kept tokens from here to the row's end
     want = mask.flip(-1).cumsum(-1).flip(-1).to(dtype) * mask
     assert torch.equal(ret, want)
+
+
+_OTHER_CPU = """
+import sys, torch
+sys.path[:0] = {path!r}
+from tests.scan.test_tiles import _calls, _flat
+out = {{k: _flat(f()) for k, f in _calls(11, 1043, getattr(torch, {dtype!r})).items()}}
+torch.save(out, {file!r})
+"""
+
+
+@pytest.mark.parametrize("cpu", ["generic", "haswell"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_kernels_give_the_same_bits_built_for_other_cpus(cpu, dtype, tmp_path):
+    """Built for x86-64 without AVX (``generic``: the vector IR lowered to SSE2, the fused
+    multiply-add a libm call) and for AVX2 without AVX-512 (``haswell``), the kernels give the
+    bits they give on this machine."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    file = str(tmp_path / "out.pt")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = _OTHER_CPU.format(path=[root], dtype=dtype, file=file)
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600)
+    theirs = torch.load(file)
+    ours = {k: _flat(f()) for k, f in _calls(11, 1043, getattr(torch, dtype)).items()}
+    for k in ours:
+        for a, b in zip(ours[k], theirs[k], strict=True):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (cpu, k)
