@@ -29,10 +29,12 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-__all__ = ["WIDTH", "Group", "gae", "reinforce", "reverse_scan"]
+__all__ = ["TOKENS", "WIDTH", "Group", "gae", "reinforce", "reverse_scan"]
 
 #: rows per group, one per vector lane
 WIDTH = 8
+#: tokens per tile: 64 bytes of a float32 row (a cache line), eight words of two bfloat16
+TOKENS = 2 * WIDTH
 
 F32, F64 = ir.FloatType(), ir.DoubleType()
 I1, I8, I16, I32, I64 = (ir.IntType(n) for n in (1, 8, 16, 32, 64))
@@ -130,11 +132,10 @@ def _concat(b: ir.IRBuilder, x: ir.Value, y: ir.Value) -> ir.Value:
 class Group:
     """One group of :data:`WIDTH` rows of ``[N, T]`` C-contiguous arrays: rows ``WIDTH * k``
     on, a short last group repeating row ``N - 1`` (the same values written twice), walked
-    back in tiles of ``tokens`` tokens (a multiple of :data:`WIDTH`: wider tiles widen and
-    round bfloat16 on wider vectors)."""
+    back in tiles of :data:`TOKENS` tokens."""
 
-    def __init__(self, context, b, n: ir.Value, t_len: ir.Value, k: ir.Value, tokens: int):
-        self.context, self.b, self.t_len, self.tokens = context, b, t_len, tokens
+    def __init__(self, context, b, n: ir.Value, t_len: ir.Value, k: ir.Value):
+        self.context, self.b, self.t_len = context, b, t_len
         last = b.sub(n, ir.Constant(I64, 1))
         first = b.mul(k, ir.Constant(I64, WIDTH))
         self.rows = []
@@ -207,19 +208,16 @@ class Group:
                 b.store(_sub(b, w, 0, h), ptr[i][k], align=align)
                 b.store(_sub(b, w, h, h), ptr[i + h][k], align=align)
 
-    def _paired(self, ty) -> bool:
-        # bfloat16 in tiles of 2 * WIDTH tokens: a row's tokens read and written as WIDTH
-        # 32-bit words, an even token in each word's low half, an odd one in its high half
-        return ty.dtype == types.uint16 and self.tokens == 2 * WIDTH
-
     def _at(self, t0: list, part: int) -> list:
         return [self.b.add(t, ir.Constant(I64, part)) for t in t0]
 
     def load(self, arr: tuple, t0: list) -> list:
-        """:attr:`tokens` vectors: lane ``i`` of the ``j``-th holds row ``i``'s token
+        """:data:`TOKENS` vectors: lane ``i`` of the ``j``-th holds row ``i``'s token
         ``t0[i] + j``."""
         b, data, ty = self.b, self.data(arr), arr[0]
-        if self._paired(ty):  # widened by a shift and a mask, no shuffle
+        if ty.dtype == types.uint16:
+            # bfloat16 as WIDTH 32-bit words a row, an even token in each word's low half and
+            # an odd one in its high half: widened by a shift and a mask, no shuffle
             words = self._load_rows(data, I32, 2, t0, 2)
             even = [b.bitcast(b.shl(x, constant(I32, 16)), vector(F32)) for x in words]
             odd = [b.bitcast(b.and_(x, constant(I32, 0xFFFF0000)), vector(F32)) for x in words]
@@ -228,10 +226,8 @@ class Group:
         if ty.dtype == types.boolean:
             return self._bools(data, t0)
         out = []
-        for part in range(0, self.tokens, WIDTH):  # one WIDTH x WIDTH tile at a time
+        for part in range(0, TOKENS, WIDTH):  # one WIDTH x WIDTH tile at a time
             rows = self._load_rows(data, data.type.pointee, 1, self._at(t0, part), _size(ty))
-            if ty.dtype == types.uint16:
-                rows = [widen_bf16(b, x) for x in rows]
             out += transpose(b, rows)
         return out
 
@@ -239,7 +235,7 @@ class Group:
         """Store the vectors ``xs`` (lane ``i`` of ``xs[j]`` row ``i``'s token ``t0[i] + j``)
         into ``arr``, for the rows :attr:`active` (every row where it is None)."""
         b, data, ty = self.b, self.data(arr), arr[0]
-        if self._paired(ty):
+        if ty.dtype == types.uint16:  # two rounded tokens a word
             even, odd = transpose(b, xs[0::2]), transpose(b, xs[1::2])
             words = [
                 b.or_(b.lshr(_bf16_high(b, e), constant(I32, 16)), _bf16_high(b, o))
@@ -247,10 +243,8 @@ class Group:
             ]
             self._store_rows(data, I32, 2, t0, words, 2)
             return
-        for part in range(0, self.tokens, WIDTH):
+        for part in range(0, TOKENS, WIDTH):
             ws = transpose(b, xs[part : part + WIDTH])
-            if ty.dtype == types.uint16:
-                ws = [round_bf16(b, w) for w in ws]
             self._store_rows(data, data.type.pointee, 1, self._at(t0, part), ws, _size(ty))
 
     def _bools(self, data: ir.Value, t0: list) -> list:
@@ -258,7 +252,7 @@ class Group:
         # or-ed together hold, in byte j, the 8 rows' bits at token j: one lane mask each.
         b = self.b
         out = []
-        for part in range(0, self.tokens, 8):
+        for part in range(0, TOKENS, 8):
             word = None
             for i, (off, t) in enumerate(zip(self.offsets, self._at(t0, part), strict=True)):
                 p = b.bitcast(b.gep(data, [b.add(off, t)]), I64.as_pointer())
@@ -307,7 +301,7 @@ def reverse_scan(group: Group, inputs: dict, outputs: dict, state: dict, step: S
     names to ``(numba type, value)`` arrays; returns the state after token 0."""
     b = group.b
     t_len = group.t_len
-    w = ir.Constant(I64, group.tokens)
+    w = ir.Constant(I64, TOKENS)
     head = b.srem(t_len, w)  # the tokens before the last whole tile
     slots = {k: cgutils.alloca_once_value(b, v) for k, v in state.items()}
 
@@ -321,10 +315,10 @@ def reverse_scan(group: Group, inputs: dict, outputs: dict, state: dict, step: S
         # one tile, row i from token t0[i]; with `live` (a lane mask) the other lanes keep
         # their carries and their rows' stores go to scratch memory
         tiles = {k: group.load(arr, t0) for k, arr in inputs.items()}
-        ys: dict = {k: [None] * group.tokens for k in outputs}
+        ys: dict = {k: [None] * TOKENS for k in outputs}
         before = {k: b.load(p) for k, p in slots.items()}
         carry = dict(before)
-        for j in range(group.tokens - 1, -1, -1):
+        for j in range(TOKENS - 1, -1, -1):
             y, carry = step({k: tile[j] for k, tile in tiles.items()}, carry)
             for k in outputs:
                 ys[k][j] = y[k]
@@ -391,8 +385,7 @@ class _Kernel:
         first = self.arrays[0]
         shape = context.make_array(first[0])(context, b, first[1]).shape
         n, t_len = cgutils.unpack_tuple(b, shape, 2)
-        tokens = 2 * WIDTH
-        self.group = Group(context, b, n, t_len, args[-1], tokens)
+        self.group = Group(context, b, n, t_len, args[-1])
         self.wide = first[0].dtype == types.float64  # else float32 arithmetic
         self.zero = constant(F64 if self.wide else F32, 0.0)
         self.bits = first[0].dtype == types.uint16
