@@ -87,7 +87,11 @@ def for_each(body: Callable[[object], None], items: Iterable, device: torch.devi
             body(item)
 
     futures = [pool(workers).submit(run, item) for item in items]
-    errors = [f.exception() for f in futures]
+    _raise_first([f.exception() for f in futures])
+
+
+def _raise_first(errors: list) -> None:
+    # the first item's exception, once every item has run
     for e in errors:
         if e is not None:
             raise e
@@ -111,6 +115,4 @@ def split_with_caller(body: Callable[[object], None], items: Iterable) -> None:
         body(items[0])
     finally:
         errors = [f.exception() for f in futures]
-    for e in errors:
-        if e is not None:
-            raise e
+    _raise_first(errors)

@@ -7,14 +7,9 @@ from __future__ import annotations
 import torch
 
 from rlops.advantages._masking import GaeInputs
-from rlops.scan.compiled import bits, output, run_rows
+from rlops.scan.compiled import as_array, bits, output, run_rows
 
 __all__ = ["gae_compiled", "reinforce_returns_compiled"]
-
-
-def _array(t: torch.Tensor | None, dtype: torch.dtype):
-    # a kernel's optional [N, T] input as a contiguous numpy array of dtype (None stays None)
-    return None if t is None else t.to(dtype).contiguous().numpy()
 
 
 def gae_compiled(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,9 +36,9 @@ def gae_compiled(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         rewards.numel(),
         bits(rewards),
         None if values is None else bits(values),
-        _array(mask, torch.bool),
-        _array(dones, torch.bool),
-        _array(cut if dones is not None else None, wide),
+        as_array(mask, torch.bool),
+        as_array(dones, torch.bool),
+        as_array(cut if dones is not None else None, wide),
         init.numpy(),
         gamma.expand(n).to(wide).contiguous().numpy(),
         gamma_lam.expand(n).to(torch.float64).contiguous().numpy(),
@@ -81,7 +76,7 @@ def reinforce_returns_compiled(
         bits(kl),
         outcome.to(kl.dtype).to(wide).contiguous().numpy(),  # the outcome as rounded in kl's dtype
         torch.tensor([-kl_coef], dtype=wide).numpy(),
-        _array(mask, torch.bool),
+        as_array(mask, torch.bool),
         gamma.expand(n).to(torch.float64).contiguous().numpy(),
         bits(ret),
         lanes=tiles.WIDTH,

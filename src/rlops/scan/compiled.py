@@ -123,12 +123,10 @@ def output(like: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def as_array(t: torch.Tensor | None, n: int, dtype: torch.dtype):
-    """``t`` as a contiguous ``[N, T]`` numpy array of ``dtype``; a missing input is an unread
-    ``[N, 1]`` stand-in of zeros."""
-    if t is None:
-        return torch.zeros((n, 1), dtype=dtype).numpy()
-    return t.to(dtype).contiguous().numpy()
+def as_array(t: torch.Tensor | None, dtype: torch.dtype):
+    """A kernel's optional ``[N, T]`` input as a contiguous numpy array of ``dtype`` (None stays
+    None: the kernel is built without it)."""
+    return None if t is None else t.to(dtype).contiguous().numpy()
 
 
 def scan_compiled(x: torch.Tensor, decay: float | torch.Tensor) -> torch.Tensor:
