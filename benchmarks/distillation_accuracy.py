@@ -17,6 +17,7 @@ import argparse
 import torch
 
 import rlops
+from rlops.measure.options import positive_int
 
 
 def definition(logits, a, ids, kind, tail, beta=0.5):
@@ -42,10 +43,10 @@ def definition(logits, a, ids, kind, tail, beta=0.5):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=512)
-    ap.add_argument("--v", type=int, default=4096)
-    ap.add_argument("--h", type=int, default=64)
-    ap.add_argument("--k", type=int, default=64)
+    ap.add_argument("--n", type=positive_int, default=512)
+    ap.add_argument("--v", type=positive_int, default=4096)
+    ap.add_argument("--h", type=positive_int, default=64)
+    ap.add_argument("--k", type=positive_int, default=64)
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(args.n, args.h, generator=g)
