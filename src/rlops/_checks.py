@@ -47,6 +47,12 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without the call where ``t`` has it already: a no-op ``.to`` is still a
+    dispatch, tens of microseconds when the caches are cold (after a large operation)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 # --------------------------------------------------------------------------- tensors
 def as_float_tensor(name: str, x: object) -> torch.Tensor:
     """Return ``x`` if it is a floating-point tensor, else raise ``TypeError`` naming ``name``."""

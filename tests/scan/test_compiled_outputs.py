@@ -98,41 +98,39 @@ def test_a_split_call_raises_after_every_share_has_run():
     assert sorted(ran) == [0, 0, 1, 1]
 
 
-def test_mapped_in_tells_fresh_pages_from_written_ones():
-    """``output`` maps a fresh block in at once and skips the advice on a reused one: the
-    first and last pages of an anonymous mapping never written are not mapped in; after a
-    write to each, they are."""
+def test_populate_maps_fresh_pages_in_and_skips_written_ones():
+    """``output`` maps a fresh block in at once and skips the advice on a reused one: an
+    anonymous mapping never written (or written on its first page only) is advised, and
+    afterwards every page is mapped in; one written on its first and last pages is not."""
     import ctypes
     import mmap
 
-    if compiled._mincore() is None:
-        pytest.skip("no mincore here")
-    size = 16 * compiled._PAGE
-    block = mmap.mmap(-1, size)
-    try:
-        start = ctypes.addressof(ctypes.c_char.from_buffer(block))
-        assert not compiled._mapped_in(start, start + size)
-        block[0] = 1
-        assert not compiled._mapped_in(start, start + size)  # the last page still unwritten
-        block[size - 1] = 1
-        assert compiled._mapped_in(start, start + size)
-    finally:
-        block.close()
-
-
-def test_an_output_on_reused_memory_skips_the_advice(monkeypatch):
-    calls = []
-    advice = compiled._madvise()
-    if advice is None:
+    if not compiled._advice_works():
         pytest.skip("no MADV_POPULATE_WRITE here")
-    monkeypatch.setattr(compiled, "_madvise", lambda: lambda *a: calls.append(a) or 0)
-    like = torch.zeros(1 << 20)  # 4 MiB
-    first = compiled.output(like)
-    first.fill_(1.0)  # every page mapped in
-    fresh = len(calls)
-    monkeypatch.setattr(compiled, "_mapped_in", lambda start, end: True)
-    compiled.output(like)
-    assert len(calls) == fresh  # mapped in already: no advice
-    monkeypatch.setattr(compiled, "_mapped_in", lambda start, end: False)
-    compiled.output(like)
-    assert len(calls) == fresh + 1
+    from rlops.scan._pages import PAGE, populate
+
+    size = 16 * PAGE
+    for written in ((), (0,), (0, size - 1)):
+        block = mmap.mmap(-1, size)
+        try:
+            for i in written:
+                block[i] = 1
+            start = ctypes.addressof(ctypes.c_char.from_buffer(block))
+            assert populate(start, size) == (0 if len(written) == 2 else 1)
+            assert populate(start, size) == 0  # mapped in now
+            assert populate(start + 1, PAGE) == 0  # no whole page inside: nothing to do
+        finally:
+            block.close()
+
+
+def test_output_advises_large_blocks_only(monkeypatch):
+    if not compiled._advice_works():
+        pytest.skip("no MADV_POPULATE_WRITE here")
+    import rlops.scan._pages as pages
+
+    calls = []
+    monkeypatch.setattr(pages, "populate", lambda address, nbytes: calls.append(nbytes) or 0)
+    compiled.output(torch.zeros(1 << 20))  # 4 MiB
+    assert calls == [4 << 20]
+    compiled.output(torch.zeros(1 << 10))  # 4 KiB: from malloc's heap, mapped already
+    assert calls == [4 << 20]

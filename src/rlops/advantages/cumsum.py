@@ -9,6 +9,7 @@ import math
 import torch
 
 from rlops._checks import (
+    as_dtype,
     as_float_tensor,
     check_chunk_size,
     check_dim,
@@ -88,12 +89,12 @@ def discounted_cumsum(
     method = SCAN.method(method, case_of(x, discount))
 
     dtype = compute_dtype(x.dtype)
-    xt = x.movedim(dim, -1)
-    lead = xt.shape[:-1]
-    x2 = xt.reshape(math.prod(lead), xt.shape[-1])
+    rows = x.dim() == 2 and dim == 1  # [B, T] already: no views to make (each a dispatch)
+    xt = x if rows else x.movedim(dim, -1)
+    x2 = xt if rows else xt.reshape(math.prod(xt.shape[:-1]), xt.shape[-1])
     # the compiled kernels read and write bfloat16 as it is (computed in float32)
     if not (method == "compiled" and x.dtype == torch.bfloat16 and cp_group is None):
-        x2 = x2.to(dtype)
+        x2 = as_dtype(x2, dtype)
     decay = _canonical_decay(discount, x, dim, dtype)
     if cp_group is not None:
         from rlops.advantages.context_parallel import Layout, cp_scan
@@ -101,7 +102,7 @@ def discounted_cumsum(
         y = cp_scan(x2, decay, Layout(cp_group, cp_layout), method, chunk_size)
     else:
         y = scan(x2, decay, method, chunk_size)
-    return y.reshape(xt.shape).movedim(-1, dim).to(x.dtype)
+    return as_dtype(y if rows else y.reshape(xt.shape).movedim(-1, dim), x.dtype)
 
 
 def _canonical_decay(

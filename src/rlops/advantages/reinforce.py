@@ -12,6 +12,7 @@ import torch
 import rlops.scan as scan
 from rlops._checks import (
     as_bool_mask,
+    as_dtype,
     as_float_tensor,
     check_2d,
     check_nonneg,
@@ -50,8 +51,7 @@ class Call:
 
 def _fused(method: str, c: Call) -> torch.Tensor:
     # one pass from the KL: the token rewards are never written (the same values as _two_step)
-    rows = as_rows(c.gamma, c.kl.shape[0], torch.float64, c.kl.device)
-    return compiled.reinforce_returns_compiled(c.kl, c.outcome, c.mask, c.kl_coef, rows)
+    return compiled.reinforce_returns_compiled(c.kl, c.outcome, c.mask, c.kl_coef, c.gamma)
 
 
 def _fused_triton(method: str, c: Call) -> torch.Tensor:
@@ -164,5 +164,6 @@ def reinforce_plus_plus_returns(
     dtype = torch.promote_types(rewards.dtype, kl.dtype)
     cp = cp_group is not None
     case = scan.case_of(kl, rewards, gamma_, dtype=dtype, cp=cp, discounts=(gamma_,))
-    call = Call(kl.to(dtype), rewards.to(dtype), mask, kl_coef, gamma_, cp_group, cp_layout)
+    kl, rewards = as_dtype(kl, dtype), as_dtype(rewards, dtype)
+    call = Call(kl, rewards, mask, kl_coef, gamma_, cp_group, cp_layout)
     return REINFORCE(method, case, call)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from rlops._checks import (
+    as_dtype,
     as_float_tensor,
     check_2d,
     check_chunk_size,
@@ -55,7 +56,7 @@ def _reference(method: str, c: GaeInputs):
 
 def _compiled(method: str, c: GaeInputs):
     # the carry decays by gamma * lam in float64 (see gae_compiled)
-    return compiled.gae_compiled(c.per_row(torch.float64))
+    return compiled.gae_compiled(c)
 
 
 def _triton(method: str, c: GaeInputs):
@@ -247,7 +248,7 @@ def gae(
         adv_lam = _length_adaptive_lam(alpha, mask, rewards, cp_group, cp_layout)
     # bfloat16 stays so until a row needs float32 (GaeInputs.widened): the compiled kernels read it
     if not rewards.dtype == values.dtype == torch.bfloat16:
-        rewards, values = rewards.to(dtype), values.to(dtype)
+        rewards, values = as_dtype(rewards, dtype), as_dtype(values, dtype)
     call = GaeInputs(
         rewards, values, mask, ends, gamma_, gamma_ * adv_lam, cut, end,
         chunk_size, cp_group, cp_layout,
@@ -259,7 +260,7 @@ def gae(
         both = call.twice(gamma_ * ret_lam)
         adv, ret = RETURNS(method, both.case, both)
         adv, ret = adv[:b], ret[b:]
-    return adv.to(out_dtype), ret.to(out_dtype)
+    return as_dtype(adv, out_dtype), as_dtype(ret, out_dtype)
 
 
 def _length_adaptive_lam(alpha: float, mask, like: torch.Tensor, cp_group, cp_layout):
@@ -325,6 +326,6 @@ def discounted_returns(
     mask, dones = indicators(rewards.shape, rewards, mask, dones)
     dtype = compute_dtype(rewards.dtype)
     ends, cut, end = bootstrap_inputs(bootstrap, truncated, rewards, dones, dtype)
-    r = rewards if rewards.dtype == torch.bfloat16 else rewards.to(dtype)  # as in gae
+    r = rewards if rewards.dtype == torch.bfloat16 else as_dtype(rewards, dtype)  # as in gae
     call = GaeInputs(r, None, mask, ends, gamma_, gamma_, cut, end, chunk_size, cp_group, cp_layout)
-    return RETURNS(method, call.case, call)[1].to(rewards.dtype)
+    return as_dtype(RETURNS(method, call.case, call)[1], rewards.dtype)

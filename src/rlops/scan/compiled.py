@@ -16,7 +16,16 @@ import torch
 from rlops._threads import split_with_caller
 from rlops.scan.decay import is_per_token
 
-__all__ = ["LANES", "as_array", "available", "bits", "output", "run_rows", "scan_compiled"]
+__all__ = [
+    "LANES",
+    "as_array",
+    "available",
+    "bits",
+    "output",
+    "per_row",
+    "run_rows",
+    "scan_compiled",
+]
 
 LANES = 4
 _MIN_ELEMENTS_PER_THREAD = 1 << 17
@@ -48,6 +57,10 @@ def run_rows(kernel, n_rows: int, n_elements: int, *args, lanes: int = LANES) ->
     per = -(-groups // threads)
     parts = [(g, min(g + per, groups)) for g in range(0, groups, per)]
 
+    if len(parts) == 1:
+        kernel(*args, *parts[0])
+        return
+
     def work(part):
         kernel(*args, *part)
 
@@ -63,45 +76,19 @@ def bits(t: torch.Tensor):
 
 
 @functools.cache
-def _madvise():
-    """libc's ``madvise`` on Linux 5.14+ (``MADV_POPULATE_WRITE``), else None."""
+def _advice_works() -> bool:
+    """Whether ``madvise(MADV_POPULATE_WRITE)`` works here (Linux 5.14+): asked once, through
+    ``ctypes``, on a small block (a kernel without the advice answers EINVAL)."""
     if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    probe = torch.empty(2 * _PAGE, dtype=torch.uint8)  # a kernel without the advice: EINVAL
-    start = -(-probe.data_ptr() // _PAGE) * _PAGE
-    return madvise if madvise(start, _PAGE, _MADV_POPULATE_WRITE) == 0 else None
-
-
-@functools.cache
-def _mincore():
-    """libc's ``mincore`` on Linux (whether pages are mapped in), else None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        mincore = ctypes.CDLL(None, use_errno=True).mincore
-    except (OSError, AttributeError):
-        return None
-    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    return mincore
-
-
-def _mapped_in(start: int, end: int) -> bool:
-    """Whether the first and the last page of ``[start, end)`` (page-aligned) are mapped in: a
-    block malloc reused (no advice needed) rather than one mapped afresh."""
-    mincore = _mincore()
-    if mincore is None:
         return False
-    flags = ctypes.create_string_buffer(1)
-    for page in (start, end - _PAGE):
-        if mincore(page, _PAGE, flags) != 0 or not flags.raw[0] & 1:
-            return False
-    return True
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    probe = torch.empty(2 * _PAGE, dtype=torch.uint8)
+    start = -(-probe.data_ptr() // _PAGE) * _PAGE
+    return madvise(start, _PAGE, _MADV_POPULATE_WRITE) == 0
 
 
 def output(like: torch.Tensor) -> torch.Tensor:
@@ -110,16 +97,15 @@ def output(like: torch.Tensor) -> torch.Tensor:
     one trap per 4 KiB page, and the workers of a split call would take those traps in parallel
     (slower than one thread on some hosts, virtual machines above all). On memory already
     mapped (a block malloc reuses: its first and last pages are, ``mincore``) it is skipped: the
-    walk of the page table cost 30 us per 4 MiB. Without the advice (not Linux, a kernel
+    walk of the page table cost 30 us per 4 MiB. Both checks and the advice are one call of
+    compiled code (:func:`rlops.scan._pages.populate`). Without the advice (not Linux, a kernel
     before 5.14) it does nothing."""
     out = torch.empty_like(like, memory_format=torch.contiguous_format)
     nbytes = out.numel() * out.element_size()
-    madvise = _madvise() if nbytes >= _MIN_POPULATE else None
-    if madvise is not None:
-        start = -(-out.data_ptr() // _PAGE) * _PAGE
-        end = (out.data_ptr() + nbytes) // _PAGE * _PAGE
-        if end > start and not _mapped_in(start, end):
-            madvise(start, end - start, _MADV_POPULATE_WRITE)  # a hint: failure changes nothing
+    if nbytes >= _MIN_POPULATE and _advice_works():
+        from rlops.scan._pages import populate
+
+        populate(out.data_ptr(), nbytes)  # a hint: failure changes nothing
     return out
 
 
@@ -127,6 +113,21 @@ def as_array(t: torch.Tensor | None, dtype: torch.dtype):
     """A kernel's optional ``[N, T]`` input as a contiguous numpy array of ``dtype`` (None stays
     None: the kernel is built without it)."""
     return None if t is None else t.to(dtype).contiguous().numpy()
+
+
+@functools.lru_cache(maxsize=64)
+def _filled(value: float, n: int, dtype: torch.dtype):
+    return torch.full((n,), value, dtype=dtype).numpy()  # the rounding torch gives a float
+
+
+def per_row(value: float | torch.Tensor, n: int, dtype: torch.dtype):
+    """A per-row parameter of a call on ``N`` rows (a float, or a tensor of ``N`` values: ``[N]``
+    or ``[N, 1]``) as the kernels' ``[N]`` numpy array of ``dtype``. A float's array is made
+    once and kept (the kernels only read it): a call's fixed cost is a few small operations,
+    each tens of microseconds when the call before has flushed the caches."""
+    if isinstance(value, torch.Tensor):
+        return value.reshape(-1).expand(n).to(dtype).contiguous().numpy()
+    return _filled(float(value), n, dtype)
 
 
 def scan_compiled(x: torch.Tensor, decay: float | torch.Tensor) -> torch.Tensor:
@@ -148,15 +149,15 @@ def scan_compiled(x: torch.Tensor, decay: float | torch.Tensor) -> torch.Tensor:
         a = decay.to(arith).expand(n, t_len).contiguous()
         run_rows(k.scan_tokens, n, x.numel(), bits(x), a.numpy(), bits(y))
     else:
-        if isinstance(decay, torch.Tensor):
-            w = decay.reshape(-1).expand(n)
-        else:
-            w = torch.full((n,), float(decay), dtype=torch.float64)
-        wide = w.to(torch.float64).contiguous().numpy()
-        start = torch.zeros(n, dtype=torch.float32 if x.dtype == torch.bfloat16 else x.dtype)
-        args = (None, None, None, None, start.numpy(), None, wide, None, bits(y))
+        wide = per_row(decay, n, torch.float64)
+        start = per_row(0.0, n, torch.float32 if x.dtype == torch.bfloat16 else x.dtype)
+        args = (None, None, None, None, start, None, wide, None, bits(y))
         run_rows(tiles.gae, n, x.numel(), bits(x), *args, lanes=tiles.WIDTH)
-        cut = w == 0  # a zero decay is an exact cut: y = x, whatever follows (even NaN)
-        if bool(cut.any()):  # a host tensor: no device synchronisation
-            y[cut] = x[cut]
+        # a zero decay is an exact cut: y = x, whatever follows (even NaN)
+        if isinstance(decay, torch.Tensor):
+            cut = decay.reshape(-1).expand(n) == 0
+            if bool(cut.any()):  # a host tensor: no device synchronisation
+                y[cut] = x[cut]
+        elif decay == 0:
+            y.copy_(x)
     return y

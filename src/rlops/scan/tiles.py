@@ -218,11 +218,12 @@ class Group:
         if ty.dtype == types.uint16:
             # bfloat16 as WIDTH 32-bit words a row, an even token in each word's low half and
             # an odd one in its high half: widened by a shift and a mask, no shuffle
-            words = self._load_rows(data, I32, 2, t0, 2)
-            even = [b.bitcast(b.shl(x, constant(I32, 16)), vector(F32)) for x in words]
-            odd = [b.bitcast(b.and_(x, constant(I32, 0xFFFF0000)), vector(F32)) for x in words]
-            pairs = zip(transpose(b, even), transpose(b, odd), strict=True)
-            return [x for pair in pairs for x in pair]
+            # (lane by lane, so after the transpose: one transpose of the words)
+            out = []
+            for x in transpose(b, self._load_rows(data, I32, 2, t0, 2)):
+                out.append(b.bitcast(b.shl(x, constant(I32, 16)), vector(F32)))
+                out.append(b.bitcast(b.and_(x, constant(I32, 0xFFFF0000)), vector(F32)))
+            return out
         if ty.dtype == types.boolean:
             return self._bools(data, t0)
         out = []
@@ -235,13 +236,13 @@ class Group:
         """Store the vectors ``xs`` (lane ``i`` of ``xs[j]`` row ``i``'s token ``t0[i] + j``)
         into ``arr``, for the rows :attr:`active` (every row where it is None)."""
         b, data, ty = self.b, self.data(arr), arr[0]
-        if ty.dtype == types.uint16:  # two rounded tokens a word
-            even, odd = transpose(b, xs[0::2]), transpose(b, xs[1::2])
-            words = [
-                b.or_(b.lshr(_bf16_high(b, e), constant(I32, 16)), _bf16_high(b, o))
-                for e, o in zip(even, odd, strict=True)
-            ]
-            self._store_rows(data, I32, 2, t0, words, 2)
+        if ty.dtype == types.uint16:  # two rounded tokens a word, then one transpose
+            words = []
+            for e, o in zip(xs[0::2], xs[1::2], strict=True):
+                both = _bf16_high(b, _concat(b, e, o))  # the two roundings as one vector
+                low = b.lshr(_sub(b, both, 0, WIDTH), constant(I32, 16))
+                words.append(b.or_(low, _sub(b, both, WIDTH, WIDTH)))
+            self._store_rows(data, I32, 2, t0, transpose(b, words), 2)
             return
         for part in range(0, TOKENS, WIDTH):
             ws = transpose(b, xs[part : part + WIDTH])
