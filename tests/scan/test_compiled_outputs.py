@@ -134,3 +134,91 @@ def test_output_advises_large_blocks_only(monkeypatch):
     assert calls == [4 << 20]
     compiled.output(torch.zeros(1 << 10))  # 4 KiB: from malloc's heap, mapped already
     assert calls == [4 << 20]
+
+
+@pytest.mark.parametrize("tiles", [64, 127, 128, 1000, 8192])
+@pytest.mark.parametrize("count", [1, 2, 3, 4])
+def test_pieces_cover_the_row_with_about_equal_work(tiles, count):
+    """Cuts from 0 to the row's tiles, increasing, no more pieces than 64 tiles each on
+    average (fewer where the row is short); a piece's work (its own tiles, plus the tiles
+    after it walked for the carries alone at a fraction ``_CARRIES_ONLY`` of the time) the
+    same to a tile."""
+    cuts = compiled.pieces(tiles, count)
+    assert cuts[0] == 0 and cuts[-1] == tiles
+    assert len(cuts) - 1 == max(1, min(count, tiles // 64))
+    sizes = [b - a for a, b in itertools.pairwise(cuts)]
+    assert all(s > 0 for s in sizes)
+    work = [compiled._CARRIES_ONLY * a + (b - a) for a, b in itertools.pairwise(cuts)]
+    assert max(work) - min(work) <= 1.0 + compiled._CARRIES_ONLY
+
+
+def test_one_group_on_two_threads_is_split_in_time_the_caller_taking_the_rows_start():
+    calls, lock = [], threading.Lock()
+
+    def kernel(start, stop, skip, take):
+        with lock:
+            calls.append((threading.current_thread(), start, stop, skip, take))
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        compiled.run_rows(kernel, 8, 8 << 20, lanes=8, tiles=1 << 16)  # 8 rows of 1M tokens
+        compiled.run_rows(kernel, 8, 8 << 15, lanes=8, tiles=1 << 11)  # 32K: not worth it
+    finally:
+        torch.set_num_threads(before)
+    split, whole = calls[:2], calls[2:]
+    cuts = compiled.pieces(1 << 16, 2)
+    by_piece = {(skip, take): thread for thread, _, _, skip, take in split}
+    assert sorted(by_piece) == [(0, cuts[1]), (cuts[1], (1 << 16) - cuts[1])]
+    assert by_piece[cuts[1], (1 << 16) - cuts[1]] is threading.current_thread()
+    assert all((start, stop) == (0, 1) for _, start, stop, _, _ in split)
+    assert [c[1:] for c in whole] == [(0, 1, 0, 1 << 11)]
+
+
+def _numba_call(rows: int, t: int):
+    """A compiled GAE kernel's arguments on ``[rows, t]`` float32 inputs, its outputs zeroed."""
+    import numpy as np
+
+    r, v = torch.randn(rows, t), torch.randn(rows, t)
+    adv, ret = torch.zeros(rows, t), torch.zeros(rows, t)
+    g, gl = np.ones(rows, np.float32), np.full(rows, 0.95)
+    args = (r.numpy(), v.numpy(), None, None, None, np.zeros(rows, np.float32), g, gl)
+    return (*args, adv.numpy(), ret.numpy()), (adv, ret)
+
+
+@pytest.mark.parametrize("rows", [8, 64])
+def test_numba_kernels_split_on_torchs_openmp_threads_give_one_threads_bits(rows, monkeypatch):
+    """Where torch runs on OpenMP, a numba kernel's shares run on its team (rlops.scan._team);
+    without it (the runtime's entry point not found) on the Python pool; the bits are one
+    thread's either way."""
+    from rlops.scan import _team, tiles
+
+    if not _team.available(tiles.gae):
+        pytest.skip("torch does not run on an OpenMP runtime here")
+    args, (adv, ret) = _numba_call(rows, 1 << 15)
+    tiles_n = (1 << 15) // tiles.TOKENS
+    compiled.run_rows(tiles.gae, rows, 1 << 30, *args, lanes=8, tiles=tiles_n)  # 1 thread
+    want = adv.clone(), ret.clone()
+    runs = []
+    real_run = _team.run
+    monkeypatch.setattr(_team, "run", lambda *a: runs.append(len(a[2])) or real_run(*a))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for fallback in (False, True):
+            if fallback:
+                monkeypatch.setattr(_team, "_gomp_parallel", lambda: None)
+            adv.zero_(), ret.zero_()
+            compiled.run_rows(tiles.gae, rows, 1 << 30, *args, lanes=8, tiles=tiles_n)
+            assert torch.equal(adv, want[0]) and torch.equal(ret, want[1]), fallback
+    finally:
+        torch.set_num_threads(before)
+    assert runs == [2]  # the team once; then the pool
+
+
+def test_the_team_refuses_arrays_not_c_contiguous():
+    from rlops.scan import _team, tiles
+
+    args, _ = _numba_call(8, 64)
+    args = (args[0].T.copy().T, *args[1:])  # the same values, Fortran order
+    assert not _team.run(tiles.gae, args, [(0, 1, 0, 2), (0, 1, 2, 2)])

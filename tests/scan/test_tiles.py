@@ -97,6 +97,108 @@ def test_the_bits_do_not_depend_on_the_thread_count(dtype, shape):
             assert _same(a, b), k
 
 
+def _pieces_calls(n: int, t: int, dtype: torch.dtype, cuts: list[int]) -> dict:
+    """Every kind of tile kernel call on ``[n, t]`` inputs, run piece by piece: piece ``j``
+    walks the rows' last ``cuts[j]`` whole tiles for the carries alone, then writes its tiles
+    up to ``cuts[j + 1]`` (and the tokens before the first whole tile in the last piece)."""
+    import numpy as np
+
+    from rlops.scan import tiles
+    from rlops.scan.compiled import bits, per_row
+
+    r, v, kl, outcome, mask, dones, truncated, bootstrap = _inputs(n, t, dtype, 0)
+    wide = torch.float32 if dtype == torch.bfloat16 else dtype
+    groups = -(-n // tiles.WIDTH)
+    cut = torch.where(truncated, bootstrap.to(wide), 0.0).numpy()
+    g, gl = per_row(0.99, n, wide), per_row(0.99 * 0.95, n, torch.float64)
+    spans = list(zip(cuts[:-1], np.diff(cuts).tolist(), strict=True))
+
+    def run(kernel, *args, outputs):
+        outs = [torch.empty(n, t, dtype=dtype) for _ in range(outputs)]
+        arrays = [bits(o) for o in outs]
+        args = [arrays.pop(0) if isinstance(a, str) else a for a in args]
+        for skip, take in spans[::-1]:  # any order: the pieces write apart
+            kernel(*args, 0, groups, skip, take)
+        return outs
+
+    zero = per_row(0.0, n, wide)
+    m, d = mask.numpy(), (dones | truncated).numpy()
+    return {
+        "gae": lambda: run(
+            tiles.gae, bits(r), bits(v), None, None, None, zero, g, gl, "out", "out", outputs=2
+        ),
+        "gae mask dones": lambda: run(
+            tiles.gae, bits(r), bits(v), m, d, cut, zero, g, gl, "out", "out", outputs=2
+        ),
+        "returns mask": lambda: run(
+            tiles.gae,
+            bits(r),
+            None,
+            m,
+            None,
+            None,
+            zero,
+            g,
+            g.astype("float64"),
+            None,
+            "out",
+            outputs=1,
+        ),
+        "reinforce++": lambda: run(
+            tiles.reinforce,
+            bits(kl),
+            per_row(outcome, n, wide),
+            per_row(-0.1, 1, wide),
+            m,
+            gl,
+            "out",
+            outputs=1,
+        ),
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("t", "cuts"),
+    [
+        (1043, [0, 20, 65]),  # short pieces (rows not skewed), and the 3 tokens before them
+        (1043, [0, 65]),  # the whole row in one piece
+        (4099, [0, 1, 64, 130, 256]),  # a one-tile piece; skewed (64 tiles) and not
+        (2048, [0, 70, 128]),  # no token before the first whole tile
+        (17, [0, 0, 1]),  # an empty piece
+    ],
+)
+def test_a_row_split_in_time_gives_the_bits_of_one_pass(dtype, t, cuts):
+    """Pieces that walk the tiles after theirs for the carries alone (``skip``) and write their
+    own (``take``) give, together, the bits of the whole row written in one pass."""
+    n = 11
+    whole = _pieces_calls(n, t, dtype, [0, t // 16])
+    split = _pieces_calls(n, t, dtype, cuts)
+    for k in whole:
+        for a, b in zip(whole[k](), split[k](), strict=True):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), k
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_split_in_time_over_threads_give_the_bits_of_one_thread(dtype, monkeypatch):
+    """Eight rows are one group: at 2 threads, with the size from which rows are split in time
+    lowered to this test's, each row runs as two pieces on two threads."""
+    from rlops.scan import compiled
+
+    monkeypatch.setattr(compiled, "_MIN_ELEMENTS_PER_PIECE", 1 << 12)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = {k: _flat(f()) for k, f in _calls(8, 32771, dtype).items()}
+        torch.set_num_threads(2)
+        two = {k: _flat(f()) for k, f in _calls(8, 32771, dtype).items()}
+    finally:
+        torch.set_num_threads(before)
+    for k in one:
+        for a, b in zip(one[k], two[k], strict=True):
+            assert _same(a, b), k
+
+
 def _gae_loop(r, v, gamma, lam, mask=None):
     """GAE by its definition, in float64: delta = r + gamma * V(next kept token) - V, the
     advantage carried back over kept tokens only (mask-0 tokens give 0)."""

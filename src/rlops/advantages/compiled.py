@@ -44,6 +44,7 @@ def gae_compiled(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         None if values is None else bits(adv),
         bits(ret),
         lanes=tiles.WIDTH,
+        tiles=t_len // tiles.TOKENS,
     )
     return adv, ret
 
@@ -82,5 +83,6 @@ def reinforce_returns_compiled(
         per_row(gamma, n, torch.float64),
         bits(ret),
         lanes=tiles.WIDTH,
+        tiles=t_len // tiles.TOKENS,
     )
     return ret

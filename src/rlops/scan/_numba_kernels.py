@@ -9,9 +9,10 @@ advanced by one fused multiply-add; bfloat16 arrays are their bits, computed in 
 import numba
 import numpy as np
 
+from rlops.scan._cache import njit
 from rlops.scan.exact_arith import fma, group, lanes, load, narrow, set_llvm_optsize, store
 
-_jit = numba.njit(cache=True, nogil=True)
+_jit = njit(nogil=True)  # cached on disk, saves locked across processes
 _kernel = numba.njit(nogil=True)  # one group, compiled apart from the loop over groups
 
 

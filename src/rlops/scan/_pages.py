@@ -9,12 +9,11 @@ the module is only used where :func:`rlops.scan.compiled._advice_works` found th
 
 from __future__ import annotations
 
-import numba
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-__all__ = ["populate"]
+from rlops.scan._cache import njit
 
 PAGE = 4096
 _MADV_POPULATE_WRITE = 23
@@ -57,7 +56,7 @@ def _advise_populate(typingctx, address, length):
     return sig, codegen
 
 
-@numba.njit(cache=True, nogil=True)
+@njit(nogil=True)
 def populate(address, nbytes):
     """Map in the whole pages of ``[address, address + nbytes)`` now, in one system call,
     unless its first and last pages are mapped in already (a block malloc reused, not one

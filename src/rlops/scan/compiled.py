@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import sys
 
 import torch
@@ -29,6 +30,10 @@ __all__ = [
 
 LANES = 4
 _MIN_ELEMENTS_PER_THREAD = 1 << 17
+# Rows split in time from 256K elements a piece: on torch's OpenMP team the split ran 0.70-0.91x
+# the one-thread time at 8 x 131072 and 0.78-0.97x at 8 x 65536 (2-core VM); on the Python pool
+# (a thread to wake, 0.1-0.2 ms there) 0.88-1.20x at 8 x 131072.
+_MIN_ELEMENTS_PER_PIECE = 1 << 18
 _PAGE, _MADV_POPULATE_WRITE = 4096, 23
 _MIN_POPULATE = 1 << 20  # bytes: smaller blocks come from malloc's heap, mapped already
 
@@ -47,24 +52,64 @@ def available() -> bool:
     return _numba() is not None
 
 
-def run_rows(kernel, n_rows: int, n_elements: int, *args, lanes: int = LANES) -> None:
+def run_rows(
+    kernel, n_rows: int, n_elements: int, *args, lanes: int = LANES, tiles: int | None = None
+) -> None:
     """Run ``kernel(*args, start, stop)`` on the groups of ``lanes`` rows ``start`` to ``stop``
     (a short last group repeats its last row: the same values are written twice): one call, or
-    one per thread when it pays, each on a contiguous range of groups, the calling thread
-    running the first."""
-    groups = -(-n_rows // lanes)
-    threads = max(1, min(torch.get_num_threads(), n_elements // _MIN_ELEMENTS_PER_THREAD, groups))
-    per = -(-groups // threads)
-    parts = [(g, min(g + per, groups)) for g in range(0, groups, per)]
+    one per thread when it pays, each on a contiguous range of groups: a numba kernel's on
+    torch's OpenMP threads where torch runs on OpenMP (:mod:`rlops.scan._team`), else over
+    :mod:`rlops._threads`, the calling thread running the first.
 
+    With ``tiles`` (the whole tiles of a row, for the kernels of :mod:`rlops.scan.tiles`, which
+    take ``skip, take`` after ``start, stop``), a call of fewer groups than threads, of 256K
+    elements a piece or more, splits its rows in time instead (:func:`pieces`; each group on
+    that many threads): a piece walks the tiles after it for the carries alone, so the rows'
+    bits are those of one thread's pass."""
+    groups = -(-n_rows // lanes)
+    threads = max(1, min(torch.get_num_threads(), n_elements // _MIN_ELEMENTS_PER_THREAD))
+    whole = () if tiles is None else (0, tiles)
+    split = min(threads // groups, n_elements // _MIN_ELEMENTS_PER_PIECE)
+    if tiles is not None and split > 1:
+        cuts = pieces(tiles, split)
+        # the row's start first: the caller's, the piece with the longest walk for its carries
+        spans = [(a, b - a) for a, b in itertools.pairwise(cuts)][::-1]
+        parts = [(g, g + 1, *span) for span in spans for g in range(groups)]
+    else:
+        per = -(-groups // min(threads, groups))
+        parts = [(g, min(g + per, groups), *whole) for g in range(0, groups, per)]
     if len(parts) == 1:
         kernel(*args, *parts[0])
         return
+    if available() and not torch.compiler.is_compiling():
+        from rlops.scan import _team
+
+        if _team.available(kernel) and _team.run(kernel, args, parts):
+            return  # on torch's OpenMP threads, none to wake (_team)
 
     def work(part):
         kernel(*args, *part)
 
     split_with_caller(work, parts)
+
+
+#: the time a tile walked for its carries alone takes, against one written (measured: 0.3 for
+#: bfloat16 GAE, 0.4 for float32)
+_CARRIES_ONLY = 0.35
+_MIN_PIECE = 64  # tiles: 1024 tokens
+
+
+def pieces(tiles: int, count: int) -> list[int]:
+    """Where to cut rows of ``tiles`` whole tiles into at most ``count`` pieces of about equal
+    work, in tiles from the row's end (``[0, ..., tiles]``): piece ``j`` walks the ``cuts[j]``
+    tiles after it for the carries alone (a fraction :data:`_CARRIES_ONLY` of the time of a
+    written tile), then writes its own, so that pieces nearer the row's start are shorter."""
+    count = max(1, min(count, tiles // _MIN_PIECE))
+    keep = 1.0 - _CARRIES_ONLY
+    # equal work c: cuts[j + 1] = keep * cuts[j] + c, cuts[count] = tiles
+    c = tiles * _CARRIES_ONLY / (1.0 - keep**count)
+    cuts = [round(c * (1.0 - keep**j) / _CARRIES_ONLY) for j in range(count)]
+    return [*cuts, tiles]
 
 
 def bits(t: torch.Tensor):
@@ -152,7 +197,9 @@ def scan_compiled(x: torch.Tensor, decay: float | torch.Tensor) -> torch.Tensor:
         wide = per_row(decay, n, torch.float64)
         start = per_row(0.0, n, torch.float32 if x.dtype == torch.bfloat16 else x.dtype)
         args = (None, None, None, None, start, None, wide, None, bits(y))
-        run_rows(tiles.gae, n, x.numel(), bits(x), *args, lanes=tiles.WIDTH)
+        run_rows(
+            tiles.gae, n, x.numel(), bits(x), *args, lanes=tiles.WIDTH, tiles=t_len // tiles.TOKENS
+        )
         # a zero decay is an exact cut: y = x, whatever follows (even NaN)
         if isinstance(decay, torch.Tensor):
             cut = decay.reshape(-1).expand(n) == 0

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numba
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
+
+from rlops.scan._cache import njit
 
 __all__ = ["TOKENS", "WIDTH", "Group", "gae", "reinforce", "reverse_scan"]
 
@@ -295,15 +296,26 @@ def _broadcast(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
     return b.shuffle_vector(lane0, undef, constant(I32, 0))
 
 
-def reverse_scan(group: Group, inputs: dict, outputs: dict, state: dict, step: Step) -> dict:
+def reverse_scan(
+    group: Group, inputs: dict, outputs: dict, state: dict, step: Step, skip, take
+) -> dict:
     """Emit the backward pass over time of one group: ``step(x, state) -> (y, state)`` with
     ``x`` the named input vectors at one token, ``y`` the named output vectors there and
     ``state`` the carries (vectors) from the token after it. ``inputs`` and ``outputs`` map
-    names to ``(numba type, value)`` arrays; returns the state after token 0."""
+    names to ``(numba type, value)`` arrays; returns the state after the last token walked.
+
+    ``skip`` and ``take`` (``i64``) give a piece of the rows in whole tiles counted from their
+    end: the carries first walk the last ``skip`` tiles writing nothing (the very steps, so the
+    very carries, of a whole pass), then ``take`` tiles are written, and the tokens before the
+    first whole tile where those reach it. ``0, T // 16`` is the whole row; pieces that cover
+    it give the whole row's bits, whatever thread runs which."""
     b = group.b
     t_len = group.t_len
     w = ir.Constant(I64, TOKENS)
+    tiles_n = b.sdiv(t_len, w)
     head = b.srem(t_len, w)  # the tokens before the last whole tile
+    skip = b.select(b.icmp_signed("<", skip, tiles_n), skip, tiles_n)
+    take = b.select(b.icmp_signed("<", take, b.sub(tiles_n, skip)), take, b.sub(tiles_n, skip))
     slots = {k: cgutils.alloca_once_value(b, v) for k, v in state.items()}
 
     def run(x):
@@ -312,51 +324,55 @@ def reverse_scan(group: Group, inputs: dict, outputs: dict, state: dict, step: S
             b.store(new[k], p)
         return y
 
-    def tile(t0: list, live: ir.Value | None) -> None:
+    def tile(t0: list, live: ir.Value | None, written: dict) -> None:
         # one tile, row i from token t0[i]; with `live` (a lane mask) the other lanes keep
         # their carries and their rows' stores go to scratch memory
         tiles = {k: group.load(arr, t0) for k, arr in inputs.items()}
-        ys: dict = {k: [None] * TOKENS for k in outputs}
+        ys: dict = {k: [None] * TOKENS for k in written}
         before = {k: b.load(p) for k, p in slots.items()}
         carry = dict(before)
         for j in range(TOKENS - 1, -1, -1):
             y, carry = step({k: tile[j] for k, tile in tiles.items()}, carry)
-            for k in outputs:
+            for k in written:
                 ys[k][j] = y[k]
         for k, p in slots.items():
             b.store(carry[k] if live is None else b.select(live, carry[k], before[k]), p)
-        for k, arr in outputs.items():
+        for k, arr in written.items():
             group.store(arr, t0, ys[k])
+
+    def start(index: ir.Value) -> ir.Value:
+        # the first token of the tile `index` tiles from the row's end
+        return b.sub(t_len, b.mul(b.add(index, ir.Constant(I64, 1)), w))
+
+    with cgutils.for_range(b, skip) as loop:  # the carries alone: nothing is stored
+        tile([start(loop.index)] * WIDTH, None, {})
 
     # Row i walks its tiles `skew * i` steps after row 0 (skew 1 on long rows), so that the
     # rows' lines fall in different cache sets: where T is a power of two the rows are a
     # multiple of 4 KiB apart, and 32 lines in one set of a 12-way cache made float32 GAE a
     # quarter slower. In the first and last WIDTH - 1 steps a row may have no tile: its lane
     # computes on its first tile again, keeps its carries and stores to scratch memory.
-    tiles_n = b.sdiv(t_len, w)
-    skew = b.zext(b.icmp_signed(">=", tiles_n, ir.Constant(I64, _SKEW_FROM)), I64)
+    skew = b.zext(b.icmp_signed(">=", take, ir.Constant(I64, _SKEW_FROM)), I64)
     ramp = b.mul(skew, ir.Constant(I64, WIDTH - 1))
     lag = [b.mul(skew, ir.Constant(I64, i)) for i in range(WIDTH)]
     lane_lag = b.mul(_broadcast(b, skew), ir.Constant(vector(I64), list(range(WIDTH))))
-    with cgutils.for_range(b, b.add(tiles_n, ramp)) as loop:
+    with cgutils.for_range(b, b.add(take, ramp)) as loop:
         k = loop.index
-        edge = b.or_(b.icmp_signed("<", k, ramp), b.icmp_signed(">=", k, tiles_n))
+        edge = b.or_(b.icmp_signed("<", k, ramp), b.icmp_signed(">=", k, take))
         with b.if_else(edge) as (masked, plain):
             with masked:
                 idx = [b.sub(k, d) for d in lag]
-                on = [b.icmp_unsigned("<", i, tiles_n) for i in idx]  # below 0: large
+                on = [b.icmp_unsigned("<", i, take) for i in idx]  # below 0: large
                 first = [b.select(a, i, ir.Constant(I64, 0)) for a, i in zip(on, idx, strict=True)]
-                t0 = [b.sub(t_len, b.mul(b.add(i, ir.Constant(I64, 1)), w)) for i in first]
-                live = b.icmp_unsigned(
-                    "<", b.sub(_broadcast(b, k), lane_lag), _broadcast(b, tiles_n)
-                )
+                t0 = [start(b.add(skip, i)) for i in first]
+                live = b.icmp_unsigned("<", b.sub(_broadcast(b, k), lane_lag), _broadcast(b, take))
                 group.active = on
-                tile(t0, live)
+                tile(t0, live, outputs)
                 group.active = None
             with plain:
-                t0 = [b.sub(t_len, b.mul(b.add(b.sub(k, d), ir.Constant(I64, 1)), w)) for d in lag]
-                tile(t0, None)
-    with cgutils.for_range(b, head) as loop:
+                tile([start(b.add(skip, b.sub(k, d))) for d in lag], None, outputs)
+    whole = b.icmp_signed("==", b.add(skip, take), tiles_n)
+    with b.if_then(whole), cgutils.for_range(b, head) as loop:
         t = b.sub(b.sub(head, ir.Constant(I64, 1)), loop.index)
         y = run({k: group.gather(arr, t) for k, arr in inputs.items()})
         for k, arr in outputs.items():
@@ -381,12 +397,14 @@ class _Kernel:
         self.b = b
         self.arrays = [
             None if isinstance(ty, types.NoneType) else (ty, value)
-            for ty, value in zip(signature.args[:-1], args[:-1], strict=True)
+            for ty, value in zip(signature.args[:-3], args[:-3], strict=True)
         ]
         first = self.arrays[0]
         shape = context.make_array(first[0])(context, b, first[1]).shape
         n, t_len = cgutils.unpack_tuple(b, shape, 2)
-        self.group = Group(context, b, n, t_len, args[-1])
+        self.group = Group(context, b, n, t_len, args[-3])
+        #: the piece of the rows (:func:`reverse_scan`)
+        self.skip, self.take = args[-2], args[-1]
         self.wide = first[0].dtype == types.float64  # else float32 arithmetic
         self.zero = constant(F64 if self.wide else F32, 0.0)
         self.bits = first[0].dtype == types.uint16
@@ -399,10 +417,10 @@ class _Kernel:
 
 
 @intrinsic
-def _gae_group(typingctx, r, v, mask, dones, cut, init, g, gl, adv, ret, k):
+def _gae_group(typingctx, r, v, mask, dones, cut, init, g, gl, adv, ret, k, skip, take):
     # One group of GAE (with ``v`` None, discounted returns): the step of
     # ``rlops.advantages.reference`` with the carry in float64 (see ``gae``).
-    sig = types.void(r, v, mask, dones, cut, init, g, gl, adv, ret, k)
+    sig = types.void(r, v, mask, dones, cut, init, g, gl, adv, ret, k, skip, take)
 
     def codegen(context, b, signature, args):
         kern = _Kernel(context, b, signature, args)
@@ -445,16 +463,16 @@ def _gae_group(typingctx, r, v, mask, dones, cut, init, g, gl, adv, ret, k):
             m = x["m"]
             return {"ret": b.select(m, kern.narrow(new), zero)}, {"acc": b.select(m, new, acc)}
 
-        reverse_scan(grp, inputs, outputs, state, step)
+        reverse_scan(grp, inputs, outputs, state, step, kern.skip, kern.take)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
 @intrinsic
-def _reinforce_group(typingctx, kl, outcome, ck, mask, gl, ret, k):
+def _reinforce_group(typingctx, kl, outcome, ck, mask, gl, ret, k, skip, take):
     # One group of REINFORCE++ returns (see ``reinforce``).
-    sig = types.void(kl, outcome, ck, mask, gl, ret, k)
+    sig = types.void(kl, outcome, ck, mask, gl, ret, k, skip, take)
 
     def codegen(context, b, signature, args):
         kern = _Kernel(context, b, signature, args)
@@ -486,17 +504,17 @@ def _reinforce_group(typingctx, kl, outcome, ck, mask, gl, ret, k):
                 "pend": b.select(m, zero, s["pend"]),
             }
 
-        reverse_scan(grp, {"kl": kl_, "m": m_}, {"ret": ret_}, state, step)
+        reverse_scan(grp, {"kl": kl_, "m": m_}, {"ret": ret_}, state, step, kern.skip, kern.take)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
-_jit = numba.njit(cache=True, nogil=True)
+_jit = njit(nogil=True)  # cached on disk, saves locked across processes
 
 
 @_jit
-def gae(r, v, mask, dones, cut, init, g, gl, adv, ret, start, stop):
+def gae(r, v, mask, dones, cut, init, g, gl, adv, ret, start, stop, skip, take):
     """GAE advantages and returns of the row groups ``start`` to ``stop`` of ``r`` ``[N, T]``
     (with ``v`` None, discounted returns into ``ret``; ``adv`` is then None): ``mask``,
     ``dones`` (bool) and ``cut`` (the value after each end, in the arithmetic dtype) each
@@ -508,17 +526,21 @@ def gae(r, v, mask, dones, cut, init, g, gl, adv, ret, start, stop):
         if mask: acc = fma(gl, acc, f64(r + g * nxt - v)); adv = narrow(acc); ret = adv + v;
                  nxt = v
         else:    adv = ret = 0                   (the carries pass through)
+
+    ``skip`` and ``take``: the piece of the rows written, in tiles from their end
+    (:func:`reverse_scan`; ``0, T // TOKENS`` the whole rows).
     """
     for k in range(start, stop):
-        _gae_group(r, v, mask, dones, cut, init, g, gl, adv, ret, k)
+        _gae_group(r, v, mask, dones, cut, init, g, gl, adv, ret, k, skip, take)
 
 
 @_jit
-def reinforce(kl, outcome, ck, mask, gl, ret, start, stop):
+def reinforce(kl, outcome, ck, mask, gl, ret, start, stop, skip, take):
     """REINFORCE++ returns of the row groups ``start`` to ``stop``: the token reward is
     ``ck[0] * kl[t]`` (``ck = -kl_coef`` in the arithmetic dtype; in bfloat16 rounded, and
     rounded again with the outcome added), plus ``outcome`` ``[N]`` on the row's last mask-1
     token, the first met walking back; mask-0 tokens give 0 and pass the carry through; ``gl``
-    ``[N]`` the float64 discount, never 0 (such rows go to the chunked method)."""
+    ``[N]`` the float64 discount, never 0 (such rows go to the chunked method). ``skip`` and
+    ``take`` as in :func:`gae`."""
     for k in range(start, stop):
-        _reinforce_group(kl, outcome, ck, mask, gl, ret, k)
+        _reinforce_group(kl, outcome, ck, mask, gl, ret, k, skip, take)

@@ -1,0 +1,149 @@
+"""The compiled kernels' shares run by torch's own OpenMP threads (numba; imported only where it
+is installed): :func:`available`, :func:`run`.
+
+A share handed to a Python thread pool waits for that thread to wake (0.1-0.2 ms on the 2-core
+VM), and where torch's OpenMP workers still spin after an op (libgomp spins for a while before
+it sleeps) the pool's thread and the spinning one share a core: the split ran no faster than one
+thread. torch's OpenMP team instead picks the shares up at once, on the threads torch itself
+uses: :func:`run` opens a parallel region of that runtime (``GOMP_parallel``, which GNU's
+libgomp and LLVM's libomp both export) on a compiled function (a numba ``cfunc``, one per
+kernel and argument types) that takes the shares one at a time (an atomic counter) and calls
+the kernel on each, without the GIL. Where torch does not run on OpenMP, or the runtime lacks
+the entry point, :func:`available` is False and the callers use the pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import types
+from numba.core.dispatcher import Dispatcher
+from numba.extending import intrinsic
+
+
+@functools.cache
+def _gomp_parallel():
+    """``GOMP_parallel`` of the OpenMP runtime torch runs on, or None."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:  # the symbol as torch's own libraries resolve it: their runtime, not another one
+        fn = ctypes.CDLL(torch._C.__file__).GOMP_parallel
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+    fn.restype = None
+    return fn
+
+
+def available(kernel) -> bool:
+    """Whether :func:`run` can run ``kernel``'s shares: a numba kernel, and torch's OpenMP
+    runtime found."""
+    return isinstance(kernel, Dispatcher) and _gomp_parallel() is not None
+
+
+@intrinsic
+def _pointer(typingctx, address):
+    """An integer address as a ``void *``."""
+
+    def codegen(context, b, signature, args):
+        return b.inttoptr(args[0], ir.IntType(8).as_pointer())
+
+    return types.voidptr(types.int64), codegen
+
+
+@intrinsic
+def _claim(typingctx, address):
+    """Atomically add 1 to the ``int64`` at ``address``; its value before."""
+
+    def codegen(context, b, signature, args):
+        counter = b.inttoptr(args[0], ir.IntType(64).as_pointer())
+        return b.atomic_rmw("add", counter, ir.Constant(ir.IntType(64), 1), "monotonic")
+
+    return types.int64(types.int64), codegen
+
+
+_HEAD = 3  # the header's first slots: the share counter, the number of shares, ints a share
+
+
+def _header(args: tuple, parts: list[tuple]) -> np.ndarray:
+    """``int64`` slots: the counter, the number of shares and ints per share, then each array
+    argument's address and shape (nothing for None), then the shares' ints."""
+    slots: list[int] = [0, len(parts), len(parts[0])]
+    for a in args:
+        if a is not None:
+            slots += [a.ctypes.data, *a.shape]
+    for part in parts:
+        slots += part
+    return np.array(slots, dtype=np.int64)
+
+
+_lock = threading.Lock()
+_bodies: dict = {}
+
+
+def _body(kernel: Dispatcher, args: tuple, per_share: int):
+    """The ``cfunc`` running ``kernel``'s shares for arguments like ``args`` (compiled once per
+    process and signature: a function made here has no source file for numba's disk cache).
+    Keyed by the arrays' dtypes and dimensions (``numba.typeof`` of ten arrays took 0.1 ms
+    when the caches were cold)."""
+    key = (kernel, per_share, *(None if a is None else (a.dtype, a.ndim) for a in args))
+    body = _bodies.get(key)
+    if body is None:
+        with _lock:
+            if key not in _bodies:
+                argtypes = tuple(numba.typeof(a) for a in args)
+                _bodies[key] = _compile_body(kernel, argtypes, per_share)
+            body = _bodies[key]
+    return body
+
+
+def _compile_body(kernel: Dispatcher, argtypes: tuple, per_share: int):
+    env = {"carray": numba.carray, "pointer": _pointer, "claim": _claim, "kernel": kernel}
+    env["int64"] = np.int64
+    unpack, names, at = [], [], _HEAD
+    for i, ty in enumerate(argtypes):  # each array from its address and shape (_header)
+        if isinstance(ty, types.NoneType):
+            names.append("None")
+            continue
+        env[f"dt{i}"] = np.dtype(str(ty.dtype))
+        shape = "".join(f"h[{at + 1 + d}], " for d in range(ty.ndim))
+        unpack.append(f"    a{i} = carray(pointer(h[{at}]), ({shape}), dt{i})")
+        names.append(f"a{i}")
+        at += 1 + ty.ndim
+    share = ", ".join(f"h[p + {j}]" for j in range(per_share))
+    source = "\n".join(
+        [
+            "def body(data):",
+            f"    h = carray(data, ({_HEAD},), int64)",
+            "    n = h[1]",
+            f"    h = carray(data, ({at} + n * {per_share},), int64)",
+            *unpack,
+            "    while True:",
+            "        i = claim(h.ctypes.data)",  # the counter is the header's first slot
+            "        if i >= n:",
+            "            break",
+            f"        p = {at} + i * {per_share}",
+            f"        kernel({', '.join(names)}, {share})",
+        ]
+    )
+    exec(compile(source, f"<shares of {kernel.py_func.__name__}>", "exec"), env)
+    return numba.cfunc(types.void(types.voidptr), nogil=True)(env["body"])
+
+
+def run(kernel: Dispatcher, args: tuple, parts: list[tuple]) -> bool:
+    """``kernel(*args, *part)`` for every part, on torch's OpenMP team of ``len(parts)``
+    threads (the calling thread one of them; the parts must write apart). False, with nothing
+    run, where an array is not C-contiguous (the shares rebuild each array from its address
+    and shape)."""
+    if not all(a is None or a.flags.c_contiguous for a in args):
+        return False
+    body = _body(kernel, args, len(parts[0]))
+    header = _header(args, parts)
+    _gomp_parallel()(body.address, header.ctypes.data, len(parts), 0)
+    return True
