@@ -157,3 +157,22 @@ def test_reinforce_nan_on_mask0_tokens_and_empty_rows_stay_out():
     outcome[mask.shape[0] // 2] = float("inf")  # the all-zero row has no outcome token
     got = rlops.reinforce_plus_plus_returns(outcome, kl, mask, kl_coef=0.1, gamma=0.95)
     assert torch.isfinite(got).all() and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("t", [47, 1043])
+def test_reinforce_tiles_after_every_outcome_is_added(t):
+    """The kernel skips the second rounding on tiles where every row's outcome is added
+    already (or is ±0): rows whose last action token falls at each position around a tile's
+    edges, outcomes of +0, -0, NaN and ordinary values, give the two-pass bits."""
+    b = 16
+    outcome, kl, _ = _reinforce_inputs(b, t, t, "holes")
+    outcome[0], outcome[1], outcome[2] = 0.0, -0.0, float("nan")
+    ends = torch.tensor([t - 1, t - 2, t - 15, t - 16, t - 17, t - 33, 16, 15] * 2)[:b]
+    mask = torch.arange(t) <= ends.clamp(0, t - 1).unsqueeze(-1)
+    mask[8:, ::3] = False  # holes in half the rows
+    want = _two_pass(outcome, kl, mask, 0.1, 0.97)
+    got = rlops.reinforce_plus_plus_returns(outcome, kl, mask, kl_coef=0.1, gamma=0.97)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(
+        got.nan_to_num(0.0).view(torch.int16), want.nan_to_num(0.0).view(torch.int16)
+    )

@@ -297,7 +297,7 @@ def _broadcast(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
 
 
 def reverse_scan(
-    group: Group, inputs: dict, outputs: dict, state: dict, step: Step, skip, take
+    group: Group, inputs: dict, outputs: dict, state: dict, step: Step, skip, take, fast=None
 ) -> dict:
     """Emit the backward pass over time of one group: ``step(x, state) -> (y, state)`` with
     ``x`` the named input vectors at one token, ``y`` the named output vectors there and
@@ -308,7 +308,11 @@ def reverse_scan(
     end: the carries first walk the last ``skip`` tiles writing nothing (the very steps, so the
     very carries, of a whole pass), then ``take`` tiles are written, and the tokens before the
     first whole tile where those reach it. ``0, T // 16`` is the whole row; pieces that cover
-    it give the whole row's bits, whatever thread runs which."""
+    it give the whole row's bits, whatever thread runs which.
+
+    ``fast``: ``(holds, quick)``, a step that gives ``step``'s very values on tiles whose
+    carries at their last token satisfy ``holds(state) -> i1`` (kept for the whole tile), run
+    on those tiles instead."""
     b = group.b
     t_len = group.t_len
     w = ir.Constant(I64, TOKENS)
@@ -328,17 +332,29 @@ def reverse_scan(
         # one tile, row i from token t0[i]; with `live` (a lane mask) the other lanes keep
         # their carries and their rows' stores go to scratch memory
         tiles = {k: group.load(arr, t0) for k, arr in inputs.items()}
-        ys: dict = {k: [None] * TOKENS for k in written}
         before = {k: b.load(p) for k, p in slots.items()}
-        carry = dict(before)
-        for j in range(TOKENS - 1, -1, -1):
-            y, carry = step({k: tile[j] for k, tile in tiles.items()}, carry)
-            for k in written:
-                ys[k][j] = y[k]
-        for k, p in slots.items():
-            b.store(carry[k] if live is None else b.select(live, carry[k], before[k]), p)
-        for k, arr in written.items():
-            group.store(arr, t0, ys[k])
+
+        def walk(stepper: Step) -> None:
+            ys: dict = {k: [None] * TOKENS for k in written}
+            carry = dict(before)
+            for j in range(TOKENS - 1, -1, -1):
+                y, carry = stepper({k: tile[j] for k, tile in tiles.items()}, carry)
+                for k in written:
+                    ys[k][j] = y[k]
+            for k, p in slots.items():
+                b.store(carry[k] if live is None else b.select(live, carry[k], before[k]), p)
+            for k, arr in written.items():
+                group.store(arr, t0, ys[k])
+
+        if fast is None:
+            walk(step)
+            return
+        holds, quick = fast
+        with b.if_else(holds(before)) as (then, otherwise):
+            with then:
+                walk(quick)
+            with otherwise:
+                walk(step)
 
     def start(index: ir.Value) -> ir.Value:
         # the first token of the tile `index` tiles from the row's end
@@ -489,22 +505,35 @@ def _reinforce_group(typingctx, kl, outcome, ck, mask, gl, ret, k, skip, take):
         )
         state = {"acc": constant(F64, 0.0), "pend": grp.lanes(outcome_)}
 
-        def step(x, s):
-            reward = b.fmul(coef, x["kl"])
-            if kern.bits:  # rounded to bfloat16 as the token reward, and again with the outcome
-                reward = b.fadd(rounded_bf16(b, reward), s["pend"])
-                pending = b.fcmp_unordered("!=", s["pend"], zero)
-                reward = b.select(pending, rounded_bf16(b, reward), reward)
-            else:
-                reward = b.fadd(reward, s["pend"])
-            new = _fma(b, gamma_lam, s["acc"], kern.ext(reward))
-            m = x["m"]  # the outcome is added on the last action token, met first
-            return {"ret": b.select(m, kern.narrow(new), zero)}, {
-                "acc": b.select(m, new, s["acc"]),
-                "pend": b.select(m, zero, s["pend"]),
-            }
+        def stepper(second: bool) -> Step:
+            def step(x, s):
+                reward = b.fmul(coef, x["kl"])
+                if kern.bits:  # rounded to bfloat16 as the token reward, and again with the
+                    # outcome added
+                    reward = b.fadd(rounded_bf16(b, reward), s["pend"])
+                    if second:
+                        pending = b.fcmp_unordered("!=", s["pend"], zero)
+                        reward = b.select(pending, rounded_bf16(b, reward), reward)
+                else:
+                    reward = b.fadd(reward, s["pend"])
+                new = _fma(b, gamma_lam, s["acc"], kern.ext(reward))
+                m = x["m"]  # the outcome is added on the last action token, met first
+                return {"ret": b.select(m, kern.narrow(new), zero)}, {
+                    "acc": b.select(m, new, s["acc"]),
+                    "pend": b.select(m, zero, s["pend"]),
+                }
 
-        reverse_scan(grp, {"kl": kl_, "m": m_}, {"ret": ret_}, state, step, kern.skip, kern.take)
+            return step
+
+        def added(s) -> ir.Value:
+            # every row's outcome added already (or 0): the second rounding is selected in no
+            # lane, now or later in the row (the pending outcome only ever becomes 0)
+            zeros = b.fcmp_ordered("==", s["pend"], zero)
+            return b.icmp_unsigned("==", b.bitcast(zeros, I8), ir.Constant(I8, 0xFF))
+
+        fast = (added, stepper(False)) if kern.bits else None
+        inputs, outputs = {"kl": kl_, "m": m_}, {"ret": ret_}
+        reverse_scan(grp, inputs, outputs, state, stepper(True), kern.skip, kern.take, fast)
         return context.get_dummy_value()
 
     return sig, codegen
