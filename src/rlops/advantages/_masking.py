@@ -9,7 +9,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from rlops._checks import check_indicator, check_same_device, shape_error
+from rlops._checks import as_dtype, check_indicator, check_same_device, shape_error
 from rlops._types import CPLayout, Group
 from rlops.scan import Case, case_of, scan
 from rlops.scan.decay import decayed
@@ -99,8 +99,8 @@ def indicators(shape, ref: torch.Tensor, mask, dones):
     check_indicator("mask", mask, shape)
     check_indicator("dones", dones, shape)
     check_same_device("rewards", ref, mask=mask, dones=dones)
-    mask = None if mask is None else mask.bool()
-    dones = None if dones is None else dones.bool()
+    mask = None if mask is None else as_dtype(mask, torch.bool)
+    dones = None if dones is None else as_dtype(dones, torch.bool)
     return mask, dones
 
 

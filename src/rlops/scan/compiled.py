@@ -14,6 +14,7 @@ import sys
 
 import torch
 
+from rlops._checks import as_dtype
 from rlops._threads import split_with_caller
 from rlops.scan.decay import is_per_token
 
@@ -157,7 +158,10 @@ def output(like: torch.Tensor) -> torch.Tensor:
 def as_array(t: torch.Tensor | None, dtype: torch.dtype):
     """A kernel's optional ``[N, T]`` input as a contiguous numpy array of ``dtype`` (None stays
     None: the kernel is built without it)."""
-    return None if t is None else t.to(dtype).contiguous().numpy()
+    if t is None:
+        return None
+    t = as_dtype(t, dtype)  # no dispatch where it has the dtype (each tens of us, caches cold)
+    return (t if t.is_contiguous() else t.contiguous()).numpy()
 
 
 @functools.lru_cache(maxsize=64)
