@@ -1,8 +1,9 @@
 """Compiled single-pass CPU scan (numba, the ``fast`` extra), eight rows in the lanes of one
 vector with float64 carries (:mod:`rlops.scan.tiles`; per-token decays four rows at once);
-large inputs split by rows over :mod:`rlops._threads` (:func:`run_rows`, shared with the
-estimators' kernels). bfloat16 is read and written as it is (its bits, :func:`bits`) and
-computed in float32. numba and numpy are imported on first use only.
+large inputs split by rows, or fewer rows than threads in time, over torch's OpenMP threads
+(:func:`run_rows`, shared with the estimators' kernels; :mod:`rlops.scan._team`). bfloat16 is
+read and written as it is (its bits, :func:`bits`) and computed in float32. numba and numpy
+are imported on first use only.
 """
 
 from __future__ import annotations
