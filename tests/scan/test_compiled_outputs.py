@@ -222,3 +222,82 @@ def test_the_team_refuses_arrays_not_c_contiguous():
     args, _ = _numba_call(8, 64)
     args = (args[0].T.copy().T, *args[1:])  # the same values, Fortran order
     assert not _team.run(tiles.gae, args, [(0, 1, 0, 2), (0, 1, 2, 2)])
+
+
+def test_a_call_from_another_python_thread_splits_on_its_own_team():
+    """A call made on a thread of the caller's own (the master of its own OpenMP team there)
+    gives the bits of one thread."""
+    import rlops
+
+    r, v = torch.randn(8, 1 << 16), torch.randn(8, 1 << 16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = rlops.gae(r, v, gamma=0.99, lam=0.95, method="compiled")
+    finally:
+        torch.set_num_threads(before)
+    got: list = []
+
+    def body():
+        torch.set_num_threads(2)
+        got.extend(rlops.gae(r, v, gamma=0.99, lam=0.95, method="compiled"))
+
+    worker = threading.Thread(target=body)
+    worker.start()
+    worker.join()
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+_SHARES = """
+import sys, torch
+sys.path[:0] = {path!r}
+import rlops
+from rlops.scan import _team
+_team._directory = lambda: {directory!r}
+torch.set_num_threads(2)
+r = torch.randn(8, 1 << 16)
+rlops.gae(r, r.flip(-1), gamma=0.99, lam=0.95, method="compiled")
+print(len(_team._bodies), sum(body.cache_hits for body in _team._bodies.values()))
+"""
+
+
+def test_the_shares_are_compiled_once_and_cached_on_disk(tmp_path):
+    """The cfunc running a kernel's shares is made in a module file of its own: a second
+    process loads it from numba's cache instead of compiling it."""
+    import os
+    import subprocess
+    import sys
+
+    from rlops.scan import _team, tiles
+
+    if not _team.available(tiles.gae):
+        pytest.skip("torch does not run on an OpenMP runtime here")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = _SHARES.format(path=[os.path.join(root, "src")], directory=str(tmp_path / "shares"))
+    (tmp_path / "shares").mkdir(mode=0o700)
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+        )
+        for _ in range(2)
+    ]
+    assert all(run.returncode == 0 for run in runs), runs[-1].stderr[-2000:]
+    assert [run.stdout.split() for run in runs] == [["1", "0"], ["1", "1"]]
+    assert len(list((tmp_path / "shares").glob("rlops_shares_*.py"))) == 1
+
+
+def test_shares_are_imported_only_from_a_private_directory(tmp_path):
+    import os
+
+    from rlops.scan import _team
+
+    path = tmp_path / "d"
+    path.mkdir(mode=0o700)
+    os.chmod(path, 0o700)
+    me = os.getuid()
+    assert _team._private(str(path), os.stat(path), me)
+    assert not _team._private(str(path), os.stat(path), me + 1)  # someone else's
+    os.chmod(path, 0o777)
+    assert not _team._private(str(path), os.stat(path), me)  # others may write to it
+    assert "tiles.py:" in _team._stamp()  # a kernel's source changing makes new modules

@@ -7,8 +7,9 @@ it sleeps) the pool's thread and the spinning one share a core: the split ran no
 thread. torch's OpenMP team instead picks the shares up at once, on the threads torch itself
 uses: :func:`run` opens a parallel region of that runtime (``GOMP_parallel``, which GNU's
 libgomp and LLVM's libomp both export) on a compiled function (a numba ``cfunc``, one per
-kernel and argument types) that takes the shares one at a time (an atomic counter) and calls
-the kernel on each, without the GIL. Where torch does not run on OpenMP, or the runtime lacks
+kernel and argument types, in a module file of its own so that numba caches it on disk) that
+takes the shares one at a time (an atomic counter) and calls the kernel on each, without the
+GIL. Where torch does not run on OpenMP, or the runtime lacks
 the entry point, :func:`available` is False and the callers use the pool.
 """
 
@@ -16,7 +17,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
 import threading
+from types import ModuleType
 
 import numba
 import numpy as np
@@ -88,10 +95,10 @@ _bodies: dict = {}
 
 
 def _body(kernel: Dispatcher, args: tuple, per_share: int):
-    """The ``cfunc`` running ``kernel``'s shares for arguments like ``args`` (compiled once per
-    process and signature: a function made here has no source file for numba's disk cache).
-    Keyed by the arrays' dtypes and dimensions (``numba.typeof`` of ten arrays took 0.1 ms
-    when the caches were cold)."""
+    """The ``cfunc`` running ``kernel``'s shares for arguments like ``args``: made once per
+    signature, in a module of its own that numba caches on disk (:func:`_load`), looked up
+    in each process by the arrays' dtypes and dimensions (``numba.typeof`` of ten arrays took
+    0.1 ms when the caches were cold)."""
     key = (kernel, per_share, *(None if a is None else (a.dtype, a.ndim) for a in args))
     body = _bodies.get(key)
     if body is None:
@@ -104,36 +111,112 @@ def _body(kernel: Dispatcher, args: tuple, per_share: int):
 
 
 def _compile_body(kernel: Dispatcher, argtypes: tuple, per_share: int):
-    env = {"carray": numba.carray, "pointer": _pointer, "claim": _claim, "kernel": kernel}
-    env["int64"] = np.int64
     unpack, names, at = [], [], _HEAD
     for i, ty in enumerate(argtypes):  # each array from its address and shape (_header)
         if isinstance(ty, types.NoneType):
             names.append("None")
             continue
-        env[f"dt{i}"] = np.dtype(str(ty.dtype))
         shape = "".join(f"h[{at + 1 + d}], " for d in range(ty.ndim))
-        unpack.append(f"    a{i} = carray(pointer(h[{at}]), ({shape}), dt{i})")
+        dtype = np.dtype(str(ty.dtype)).name
+        unpack.append(f"    a{i} = carray(_pointer(h[{at}]), ({shape}), np.{dtype})")
         names.append(f"a{i}")
         at += 1 + ty.ndim
     share = ", ".join(f"h[p + {j}]" for j in range(per_share))
-    source = "\n".join(
+    fn = kernel.py_func
+    body = "\n".join(
         [
+            "@cfunc(types.void(types.voidptr), cache=True)",
             "def body(data):",
-            f"    h = carray(data, ({_HEAD},), int64)",
+            f"    h = carray(data, ({_HEAD},), np.int64)",
             "    n = h[1]",
-            f"    h = carray(data, ({at} + n * {per_share},), int64)",
+            f"    h = carray(data, ({at} + n * {per_share},), np.int64)",
             *unpack,
             "    while True:",
-            "        i = claim(h.ctypes.data)",  # the counter is the header's first slot
+            "        i = _claim(h.ctypes.data)",  # the counter is the header's first slot
             "        if i >= n:",
             "            break",
             f"        p = {at} + i * {per_share}",
             f"        kernel({', '.join(names)}, {share})",
         ]
     )
-    exec(compile(source, f"<shares of {kernel.py_func.__name__}>", "exec"), env)
-    return numba.cfunc(types.void(types.voidptr), nogil=True)(env["body"])
+    source = _MODULE.format(module=fn.__module__, name=fn.__name__, body=body)
+    return _load(source).body
+
+
+_MODULE = """# made by rlops.scan._team: the shares of one kernel for one set of argument types
+import numpy as np
+from numba import carray, cfunc, types
+
+from rlops.scan._team import _claim, _pointer
+from {module} import {name} as kernel
+
+{body}
+"""
+
+
+def _stamp() -> str:
+    """The sizes and times of the kernels' sources: a cached ``cfunc`` holds the kernel's
+    machine code, which numba's cache does not check against the kernel's own source."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    parts = []
+    for name in sorted(os.listdir(here)):
+        if name.endswith(".py"):
+            st = os.stat(os.path.join(here, name))
+            parts.append(f"{name}:{st.st_size}:{st.st_mtime_ns}")
+    return ";".join(parts)
+
+
+def _directory() -> str | None:
+    """A directory for the generated modules (imported from there), outside the package: under
+    ``NUMBA_CACHE_DIR`` where it is set, else the user's cache directory, else the temporary
+    directory; the first that this user owns and no one else may write to (None: they are
+    compiled in memory, in each process)."""
+    user = os.getuid() if hasattr(os, "getuid") else None
+    home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    paths = [os.path.join(home, "rlops", "shares")]
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        paths.insert(0, os.path.join(os.environ["NUMBA_CACHE_DIR"], "rlops-shares"))
+    paths.append(os.path.join(tempfile.gettempdir(), f"rlops-shares-{user}"))
+    for path in paths:
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            st = os.stat(path)
+        except OSError:
+            continue
+        if user is not None and _private(path, st, user):
+            return path
+    return None
+
+
+def _private(path: str, st: os.stat_result, owner: int) -> bool:
+    """Whether modules may be imported from ``path``: owned by ``owner``, writable by this
+    process and by no one else (group and others)."""
+    return st.st_uid == owner and os.access(path, os.W_OK) and not st.st_mode & 0o022
+
+
+def _load(source: str):
+    """The module of ``source``, from a file named by its digest (and :func:`_stamp`) so that
+    numba caches its ``cfunc`` on disk: written once, atomically (processes may race to write
+    the same text), never rewritten (its time keys numba's cache)."""
+    digest = hashlib.sha256((_stamp() + source).encode()).hexdigest()[:20]
+    name = f"rlops_shares_{digest}"
+    directory = _directory()
+    if directory is None:
+        module = ModuleType(name)
+        exec(compile(source, f"<{name}>", "exec"), module.__dict__)
+        return module
+    path = os.path.join(directory, name + ".py")
+    if not os.path.exists(path):
+        fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(source)
+        os.replace(tmp, path)
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def run(kernel: Dispatcher, args: tuple, parts: list[tuple]) -> bool:
