@@ -105,9 +105,10 @@ def test_populate_maps_fresh_pages_in_and_skips_written_ones():
     import ctypes
     import mmap
 
-    if not compiled._advice_works():
+    from rlops.scan._pages import PAGE, populate, works
+
+    if not works():
         pytest.skip("no MADV_POPULATE_WRITE here")
-    from rlops.scan._pages import PAGE, populate
 
     size = 16 * PAGE
     for written in ((), (0,), (0, size - 1)):
@@ -124,9 +125,10 @@ def test_populate_maps_fresh_pages_in_and_skips_written_ones():
 
 
 def test_output_advises_large_blocks_only(monkeypatch):
-    if not compiled._advice_works():
-        pytest.skip("no MADV_POPULATE_WRITE here")
     import rlops.scan._pages as pages
+
+    if not pages.works():
+        pytest.skip("no MADV_POPULATE_WRITE here")
 
     calls = []
     monkeypatch.setattr(pages, "populate", lambda address, nbytes: calls.append(nbytes) or 0)

@@ -4,11 +4,16 @@
 The same two checks and one advice written from Python through ``ctypes`` cost about 30 us when
 the call before has flushed the caches (each foreign call goes through libffi); here they are
 one call of a compiled function. ``mincore``, ``madvise`` and the advice's number are Linux's:
-the module is only used where :func:`rlops.scan.compiled._advice_works` found the advice working.
+:func:`works` asks once whether the advice works here.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import sys
+
+import torch
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
@@ -54,6 +59,22 @@ def _advise_populate(typingctx, address, length):
         return builder.sext(rc, _I64)
 
     return sig, codegen
+
+
+@functools.cache
+def works() -> bool:
+    """Whether ``madvise(MADV_POPULATE_WRITE)`` works here (Linux 5.14+): asked once, through
+    ``ctypes``, on a small block (a kernel without the advice answers EINVAL)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    probe = torch.empty(2 * PAGE, dtype=torch.uint8)
+    start = -(-probe.data_ptr() // PAGE) * PAGE
+    return madvise(start, PAGE, _MADV_POPULATE_WRITE) == 0
 
 
 @njit(nogil=True)

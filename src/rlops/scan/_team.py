@@ -75,13 +75,13 @@ def _claim(typingctx, address):
     return types.int64(types.int64), codegen
 
 
-_HEAD = 3  # the header's first slots: the share counter, the number of shares, ints a share
+_HEAD = 2  # the header's first slots: the share counter, the number of shares
 
 
 def _header(args: tuple, parts: list[tuple]) -> np.ndarray:
-    """``int64`` slots: the counter, the number of shares and ints per share, then each array
+    """``int64`` slots: the counter and the number of shares, then each array
     argument's address and shape (nothing for None), then the shares' ints."""
-    slots: list[int] = [0, len(parts), len(parts[0])]
+    slots: list[int] = [0, len(parts)]
     for a in args:
         if a is not None:
             slots += [a.ctypes.data, *a.shape]

@@ -8,10 +8,8 @@ are imported on first use only.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import itertools
-import sys
 
 import torch
 
@@ -36,7 +34,6 @@ _MIN_ELEMENTS_PER_THREAD = 1 << 17
 # the one-thread time at 8 x 131072 and 0.78-0.97x at 8 x 65536 (2-core VM); on the Python pool
 # (a thread to wake, 0.1-0.2 ms there) 0.88-1.20x at 8 x 131072.
 _MIN_ELEMENTS_PER_PIECE = 1 << 18
-_PAGE, _MADV_POPULATE_WRITE = 4096, 23
 _MIN_POPULATE = 1 << 20  # bytes: smaller blocks come from malloc's heap, mapped already
 
 
@@ -122,22 +119,6 @@ def bits(t: torch.Tensor):
     return t.numpy()
 
 
-@functools.cache
-def _advice_works() -> bool:
-    """Whether ``madvise(MADV_POPULATE_WRITE)`` works here (Linux 5.14+): asked once, through
-    ``ctypes``, on a small block (a kernel without the advice answers EINVAL)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return False
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    probe = torch.empty(2 * _PAGE, dtype=torch.uint8)
-    start = -(-probe.data_ptr() // _PAGE) * _PAGE
-    return madvise(start, _PAGE, _MADV_POPULATE_WRITE) == 0
-
-
 def output(like: torch.Tensor) -> torch.Tensor:
     """``torch.empty_like(like)`` (contiguous, CPU) with its whole pages mapped in now, by the
     calling thread in one system call: a fresh large block is page-faulted in on first write,
@@ -149,10 +130,11 @@ def output(like: torch.Tensor) -> torch.Tensor:
     before 5.14) it does nothing."""
     out = torch.empty_like(like, memory_format=torch.contiguous_format)
     nbytes = out.numel() * out.element_size()
-    if nbytes >= _MIN_POPULATE and _advice_works():
-        from rlops.scan._pages import populate
+    if nbytes >= _MIN_POPULATE:
+        from rlops.scan import _pages
 
-        populate(out.data_ptr(), nbytes)  # a hint: failure changes nothing
+        if _pages.works():
+            _pages.populate(out.data_ptr(), nbytes)  # a hint: failure changes nothing
     return out
 
 
