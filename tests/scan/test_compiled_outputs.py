@@ -303,3 +303,17 @@ def test_shares_are_imported_only_from_a_private_directory(tmp_path):
     os.chmod(path, 0o777)
     assert not _team._private(str(path), os.stat(path), me)  # others may write to it
     assert "tiles.py:" in _team._stamp()  # a kernel's source changing makes new modules
+
+
+def test_per_row_keeps_the_sign_of_zero_and_torchs_rounding():
+    """A float's array is kept per value: -0.0 (``-kl_coef`` at ``kl_coef = 0``) is not the
+    kept array of 0.0, and each rounds to the dtype as ``torch.full`` does."""
+    import numpy as np
+
+    for dtype in (torch.float32, torch.float64):
+        plus, minus = compiled.per_row(0.0, 3, dtype), compiled.per_row(-0.0, 3, dtype)
+        assert not np.signbit(plus).any() and np.signbit(minus).all()
+    third = compiled.per_row(1 / 3, 2, torch.float32)
+    assert third.dtype == np.float32 and (third == np.float32(1 / 3)).all()
+    gamma = torch.tensor([[0.5], [0.25]], dtype=torch.float64)
+    assert compiled.per_row(gamma, 2, torch.float32).tolist() == [0.5, 0.25]

@@ -148,8 +148,9 @@ def as_array(t: torch.Tensor | None, dtype: torch.dtype):
 
 
 @functools.lru_cache(maxsize=64)
-def _filled(value: float, n: int, dtype: torch.dtype):
-    return torch.full((n,), value, dtype=dtype).numpy()  # the rounding torch gives a float
+def _filled(value: str, n: int, dtype: torch.dtype):
+    # keyed by the float's exact text: 0.0 == -0.0 (and so their hashes), but not their bits
+    return torch.full((n,), float.fromhex(value), dtype=dtype).numpy()  # torch's rounding
 
 
 def per_row(value: float | torch.Tensor, n: int, dtype: torch.dtype):
@@ -159,7 +160,7 @@ def per_row(value: float | torch.Tensor, n: int, dtype: torch.dtype):
     each tens of microseconds when the call before has flushed the caches."""
     if isinstance(value, torch.Tensor):
         return value.reshape(-1).expand(n).to(dtype).contiguous().numpy()
-    return _filled(float(value), n, dtype)
+    return _filled(float(value).hex(), n, dtype)
 
 
 def scan_compiled(x: torch.Tensor, decay: float | torch.Tensor) -> torch.Tensor:
