@@ -306,14 +306,61 @@ def test_shares_are_imported_only_from_a_private_directory(tmp_path):
 
 
 def test_per_row_keeps_the_sign_of_zero_and_torchs_rounding():
-    """A float's array is kept per value: -0.0 (``-kl_coef`` at ``kl_coef = 0``) is not the
-    kept array of 0.0, and each rounds to the dtype as ``torch.full`` does."""
+    """A float's tensor is kept per value: -0.0 (``-kl_coef`` at ``kl_coef = 0``) is not the
+    kept tensor of 0.0, and each rounds to the dtype as ``torch.full`` does."""
     import numpy as np
 
     for dtype in (torch.float32, torch.float64):
         plus, minus = compiled.per_row(0.0, 3, dtype), compiled.per_row(-0.0, 3, dtype)
-        assert not np.signbit(plus).any() and np.signbit(minus).all()
+        assert not plus.signbit().any() and minus.signbit().all()
     third = compiled.per_row(1 / 3, 2, torch.float32)
-    assert third.dtype == np.float32 and (third == np.float32(1 / 3)).all()
+    assert third.dtype == torch.float32 and (third.numpy() == np.float32(1 / 3)).all()
     gamma = torch.tensor([[0.5], [0.25]], dtype=torch.float64)
     assert compiled.per_row(gamma, 2, torch.float32).tolist() == [0.5, 0.25]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tensors_launched_through_the_shares_entry_give_the_arrays_bits(dtype, threads):
+    """``launch`` hands tensors' addresses to the shares' compiled entry (no numpy views, no
+    numba dispatch): one part on the calling thread, or the parts on the OpenMP team; the bits
+    are those of the kernel called on the tensors' numpy arrays."""
+    from rlops.scan import _team, tiles
+
+    if threads > 1 and not _team.available(tiles.gae):
+        pytest.skip("torch does not run on an OpenMP runtime here")
+    rows, t = 8, 1 << 16
+    r, v = torch.randn(rows, t).to(dtype), torch.randn(rows, t).to(dtype)
+    wide = torch.float32
+    params = (
+        compiled.per_row(0.5, rows, wide),
+        compiled.per_row(0.99, rows, wide),
+        compiled.per_row(0.99 * 0.95, rows, torch.float64),
+    )
+    want = torch.empty_like(r), torch.empty_like(r)
+    arrays = [compiled.bits(x) for x in (r, v)]
+    tiles_n = t // tiles.TOKENS
+    tiles.gae(*arrays, None, None, None, *(p.numpy() for p in params),
+              *(compiled.bits(x) for x in want), 0, 1, 0, tiles_n)  # fmt: skip
+    got = torch.zeros_like(r), torch.zeros_like(r)
+    args = (r, v, None, None, None, *params, *got)
+    parts = [(0, 1, 0, tiles_n)]
+    if threads > 1:
+        cut = compiled.pieces(tiles_n, 2)[1]
+        parts = [(0, 1, cut, tiles_n - cut), (0, 1, 0, cut)]
+    assert _team.launch(tiles.gae, args, parts)
+    assert all(torch.equal(a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+               for a, b in zip(got, want, strict=True))  # fmt: skip
+
+
+def test_launch_refuses_what_the_entry_cannot_take():
+    """A dtype the kernels do not take is left to the numpy path (nothing run); a tensor that
+    is not C-contiguous is refused: the kernels index rows by their length."""
+    from rlops.scan import _team, tiles
+
+    x = torch.zeros(8, 32, dtype=torch.int32)
+    assert not _team.launch(tiles.gae, (x, None), [(0, 1, 0, 2)])
+    assert not _team.launch(lambda *a: None, (), [(0, 1)])  # not a numba kernel
+    with pytest.raises(ValueError, match="C-contiguous"):
+        compiled.launch(tiles.gae, 8, torch.zeros(32, 8).t(), lanes=8, tiles=2)

@@ -110,7 +110,7 @@ def _pieces_calls(n: int, t: int, dtype: torch.dtype, cuts: list[int]) -> dict:
     wide = torch.float32 if dtype == torch.bfloat16 else dtype
     groups = -(-n // tiles.WIDTH)
     cut = torch.where(truncated, bootstrap.to(wide), 0.0).numpy()
-    g, gl = per_row(0.99, n, wide), per_row(0.99 * 0.95, n, torch.float64)
+    g, gl = per_row(0.99, n, wide).numpy(), per_row(0.99 * 0.95, n, torch.float64).numpy()
     spans = list(zip(cuts[:-1], np.diff(cuts).tolist(), strict=True))
 
     def run(kernel, *args, outputs):
@@ -121,7 +121,7 @@ def _pieces_calls(n: int, t: int, dtype: torch.dtype, cuts: list[int]) -> dict:
             kernel(*args, 0, groups, skip, take)
         return outs
 
-    zero = per_row(0.0, n, wide)
+    zero = per_row(0.0, n, wide).numpy()
     m, d = mask.numpy(), (dones | truncated).numpy()
     return {
         "gae": lambda: run(
@@ -147,8 +147,8 @@ def _pieces_calls(n: int, t: int, dtype: torch.dtype, cuts: list[int]) -> dict:
         "reinforce++": lambda: run(
             tiles.reinforce,
             bits(kl),
-            per_row(outcome, n, wide),
-            per_row(-0.1, 1, wide),
+            per_row(outcome, n, wide).numpy(),
+            per_row(-0.1, 1, wide).numpy(),
             m,
             gl,
             "out",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from rlops.advantages._masking import GaeInputs
-from rlops.scan.compiled import as_array, bits, output, per_row, run_rows
+from rlops.scan.compiled import as_input, launch, output, per_row
 
 __all__ = ["gae_compiled", "reinforce_returns_compiled"]
 
@@ -29,20 +29,19 @@ def gae_compiled(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
     adv = ret if values is None else output(rewards)
     if n == 0 or t_len == 0:
         return adv, ret
-    run_rows(
+    launch(
         tiles.gae,
         n,
-        rewards.numel(),
-        bits(rewards),
-        None if values is None else bits(values),
-        as_array(mask, torch.bool),
-        as_array(dones, torch.bool),
-        as_array(cut if dones is not None else None, wide),
+        rewards,
+        values,
+        as_input(mask, torch.bool),
+        as_input(dones, torch.bool),
+        as_input(cut if dones is not None else None, wide),
         per_row(0.0 if x.end is None else x.end, n, wide),
         per_row(x.gamma, n, wide),
         per_row(x.gamma_lam, n, torch.float64),
-        None if values is None else bits(adv),
-        bits(ret),
+        None if values is None else adv,
+        ret,
         lanes=tiles.WIDTH,
         tiles=t_len // tiles.TOKENS,
     )
@@ -72,16 +71,15 @@ def reinforce_returns_compiled(
     wide = torch.float32 if kl.dtype == torch.bfloat16 else kl.dtype
     if outcome.dtype != kl.dtype:
         outcome = outcome.to(kl.dtype)  # the outcome as rounded in kl's dtype
-    run_rows(
+    launch(
         tiles.reinforce,
         n,
-        kl.numel(),
-        bits(kl),
+        kl,
         per_row(outcome, n, wide),
         per_row(-kl_coef, 1, wide),
-        as_array(mask, torch.bool),
+        as_input(mask, torch.bool),
         per_row(gamma, n, torch.float64),
-        bits(ret),
+        ret,
         lanes=tiles.WIDTH,
         tiles=t_len // tiles.TOKENS,
     )

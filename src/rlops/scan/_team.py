@@ -25,7 +25,6 @@ import tempfile
 import threading
 from types import ModuleType
 
-import numba
 import numpy as np
 import torch
 from llvmlite import ir
@@ -90,37 +89,61 @@ def _header(args: tuple, parts: list[tuple]) -> np.ndarray:
     return np.array(slots, dtype=np.int64)
 
 
+def _tensor_header(args: tuple, parts: list[tuple]) -> np.ndarray:
+    # :func:`_header` of tensors (their data pointers)
+    slots: list[int] = [0, len(parts)]
+    for a in args:
+        if a is not None:
+            slots += [a.data_ptr(), *a.shape]
+    for part in parts:
+        slots += part
+    return np.array(slots, dtype=np.int64)
+
+
+#: the arrays the kernels take for a tensor's dtype: bfloat16 as its bits
+_NUMPY = {
+    torch.bfloat16: np.dtype(np.uint16),
+    torch.float16: np.dtype(np.float16),
+    torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float64),
+    torch.bool: np.dtype(np.bool_),
+    torch.int64: np.dtype(np.int64),
+}
+
+
 _lock = threading.Lock()
 _bodies: dict = {}
+_calls: dict = {}  # the bodies as ctypes functions (the GIL released while they run)
 
 
-def _body(kernel: Dispatcher, args: tuple, per_share: int):
-    """The ``cfunc`` running ``kernel``'s shares for arguments like ``args``: made once per
+def _body(kernel: Dispatcher, key: tuple):
+    """The ``cfunc`` running ``kernel``'s shares for arguments of ``key`` (the ints a share
+    takes, then each array's numpy dtype and dimensions, None for None): made once per
     signature, in a module of its own that numba caches on disk (:func:`_load`), looked up
-    in each process by the arrays' dtypes and dimensions (``numba.typeof`` of ten arrays took
-    0.1 ms when the caches were cold)."""
-    key = (kernel, per_share, *(None if a is None else (a.dtype, a.ndim) for a in args))
-    body = _bodies.get(key)
+    in each process by those (``numba.typeof`` of ten arrays took 0.1 ms when the caches were
+    cold), with a ``ctypes`` function calling it on the calling thread."""
+    body = _bodies.get((kernel, key))
     if body is None:
         with _lock:
-            if key not in _bodies:
-                argtypes = tuple(numba.typeof(a) for a in args)
-                _bodies[key] = _compile_body(kernel, argtypes, per_share)
-            body = _bodies[key]
+            if (kernel, key) not in _bodies:
+                fn = _compile_body(kernel, key[1:], key[0])
+                _calls[kernel, key] = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(fn.address)
+                _bodies[kernel, key] = fn
+            body = _bodies[kernel, key]
     return body
 
 
-def _compile_body(kernel: Dispatcher, argtypes: tuple, per_share: int):
+def _compile_body(kernel: Dispatcher, specs: tuple, per_share: int):
     unpack, names, at = [], [], _HEAD
-    for i, ty in enumerate(argtypes):  # each array from its address and shape (_header)
-        if isinstance(ty, types.NoneType):
+    for i, spec in enumerate(specs):  # each array from its address and shape (_header)
+        if spec is None:
             names.append("None")
             continue
-        shape = "".join(f"h[{at + 1 + d}], " for d in range(ty.ndim))
-        dtype = np.dtype(str(ty.dtype)).name
-        unpack.append(f"    a{i} = carray(_pointer(h[{at}]), ({shape}), np.{dtype})")
+        dtype, ndim = spec
+        shape = "".join(f"h[{at + 1 + d}], " for d in range(ndim))
+        unpack.append(f"    a{i} = carray(_pointer(h[{at}]), ({shape}), np.{dtype.name})")
         names.append(f"a{i}")
-        at += 1 + ty.ndim
+        at += 1 + ndim
     share = ", ".join(f"h[p + {j}]" for j in range(per_share))
     fn = kernel.py_func
     body = "\n".join(
@@ -226,7 +249,36 @@ def run(kernel: Dispatcher, args: tuple, parts: list[tuple]) -> bool:
     and shape)."""
     if not all(a is None or a.flags.c_contiguous for a in args):
         return False
-    body = _body(kernel, args, len(parts[0]))
+    key = (len(parts[0]), *(None if a is None else (a.dtype, a.ndim) for a in args))
+    body = _body(kernel, key)
     header = _header(args, parts)
     _gomp_parallel()(body.address, header.ctypes.data, len(parts), 0)
+    return True
+
+
+def launch(kernel, args: tuple, parts: list[tuple]) -> bool:
+    """:func:`run` on C-contiguous CPU tensors (None for None; bfloat16 read as its bits),
+    without numpy views and without numba's dispatch: the shares' ``cfunc`` takes their
+    addresses and shapes, one part on the calling thread (a ``ctypes`` call, the GIL
+    released), more on torch's OpenMP team. Each step of a call costs 3-50 us when the call
+    before has flushed the caches: a numpy view each, the dispatch's typing of each array.
+    False, with nothing run, where it cannot: not a numba kernel, a dtype the kernels do not
+    take, several parts and no OpenMP team."""
+    if not isinstance(kernel, Dispatcher) or (len(parts) > 1 and _gomp_parallel() is None):
+        return False
+    key: list = [len(parts[0])]
+    for a in args:
+        if a is None:
+            key.append(None)
+        elif a.dtype in _NUMPY:
+            key.append((_NUMPY[a.dtype], a.dim()))
+        else:
+            return False
+    spec = tuple(key)
+    body = _bodies.get((kernel, spec)) or _body(kernel, spec)
+    header = _tensor_header(args, parts)
+    if len(parts) == 1:
+        _calls[kernel, spec](header.ctypes.data)
+    else:
+        _gomp_parallel()(body.address, header.ctypes.data, len(parts), 0)
     return True

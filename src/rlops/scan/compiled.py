@@ -19,9 +19,10 @@ from rlops.scan.decay import is_per_token
 
 __all__ = [
     "LANES",
-    "as_array",
+    "as_input",
     "available",
     "bits",
+    "launch",
     "output",
     "per_row",
     "run_rows",
@@ -51,6 +52,21 @@ def available() -> bool:
     return _numba() is not None
 
 
+def _parts(n_rows: int, n_elements: int, lanes: int, tiles: int | None) -> list[tuple]:
+    # the shares of :func:`run_rows`: (start, stop) groups, with ``tiles`` (skip, take) after
+    groups = -(-n_rows // lanes)
+    threads = max(1, min(torch.get_num_threads(), n_elements // _MIN_ELEMENTS_PER_THREAD))
+    whole = () if tiles is None else (0, tiles)
+    split = min(threads // groups, n_elements // _MIN_ELEMENTS_PER_PIECE)
+    if tiles is not None and split > 1:
+        cuts = pieces(tiles, split)
+        # the row's start first: the caller's, the piece with the longest walk for its carries
+        spans = [(a, b - a) for a, b in itertools.pairwise(cuts)][::-1]
+        return [(g, g + 1, *span) for span in spans for g in range(groups)]
+    per = -(-groups // min(threads, groups))
+    return [(g, min(g + per, groups), *whole) for g in range(0, groups, per)]
+
+
 def run_rows(
     kernel, n_rows: int, n_elements: int, *args, lanes: int = LANES, tiles: int | None = None
 ) -> None:
@@ -65,18 +81,10 @@ def run_rows(
     elements a piece or more, splits its rows in time instead (:func:`pieces`; each group on
     that many threads): a piece walks the tiles after it for the carries alone, so the rows'
     bits are those of one thread's pass."""
-    groups = -(-n_rows // lanes)
-    threads = max(1, min(torch.get_num_threads(), n_elements // _MIN_ELEMENTS_PER_THREAD))
-    whole = () if tiles is None else (0, tiles)
-    split = min(threads // groups, n_elements // _MIN_ELEMENTS_PER_PIECE)
-    if tiles is not None and split > 1:
-        cuts = pieces(tiles, split)
-        # the row's start first: the caller's, the piece with the longest walk for its carries
-        spans = [(a, b - a) for a, b in itertools.pairwise(cuts)][::-1]
-        parts = [(g, g + 1, *span) for span in spans for g in range(groups)]
-    else:
-        per = -(-groups // min(threads, groups))
-        parts = [(g, min(g + per, groups), *whole) for g in range(0, groups, per)]
+    _run(kernel, args, _parts(n_rows, n_elements, lanes, tiles))
+
+
+def _run(kernel, args: tuple, parts: list[tuple]) -> None:
     if len(parts) == 1:
         kernel(*args, *parts[0])
         return
@@ -90,6 +98,23 @@ def run_rows(
         kernel(*args, *part)
 
     split_with_caller(work, parts)
+
+
+def launch(kernel, n_rows: int, *args, lanes: int = LANES, tiles: int | None = None) -> None:
+    """:func:`run_rows` on tensors (CPU, C-contiguous, None for None; bfloat16 read as its
+    bits; ``n_elements`` the first's), as the estimators call the kernels: through the shares'
+    compiled entry (:func:`rlops.scan._team.launch`: no numpy views, no numba dispatch), or
+    where it cannot, on the tensors' numpy arrays (:func:`bits`). The kernels index rows by
+    their length: a tensor that is not C-contiguous is refused (ValueError), not read wrong."""
+    if not all(a is None or a.is_contiguous() for a in args):
+        raise ValueError("the compiled kernels take C-contiguous tensors")
+    parts = _parts(n_rows, args[0].numel(), lanes, tiles)
+    if not torch.compiler.is_compiling():
+        from rlops.scan import _team
+
+        if _team.launch(kernel, args, parts):
+            return
+    _run(kernel, tuple(None if a is None else bits(a) for a in args), parts)
 
 
 #: the time a tile walked for its carries alone takes, against one written (GAE at 8 x 131072,
@@ -138,28 +163,28 @@ def output(like: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def as_array(t: torch.Tensor | None, dtype: torch.dtype):
-    """A kernel's optional ``[N, T]`` input as a contiguous numpy array of ``dtype`` (None stays
+def as_input(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A kernel's optional ``[N, T]`` input as a contiguous tensor of ``dtype`` (None stays
     None: the kernel is built without it)."""
     if t is None:
         return None
     t = as_dtype(t, dtype)  # no dispatch where it has the dtype (each tens of us, caches cold)
-    return (t if t.is_contiguous() else t.contiguous()).numpy()
+    return t if t.is_contiguous() else t.contiguous()
 
 
 @functools.lru_cache(maxsize=64)
-def _filled(value: str, n: int, dtype: torch.dtype):
+def _filled(value: str, n: int, dtype: torch.dtype) -> torch.Tensor:
     # keyed by the float's exact text: 0.0 == -0.0 (and so their hashes), but not their bits
-    return torch.full((n,), float.fromhex(value), dtype=dtype).numpy()  # torch's rounding
+    return torch.full((n,), float.fromhex(value), dtype=dtype)  # torch's rounding
 
 
-def per_row(value: float | torch.Tensor, n: int, dtype: torch.dtype):
+def per_row(value: float | torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
     """A per-row parameter of a call on ``N`` rows (a float, or a tensor of ``N`` values: ``[N]``
-    or ``[N, 1]``) as the kernels' ``[N]`` numpy array of ``dtype``. A float's array is made
-    once and kept (the kernels only read it): a call's fixed cost is a few small operations,
-    each tens of microseconds when the call before has flushed the caches."""
+    or ``[N, 1]``) as the kernels' contiguous ``[N]`` tensor of ``dtype``. A float's tensor is
+    made once and kept (the kernels only read it): a call's fixed cost is a few small
+    operations, each tens of microseconds when the call before has flushed the caches."""
     if isinstance(value, torch.Tensor):
-        return value.reshape(-1).expand(n).to(dtype).contiguous().numpy()
+        return value.reshape(-1).expand(n).to(dtype).contiguous()
     return _filled(float(value).hex(), n, dtype)
 
 
@@ -180,14 +205,12 @@ def scan_compiled(x: torch.Tensor, decay: float | torch.Tensor) -> torch.Tensor:
     if is_per_token(decay, t_len):
         arith = torch.float32 if x.dtype == torch.bfloat16 else x.dtype
         a = decay.to(arith).expand(n, t_len).contiguous()
-        run_rows(k.scan_tokens, n, x.numel(), bits(x), a.numpy(), bits(y))
+        launch(k.scan_tokens, n, x, a, y)
     else:
         wide = per_row(decay, n, torch.float64)
         start = per_row(0.0, n, torch.float32 if x.dtype == torch.bfloat16 else x.dtype)
-        args = (None, None, None, None, start, None, wide, None, bits(y))
-        run_rows(
-            tiles.gae, n, x.numel(), bits(x), *args, lanes=tiles.WIDTH, tiles=t_len // tiles.TOKENS
-        )
+        args = (None, None, None, None, start, None, wide, None, y)
+        launch(tiles.gae, n, x, *args, lanes=tiles.WIDTH, tiles=t_len // tiles.TOKENS)
         # a zero decay is an exact cut: y = x, whatever follows (even NaN)
         if isinstance(decay, torch.Tensor):
             cut = decay.reshape(-1).expand(n) == 0
