@@ -223,3 +223,90 @@ def test_a_kernel_that_fails_to_compile_falls_back_to_float32_chunked(clean_fail
     )
     assert _same(adv, adv32.to(BF16)) and _same(ret, ret32.to(BF16))
     assert _same(y, rlops.discounted_cumsum(r.float(), 0.9, method="chunked").to(BF16))
+
+
+def _target_has_native_bf16() -> bool:
+    from numba.core.registry import cpu_target
+
+    from rlops.scan import tiles
+
+    return tiles.native_bf16(cpu_target.target_context)
+
+
+def _special_tiles(rows: int, t: int):
+    """bfloat16 GAE inputs whose outputs hold, tile by tile: subnormals (the rows' last five
+    tiles, and one row's tile among normal rows), a NaN (one row, reaching back to its start;
+    an inf in another), and ordinary values, many of them float32 sums halfway between two
+    bfloat16 values."""
+    g = torch.Generator().manual_seed(rows * t)
+    r, v = torch.randn(rows, t, generator=g), torch.randn(rows, t, generator=g)
+    r[:, -16 * 5 :] *= 2.0**-130  # every row: subnormal sums, no large carry reaching them
+    v[:, -16 * 5 :] *= 2.0**-130
+    r[1, 5 + 16 * 20 : 5 + 16 * 21] *= 2.0**-132  # one row only
+    v[1, 5 + 16 * 20 : 5 + 16 * 21] *= 2.0**-132
+    r[min(3, rows - 1), 16 * 30 + 7] = float("nan")
+    v[0, 16 * 25 + 2] = float("inf")
+    return r.to(BF16), v.to(BF16)
+
+
+def _tile_gae(native: bool, r, v, mask, gl: float, monkeypatch) -> list:
+    """The bfloat16 GAE kernel built with (or without) the native rounding, on ``r``, ``v``."""
+    import numba
+    import numpy as np
+
+    from rlops.scan import tiles
+
+    with monkeypatch.context() as patch:
+        patch.setattr(tiles, "native_bf16", lambda context: native)
+        kernel = numba.njit(tiles.gae.py_func)  # built here, with the path chosen above
+        rows, t = r.shape
+        outs = [torch.empty(rows, t, dtype=BF16) for _ in range(2)]
+        args = (r.view(torch.uint16).numpy(), v.view(torch.uint16).numpy(), mask, None, None)
+        params = (np.zeros(rows, np.float32), np.ones(rows, np.float32), np.full(rows, gl))
+        bits = [o.view(torch.uint16).numpy() for o in outs]
+        kernel(*args, *params, *bits, 0, -(-rows // tiles.WIDTH), 0, t // tiles.TOKENS)
+    return outs
+
+
+@pytest.mark.parametrize("rows", [8, 11])
+def test_tile_stores_round_as_torch_with_subnormals_and_nan(rows, monkeypatch):
+    """A bfloat16 tile is stored rounded to nearest even as torch rounds float32: by
+    ``vcvtne2ps2bf16`` where the target has AVX-512 BF16 and the tile holds no NaN and no
+    subnormal (the instruction flushes subnormals and keeps a NaN's bits), else the integer
+    way. The integer path gives the float32 kernel's values rounded by torch; the native one
+    its very bits, NaNs included."""
+    import numpy as np
+
+    from rlops.scan import tiles
+
+    t = 16 * 40 + 5
+    r, v = _special_tiles(rows, t)
+    mask = torch.rand(rows, t, generator=torch.Generator().manual_seed(1)) < 0.9
+    zero, one, groups = np.zeros(rows, np.float32), np.ones(rows, np.float32), -(-rows // 8)
+    for m in (None, mask.numpy()):
+        for gl in (0.0, 0.5):  # 0: each output is its token's residual, ties kept
+            exact = _tile_gae(False, r, v, m, gl, monkeypatch)
+            wide = [torch.empty(rows, t) for _ in range(2)]
+            args = (r.float().numpy(), v.float().numpy(), m, None, None, zero, one)
+            tiles.gae(*args, np.full(rows, gl), *(w.numpy() for w in wide), 0, groups, 0, t // 16)
+            for got, want in zip(exact, wide, strict=True):
+                assert _same(got, want.to(BF16)), (m is not None, gl)
+            assert exact[0].isnan().any() and (exact[0].view(torch.int16) & 0x7F80 == 0).any()
+            if _target_has_native_bf16():
+                native = _tile_gae(True, r, v, m, gl, monkeypatch)
+                for got, want in zip(native, exact, strict=True):
+                    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_the_native_rounding_is_built_where_the_target_has_it():
+    import numba
+    import numpy as np
+
+    from rlops.scan import tiles
+
+    kernel = numba.njit(tiles.gae.py_func)  # built here: numba's cache keeps no assembly
+    x = torch.zeros(8, 64, dtype=BF16).view(torch.uint16).numpy()
+    zero, one = np.zeros(8, np.float32), np.ones(8, np.float32)
+    kernel(x, None, None, None, None, zero, one, np.ones(8), None, x.copy(), 0, 1, 0, 4)
+    asm = kernel.inspect_asm(kernel.signatures[0])
+    assert ("vcvtne2ps2bf16" in asm) == _target_has_native_bf16()
