@@ -277,3 +277,53 @@ def test_the_kernels_give_the_same_bits_built_for_other_cpus(cpu, dtype, tmp_pat
     for k in ours:
         for a, b in zip(ours[k], theirs[k], strict=True):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16)), (cpu, k)
+
+
+def _plain_gae():
+    """The float32 GAE step written plainly, one row and one token at a time (numba, the
+    float64 carry advanced by one fused multiply-add), as the kernels' lanes must run it."""
+    import numba
+    import numpy as np
+
+    from rlops.scan.exact_arith import fma
+
+    @numba.njit
+    def run(r, v, end, g, gl, adv, ret):
+        for i in range(r.shape[0]):
+            acc, nxt = 0.0, end[i]
+            for t in range(r.shape[1] - 1, -1, -1):
+                delta = np.float32(np.float32(r[i, t] + np.float32(g[i] * nxt)) - v[i, t])
+                acc = fma(gl[i], acc, np.float64(delta))
+                adv[i, t] = np.float32(acc)
+                ret[i, t] = np.float32(adv[i, t] + v[i, t])
+                nxt = v[i, t]
+
+    return run
+
+
+@pytest.mark.parametrize("n", [1, 8, 11])
+@pytest.mark.parametrize("t", LENGTHS)
+def test_float32_gae_a_row_at_a_time_is_the_plain_step_bit_for_bit(n, t):
+    """float32 GAE without a mask makes its TD residuals a row at a time (``tiles.Rows``: each
+    row's next values the row shifted by one token, the last one carried from the tile after)
+    and its returns too: the bits of the step written plainly, in one pass and in pieces."""
+    import numpy as np
+
+    from rlops.scan import tiles
+
+    r, v, *_ = _inputs(n, t, torch.float32, seed=t)
+    g = torch.Generator().manual_seed(n)
+    end = torch.randn(n, generator=g).numpy()
+    gamma = (torch.rand(n, generator=g) * 0.5 + 0.5).numpy()
+    gl = (torch.rand(n, generator=g, dtype=torch.float64) * 0.99).numpy()
+    want = torch.empty(n, t), torch.empty(n, t)
+    _plain_gae()(r.numpy(), v.numpy(), end, gamma, gl, *(w.numpy() for w in want))
+    n_tiles, groups = t // tiles.TOKENS, -(-n // tiles.WIDTH)
+    cut = n_tiles // 3 + 1
+    for spans in ([(0, n_tiles)], [(cut, n_tiles - cut), (0, cut)]):
+        got = torch.full((n, t), np.nan), torch.full((n, t), np.nan)
+        arrays = (r.numpy(), v.numpy(), None, None, None, end, gamma, gl)
+        for skip, take in spans:
+            tiles.gae(*arrays, *(x.numpy() for x in got), 0, groups, skip, take)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), spans

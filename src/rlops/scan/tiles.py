@@ -13,7 +13,9 @@ step it stands for, in the same order and dtypes (the float64 carry advanced by 
 multiply-add), so a row's output bits do not depend on the rows beside it, on the group or on
 the thread count.
 
-:func:`reverse_scan` emits that loop for a ``step`` written with an IR builder; :class:`Group`
+:func:`reverse_scan` emits that loop for a ``step`` written with an IR builder (or a tile's
+inputs and outputs made a row at a time, :class:`Rows`: float32 GAE without a mask);
+:class:`Group`
 holds one group's row offsets and the dtypes: bfloat16 arrays are their ``uint16`` bits,
 computed in float32 (a 32-bit word of two tokens widened by a shift and a mask, stored rounded
 to nearest even with a NaN the quiet NaN, as torch rounds a float32); bool arrays are bytes,
@@ -30,7 +32,7 @@ from numba.extending import intrinsic
 
 from rlops.scan._cache import njit
 
-__all__ = ["TOKENS", "WIDTH", "Group", "gae", "reinforce", "reverse_scan"]
+__all__ = ["TOKENS", "WIDTH", "Group", "Rows", "gae", "reinforce", "reverse_scan"]
 
 #: rows per group, one per vector lane
 WIDTH = 8
@@ -170,6 +172,37 @@ def _words_native(b: ir.IRBuilder, e: ir.Value, o: ir.Value) -> ir.Value:
     pairs = [k for i in range(w) for k in (i, w + i)]
     return b.bitcast(b.shuffle_vector(both, both, ir.Constant(vector(I32, 2 * w), pairs)),
                      vector(I32, w))  # fmt: skip
+
+
+def _rows_to_tokens(b: ir.IRBuilder, rows: list) -> list:
+    """:data:`WIDTH` row vectors of :data:`TOKENS` lanes to :data:`TOKENS` token vectors of
+    :data:`WIDTH` lanes (lane ``i`` of vector ``j``: row ``i``'s token ``j``)."""
+    h, out = WIDTH // 2, []
+    for part in range(0, TOKENS, WIDTH):
+        first = list(range(part, part + h))
+        second = list(range(part + h, part + WIDTH))
+        xs = [None] * WIDTH
+        for i in range(h):  # the layout transpose() takes: the half-row loads' round done
+            for k, lanes in ((0, first), (1, second)):
+                mask = ir.Constant(vector(I32), lanes + [TOKENS + j for j in lanes])
+                xs[i + k * h] = b.shuffle_vector(rows[i], rows[i + h], mask)
+        out += transpose(b, xs)
+    return out
+
+
+def _tokens_to_rows(b: ir.IRBuilder, tokens: list) -> list:
+    """The inverse of :func:`_rows_to_tokens`."""
+    h = WIDTH // 2
+    halves = [transpose(b, tokens[part : part + WIDTH]) for part in range(0, TOKENS, WIDTH)]
+    rows = [None] * WIDTH
+    for i in range(h):
+        for r, pick in ((i, 0), (i + h, h)):  # row i: lanes 0-3 of ws[i], ws[i + h]; i + h: 4-7
+            pieces = []
+            for ws in halves:
+                pieces += [_sub(b, ws[i], pick, h), _sub(b, ws[i + h], pick, h)]
+            quarter = [_concat(b, pieces[0], pieces[1]), _concat(b, pieces[2], pieces[3])]
+            rows[r] = _concat(b, *quarter)
+    return rows
 
 
 def _sub(b: ir.IRBuilder, x: ir.Value, first: int, n: int) -> ir.Value:
@@ -325,6 +358,28 @@ class Group:
         low = b.lshr(_sub(b, both, 0, WIDTH), constant(I32, 16))
         return b.or_(low, _sub(b, both, WIDTH, WIDTH))
 
+    def rows_of(self, arr: tuple, t0: list) -> list:
+        """Row ``i``'s tokens ``t0[i]`` to ``t0[i] + 15`` as one vector each (a float array's:
+        bfloat16 takes the token tiles, :class:`Rows`)."""
+        b, data, ty = self.b, self.data(arr), arr[0]
+        assert ty.dtype in (types.float32, types.float64), ty
+        out = []
+        for off, t in zip(self.offsets, t0, strict=True):
+            row = vector(data.type.pointee, TOKENS).as_pointer()
+            out.append(b.load(b.bitcast(b.gep(data, [b.add(off, t)]), row), align=_size(ty)))
+        return out
+
+    def store_rows(self, arr: tuple, t0: list, rows: list) -> None:
+        """Store row vectors (as :meth:`rows_of` gives them) into ``arr``, for the rows
+        :attr:`active`."""
+        b, data, ty = self.b, self.data(arr), arr[0]
+        assert ty.dtype in (types.float32, types.float64), ty
+        for i, (off, t, row) in enumerate(zip(self.offsets, t0, rows, strict=True)):
+            p = b.bitcast(b.gep(data, [b.add(off, t)]), row.type.as_pointer())
+            if self.active is not None:
+                p = b.select(self.active[i], p, b.bitcast(self.scratch, p.type))
+            b.store(row, p, align=_size(ty))
+
     def _bools(self, data: ir.Value, t0: list) -> list:
         # A bool tile without shuffles: row i's 8 bytes (each 0 or 1) shifted left by i and
         # or-ed together hold, in byte j, the 8 rows' bits at token j: one lane mask each.
@@ -365,15 +420,34 @@ Step = Callable[[dict, dict], tuple[dict, dict]]
 _SKEW_FROM = 64  # tiles a row from which its group walks the rows skewed
 
 
-def _broadcast(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
-    # the scalar x in every lane
-    undef = ir.Constant(vector(x.type), ir.Undefined)
+def _broadcast(b: ir.IRBuilder, x: ir.Value, w: int = WIDTH) -> ir.Value:
+    # the scalar x in w lanes
+    undef = ir.Constant(vector(x.type, w), ir.Undefined)
     lane0 = b.insert_element(undef, x, ir.Constant(I32, 0))
-    return b.shuffle_vector(lane0, undef, constant(I32, 0))
+    return b.shuffle_vector(lane0, undef, ir.Constant(vector(I32, w), [0] * w))
+
+
+class Rows:
+    """A scan's tiles made and stored a row at a time (:func:`reverse_scan`'s ``rows``):
+    ``load(t0, carries) -> ({name: [token vectors]}, {carry: value})``, the inputs of
+    ``step(x, state) -> (y, state)`` (the very operations of the scan's own step on those
+    tokens) and the carries to hold after the tile (else the step's), and ``store(t0, ys)``
+    the outputs from ``ys = {name: [token vectors]}``."""
+
+    def __init__(self, load, step: Step, store):
+        self.load, self.step, self.store = load, step, store
 
 
 def reverse_scan(
-    group: Group, inputs: dict, outputs: dict, state: dict, step: Step, skip, take, fast=None
+    group: Group,
+    inputs: dict,
+    outputs: dict,
+    state: dict,
+    step: Step,
+    skip,
+    take,
+    fast=None,
+    rows: Rows | None = None,
 ) -> dict:
     """Emit the backward pass over time of one group: ``step(x, state) -> (y, state)`` with
     ``x`` the named input vectors at one token, ``y`` the named output vectors there and
@@ -388,7 +462,11 @@ def reverse_scan(
 
     ``fast``: ``(holds, quick)``, a step that gives ``step``'s very values on tiles whose
     carries at their last token satisfy ``holds(state) -> i1`` (kept for the whole tile), run
-    on those tiles instead."""
+    on those tiles instead.
+
+    ``rows``: the whole tiles' inputs, step and outputs made otherwise (:class:`Rows`); the
+    tokens before the first whole tile still run ``step`` on ``inputs``, with the carries
+    the tiles left."""
     b = group.b
     t_len = group.t_len
     w = ir.Constant(I64, TOKENS)
@@ -407,8 +485,12 @@ def reverse_scan(
     def tile(t0: list, live: ir.Value | None, written: dict) -> None:
         # one tile, row i from token t0[i]; with `live` (a lane mask) the other lanes keep
         # their carries and their rows' stores go to scratch memory
-        tiles = {k: group.load(arr, t0) for k, arr in inputs.items()}
         before = {k: b.load(p) for k, p in slots.items()}
+        after: dict = {}
+        if rows is None:
+            tiles = {k: group.load(arr, t0) for k, arr in inputs.items()}
+        else:
+            tiles, after = rows.load(t0, before)
 
         def walk(stepper: Step) -> None:
             ys: dict = {k: [None] * TOKENS for k in written}
@@ -416,12 +498,20 @@ def reverse_scan(
             for j in range(TOKENS - 1, -1, -1):
                 y, carry = stepper({k: tile[j] for k, tile in tiles.items()}, carry)
                 for k in written:
-                    ys[k][j] = y[k]
+                    ys[k][j] = y.get(k)  # (a Rows step may give fewer: its store makes the rest)
+            carry.update(after)
             for k, p in slots.items():
                 b.store(carry[k] if live is None else b.select(live, carry[k], before[k]), p)
+            if rows is not None:
+                if written:
+                    rows.store(t0, ys)
+                return
             for k, arr in written.items():
                 group.store(arr, t0, ys[k])
 
+        if rows is not None:
+            walk(rows.step)
+            return
         if fast is None:
             walk(step)
             return
@@ -555,10 +645,55 @@ def _gae_group(typingctx, r, v, mask, dones, cut, init, g, gl, adv, ret, k, skip
             m = x["m"]
             return {"ret": b.select(m, kern.narrow(new), zero)}, {"acc": b.select(m, new, acc)}
 
-        reverse_scan(grp, inputs, outputs, state, step, kern.skip, kern.take)
+        rows = None
+        if v_ is not None and m_ is None and d_ is None and not kern.wide and not kern.bits:
+            rows = _residual_rows(grp, kern, r_, v_, g_, gamma_lam, adv_, ret_)
+        reverse_scan(grp, inputs, outputs, state, step, kern.skip, kern.take, rows=rows)
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+def _residual_rows(grp: Group, kern, r_, v_, g_, gamma_lam, adv_, ret_) -> Rows:
+    # Plain GAE (values, no mask, no dones) a row at a time: the TD residual
+    # r + gamma * v[t + 1] - v of a row's 16 tokens in one vector, its tiles transposed once,
+    # and the returns adv + v a row at a time; the very operations of the step, in float32
+    b = kern.b
+    lanes = grp.lanes(g_)
+    gamma = [
+        _broadcast(b, b.extract_element(lanes, ir.Constant(I32, i)), TOKENS) for i in range(WIDTH)
+    ]
+
+    def load(t0, carries):
+        r, v = grp.rows_of(r_, t0), grp.rows_of(v_, t0)
+        # row i's next values: its tokens 1 to 15, then the value carried from the tile after
+        twice = ir.Constant(vector(I32, TOKENS), list(range(WIDTH)) * 2)
+        nxt = b.shuffle_vector(carries["nxt"], carries["nxt"], twice)
+        after = []
+        for i, vi in enumerate(v):
+            lanes = ir.Constant(vector(I32, TOKENS), [*range(1, TOKENS), TOKENS + i])
+            after.append(b.shuffle_vector(vi, nxt, lanes))
+        delta = [
+            b.fsub(b.fadd(ri, b.fmul(gi, ni)), vi)
+            for ri, gi, ni, vi in zip(r, gamma, after, v, strict=True)
+        ]
+        first = ir.Constant(vector(F32), ir.Undefined)  # the value after the tile before
+        for i, vi in enumerate(v):
+            lane = ir.Constant(I32, i)
+            first = b.insert_element(first, b.extract_element(vi, ir.Constant(I32, 0)), lane)
+        return {"d": _rows_to_tokens(b, delta)}, {"nxt": first}
+
+    def step(x, s):
+        new = _fma(b, gamma_lam, s["acc"], kern.ext(x["d"]))
+        return {"adv": kern.narrow(new)}, {"acc": new, "nxt": s["nxt"]}
+
+    def store(t0, ys):
+        adv = _tokens_to_rows(b, ys["adv"])
+        v = grp.rows_of(v_, t0)
+        grp.store_rows(adv_, t0, adv)
+        grp.store_rows(ret_, t0, [b.fadd(a, vi) for a, vi in zip(adv, v, strict=True)])
+
+    return Rows(load, step, store)
 
 
 @intrinsic
