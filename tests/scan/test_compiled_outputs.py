@@ -112,16 +112,28 @@ def test_populate_maps_fresh_pages_in_and_skips_written_ones():
 
     size = 16 * PAGE
     for written in ((), (0,), (0, size - 1)):
-        block = mmap.mmap(-1, size)
+        block, second = mmap.mmap(-1, size), mmap.mmap(-1, size)
         try:
             for i in written:
                 block[i] = 1
             start = ctypes.addressof(ctypes.c_char.from_buffer(block))
-            assert populate(start, size) == (0 if len(written) == 2 else 1)
-            assert populate(start, size) == 0  # mapped in now
-            assert populate(start + 1, PAGE) == 0  # no whole page inside: nothing to do
+            other = ctypes.addressof(ctypes.c_char.from_buffer(second))
+            assert populate(start, size, 0, 0) == (0 if len(written) == 2 else 1)
+            assert populate(start, size, 0, 0) == 0  # mapped in now
+            assert populate(start + 1, PAGE, 0, 0) == 0  # no whole page inside: nothing to do
+            assert populate(other, size, 0, 0) == 1  # a fresh block: advised
         finally:
             block.close()
+            second.close()
+    block, second = mmap.mmap(-1, size), mmap.mmap(-1, size)  # two fresh blocks in one call
+    try:
+        start = ctypes.addressof(ctypes.c_char.from_buffer(block))
+        other = ctypes.addressof(ctypes.c_char.from_buffer(second))
+        assert populate(start, size, other, size) == 1
+        assert populate(start, size, 0, 0) == 0 and populate(other, size, 0, 0) == 0
+    finally:
+        block.close()
+        second.close()
 
 
 def test_output_advises_large_blocks_only(monkeypatch):
@@ -131,11 +143,19 @@ def test_output_advises_large_blocks_only(monkeypatch):
         pytest.skip("no MADV_POPULATE_WRITE here")
 
     calls = []
-    monkeypatch.setattr(pages, "populate", lambda address, nbytes: calls.append(nbytes) or 0)
+
+    def populate(address, nbytes, address2, nbytes2):
+        calls.append((nbytes, nbytes2, address2 != 0))
+        return 0
+
+    monkeypatch.setattr(pages, "populate", populate)
     compiled.output(torch.zeros(1 << 20))  # 4 MiB
-    assert calls == [4 << 20]
+    assert calls == [(4 << 20, 0, False)]
     compiled.output(torch.zeros(1 << 10))  # 4 KiB: from malloc's heap, mapped already
-    assert calls == [4 << 20]
+    assert calls == [(4 << 20, 0, False)]
+    calls.clear()
+    compiled.outputs(torch.zeros(1 << 20), 3)  # two in one call, then the third
+    assert calls == [(4 << 20, 4 << 20, True), (4 << 20, 0, False)]
 
 
 @pytest.mark.parametrize("tiles", [64, 127, 128, 1000, 8192])

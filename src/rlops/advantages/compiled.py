@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from rlops.advantages._masking import GaeInputs
-from rlops.scan.compiled import as_input, launch, output, per_row
+from rlops.scan.compiled import as_input, launch, output, outputs, per_row
 
 __all__ = ["gae_compiled", "reinforce_returns_compiled"]
 
@@ -25,8 +25,10 @@ def gae_compiled(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
     values = None if values is None else values.contiguous()
     wide = torch.float32 if rewards.dtype == torch.bfloat16 else rewards.dtype
     n, t_len = rewards.shape
-    ret = output(rewards)
-    adv = ret if values is None else output(rewards)
+    if values is None:
+        adv = ret = output(rewards)
+    else:
+        adv, ret = outputs(rewards, 2)
     if n == 0 or t_len == 0:
         return adv, ret
     launch(

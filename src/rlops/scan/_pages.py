@@ -78,11 +78,7 @@ def works() -> bool:
 
 
 @njit(nogil=True)
-def populate(address, nbytes):
-    """Map in the whole pages of ``[address, address + nbytes)`` now, in one system call,
-    unless its first and last pages are mapped in already (a block malloc reused, not one
-    mapped afresh). Returns 1 if it advised, 0 if it skipped, -1 if the advice failed (a
-    hint: nothing changes)."""
+def _populate_one(address, nbytes):
     start = (address + PAGE - 1) // PAGE * PAGE
     end = (address + nbytes) // PAGE * PAGE
     if end <= start:
@@ -90,3 +86,16 @@ def populate(address, nbytes):
     if _page_mapped(start) and _page_mapped(end - PAGE):
         return 0
     return 1 if _advise_populate(start, end - start) == 0 else -1
+
+
+@njit(nogil=True)
+def populate(address, nbytes, address2, nbytes2):
+    """Map in the whole pages of ``[address, address + nbytes)`` now, in one system call,
+    unless its first and last pages are mapped in already (a block malloc reused, not one
+    mapped afresh); then those of the second block (``nbytes2 = 0``: none), so that a call's
+    two outputs take one call of compiled code. Returns 1 if it advised, 0 if it skipped, -1
+    if the advice failed (a hint: nothing changes), for the first block."""
+    done = _populate_one(address, nbytes)
+    if nbytes2 > 0:
+        _populate_one(address2, nbytes2)
+    return done

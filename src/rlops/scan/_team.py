@@ -116,21 +116,29 @@ _bodies: dict = {}
 _calls: dict = {}  # the bodies as ctypes functions (the GIL released while they run)
 
 
-def _body(kernel: Dispatcher, key: tuple):
-    """The ``cfunc`` running ``kernel``'s shares for arguments of ``key`` (the ints a share
-    takes, then each array's numpy dtype and dimensions, None for None): made once per
-    signature, in a module of its own that numba caches on disk (:func:`_load`), looked up
-    in each process by those (``numba.typeof`` of ten arrays took 0.1 ms when the caches were
-    cold), with a ``ctypes`` function calling it on the calling thread."""
-    body = _bodies.get((kernel, key))
+def _body(kernel: Dispatcher, key: tuple, args: tuple, per_share: int):
+    """The ``cfunc`` running ``kernel``'s shares for arguments like ``args`` (numpy arrays or
+    tensors; ``key`` names their dtypes and dimensions): made once per signature, in a module
+    of its own that numba caches on disk (:func:`_load`), looked up in each process by
+    ``key`` (``numba.typeof`` of ten arrays took 0.1 ms when the caches were cold), with a
+    ``ctypes`` function calling it on the calling thread."""
+    body = _bodies.get(key)
     if body is None:
         with _lock:
-            if (kernel, key) not in _bodies:
-                fn = _compile_body(kernel, key[1:], key[0])
-                _calls[kernel, key] = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(fn.address)
-                _bodies[kernel, key] = fn
-            body = _bodies[kernel, key]
+            if key not in _bodies:
+                specs = tuple(None if a is None else _spec(a) for a in args)
+                fn = _compile_body(kernel, specs, per_share)
+                _calls[key] = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(fn.address)
+                _bodies[key] = fn
+            body = _bodies[key]
     return body
+
+
+def _spec(a) -> tuple:
+    # an array's or a tensor's numpy dtype (bfloat16: its bits) and dimensions
+    if isinstance(a, torch.Tensor):
+        return _NUMPY[a.dtype], a.dim()
+    return a.dtype, a.ndim
 
 
 def _compile_body(kernel: Dispatcher, specs: tuple, per_share: int):
@@ -249,8 +257,8 @@ def run(kernel: Dispatcher, args: tuple, parts: list[tuple]) -> bool:
     and shape)."""
     if not all(a is None or a.flags.c_contiguous for a in args):
         return False
-    key = (len(parts[0]), *(None if a is None else (a.dtype, a.ndim) for a in args))
-    body = _body(kernel, key)
+    key = (kernel, len(parts[0]), *(None if a is None else (a.dtype, a.ndim) for a in args))
+    body = _body(kernel, key, args, len(parts[0]))
     header = _header(args, parts)
     _gomp_parallel()(body.address, header.ctypes.data, len(parts), 0)
     return True
@@ -263,22 +271,32 @@ def launch(kernel, args: tuple, parts: list[tuple]) -> bool:
     released), more on torch's OpenMP team. Each step of a call costs 3-50 us when the call
     before has flushed the caches: a numpy view each, the dispatch's typing of each array.
     False, with nothing run, where it cannot: not a numba kernel, a dtype the kernels do not
-    take, several parts and no OpenMP team."""
+    take, several parts and no OpenMP team. A tensor not C-contiguous: ValueError."""
     if not isinstance(kernel, Dispatcher) or (len(parts) > 1 and _gomp_parallel() is None):
         return False
-    key: list = [len(parts[0])]
+    key: list = [kernel, len(parts[0])]  # the body's, and the header's slots with it
+    slots: list = [0, len(parts)]
     for a in args:
         if a is None:
             key.append(None)
-        elif a.dtype in _NUMPY:
-            key.append((_NUMPY[a.dtype], a.dim()))
-        else:
+            continue
+        if a.dtype not in _NUMPY:
             return False
+        if not a.is_contiguous():
+            raise ValueError("the compiled kernels take C-contiguous tensors")
+        key += (a.dtype, a.dim())
+        slots.append(a.data_ptr())
+        slots += a.shape
+    for part in parts:
+        slots += part
+    header = np.array(slots, dtype=np.int64)
     spec = tuple(key)
-    body = _bodies.get((kernel, spec)) or _body(kernel, spec)
-    header = _tensor_header(args, parts)
+    call = _calls.get(spec)
+    if call is None:
+        _body(kernel, spec, args, len(parts[0]))
+        call = _calls[spec]
     if len(parts) == 1:
-        _calls[kernel, spec](header.ctypes.data)
+        call(header.ctypes.data)
     else:
-        _gomp_parallel()(body.address, header.ctypes.data, len(parts), 0)
+        _gomp_parallel()(_bodies[spec].address, header.ctypes.data, len(parts), 0)
     return True

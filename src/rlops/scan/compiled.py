@@ -24,6 +24,7 @@ __all__ = [
     "bits",
     "launch",
     "output",
+    "outputs",
     "per_row",
     "run_rows",
     "scan_compiled",
@@ -54,8 +55,13 @@ def available() -> bool:
 
 def _parts(n_rows: int, n_elements: int, lanes: int, tiles: int | None) -> list[tuple]:
     # the shares of :func:`run_rows`: (start, stop) groups, with ``tiles`` (skip, take) after
+    return _shares(n_rows, n_elements, lanes, tiles, torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=256)
+def _shares(n_rows: int, n_elements: int, lanes: int, tiles: int | None, threads: int) -> list:
     groups = -(-n_rows // lanes)
-    threads = max(1, min(torch.get_num_threads(), n_elements // _MIN_ELEMENTS_PER_THREAD))
+    threads = max(1, min(threads, n_elements // _MIN_ELEMENTS_PER_THREAD))
     whole = () if tiles is None else (0, tiles)
     split = min(threads // groups, n_elements // _MIN_ELEMENTS_PER_PIECE)
     if tiles is not None and split > 1:
@@ -106,14 +112,14 @@ def launch(kernel, n_rows: int, *args, lanes: int = LANES, tiles: int | None = N
     compiled entry (:func:`rlops.scan._team.launch`: no numpy views, no numba dispatch), or
     where it cannot, on the tensors' numpy arrays (:func:`bits`). The kernels index rows by
     their length: a tensor that is not C-contiguous is refused (ValueError), not read wrong."""
-    if not all(a is None or a.is_contiguous() for a in args):
-        raise ValueError("the compiled kernels take C-contiguous tensors")
     parts = _parts(n_rows, args[0].numel(), lanes, tiles)
-    if not torch.compiler.is_compiling():
+    if available() and not torch.compiler.is_compiling():
         from rlops.scan import _team
 
-        if _team.launch(kernel, args, parts):
+        if _team.launch(kernel, args, parts):  # (refuses a tensor not C-contiguous)
             return
+    if not all(a is None or a.is_contiguous() for a in args):
+        raise ValueError("the compiled kernels take C-contiguous tensors")
     _run(kernel, tuple(None if a is None else bits(a) for a in args), parts)
 
 
@@ -145,23 +151,31 @@ def bits(t: torch.Tensor):
     return t.numpy()
 
 
-def output(like: torch.Tensor) -> torch.Tensor:
-    """``torch.empty_like(like)`` (contiguous, CPU) with its whole pages mapped in now, by the
-    calling thread in one system call: a fresh large block is page-faulted in on first write,
-    one trap per 4 KiB page, and the workers of a split call would take those traps in parallel
-    (slower than one thread on some hosts, virtual machines above all). On memory already
-    mapped (a block malloc reuses: its first and last pages are, ``mincore``) it is skipped: the
-    walk of the page table cost 30 us per 4 MiB. Both checks and the advice are one call of
-    compiled code (:func:`rlops.scan._pages.populate`). Without the advice (not Linux, a kernel
-    before 5.14) it does nothing."""
-    out = torch.empty_like(like, memory_format=torch.contiguous_format)
-    nbytes = out.numel() * out.element_size()
+def outputs(like: torch.Tensor, count: int) -> list:
+    """``count`` tensors ``torch.empty_like(like)`` (contiguous, CPU), each with its whole
+    pages mapped in now, by the calling thread in one system call: a fresh large block is
+    page-faulted in on first write, one trap per 4 KiB page, and the workers of a split call
+    would take those traps in parallel (slower than one thread on some hosts, virtual machines
+    above all). On memory already mapped (a block malloc reuses: its first and last pages are,
+    ``mincore``) it is skipped: the walk of the page table cost 30 us per 4 MiB. The checks and
+    the advice for two outputs are one call of compiled code
+    (:func:`rlops.scan._pages.populate`). Without the advice (not Linux, a kernel before 5.14)
+    it does nothing."""
+    outs = [torch.empty_like(like, memory_format=torch.contiguous_format) for _ in range(count)]
+    nbytes = like.numel() * like.element_size()
     if nbytes >= _MIN_POPULATE:
         from rlops.scan import _pages
 
-        if _pages.works():
-            _pages.populate(out.data_ptr(), nbytes)  # a hint: failure changes nothing
-    return out
+        if _pages.works():  # a hint: failure changes nothing
+            for i in range(0, count, 2):
+                second = (outs[i + 1].data_ptr(), nbytes) if i + 1 < count else (0, 0)
+                _pages.populate(outs[i].data_ptr(), nbytes, *second)
+    return outs
+
+
+def output(like: torch.Tensor) -> torch.Tensor:
+    """One of :func:`outputs`."""
+    return outputs(like, 1)[0]
 
 
 def as_input(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
