@@ -23,6 +23,7 @@ import os
 import sys
 import tempfile
 import threading
+from collections.abc import Sequence
 from types import ModuleType
 
 import numpy as np
@@ -77,7 +78,7 @@ def _claim(typingctx, address):
 _HEAD = 2  # the header's first slots: the share counter, the number of shares
 
 
-def _header(args: tuple, parts: list[tuple]) -> np.ndarray:
+def _header(args: tuple, parts: Sequence[tuple]) -> np.ndarray:
     """``int64`` slots: the counter and the number of shares, then each array
     argument's address and shape (nothing for None), then the shares' ints."""
     slots: list[int] = [0, len(parts)]
@@ -89,25 +90,12 @@ def _header(args: tuple, parts: list[tuple]) -> np.ndarray:
     return np.array(slots, dtype=np.int64)
 
 
-def _tensor_header(args: tuple, parts: list[tuple]) -> np.ndarray:
-    # :func:`_header` of tensors (their data pointers)
-    slots: list[int] = [0, len(parts)]
-    for a in args:
-        if a is not None:
-            slots += [a.data_ptr(), *a.shape]
-    for part in parts:
-        slots += part
-    return np.array(slots, dtype=np.int64)
-
-
 #: the arrays the kernels take for a tensor's dtype: bfloat16 as its bits
 _NUMPY = {
     torch.bfloat16: np.dtype(np.uint16),
-    torch.float16: np.dtype(np.float16),
     torch.float32: np.dtype(np.float32),
     torch.float64: np.dtype(np.float64),
     torch.bool: np.dtype(np.bool_),
-    torch.int64: np.dtype(np.int64),
 }
 
 
@@ -250,7 +238,7 @@ def _load(source: str):
     return module
 
 
-def run(kernel: Dispatcher, args: tuple, parts: list[tuple]) -> bool:
+def run(kernel: Dispatcher, args: tuple, parts: Sequence[tuple]) -> bool:
     """``kernel(*args, *part)`` for every part, on torch's OpenMP team of ``len(parts)``
     threads (the calling thread one of them; the parts must write apart). False, with nothing
     run, where an array is not C-contiguous (the shares rebuild each array from its address
@@ -264,7 +252,7 @@ def run(kernel: Dispatcher, args: tuple, parts: list[tuple]) -> bool:
     return True
 
 
-def launch(kernel, args: tuple, parts: list[tuple]) -> bool:
+def launch(kernel, args: tuple, parts: Sequence[tuple]) -> bool:
     """:func:`run` on C-contiguous CPU tensors (None for None; bfloat16 read as its bits),
     without numpy views and without numba's dispatch: the shares' ``cfunc`` takes their
     addresses and shapes, one part on the calling thread (a ``ctypes`` call, the GIL

@@ -53,13 +53,14 @@ def available() -> bool:
     return _numba() is not None
 
 
-def _parts(n_rows: int, n_elements: int, lanes: int, tiles: int | None) -> list[tuple]:
+def _parts(n_rows: int, n_elements: int, lanes: int, tiles: int | None) -> tuple:
     # the shares of :func:`run_rows`: (start, stop) groups, with ``tiles`` (skip, take) after
+    # (kept per shape and thread count: not to be changed)
     return _shares(n_rows, n_elements, lanes, tiles, torch.get_num_threads())
 
 
 @functools.lru_cache(maxsize=256)
-def _shares(n_rows: int, n_elements: int, lanes: int, tiles: int | None, threads: int) -> list:
+def _shares(n_rows: int, n_elements: int, lanes: int, tiles: int | None, threads: int) -> tuple:
     groups = -(-n_rows // lanes)
     threads = max(1, min(threads, n_elements // _MIN_ELEMENTS_PER_THREAD))
     whole = () if tiles is None else (0, tiles)
@@ -68,9 +69,9 @@ def _shares(n_rows: int, n_elements: int, lanes: int, tiles: int | None, threads
         cuts = pieces(tiles, split)
         # the row's start first: the caller's, the piece with the longest walk for its carries
         spans = [(a, b - a) for a, b in itertools.pairwise(cuts)][::-1]
-        return [(g, g + 1, *span) for span in spans for g in range(groups)]
+        return tuple((g, g + 1, *span) for span in spans for g in range(groups))
     per = -(-groups // min(threads, groups))
-    return [(g, min(g + per, groups), *whole) for g in range(0, groups, per)]
+    return tuple((g, min(g + per, groups), *whole) for g in range(0, groups, per))
 
 
 def run_rows(
@@ -90,7 +91,7 @@ def run_rows(
     _run(kernel, args, _parts(n_rows, n_elements, lanes, tiles))
 
 
-def _run(kernel, args: tuple, parts: list[tuple]) -> None:
+def _run(kernel, args: tuple, parts: tuple) -> None:
     if len(parts) == 1:
         kernel(*args, *parts[0])
         return

@@ -15,11 +15,12 @@ the thread count.
 
 :func:`reverse_scan` emits that loop for a ``step`` written with an IR builder (or a tile's
 inputs and outputs made a row at a time, :class:`Rows`: float32 GAE without a mask);
-:class:`Group`
-holds one group's row offsets and the dtypes: bfloat16 arrays are their ``uint16`` bits,
-computed in float32 (a 32-bit word of two tokens widened by a shift and a mask, stored rounded
-to nearest even with a NaN the quiet NaN, as torch rounds a float32); bool arrays are bytes,
-turned into lane masks without shuffles. :func:`gae` and :func:`reinforce` are the kernels.
+:class:`Group` holds one group's row offsets and the dtypes: bfloat16 arrays are their
+``uint16`` bits, computed in float32 (a 32-bit word of two tokens widened by a shift and a
+mask, stored rounded to nearest even with a NaN the quiet NaN, as torch rounds a float32, by
+``vcvtne2ps2bf16`` where the target has it and the tile holds no NaN and no subnormal); bool
+arrays are bytes, turned into lane masks without shuffles. :func:`gae` and :func:`reinforce`
+are the kernels.
 """
 
 from __future__ import annotations
