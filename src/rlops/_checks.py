@@ -353,7 +353,9 @@ def check_unit_interval(name: str, value: object) -> float | torch.Tensor:
             if bool(bad.any()):
                 raise ValueError(f"{name} must lie in [0, 1], got a value {v[bad][0].item()}")
         return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if type(value) is not float and (  # (a float first: the ABC's check costs microseconds)
+        isinstance(value, bool) or not isinstance(value, numbers.Real)
+    ):
         raise TypeError(f"{name} must be a float or a tensor, got {type(value).__name__}")
     if not 0.0 <= float(value) <= 1.0:  # also False for NaN
         raise ValueError(f"{name} must lie in [0, 1], got {value}")

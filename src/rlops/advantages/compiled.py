@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from rlops.advantages._masking import GaeInputs
-from rlops.scan.compiled import as_input, launch, output, outputs, per_row
+from rlops.scan.compiled import as_input, kernels, launch, output, outputs, per_row
 
 __all__ = ["gae_compiled", "reinforce_returns_compiled"]
 
@@ -19,8 +19,7 @@ def gae_compiled(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
     dtype (each rounded once from the call's floats or tensors). Returns
     ``(advantages, returns)`` in the call's dtype.
     """
-    from rlops.scan import tiles
-
+    tiles = kernels()
     rewards, values, mask, dones, cut = x.rewards.contiguous(), x.values, x.mask, x.dones, x.cut
     values = None if values is None else values.contiguous()
     wide = torch.float32 if rewards.dtype == torch.bfloat16 else rewards.dtype
@@ -63,8 +62,7 @@ def reinforce_returns_compiled(
     ``kl``'s dtype (in bfloat16 also once more with the outcome added), as
     :func:`rlops.reinforce_plus_plus_returns` builds it.
     """
-    from rlops.scan import tiles
-
+    tiles = kernels()
     kl = kl.contiguous()
     n, t_len = kl.shape
     ret = output(kl)

@@ -234,7 +234,9 @@ def gae(
     if lam_length_alpha is not None:
         alpha = check_finite_positive("lam_length_alpha", lam_length_alpha)
     mask, dones = indicators(rewards.shape, rewards, mask, dones)
-    out_dtype = torch.promote_types(rewards.dtype, values.dtype)
+    out_dtype = rewards.dtype  # (promote_types is a dispatch: microseconds, caches cold)
+    if values.dtype != out_dtype:
+        out_dtype = torch.promote_types(out_dtype, values.dtype)
     dtype = compute_dtype(out_dtype)
     ends, cut, end = bootstrap_inputs(bootstrap, truncated, rewards, dones, dtype)
     adv_lam = lam_

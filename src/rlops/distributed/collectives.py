@@ -331,13 +331,13 @@ def fails_together(*aliases: str) -> Callable[[F], F]:
     def wrap(fn: F) -> F:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            groups = [(kwargs.get(n), n) for n in ("cp_group", "group")]
             if (
-                all(g is None for g, _ in groups)
+                (kwargs.get("cp_group") is None and kwargs.get("group") is None)
                 or torch.compiler.is_compiling()
                 or getattr(_calls, "entered", None) is not None
             ):
                 return fn(*args, **kwargs)
+            groups = [(kwargs.get(n), n) for n in ("cp_group", "group")]
             entered: set[int] = set()
             _calls.entered = entered
             try:

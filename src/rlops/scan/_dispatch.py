@@ -183,14 +183,26 @@ class Table:
 
     def __init__(self, op: str, rows: Sequence[Row]):
         self.op = op
-        self.rows = list(rows)
+        self.rows = rows
+
+    @property
+    def rows(self) -> tuple[Row, ...]:
+        return self._rows
+
+    @rows.setter
+    def rows(self, rows: Sequence[Row]) -> None:
+        self._rows = tuple(rows)
+        # by backend name: the first backend of that name, and the rows serving it in order
+        # (looked up on every call: a loop over the rows cost microseconds, caches cold)
+        self._backends: dict[str, Backend] = {}
+        self._serving: dict[str, list[Row]] = {}
+        for row in self._rows:
+            for backend in row.backends:
+                self._backends.setdefault(backend.name, backend)
+                self._serving.setdefault(backend.name, []).append(row)
 
     def _backend(self, name: str) -> Backend | None:
-        for row in self.rows:
-            for backend in row.backends:
-                if backend.name == name:
-                    return backend
-        return None
+        return self._backends.get(name)
 
     def method(self, method: str, case: Case) -> str:
         """The concrete method of a call: ``"auto"`` resolved, an explicit one checked."""
@@ -223,8 +235,8 @@ class Table:
         """The row that runs a concrete ``method`` on ``case``, and the method it runs with
         (``"chunked"`` where the backend has no row for the case)."""
         for name in (method, "chunked"):
-            for row in self.rows:
-                if any(b.name == name for b in row.backends) and row.when(case):
+            for row in self._serving.get(name, ()):
+                if row.when(case):
                     return row, name
         raise LookupError(f"{self.op}: no chunked row")  # every table has one
 

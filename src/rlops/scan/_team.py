@@ -15,6 +15,7 @@ the entry point, :func:`available` is False and the callers use the pool.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import hashlib
@@ -78,7 +79,7 @@ def _claim(typingctx, address):
 _HEAD = 2  # the header's first slots: the share counter, the number of shares
 
 
-def _header(args: tuple, parts: Sequence[tuple]) -> np.ndarray:
+def _header(args: tuple, parts: Sequence[tuple]) -> array.array:
     """``int64`` slots: the counter and the number of shares, then each array
     argument's address and shape (nothing for None), then the shares' ints."""
     slots: list[int] = [0, len(parts)]
@@ -87,7 +88,7 @@ def _header(args: tuple, parts: Sequence[tuple]) -> np.ndarray:
             slots += [a.ctypes.data, *a.shape]
     for part in parts:
         slots += part
-    return np.array(slots, dtype=np.int64)
+    return array.array("q", slots)
 
 
 #: the arrays the kernels take for a tensor's dtype: bfloat16 as its bits
@@ -248,7 +249,7 @@ def run(kernel: Dispatcher, args: tuple, parts: Sequence[tuple]) -> bool:
     key = (kernel, len(parts[0]), *(None if a is None else (a.dtype, a.ndim) for a in args))
     body = _body(kernel, key, args, len(parts[0]))
     header = _header(args, parts)
-    _gomp_parallel()(body.address, header.ctypes.data, len(parts), 0)
+    _gomp_parallel()(body.address, header.buffer_info()[0], len(parts), 0)
     return True
 
 
@@ -268,23 +269,26 @@ def launch(kernel, args: tuple, parts: Sequence[tuple]) -> bool:
         if a is None:
             key.append(None)
             continue
-        if a.dtype not in _NUMPY:
+        dtype = a.dtype
+        if dtype not in _NUMPY:
             return False
         if not a.is_contiguous():
             raise ValueError("the compiled kernels take C-contiguous tensors")
-        key += (a.dtype, a.dim())
+        key += (dtype, a.dim())
         slots.append(a.data_ptr())
         slots += a.shape
     for part in parts:
         slots += part
-    header = np.array(slots, dtype=np.int64)
+    # (an array.array, not numpy: a numpy array's address costs a ctypes object each call)
+    header = array.array("q", slots)
+    address = header.buffer_info()[0]
     spec = tuple(key)
     call = _calls.get(spec)
     if call is None:
         _body(kernel, spec, args, len(parts[0]))
         call = _calls[spec]
     if len(parts) == 1:
-        call(header.ctypes.data)
+        call(address)
     else:
-        _gomp_parallel()(_bodies[spec].address, header.ctypes.data, len(parts), 0)
+        _gomp_parallel()(_bodies[spec].address, address, len(parts), 0)
     return True

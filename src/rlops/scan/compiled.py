@@ -22,6 +22,7 @@ __all__ = [
     "as_input",
     "available",
     "bits",
+    "kernels",
     "launch",
     "output",
     "outputs",
@@ -51,6 +52,30 @@ def _numba():
 def available() -> bool:
     """Whether numba can be imported (the ``fast`` extra)."""
     return _numba() is not None
+
+
+@functools.cache
+def _team():
+    # rlops.scan._team, imported on first use (it imports numba); kept: an import statement in
+    # a function costs microseconds a call when the caches are cold
+    from rlops.scan import _team
+
+    return _team
+
+
+@functools.cache
+def kernels():
+    """:mod:`rlops.scan.tiles` (the kernels; it imports numba), imported on first use."""
+    from rlops.scan import tiles
+
+    return tiles
+
+
+@functools.cache
+def _pages():
+    from rlops.scan import _pages
+
+    return _pages
 
 
 def _parts(n_rows: int, n_elements: int, lanes: int, tiles: int | None) -> tuple:
@@ -96,9 +121,8 @@ def _run(kernel, args: tuple, parts: tuple) -> None:
         kernel(*args, *parts[0])
         return
     if available() and not torch.compiler.is_compiling():
-        from rlops.scan import _team
-
-        if _team.available(kernel) and _team.run(kernel, args, parts):
+        team = _team()
+        if team.available(kernel) and team.run(kernel, args, parts):
             return  # on torch's OpenMP threads, none to wake (_team)
 
     def work(part):
@@ -113,11 +137,9 @@ def launch(kernel, n_rows: int, *args, lanes: int = LANES, tiles: int | None = N
     compiled entry (:func:`rlops.scan._team.launch`: no numpy views, no numba dispatch), or
     where it cannot, on the tensors' numpy arrays (:func:`bits`). The kernels index rows by
     their length: a tensor that is not C-contiguous is refused (ValueError), not read wrong."""
-    parts = _parts(n_rows, args[0].numel(), lanes, tiles)
+    parts = _shares(n_rows, args[0].numel(), lanes, tiles, torch.get_num_threads())
     if available() and not torch.compiler.is_compiling():
-        from rlops.scan import _team
-
-        if _team.launch(kernel, args, parts):  # (refuses a tensor not C-contiguous)
+        if _team().launch(kernel, args, parts):  # (refuses a tensor not C-contiguous)
             return
     if not all(a is None or a.is_contiguous() for a in args):
         raise ValueError("the compiled kernels take C-contiguous tensors")
@@ -165,12 +187,11 @@ def outputs(like: torch.Tensor, count: int) -> list:
     outs = [torch.empty_like(like, memory_format=torch.contiguous_format) for _ in range(count)]
     nbytes = like.numel() * like.element_size()
     if nbytes >= _MIN_POPULATE:
-        from rlops.scan import _pages
-
-        if _pages.works():  # a hint: failure changes nothing
+        pages = _pages()
+        if pages.works():  # a hint: failure changes nothing
             for i in range(0, count, 2):
                 second = (outs[i + 1].data_ptr(), nbytes) if i + 1 < count else (0, 0)
-                _pages.populate(outs[i].data_ptr(), nbytes, *second)
+                pages.populate(outs[i].data_ptr(), nbytes, *second)
     return outs
 
 
@@ -211,7 +232,8 @@ def scan_compiled(x: torch.Tensor, decay: float | torch.Tensor) -> torch.Tensor:
     Per-row decays are passed in float64 (the carry's dtype), per-token decays in the
     arithmetic dtype (float32 for bfloat16)."""
     from rlops.scan import _numba_kernels as k
-    from rlops.scan import tiles
+
+    tiles = kernels()
 
     x = x.contiguous()
     n, t_len = x.shape
