@@ -392,9 +392,10 @@ class Group:
                 p = b.bitcast(b.gep(data, [b.add(off, t)]), I64.as_pointer())
                 x = b.shl(b.load(p, align=1), ir.Constant(I64, i))
                 word = x if word is None else b.or_(word, x)
+            bits = b.bitcast(word, vector(I1, 64))  # one 64-lane mask, 8 lanes a token
             for j in range(8):
-                byte = b.trunc(b.lshr(word, ir.Constant(I64, 8 * j)), I8)
-                out.append(b.bitcast(byte, vector(I1)))
+                lanes = ir.Constant(vector(I32), list(range(8 * j, 8 * j + 8)))
+                out.append(b.shuffle_vector(bits, bits, lanes))
         return out
 
     def gather(self, arr: tuple, t: ir.Value) -> ir.Value:
@@ -633,18 +634,21 @@ def _gae_group(typingctx, r, v, mask, dones, cut, init, g, gl, adv, ret, k, skip
                 vt, nxt = x["v"], s["nxt"]
                 delta = b.fsub(b.fadd(x["r"], b.fmul(gamma, nxt)), vt)
                 new = _fma(b, gamma_lam, acc, kern.ext(delta))
-                out = kern.narrow(new)
-                y = {"adv": out, "ret": b.fadd(out, vt)}
                 if m_ is None:
-                    return y, {"acc": new, "nxt": vt}
-                m = x["m"]  # a mask-0 token: 0 out, the carries pass through
-                y = {key: b.select(m, value, zero) for key, value in y.items()}
-                return y, {"acc": b.select(m, new, acc), "nxt": b.select(m, vt, nxt)}
+                    out = kern.narrow(new)
+                    return {"adv": out, "ret": b.fadd(out, vt)}, {"acc": new, "nxt": vt}
+                # a mask-0 token: 0 out, the carries pass through (the outputs narrowed from
+                # the carry kept: one masked multiply-add, one zeroing conversion)
+                m = x["m"]
+                new = b.select(m, new, acc)
+                adv = b.select(m, kern.narrow(new), zero)
+                y = {"adv": adv, "ret": b.select(m, b.fadd(adv, vt), zero)}
+                return y, {"acc": new, "nxt": b.select(m, vt, nxt)}
             new = _fma(b, gamma_lam, acc, kern.ext(x["r"]))
             if m_ is None:
                 return {"ret": kern.narrow(new)}, {"acc": new}
-            m = x["m"]
-            return {"ret": b.select(m, kern.narrow(new), zero)}, {"acc": b.select(m, new, acc)}
+            new = b.select(x["m"], new, acc)
+            return {"ret": b.select(x["m"], kern.narrow(new), zero)}, {"acc": new}
 
         rows = None
         if v_ is not None and m_ is None and d_ is None and not kern.wide and not kern.bits:
@@ -728,10 +732,10 @@ def _reinforce_group(typingctx, kl, outcome, ck, mask, gl, ret, k, skip, take):
                         reward = b.select(pending, rounded_bf16(b, reward), reward)
                 else:
                     reward = b.fadd(reward, s["pend"])
-                new = _fma(b, gamma_lam, s["acc"], kern.ext(reward))
                 m = x["m"]  # the outcome is added on the last action token, met first
+                new = b.select(m, _fma(b, gamma_lam, s["acc"], kern.ext(reward)), s["acc"])
                 return {"ret": b.select(m, kern.narrow(new), zero)}, {
-                    "acc": b.select(m, new, s["acc"]),
+                    "acc": new,
                     "pend": b.select(m, zero, s["pend"]),
                 }
 
