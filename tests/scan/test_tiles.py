@@ -327,3 +327,74 @@ def test_float32_gae_a_row_at_a_time_is_the_plain_step_bit_for_bit(n, t):
             tiles.gae(*arrays, *(x.numpy() for x in got), 0, groups, skip, take)
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32)), spans
+
+
+def _span_masks(n: int, t: int, seed: int) -> torch.Tensor:
+    """Masks of long spans, as responses and tool outputs make them: right-padded rows, and
+    turns of 30 to 400 tokens shared by the rows with a few tokens of jitter, so that whole
+    tiles of every row are on, or off, or mixed."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(t // 2, t + 1, (n, 1), generator=g)
+    padded = torch.arange(t) < lengths
+    edges = torch.randint(30, 400, (t // 30 + 1,), generator=g).cumsum(0)
+    turn = (torch.bucketize(torch.arange(t), edges) % 2 == 0).expand(n, t).clone()
+    jitter = torch.randint(0, 5, (n,), generator=g)
+    for i in range(n):
+        turn[i] = turn[i].roll(int(jitter[i]))
+    return torch.cat([padded[: n // 2], turn[n // 2 :]])
+
+
+def _compacted(fn, mask: torch.Tensor, *rows: torch.Tensor) -> torch.Tensor:
+    """``fn`` on each row's action tokens alone (an unmasked ``[1, L]`` call), scattered back
+    with 0 on mask-0 tokens: what skipping mask-0 tokens means."""
+    out = torch.zeros(mask.shape, dtype=rows[0].dtype)
+    for i in range(mask.shape[0]):
+        keep = mask[i]
+        if keep.any():
+            out[i, keep] = fn(i, *(x[i, keep][None] for x in rows))[0]
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [130, 1040, 3001, 9000])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_masked_tiles_give_the_bits_of_the_action_tokens_alone(dtype, t, threads, monkeypatch):
+    """Tiles where every row's tokens are action tokens (float32 GAE takes them a row at a
+    time) or none are (zeros stored, nothing computed): the masked kernels give, on each row,
+    the bits of the unmasked kernel on that row's action tokens alone, and 0 elsewhere; in
+    one pass and split in time over two threads."""
+    from rlops.scan import compiled
+
+    monkeypatch.setattr(compiled, "_MIN_ELEMENTS_PER_PIECE", 1 << 12)  # split small calls too
+    monkeypatch.setattr(compiled, "_MIN_ELEMENTS_PER_THREAD", 1 << 12)
+    r, v, kl, outcome, *_ = _inputs(11, t, dtype, seed=t)
+    mask = _span_masks(11, t, seed=t)
+    kw = {"gamma": 0.99, "method": "compiled"}
+    compacted = {
+        "gae": lambda i, r, v: rlops.gae(r, v, lam=0.95, **kw),
+        "returns": lambda i, r: rlops.discounted_returns(r, **kw),
+        "reinforce++": lambda i, kl: rlops.reinforce_plus_plus_returns(
+            outcome[i : i + 1], kl, torch.ones_like(kl, dtype=torch.bool), kl_coef=0.1, **kw
+        ),
+    }
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        adv, ret = rlops.gae(r, v, lam=0.95, mask=mask, **kw)
+        got = {
+            "gae advantages": adv,
+            "gae returns": ret,
+            "returns": rlops.discounted_returns(r, mask=mask, **kw),
+            "reinforce++": rlops.reinforce_plus_plus_returns(outcome, kl, mask, kl_coef=0.1, **kw),
+        }
+        want = {
+            "gae advantages": _compacted(lambda i, r, v: compacted["gae"](i, r, v)[0], mask, r, v),
+            "gae returns": _compacted(lambda i, r, v: compacted["gae"](i, r, v)[1], mask, r, v),
+            "returns": _compacted(compacted["returns"], mask, r),
+            "reinforce++": _compacted(compacted["reinforce++"], mask, kl),
+        }
+    finally:
+        torch.set_num_threads(threads_before)
+    ints = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16}
+    for name, x in got.items():
+        assert torch.equal(x.view(ints[dtype]), want[name].view(ints[dtype])), name

@@ -14,7 +14,8 @@ multiply-add), so a row's output bits do not depend on the rows beside it, on th
 the thread count.
 
 :func:`reverse_scan` emits that loop for a ``step`` written with an IR builder (or a tile's
-inputs and outputs made a row at a time, :class:`Rows`: float32 GAE without a mask);
+inputs and outputs made a row at a time, :class:`Rows`: float32 GAE without dones, with a mask
+on the tiles where every token is an action token; a tile of mask-0 tokens alone stores zeros);
 :class:`Group` holds one group's row offsets and the dtypes: bfloat16 arrays are their
 ``uint16`` bits, computed in float32 (a 32-bit word of two tokens widened by a shift and a
 mask, stored rounded to nearest even with a NaN the quiet NaN, as torch rounds a float32, by
@@ -381,22 +382,39 @@ class Group:
                 p = b.select(self.active[i], p, b.bitcast(self.scratch, p.type))
             b.store(row, p, align=_size(ty))
 
+    def store_zeros(self, arr: tuple, t0: list) -> None:
+        """Store +0.0 (all bits 0) into each row's tile of ``arr`` (every row's)."""
+        b, data, ty = self.b, self.data(arr), arr[0]
+        row = ir.ArrayType(I8, TOKENS * _size(ty))
+        for off, t in zip(self.offsets, t0, strict=True):
+            p = b.bitcast(b.gep(data, [b.add(off, t)]), row.as_pointer())
+            b.store(ir.Constant(row, None), p, align=_size(ty))
+
     def _bools(self, data: ir.Value, t0: list) -> list:
-        # A bool tile without shuffles: row i's 8 bytes (each 0 or 1) shifted left by i and
-        # or-ed together hold, in byte j, the 8 rows' bits at token j: one lane mask each.
+        # A bool tile without shuffles: one lane mask a token from :meth:`mask_words`
         b = self.b
         out = []
+        for word in self.mask_words(data, t0):
+            bits = b.bitcast(word, vector(I1, 64))  # one 64-lane mask, 8 lanes a token
+            for j in range(8):
+                lanes = ir.Constant(vector(I32), list(range(8 * j, 8 * j + 8)))
+                out.append(b.shuffle_vector(bits, bits, lanes))
+        return out
+
+    def mask_words(self, data: ir.Value, t0: list) -> list:
+        """A bool tile (``data`` its array's pointer) as two ``i64``: row i's 8 bytes (each 0 or
+        1) shifted left by i and or-ed together hold, in byte j, the 8 rows' bits at token j
+        (the second word, token 8 + j)."""
+        b = self.b
+        words = []
         for part in range(0, TOKENS, 8):
             word = None
             for i, (off, t) in enumerate(zip(self.offsets, self._at(t0, part), strict=True)):
                 p = b.bitcast(b.gep(data, [b.add(off, t)]), I64.as_pointer())
                 x = b.shl(b.load(p, align=1), ir.Constant(I64, i))
                 word = x if word is None else b.or_(word, x)
-            bits = b.bitcast(word, vector(I1, 64))  # one 64-lane mask, 8 lanes a token
-            for j in range(8):
-                lanes = ir.Constant(vector(I32), list(range(8 * j, 8 * j + 8)))
-                out.append(b.shuffle_vector(bits, bits, lanes))
-        return out
+            words.append(word)
+        return words
 
     def gather(self, arr: tuple, t: ir.Value) -> ir.Value:
         """Every row's token ``t``, as computed."""
@@ -434,10 +452,14 @@ class Rows:
     ``load(t0, carries) -> ({name: [token vectors]}, {carry: value})``, the inputs of
     ``step(x, state) -> (y, state)`` (the very operations of the scan's own step on those
     tokens) and the carries to hold after the tile (else the step's), and ``store(t0, ys)``
-    the outputs from ``ys = {name: [token vectors]}``."""
+    the outputs from ``ys = {name: [token vectors]}``; ``when(t0) -> i1`` where it is made so
+    only on some tiles (the others by token tiles)."""
 
-    def __init__(self, load, step: Step, store):
+    def __init__(self, load, step: Step, store, when=None):
         self.load, self.step, self.store = load, step, store
+        #: ``when(t0) -> i1``: the whole tiles (walked by every lane) made a row at a time, the
+        #: others by token tiles (None: every tile)
+        self.when = when
 
 
 def reverse_scan(
@@ -450,6 +472,7 @@ def reverse_scan(
     take,
     fast=None,
     rows: Rows | None = None,
+    idle=None,
 ) -> dict:
     """Emit the backward pass over time of one group: ``step(x, state) -> (y, state)`` with
     ``x`` the named input vectors at one token, ``y`` the named output vectors there and
@@ -468,7 +491,10 @@ def reverse_scan(
 
     ``rows``: the whole tiles' inputs, step and outputs made otherwise (:class:`Rows`); the
     tokens before the first whole tile still run ``step`` on ``inputs``, with the carries
-    the tiles left."""
+    the tiles left.
+
+    ``idle(t0) -> i1``: tiles (walked by every lane) where the step keeps every carry and
+    gives 0 (+0.0) for every output (a mask-0 tile): zeros are stored, nothing computed."""
     b = group.b
     t_len = group.t_len
     w = ir.Constant(I64, TOKENS)
@@ -487,6 +513,29 @@ def reverse_scan(
     def tile(t0: list, live: ir.Value | None, written: dict) -> None:
         # one tile, row i from token t0[i]; with `live` (a lane mask) the other lanes keep
         # their carries and their rows' stores go to scratch memory
+        if idle is not None and live is None:
+            with b.if_else(idle(t0)) as (zeros, busy):
+                with zeros:
+                    for arr in written.values():
+                        group.store_zeros(arr, t0)
+                with busy:
+                    work(t0, live, written)
+            return
+        work(t0, live, written)
+
+    def work(t0: list, live: ir.Value | None, written: dict) -> None:
+        if rows is None or rows.when is None:
+            one(t0, live, written, rows)
+        elif live is not None:  # (the ramps' tiles: by tokens)
+            one(t0, live, written, None)
+        else:
+            with b.if_else(rows.when(t0)) as (whole_rows, tokens):
+                with whole_rows:
+                    one(t0, live, written, rows)
+                with tokens:
+                    one(t0, live, written, None)
+
+    def one(t0: list, live: ir.Value | None, written: dict, rows: Rows | None) -> None:
         before = {k: b.load(p) for k, p in slots.items()}
         after: dict = {}
         if rows is None:
@@ -651,9 +700,20 @@ def _gae_group(typingctx, r, v, mask, dones, cut, init, g, gl, adv, ret, k, skip
             return {"ret": b.select(x["m"], kern.narrow(new), zero)}, {"acc": new}
 
         rows = None
-        if v_ is not None and m_ is None and d_ is None and not kern.wide and not kern.bits:
+        if v_ is not None and d_ is None and not kern.wide and not kern.bits:
             rows = _residual_rows(grp, kern, r_, v_, g_, gamma_lam, adv_, ret_)
-        reverse_scan(grp, inputs, outputs, state, step, kern.skip, kern.take, rows=rows)
+            if m_ is not None:  # tiles where every token is an action token: as without mask
+
+                def every(t0: list) -> ir.Value:
+                    return _mask_tile(grp, m_, t0, every=True)
+
+                rows.when = every
+
+        def none(t0: list) -> ir.Value:  # tiles of mask-0 tokens: zeros (dones reset carries)
+            return _mask_tile(grp, m_, t0, every=False)
+
+        idle = none if m_ is not None and d_ is None else None
+        reverse_scan(grp, inputs, outputs, state, step, kern.skip, kern.take, rows=rows, idle=idle)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -699,6 +759,16 @@ def _residual_rows(grp: Group, kern, r_, v_, g_, gamma_lam, adv_, ret_) -> Rows:
         grp.store_rows(ret_, t0, [b.fadd(a, vi) for a, vi in zip(adv, v, strict=True)])
 
     return Rows(load, step, store)
+
+
+def _mask_tile(grp: Group, mask: tuple, t0: list, every: bool) -> ir.Value:
+    # whether every row's mask of the tile is 1 (``every``), or is 0: from the words the token
+    # tiles' lane masks are made of (Group.mask_words), computed once where both are emitted
+    b = grp.b
+    w0, w1 = grp.mask_words(grp.data(mask), t0)
+    if every:
+        return b.icmp_signed("==", b.and_(w0, w1), ir.Constant(I64, -1))
+    return b.icmp_signed("==", b.or_(w0, w1), ir.Constant(I64, 0))
 
 
 @intrinsic
@@ -749,7 +819,12 @@ def _reinforce_group(typingctx, kl, outcome, ck, mask, gl, ret, k, skip, take):
 
         fast = (added, stepper(False)) if kern.bits else None
         inputs, outputs = {"kl": kl_, "m": m_}, {"ret": ret_}
-        reverse_scan(grp, inputs, outputs, state, stepper(True), kern.skip, kern.take, fast)
+
+        def none(t0: list) -> ir.Value:  # tiles of mask-0 tokens: zeros
+            return _mask_tile(grp, m_, t0, every=False)
+
+        step = stepper(True)
+        reverse_scan(grp, inputs, outputs, state, step, kern.skip, kern.take, fast, idle=none)
         return context.get_dummy_value()
 
     return sig, codegen
