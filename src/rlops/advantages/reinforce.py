@@ -161,7 +161,9 @@ def reinforce_plus_plus_returns(
     kl_coef = check_nonneg("kl_coef", kl_coef)
     check_cp_layout(cp_layout)
     gamma_ = per_row_discount("gamma", gamma, b, kl)
-    dtype = torch.promote_types(rewards.dtype, kl.dtype)
+    dtype = kl.dtype  # (promote_types is a dispatch: microseconds, caches cold)
+    if rewards.dtype != dtype:
+        dtype = torch.promote_types(rewards.dtype, dtype)
     cp = cp_group is not None
     case = scan.case_of(kl, rewards, gamma_, dtype=dtype, cp=cp, discounts=(gamma_,))
     kl, rewards = as_dtype(kl, dtype), as_dtype(rewards, dtype)

@@ -213,8 +213,8 @@ class Table:
                 backend = self._backend(name)
                 if (
                     backend is not None
-                    and _backends.failed(name) is None
                     and backend.auto(case)
+                    and _backends.failed(name) is None
                     and (backend.traceable or not compiling)
                     and backend.requires(case) is None
                 ):
@@ -267,8 +267,8 @@ def failed() -> dict[str, str]:
 
 def _execute(row: Row, method: str, case: Case, args: tuple) -> Any:
     if (
-        torch.compiler.is_compiling()  # traced into the graph, threads cannot be
-        or not row.small_ops
+        not row.small_ops
+        or torch.compiler.is_compiling()  # traced into the graph, threads cannot be
         or case.device.type != "cpu"
         or case.needs_grad  # the graph stays on the caller's thread (module docstring)
     ):

@@ -220,8 +220,10 @@ def per_row(value: float | torch.Tensor, n: int, dtype: torch.dtype) -> torch.Te
     or ``[N, 1]``) as the kernels' contiguous ``[N]`` tensor of ``dtype``. A float's tensor is
     made once and kept (the kernels only read it): a call's fixed cost is a few small
     operations, each tens of microseconds when the call before has flushed the caches."""
-    if isinstance(value, torch.Tensor):
-        return value.reshape(-1).expand(n).to(dtype).contiguous()
+    if isinstance(value, torch.Tensor):  # (no view or copy it does not need: each a dispatch)
+        v = value if value.dim() == 1 else value.reshape(-1)
+        v = as_dtype(v if v.shape[0] == n else v.expand(n), dtype)
+        return v if v.is_contiguous() else v.contiguous()
     return _filled(float(value).hex(), n, dtype)
 
 
