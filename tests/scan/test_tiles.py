@@ -179,13 +179,24 @@ def test_a_row_split_in_time_gives_the_bits_of_one_pass(dtype, t, cuts):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16)), k
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rows_split_in_time_over_threads_give_the_bits_of_one_thread(dtype, monkeypatch):
-    """Eight rows are one group: at 2 threads, with the size from which rows are split in time
-    lowered to this test's, each row runs as two pieces on two threads."""
+@pytest.fixture
+def small_splits(monkeypatch):
+    """Rows split over threads, and in time, from 4K elements: the shares kept per shape
+    (``compiled._shares``) are dropped before and after, so that none made with the real
+    sizes is taken here, and none made here is taken later."""
     from rlops.scan import compiled
 
     monkeypatch.setattr(compiled, "_MIN_ELEMENTS_PER_PIECE", 1 << 12)
+    monkeypatch.setattr(compiled, "_MIN_ELEMENTS_PER_THREAD", 1 << 12)
+    compiled._shares.cache_clear()
+    yield compiled
+    compiled._shares.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_split_in_time_over_threads_give_the_bits_of_one_thread(dtype, small_splits):
+    """Eight rows are one group: at 2 threads, with the size from which rows are split in time
+    lowered to this test's, each row runs as two pieces on two threads."""
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -358,17 +369,19 @@ def _compacted(fn, mask: torch.Tensor, *rows: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t", [130, 1040, 3001, 9000])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_masked_tiles_give_the_bits_of_the_action_tokens_alone(dtype, t, threads, monkeypatch):
+def test_masked_tiles_give_the_bits_of_the_action_tokens_alone(dtype, t, threads, small_splits):
     """Tiles where every row's tokens are action tokens (float32 GAE takes them a row at a
     time) or none are (zeros stored, nothing computed): the masked kernels give, on each row,
-    the bits of the unmasked kernel on that row's action tokens alone, and 0 elsewhere; in
-    one pass and split in time over two threads."""
-    from rlops.scan import compiled
+    the bits of the unmasked kernel on that row's action tokens alone, and 0 elsewhere; at 1
+    thread on 11 rows (a short last group), at 2 threads on 8 rows, split in time from 3001
+    tokens (each piece walking the tiles after it for their carries)."""
+    from rlops.scan import tiles
 
-    monkeypatch.setattr(compiled, "_MIN_ELEMENTS_PER_PIECE", 1 << 12)  # split small calls too
-    monkeypatch.setattr(compiled, "_MIN_ELEMENTS_PER_THREAD", 1 << 12)
-    r, v, kl, outcome, *_ = _inputs(11, t, dtype, seed=t)
-    mask = _span_masks(11, t, seed=t)
+    n = 11 if threads == 1 else 8
+    if threads == 2 and t >= 3001:  # one group, two pieces in time
+        assert len(small_splits._shares(n, n * t, tiles.WIDTH, t // tiles.TOKENS, 2)) == 2
+    r, v, kl, outcome, *_ = _inputs(n, t, dtype, seed=t)
+    mask = _span_masks(n, t, seed=t)
     kw = {"gamma": 0.99, "method": "compiled"}
     compacted = {
         "gae": lambda i, r, v: rlops.gae(r, v, lam=0.95, **kw),
