@@ -160,18 +160,19 @@ def test_output_advises_large_blocks_only(monkeypatch):
 
 @pytest.mark.parametrize("tiles", [64, 127, 128, 1000, 8192])
 @pytest.mark.parametrize("count", [1, 2, 3, 4])
-def test_pieces_cover_the_row_with_about_equal_work(tiles, count):
+@pytest.mark.parametrize("carries", [0.4, compiled._CARRIES_ONLY, 0.6])
+def test_pieces_cover_the_row_with_about_equal_work(tiles, count, carries):
     """Cuts from 0 to the row's tiles, increasing, no more pieces than 64 tiles each on
     average (fewer where the row is short); a piece's work (its own tiles, plus the tiles
-    after it walked for the carries alone at a fraction ``_CARRIES_ONLY`` of the time) the
-    same to a tile."""
-    cuts = compiled.pieces(tiles, count)
+    after it walked for the carries alone at a fraction ``carries`` of the time) the same to
+    a tile."""
+    cuts = compiled.pieces(tiles, count, carries)
     assert cuts[0] == 0 and cuts[-1] == tiles
     assert len(cuts) - 1 == max(1, min(count, tiles // 64))
     sizes = [b - a for a, b in itertools.pairwise(cuts)]
     assert all(s > 0 for s in sizes)
-    work = [compiled._CARRIES_ONLY * a + (b - a) for a, b in itertools.pairwise(cuts)]
-    assert max(work) - min(work) <= 1.0 + compiled._CARRIES_ONLY
+    work = [carries * a + (b - a) for a, b in itertools.pairwise(cuts)]
+    assert max(work) - min(work) <= 1.0 + carries
 
 
 def test_one_group_on_two_threads_is_split_in_time_the_caller_taking_the_rows_start():

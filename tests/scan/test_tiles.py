@@ -312,32 +312,38 @@ def _plain_gae():
     return run
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 8, 11])
 @pytest.mark.parametrize("t", LENGTHS)
-def test_float32_gae_a_row_at_a_time_is_the_plain_step_bit_for_bit(n, t):
-    """float32 GAE without a mask makes its TD residuals a row at a time (``tiles.Rows``: each
-    row's next values the row shifted by one token, the last one carried from the tile after)
-    and its returns too: the bits of the step written plainly, in one pass and in pieces."""
+def test_gae_without_a_mask_on_whole_tiles_is_the_plain_step_bit_for_bit(dtype, n, t):
+    """GAE without a mask makes its TD residuals and returns apart from the carry's step:
+    float32 a row at a time (``tiles.Rows``: each row's next values the row shifted by one
+    token, the last one carried from the tile after), bfloat16 on token pairs (tokens 2j and
+    2j + 8, then 2j + 1 and 2j + 9, in one vector): the bits of the step written plainly in
+    float32 (a bfloat16 call: on the values it holds, each output rounded once by torch), in
+    one pass and in pieces."""
     import numpy as np
 
     from rlops.scan import tiles
+    from rlops.scan.compiled import bits
 
-    r, v, *_ = _inputs(n, t, torch.float32, seed=t)
+    r, v, *_ = _inputs(n, t, dtype, seed=t)
     g = torch.Generator().manual_seed(n)
     end = torch.randn(n, generator=g).numpy()
     gamma = (torch.rand(n, generator=g) * 0.5 + 0.5).numpy()
     gl = (torch.rand(n, generator=g, dtype=torch.float64) * 0.99).numpy()
-    want = torch.empty(n, t), torch.empty(n, t)
-    _plain_gae()(r.numpy(), v.numpy(), end, gamma, gl, *(w.numpy() for w in want))
+    wide = torch.empty(n, t), torch.empty(n, t)
+    _plain_gae()(r.float().numpy(), v.float().numpy(), end, gamma, gl, *(w.numpy() for w in wide))
+    want = [w.to(dtype) for w in wide]
     n_tiles, groups = t // tiles.TOKENS, -(-n // tiles.WIDTH)
     cut = n_tiles // 3 + 1
     for spans in ([(0, n_tiles)], [(cut, n_tiles - cut), (0, cut)]):
-        got = torch.full((n, t), np.nan), torch.full((n, t), np.nan)
-        arrays = (r.numpy(), v.numpy(), None, None, None, end, gamma, gl)
+        got = torch.full((n, t), np.nan, dtype=dtype), torch.full((n, t), np.nan, dtype=dtype)
+        arrays = (bits(r), bits(v), None, None, None, end, gamma, gl)
         for skip, take in spans:
-            tiles.gae(*arrays, *(x.numpy() for x in got), 0, groups, skip, take)
+            tiles.gae(*arrays, *(bits(x) for x in got), 0, groups, skip, take)
         for a, b in zip(got, want, strict=True):
-            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), spans
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), spans
 
 
 def _span_masks(n: int, t: int, seed: int) -> torch.Tensor:
@@ -379,7 +385,7 @@ def test_masked_tiles_give_the_bits_of_the_action_tokens_alone(dtype, t, threads
 
     n = 11 if threads == 1 else 8
     if threads == 2 and t >= 3001:  # one group, two pieces in time
-        assert len(small_splits._shares(n, n * t, tiles.WIDTH, t // tiles.TOKENS, 2)) == 2
+        assert len(small_splits._shares(n, n * t, tiles.WIDTH, t // tiles.TOKENS, 2, 0.5)) == 2
     r, v, kl, outcome, *_ = _inputs(n, t, dtype, seed=t)
     mask = _span_masks(n, t, seed=t)
     kw = {"gamma": 0.99, "method": "compiled"}

@@ -45,8 +45,18 @@ def gae_compiled(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         ret,
         lanes=tiles.WIDTH,
         tiles=t_len // tiles.TOKENS,
+        carries=_carries_only(rewards.dtype, values is not None, dones is not None),
     )
     return adv, ret
+
+
+def _carries_only(dtype: torch.dtype, values: bool, dones: bool) -> float:
+    # A tile walked for its carries alone, against one written (8 x 131072, one thread):
+    # float32 GAE 0.54-0.56, bfloat16 GAE without dones 0.39-0.46 (its residuals made on
+    # token pairs), discounted returns 0.43-0.48; how a row split in time is cut (launch)
+    if not values:
+        return 0.45
+    return 0.42 if dtype == torch.bfloat16 and not dones else 0.55
 
 
 def reinforce_returns_compiled(
@@ -82,5 +92,6 @@ def reinforce_returns_compiled(
         ret,
         lanes=tiles.WIDTH,
         tiles=t_len // tiles.TOKENS,
+        carries=0.6,  # a tile walked for its carries alone: 0.6 of one written, both dtypes
     )
     return ret

@@ -38,6 +38,9 @@ _MIN_ELEMENTS_PER_THREAD = 1 << 17
 # (a thread to wake, 0.1-0.2 ms there) 0.88-1.20x at 8 x 131072.
 _MIN_ELEMENTS_PER_PIECE = 1 << 18
 _MIN_POPULATE = 1 << 20  # bytes: smaller blocks come from malloc's heap, mapped already
+#: the time a tile walked for its carries alone takes, against one written: the default of
+#: :func:`pieces` (the estimators pass their kernel's, measured: 0.4-0.6)
+_CARRIES_ONLY = 0.5
 
 
 @functools.cache
@@ -78,20 +81,18 @@ def _pages():
     return _pages
 
 
-def _parts(n_rows: int, n_elements: int, lanes: int, tiles: int | None) -> tuple:
-    # the shares of :func:`run_rows`: (start, stop) groups, with ``tiles`` (skip, take) after
-    # (kept per shape and thread count: not to be changed)
-    return _shares(n_rows, n_elements, lanes, tiles, torch.get_num_threads())
-
-
 @functools.lru_cache(maxsize=256)
-def _shares(n_rows: int, n_elements: int, lanes: int, tiles: int | None, threads: int) -> tuple:
+def _shares(
+    n_rows: int, n_elements: int, lanes: int, tiles: int | None, threads: int, carries: float
+) -> tuple:
+    # the shares of :func:`run_rows`: (start, stop) groups, with ``tiles`` (skip, take) after
+    # (kept per shape, thread count and kernel: not to be changed)
     groups = -(-n_rows // lanes)
     threads = max(1, min(threads, n_elements // _MIN_ELEMENTS_PER_THREAD))
     whole = () if tiles is None else (0, tiles)
     split = min(threads // groups, n_elements // _MIN_ELEMENTS_PER_PIECE)
     if tiles is not None and split > 1:
-        cuts = pieces(tiles, split)
+        cuts = pieces(tiles, split, carries)
         # the row's start first: the caller's, the piece with the longest walk for its carries
         spans = [(a, b - a) for a, b in itertools.pairwise(cuts)][::-1]
         return tuple((g, g + 1, *span) for span in spans for g in range(groups))
@@ -100,7 +101,13 @@ def _shares(n_rows: int, n_elements: int, lanes: int, tiles: int | None, threads
 
 
 def run_rows(
-    kernel, n_rows: int, n_elements: int, *args, lanes: int = LANES, tiles: int | None = None
+    kernel,
+    n_rows: int,
+    n_elements: int,
+    *args,
+    lanes: int = LANES,
+    tiles: int | None = None,
+    carries: float = _CARRIES_ONLY,
 ) -> None:
     """Run ``kernel(*args, start, stop)`` on the groups of ``lanes`` rows ``start`` to ``stop``
     (a short last group repeats its last row: the same values are written twice): one call, or
@@ -111,9 +118,10 @@ def run_rows(
     With ``tiles`` (the whole tiles of a row, for the kernels of :mod:`rlops.scan.tiles`, which
     take ``skip, take`` after ``start, stop``), a call of fewer groups than threads, of 256K
     elements a piece or more, splits its rows in time instead (:func:`pieces`; each group on
-    that many threads): a piece walks the tiles after it for the carries alone, so the rows'
-    bits are those of one thread's pass."""
-    _run(kernel, args, _parts(n_rows, n_elements, lanes, tiles))
+    that many threads): a piece walks the tiles after it for the carries alone (in a fraction
+    ``carries`` of a written tile's time), so the rows' bits are those of one thread's pass."""
+    threads = torch.get_num_threads()
+    _run(kernel, args, _shares(n_rows, n_elements, lanes, tiles, threads, carries))
 
 
 def _run(kernel, args: tuple, parts: tuple) -> None:
@@ -131,13 +139,21 @@ def _run(kernel, args: tuple, parts: tuple) -> None:
     split_with_caller(work, parts)
 
 
-def launch(kernel, n_rows: int, *args, lanes: int = LANES, tiles: int | None = None) -> None:
+def launch(
+    kernel,
+    n_rows: int,
+    *args,
+    lanes: int = LANES,
+    tiles: int | None = None,
+    carries: float = _CARRIES_ONLY,
+) -> None:
     """:func:`run_rows` on tensors (CPU, C-contiguous, None for None; bfloat16 read as its
     bits; ``n_elements`` the first's), as the estimators call the kernels: through the shares'
     compiled entry (:func:`rlops.scan._team.launch`: no numpy views, no numba dispatch), or
     where it cannot, on the tensors' numpy arrays (:func:`bits`). The kernels index rows by
-    their length: a tensor that is not C-contiguous is refused (ValueError), not read wrong."""
-    parts = _shares(n_rows, args[0].numel(), lanes, tiles, torch.get_num_threads())
+    their length: a tensor that is not C-contiguous is refused (ValueError), not read wrong.
+    ``tiles`` and ``carries`` as in :func:`run_rows`."""
+    parts = _shares(n_rows, args[0].numel(), lanes, tiles, torch.get_num_threads(), carries)
     if available() and not torch.compiler.is_compiling():
         if _team().launch(kernel, args, parts):  # (refuses a tensor not C-contiguous)
             return
@@ -146,23 +162,19 @@ def launch(kernel, n_rows: int, *args, lanes: int = LANES, tiles: int | None = N
     _run(kernel, tuple(None if a is None else bits(a) for a in args), parts)
 
 
-#: the time a tile walked for its carries alone takes, against one written (8 x 131072, one
-#: thread, warm outputs: GAE, masked GAE and REINFORCE++ 0.54-0.55 in float32, GAE and masked
-#: GAE 0.46-0.47 in bfloat16; bfloat16 REINFORCE++, whose roundings the carry needs, 0.70)
-_CARRIES_ONLY = 0.5
 _MIN_PIECE = 64  # tiles: 1024 tokens
 
 
-def pieces(tiles: int, count: int) -> list[int]:
+def pieces(tiles: int, count: int, carries: float = _CARRIES_ONLY) -> list[int]:
     """Where to cut rows of ``tiles`` whole tiles into at most ``count`` pieces of about equal
     work, in tiles from the row's end (``[0, ..., tiles]``): piece ``j`` walks the ``cuts[j]``
-    tiles after it for the carries alone (a fraction :data:`_CARRIES_ONLY` of the time of a
-    written tile), then writes its own, so that pieces nearer the row's start are shorter."""
+    tiles after it for the carries alone (a fraction ``carries`` of the time of a written
+    tile), then writes its own, so that pieces nearer the row's start are shorter."""
     count = max(1, min(count, tiles // _MIN_PIECE))
-    keep = 1.0 - _CARRIES_ONLY
+    keep = 1.0 - carries
     # equal work c: cuts[j + 1] = keep * cuts[j] + c, cuts[count] = tiles
-    c = tiles * _CARRIES_ONLY / (1.0 - keep**count)
-    cuts = [round(c * (1.0 - keep**j) / _CARRIES_ONLY) for j in range(count)]
+    c = tiles * carries / (1.0 - keep**count)
+    cuts = [round(c * (1.0 - keep**j) / carries) for j in range(count)]
     return [*cuts, tiles]
 
 

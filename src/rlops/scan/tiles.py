@@ -15,13 +15,14 @@ the thread count.
 
 :func:`reverse_scan` emits that loop for a ``step`` written with an IR builder (or a tile's
 inputs and outputs made a row at a time, :class:`Rows`: float32 GAE without dones, with a mask
-on the tiles where every token is an action token; a tile of mask-0 tokens alone stores zeros);
-:class:`Group` holds one group's row offsets and the dtypes: bfloat16 arrays are their
-``uint16`` bits, computed in float32 (a 32-bit word of two tokens widened by a shift and a
-mask, stored rounded to nearest even with a NaN the quiet NaN, as torch rounds a float32, by
-``vcvtne2ps2bf16`` where the target has it and the tile holds no NaN and no subnormal); bool
-arrays are bytes, turned into lane masks without shuffles. :func:`gae` and :func:`reinforce`
-are the kernels.
+on the tiles where every token is an action token; a tile of mask-0 tokens alone stores zeros;
+or on token pairs, :meth:`Group.load_pairs`: bfloat16 GAE's residuals and returns,
+REINFORCE++'s rounded token rewards); :class:`Group` holds one group's row offsets and the
+dtypes: bfloat16 arrays are their ``uint16`` bits, computed in float32 (a 32-bit word of two
+tokens widened by a shift and a mask, two tokens to a vector of 16 lanes; stored rounded to
+nearest even with a NaN the quiet NaN, as torch rounds a float32, by ``vcvtne2ps2bf16`` where
+the target has it and the tile holds no NaN and no subnormal); bool arrays are bytes, turned
+into lane masks without shuffles. :func:`gae` and :func:`reinforce` are the kernels.
 """
 
 from __future__ import annotations
@@ -64,16 +65,27 @@ def _size(ty) -> int:
     return 1 if ty.dtype == types.boolean else ty.dtype.bitwidth // 8
 
 
-_UNPACK = {  # x86's in-lane interleaves on 8 lanes (two 128-bit halves of four)
-    "lo32": [0, 8, 1, 9, 4, 12, 5, 13],
-    "hi32": [2, 10, 3, 11, 6, 14, 7, 15],
-    "lo64": [0, 1, 8, 9, 4, 5, 12, 13],
-    "hi64": [2, 3, 10, 11, 6, 7, 14, 15],
-}
-
-
 def _unpack(b: ir.IRBuilder, kind: str, x: ir.Value, y: ir.Value) -> ir.Value:
-    return b.shuffle_vector(x, y, ir.Constant(vector(I32), _UNPACK[kind]))
+    # x86's in-lane interleaves ("lo32", "hi32", "lo64", "hi64") in each 128-bit lane (four
+    # 32-bit lanes) of x and y, vectors of 8 or 16 lanes
+    n, lanes = x.type.count, []
+    for q in range(0, n, 4):
+        a = q + (0 if kind.startswith("lo") else 2)
+        pairs = kind.endswith("64")  # 64-bit lanes: two 32-bit lanes each
+        lanes += [a, a + 1, n + a, n + a + 1] if pairs else [a, n + a, a + 1, n + a + 1]
+    return b.shuffle_vector(x, y, ir.Constant(vector(I32, n), lanes))
+
+
+def _transpose4(b: ir.IRBuilder, a: ir.Value, c: ir.Value, d: ir.Value, e: ir.Value) -> list:
+    # the 4 x 4 blocks of four vectors' 128-bit lanes transposed (two rounds of interleaves)
+    t0, t1 = _unpack(b, "lo32", a, c), _unpack(b, "hi32", a, c)
+    t2, t3 = _unpack(b, "lo32", d, e), _unpack(b, "hi32", d, e)
+    return [
+        _unpack(b, "lo64", t0, t2),
+        _unpack(b, "hi64", t0, t2),
+        _unpack(b, "lo64", t1, t3),
+        _unpack(b, "hi64", t1, t3),
+    ]
 
 
 def transpose(b: ir.IRBuilder, xs: list) -> list:
@@ -82,13 +94,7 @@ def transpose(b: ir.IRBuilder, xs: list) -> list:
     ``i + 4``, vector ``i + 4`` their last four) transposed: vector ``j`` then holds the eight
     rows' token ``j``. Its own inverse. Two rounds of in-lane interleaves, the shuffles x86 runs
     in one instruction each; the swap of halves is done by the half-row loads and stores."""
-    out = []
-    for a, c, d, e in (xs[0:4], xs[4:8]):
-        t0, t1 = _unpack(b, "lo32", a, c), _unpack(b, "hi32", a, c)
-        t2, t3 = _unpack(b, "lo32", d, e), _unpack(b, "hi32", d, e)
-        out += [_unpack(b, "lo64", t0, t2), _unpack(b, "hi64", t0, t2)]
-        out += [_unpack(b, "lo64", t1, t3), _unpack(b, "hi64", t1, t3)]
-    return out
+    return _transpose4(b, *xs[0:4]) + _transpose4(b, *xs[4:8])
 
 
 def widen_bf16(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
@@ -219,6 +225,32 @@ def _concat(b: ir.IRBuilder, x: ir.Value, y: ir.Value) -> ir.Value:
     return b.shuffle_vector(x, y, ir.Constant(vector(I32, n), list(range(n))))
 
 
+def _pairs_to_tokens(b: ir.IRBuilder, evens: list, odds: list) -> list:
+    """:meth:`Group.load_pairs`'s vectors as :data:`TOKENS` token vectors of :data:`WIDTH`
+    lanes (the low halves free, the high ones one extract each)."""
+    out = [None] * TOKENS
+    half = TOKENS // 2
+    for j, (e, o) in enumerate(zip(evens, odds, strict=True)):
+        out[2 * j], out[2 * j + half] = _sub(b, e, 0, WIDTH), _sub(b, e, WIDTH, WIDTH)
+        out[2 * j + 1], out[2 * j + 1 + half] = _sub(b, o, 0, WIDTH), _sub(b, o, WIDTH, WIDTH)
+    return out
+
+
+def _tokens_to_pairs(b: ir.IRBuilder, tokens: list) -> tuple[list, list]:
+    """The inverse of :func:`_pairs_to_tokens`."""
+    half = TOKENS // 2
+    evens = [_concat(b, tokens[2 * j], tokens[2 * j + half]) for j in range(half // 2)]
+    odds = [_concat(b, tokens[2 * j + 1], tokens[2 * j + 1 + half]) for j in range(half // 2)]
+    return evens, odds
+
+
+def _words(b: ir.IRBuilder, e: ir.Value, o: ir.Value) -> ir.Value:
+    # <W x i32> words of bfloat16(e) | bfloat16(o) << 16, rounded by integer operations
+    w = e.type.count
+    low = b.lshr(_bf16_high(b, e), splat(ir.Constant(I32, 16), w))
+    return b.or_(low, _bf16_high(b, o))
+
+
 class Group:
     """One group of :data:`WIDTH` rows of ``[N, T]`` C-contiguous arrays: rows ``WIDTH * k``
     on, a short last group repeating row ``N - 1`` (the same values written twice), walked
@@ -308,14 +340,7 @@ class Group:
         ``t0[i] + j``."""
         b, data, ty = self.b, self.data(arr), arr[0]
         if ty.dtype == types.uint16:
-            # bfloat16 as WIDTH 32-bit words a row, an even token in each word's low half and
-            # an odd one in its high half: widened by a shift and a mask, no shuffle
-            # (lane by lane, so after the transpose: one transpose of the words)
-            out = []
-            for x in transpose(b, self._load_rows(data, I32, 2, t0, 2)):
-                out.append(b.bitcast(b.shl(x, constant(I32, 16)), vector(F32)))
-                out.append(b.bitcast(b.and_(x, constant(I32, 0xFFFF0000)), vector(F32)))
-            return out
+            return _pairs_to_tokens(b, *self.load_pairs(arr, t0))
         if ty.dtype == types.boolean:
             return self._bools(data, t0)
         out = []
@@ -328,37 +353,58 @@ class Group:
         """Store the vectors ``xs`` (lane ``i`` of ``xs[j]`` row ``i``'s token ``t0[i] + j``)
         into ``arr``, for the rows :attr:`active` (every row where it is None)."""
         b, data, ty = self.b, self.data(arr), arr[0]
-        if ty.dtype == types.uint16:  # two rounded tokens a word, then one transpose
-            pairs = list(zip(xs[0::2], xs[1::2], strict=True))
-            if self.native:  # vcvtne2ps2bf16 on tiles with no NaN and no subnormal (each
-                # branch transposes and stores its own words: 5-9% faster than one store of
-                # the words' phi on this VM)
-                special = None
-                for x in xs:
-                    lanes = _special(b, x)
-                    special = lanes if special is None else b.or_(special, lanes)
-                odd = b.icmp_unsigned("!=", b.bitcast(special, I8), ir.Constant(I8, 0))
-                with b.if_else(odd, likely=False) as (slow, fast):
-                    with slow:
-                        words = [self._words(e, o) for e, o in pairs]
-                        self._store_rows(data, I32, 2, t0, transpose(b, words), 2)
-                    with fast:
-                        words = [_words_native(b, e, o) for e, o in pairs]
-                        self._store_rows(data, I32, 2, t0, transpose(b, words), 2)
-                return
-            words = [self._words(e, o) for e, o in pairs]
-            self._store_rows(data, I32, 2, t0, transpose(b, words), 2)
+        if ty.dtype == types.uint16:
+            self.store_pairs(arr, t0, *_tokens_to_pairs(b, xs))
             return
         for part in range(0, TOKENS, WIDTH):
             ws = transpose(b, xs[part : part + WIDTH])
             self._store_rows(data, data.type.pointee, 1, self._at(t0, part), ws, _size(ty))
 
-    def _words(self, e: ir.Value, o: ir.Value) -> ir.Value:
-        # <W x i32> words of bfloat16(e) | bfloat16(o) << 16, the two roundings as one vector
+    def load_pairs(self, arr: tuple, t0: list) -> tuple[list, list]:
+        """A bfloat16 tile (``arr`` its ``uint16`` bits) as two lists of
+        :data:`TOKENS` ``// 4`` float32 vectors of ``2 * WIDTH`` lanes, ``evens[j]`` the rows'
+        tokens ``2j`` then ``2j + 8``, ``odds[j]`` tokens ``2j + 1`` then ``2j + 9`` (lane ``i``
+        of each half: row ``i``). A row's 32-bit words hold two tokens, the even one in the low
+        half: the words' 8 x 8 transpose runs on the two halves at once, and a shift and a mask
+        widen them, no other shuffle."""
+        b, data, h = self.b, self.data(arr), WIDTH // 2
+        assert arr[0].dtype == types.uint16, arr[0]
+        ys = self._load_rows(data, I32, 2, t0, 2)
+        words = _transpose4(b, *(_concat(b, ys[i], ys[i + h]) for i in range(h)))
+        w = 2 * WIDTH
+        low, high = splat(ir.Constant(I32, 16), w), splat(ir.Constant(I32, 0xFFFF0000), w)
+        evens = [b.bitcast(b.shl(x, low), vector(F32, w)) for x in words]
+        odds = [b.bitcast(b.and_(x, high), vector(F32, w)) for x in words]
+        return evens, odds
+
+    def store_pairs(self, arr: tuple, t0: list, evens: list, odds: list) -> None:
+        """Store float32 vectors laid out as :meth:`load_pairs` gives them into the bfloat16
+        ``arr``, each rounded once as torch rounds (to nearest even, a NaN the quiet NaN), for
+        the rows :attr:`active`."""
+        b, data = self.b, self.data(arr)
+        pairs = list(zip(evens, odds, strict=True))
+        if not self.native:
+            self._store_words(data, t0, [_words(b, e, o) for e, o in pairs])
+            return
+        # vcvtne2ps2bf16 on tiles with no NaN and no subnormal (each branch transposes and
+        # stores its own words: 5-9% faster than one store of the words' phi on this VM)
+        special = None
+        for x in evens + odds:
+            lanes = _special(b, x)
+            special = lanes if special is None else b.or_(special, lanes)
+        odd = b.icmp_unsigned("!=", b.bitcast(special, I16), ir.Constant(I16, 0))
+        with b.if_else(odd, likely=False) as (slow, fast):
+            with slow:
+                self._store_words(data, t0, [_words(b, e, o) for e, o in pairs])
+            with fast:
+                self._store_words(data, t0, [_words_native(b, e, o) for e, o in pairs])
+
+    def _store_words(self, data: ir.Value, t0: list, words: list) -> None:
+        # the inverse of load_pairs's transpose, then the half-row stores
         b = self.b
-        both = _bf16_high(b, _concat(b, e, o))
-        low = b.lshr(_sub(b, both, 0, WIDTH), constant(I32, 16))
-        return b.or_(low, _sub(b, both, WIDTH, WIDTH))
+        out = _transpose4(b, *words)
+        ws = [_sub(b, x, 0, WIDTH) for x in out] + [_sub(b, x, WIDTH, WIDTH) for x in out]
+        self._store_rows(data, I32, 2, t0, ws, 2)
 
     def rows_of(self, arr: tuple, t0: list) -> list:
         """Row ``i``'s tokens ``t0[i]`` to ``t0[i] + 15`` as one vector each (a float array's:
@@ -448,17 +494,18 @@ def _broadcast(b: ir.IRBuilder, x: ir.Value, w: int = WIDTH) -> ir.Value:
 
 
 class Rows:
-    """A scan's tiles made and stored a row at a time (:func:`reverse_scan`'s ``rows``):
-    ``load(t0, carries) -> ({name: [token vectors]}, {carry: value})``, the inputs of
-    ``step(x, state) -> (y, state)`` (the very operations of the scan's own step on those
-    tokens) and the carries to hold after the tile (else the step's), and ``store(t0, ys)``
-    the outputs from ``ys = {name: [token vectors]}``; ``when(t0) -> i1`` where it is made so
-    only on some tiles (the others by token tiles)."""
+    """A scan's whole tiles made otherwise (:func:`reverse_scan`'s ``rows``): ``load(t0,
+    carries) -> ({name: [token vectors]}, {carry: value})``, the inputs of the step (made a row
+    at a time, or on token pairs) and the carries to hold after the tile (else the step's);
+    ``step(x, state) -> (y, state)`` the very operations of the scan's own step on those
+    inputs (None: the scan's step and ``fast``, given them); ``store(t0, ys)`` the outputs from
+    ``ys = {name: [token vectors]}`` (None: by the group, token tiles); ``when(t0) -> i1`` where
+    it is made so only on some tiles (the others by token tiles)."""
 
-    def __init__(self, load, step: Step, store, when=None):
+    def __init__(self, load, step: Step | None = None, store=None, when=None):
         self.load, self.step, self.store = load, step, store
-        #: ``when(t0) -> i1``: the whole tiles (walked by every lane) made a row at a time, the
-        #: others by token tiles (None: every tile)
+        #: ``when(t0) -> i1``: the whole tiles (walked by every lane) made so, the others by
+        #: token tiles (None: every tile)
         self.when = when
 
 
@@ -553,14 +600,14 @@ def reverse_scan(
             carry.update(after)
             for k, p in slots.items():
                 b.store(carry[k] if live is None else b.select(live, carry[k], before[k]), p)
-            if rows is not None:
+            if rows is not None and rows.store is not None:
                 if written:
                     rows.store(t0, ys)
                 return
             for k, arr in written.items():
                 group.store(arr, t0, ys[k])
 
-        if rows is not None:
+        if rows is not None and rows.step is not None:
             walk(rows.step)
             return
         if fast is None:
@@ -700,8 +747,9 @@ def _gae_group(typingctx, r, v, mask, dones, cut, init, g, gl, adv, ret, k, skip
             return {"ret": b.select(x["m"], kern.narrow(new), zero)}, {"acc": new}
 
         rows = None
-        if v_ is not None and d_ is None and not kern.wide and not kern.bits:
-            rows = _residual_rows(grp, kern, r_, v_, g_, gamma_lam, adv_, ret_)
+        if v_ is not None and d_ is None and not kern.wide:
+            made = _residual_pairs if kern.bits else _residual_rows
+            rows = made(grp, kern, r_, v_, g_, gamma_lam, adv_, ret_)
             if m_ is not None:  # tiles where every token is an action token: as without mask
 
                 def every(t0: list) -> ir.Value:
@@ -748,17 +796,58 @@ def _residual_rows(grp: Group, kern, r_, v_, g_, gamma_lam, adv_, ret_) -> Rows:
             first = b.insert_element(first, b.extract_element(vi, ir.Constant(I32, 0)), lane)
         return {"d": _rows_to_tokens(b, delta)}, {"nxt": first}
 
-    def step(x, s):
-        new = _fma(b, gamma_lam, s["acc"], kern.ext(x["d"]))
-        return {"adv": kern.narrow(new)}, {"acc": new, "nxt": s["nxt"]}
-
     def store(t0, ys):
         adv = _tokens_to_rows(b, ys["adv"])
         v = grp.rows_of(v_, t0)
         grp.store_rows(adv_, t0, adv)
         grp.store_rows(ret_, t0, [b.fadd(a, vi) for a, vi in zip(adv, v, strict=True)])
 
-    return Rows(load, step, store)
+    return Rows(load, _residual_step(kern, gamma_lam), store)
+
+
+def _residual_step(kern, gamma_lam) -> Step:
+    # GAE's step on a tile's TD residuals "d" made beforehand: the carry's fused multiply-add
+    def step(x, s):
+        new = _fma(kern.b, gamma_lam, s["acc"], kern.ext(x["d"]))
+        return {"adv": kern.narrow(new)}, {"acc": new, "nxt": s["nxt"]}
+
+    return step
+
+
+def _residual_pairs(grp: Group, kern, r_, v_, g_, gamma_lam, adv_, ret_) -> Rows:
+    # Plain bfloat16 GAE on the tiles' token pairs (Group.load_pairs): the TD residual
+    # r + gamma * v[t + 1] - v and the returns adv + v of two tokens in one vector of 16
+    # lanes, the carry's step on each token; the very operations of the step, in float32
+    b = kern.b
+    gamma = grp.lanes(g_)
+    gamma = _concat(b, gamma, gamma)
+    held: dict = {}  # the tile's values, from its load to its store
+
+    def load(t0, carries):
+        (re, ro), (ve, vo) = grp.load_pairs(r_, t0), grp.load_pairs(v_, t0)
+        # the next tokens' values: of evens[j] (tokens 2j, 2j + 8) odds[j]; of odds[j]
+        # evens[j + 1], and for tokens 7 and 15, token 8 and the value carried from the tile
+        # after
+        nxt = _concat(b, carries["nxt"], carries["nxt"])
+        last = ir.Constant(vector(I32, 2 * WIDTH), [*range(WIDTH, 3 * WIDTH)])
+        after = [*ve[1:], b.shuffle_vector(ve[0], nxt, last)]
+
+        def delta(r, n, v):
+            return b.fsub(b.fadd(r, b.fmul(gamma, n)), v)
+
+        de = [delta(*x) for x in zip(re, vo, ve, strict=True)]
+        do = [delta(*x) for x in zip(ro, after, vo, strict=True)]
+        held["v"] = ve, vo
+        return {"d": _pairs_to_tokens(b, de, do)}, {"nxt": _sub(b, ve[0], 0, WIDTH)}
+
+    def store(t0, ys):
+        ae, ao = _tokens_to_pairs(b, ys["adv"])
+        ve, vo = held["v"]
+        grp.store_pairs(adv_, t0, ae, ao)
+        re = [b.fadd(a, v) for a, v in zip(ae, ve, strict=True)]
+        grp.store_pairs(ret_, t0, re, [b.fadd(a, v) for a, v in zip(ao, vo, strict=True)])
+
+    return Rows(load, _residual_step(kern, gamma_lam), store)
 
 
 def _mask_tile(grp: Group, mask: tuple, t0: list, every: bool) -> ir.Value:
@@ -791,17 +880,30 @@ def _reinforce_group(typingctx, kl, outcome, ck, mask, gl, ret, k, skip, take):
         )
         state = {"acc": constant(F64, 0.0), "pend": grp.lanes(outcome_)}
 
+        def token_reward(kl: ir.Value) -> ir.Value:  # (8 lanes, or 16: two tokens)
+            c = coef if kl.type.count == WIDTH else _concat(b, coef, coef)
+            return b.fmul(c, kl)
+
+        def pairs(t0: list, carries: dict) -> tuple[dict, dict]:
+            # a bfloat16 tile's token rewards, two tokens a vector (Group.load_pairs)
+            evens, odds = (
+                [rounded_bf16(b, token_reward(x)) for x in xs] for xs in grp.load_pairs(kl_, t0)
+            )
+            return {"reward": _pairs_to_tokens(b, evens, odds), "m": grp.load(m_, t0)}, {}
+
         def stepper(second: bool) -> Step:
             def step(x, s):
-                reward = b.fmul(coef, x["kl"])
-                if kern.bits:  # rounded to bfloat16 as the token reward, and again with the
-                    # outcome added
-                    reward = b.fadd(rounded_bf16(b, reward), s["pend"])
+                if kern.bits:  # rounded to bfloat16 as the token reward (on whole tiles, made
+                    # beforehand on token pairs: rounded), and again with the outcome added
+                    if "reward" in x:
+                        reward = b.fadd(x["reward"], s["pend"])
+                    else:
+                        reward = b.fadd(rounded_bf16(b, token_reward(x["kl"])), s["pend"])
                     if second:
                         pending = b.fcmp_unordered("!=", s["pend"], zero)
                         reward = b.select(pending, rounded_bf16(b, reward), reward)
                 else:
-                    reward = b.fadd(reward, s["pend"])
+                    reward = b.fadd(token_reward(x["kl"]), s["pend"])
                 m = x["m"]  # the outcome is added on the last action token, met first
                 new = b.select(m, _fma(b, gamma_lam, s["acc"], kern.ext(reward)), s["acc"])
                 return {"ret": b.select(m, kern.narrow(new), zero)}, {
@@ -824,7 +926,10 @@ def _reinforce_group(typingctx, kl, outcome, ck, mask, gl, ret, k, skip, take):
             return _mask_tile(grp, m_, t0, every=False)
 
         step = stepper(True)
-        reverse_scan(grp, inputs, outputs, state, step, kern.skip, kern.take, fast, idle=none)
+        rows = Rows(pairs) if kern.bits else None
+        reverse_scan(
+            grp, inputs, outputs, state, step, kern.skip, kern.take, fast, rows=rows, idle=none
+        )
         return context.get_dummy_value()
 
     return sig, codegen
