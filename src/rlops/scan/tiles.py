@@ -507,6 +507,12 @@ class Rows:
         #: ``when(t0) -> i1``: the whole tiles (walked by every lane) made so, the others by
         #: token tiles (None: every tile)
         self.when = when
+        #: ``by_rows(t0) -> (i1, <W x i1>)``, where ``when`` is false: whether the tile is made
+        #: so too, with the rows whose tokens are all on (the lanes' mask); the others keep
+        #: their carries and their outputs are zeros (None: by token tiles)
+        self.by_rows = None
+        #: while such a tile is emitted, the lanes whose outputs ``store`` stores (else None)
+        self.on: ir.Value | None = None
 
 
 def reverse_scan(
@@ -576,11 +582,21 @@ def reverse_scan(
         elif live is not None:  # (the ramps' tiles: by tokens)
             one(t0, live, written, None)
         else:
-            with b.if_else(rows.when(t0)) as (whole_rows, tokens):
+            with b.if_else(rows.when(t0)) as (whole_rows, other):
                 with whole_rows:
                     one(t0, live, written, rows)
-                with tokens:
-                    one(t0, live, written, None)
+                with other:
+                    if rows.by_rows is None:
+                        one(t0, live, written, None)
+                        return
+                    uniform, on = rows.by_rows(t0)
+                    with b.if_else(uniform) as (some_rows, tokens):
+                        with some_rows:  # the other rows keep their carries, store zeros
+                            rows.on = on
+                            one(t0, on, written, rows)
+                            rows.on = None
+                        with tokens:
+                            one(t0, live, written, None)
 
     def one(t0: list, live: ir.Value | None, written: dict, rows: Rows | None) -> None:
         before = {k: b.load(p) for k, p in slots.items()}
@@ -756,6 +772,13 @@ def _gae_group(typingctx, r, v, mask, dones, cut, init, g, gl, adv, ret, k, skip
                     return _mask_tile(grp, m_, t0, every=True)
 
                 rows.when = every
+                if kern.bits:  # and where each row's tokens are all on or all off (float32:
+                    # no faster than its token tiles)
+
+                    def by_rows(t0: list) -> tuple[ir.Value, ir.Value]:
+                        return _mask_rows(grp, m_, t0)
+
+                    rows.by_rows = by_rows
 
         def none(t0: list) -> ir.Value:  # tiles of mask-0 tokens: zeros (dones reset carries)
             return _mask_tile(grp, m_, t0, every=False)
@@ -843,11 +866,17 @@ def _residual_pairs(grp: Group, kern, r_, v_, g_, gamma_lam, adv_, ret_) -> Rows
     def store(t0, ys):
         ae, ao = _tokens_to_pairs(b, ys["adv"])
         ve, vo = held["v"]
-        grp.store_pairs(adv_, t0, ae, ao)
         re = [b.fadd(a, v) for a, v in zip(ae, ve, strict=True)]
-        grp.store_pairs(ret_, t0, re, [b.fadd(a, v) for a, v in zip(ao, vo, strict=True)])
+        ro = [b.fadd(a, v) for a, v in zip(ao, vo, strict=True)]
+        if rows.on is not None:  # the rows of mask-0 tokens: +0.0, as the step gives them
+            on, zero = _concat(b, rows.on, rows.on), constant(F32, 0.0)
+            zero = _concat(b, zero, zero)
+            ae, ao, re, ro = ([b.select(on, x, zero) for x in xs] for xs in (ae, ao, re, ro))
+        grp.store_pairs(adv_, t0, ae, ao)
+        grp.store_pairs(ret_, t0, re, ro)
 
-    return Rows(load, _residual_step(kern, gamma_lam), store)
+    rows = Rows(load, _residual_step(kern, gamma_lam), store)
+    return rows
 
 
 def _mask_tile(grp: Group, mask: tuple, t0: list, every: bool) -> ir.Value:
@@ -858,6 +887,17 @@ def _mask_tile(grp: Group, mask: tuple, t0: list, every: bool) -> ir.Value:
     if every:
         return b.icmp_signed("==", b.and_(w0, w1), ir.Constant(I64, -1))
     return b.icmp_signed("==", b.or_(w0, w1), ir.Constant(I64, 0))
+
+
+def _mask_rows(grp: Group, mask: tuple, t0: list) -> tuple[ir.Value, ir.Value]:
+    # whether each row's mask is the same on all the tile's tokens (the 16 bytes of the mask
+    # words equal), and the rows where it is 1 (<W x i1>: the first byte's bits)
+    b = grp.b
+    w0, w1 = grp.mask_words(grp.data(mask), t0)
+    first = b.and_(w0, ir.Constant(I64, 0xFF))
+    spread = b.mul(first, ir.Constant(I64, 0x0101010101010101))
+    uniform = b.and_(b.icmp_signed("==", w0, w1), b.icmp_signed("==", w0, spread))
+    return uniform, b.bitcast(b.trunc(first, I8), vector(I1))
 
 
 @intrinsic
