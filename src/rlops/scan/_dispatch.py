@@ -27,12 +27,14 @@ METHODS = ("auto", "reference", "chunked", "compiled", "triton")
 PREFERENCE = ("triton", "compiled", "chunked")  # what "auto" tries, in order
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class Case:
-    """What decides the implementation of one call.
+    """What decides the implementation of one call (not changed once made).
 
     ``discounts`` are the per-row discounts (floats or CPU/device tensors); they are only read
-    by :meth:`zero_discount`, which a row asks for on CPU (no device synchronisation)."""
+    by :meth:`zero_discount`, which a row asks for on CPU (no device synchronisation). Not a
+    frozen dataclass: its ``__init__`` sets each field through ``object.__setattr__``, 3 us
+    more a call when the caches are cold."""
 
     device: torch.device
     dtype: torch.dtype
@@ -49,9 +51,12 @@ class Case:
 
 def needs_grad(*objs: object) -> bool:
     """Whether autograd is on and a tensor among ``objs`` requires grad."""
-    return torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in objs
-    )
+    if not torch.is_grad_enabled():
+        return False
+    for t in objs:  # (a loop: a generator costs microseconds more, caches cold)
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return True
+    return False
 
 
 def case_of(
