@@ -575,9 +575,9 @@ def reverse_scan(
     first whole tile where those reach it. ``0, T // 16`` is the whole row; pieces that cover
     it give the whole row's bits, whatever thread runs which.
 
-    ``fast``: ``(holds, quick)``, a step that gives ``step``'s very values on tiles whose
-    carries at their last token satisfy ``holds(state) -> i1`` (kept for the whole tile), run
-    on those tiles instead.
+    ``fast``: ``(holds, quick)``, a step that gives ``step``'s very values on the tiles where
+    ``holds(state, t0) -> i1`` (the carries at the tile's last token, the rows' first tokens),
+    run on those tiles instead.
 
     ``rows``: the whole tiles' inputs, step and outputs made otherwise (:class:`Rows`); the
     tokens before the first whole tile still run ``step`` on ``inputs``, with the carries
@@ -651,7 +651,7 @@ def reverse_scan(
             walk(step)
             return
         holds, quick = fast
-        with b.if_else(holds(before)) as (then, otherwise):
+        with b.if_else(holds(before, t0)) as (then, otherwise):
             with then:
                 walk(quick)
             with otherwise:
@@ -922,6 +922,16 @@ def _mask_rows(grp: Group, mask: tuple, t0: list) -> tuple[ir.Value, ir.Value]:
     return uniform, b.bitcast(b.trunc(first, I8), vector(I1))
 
 
+def _acting_rows(grp: Group, mask: tuple, t0: list) -> ir.Value:
+    # the rows with a 1 in their mask tile, as the bits of an i8 (an or of the mask words' bytes)
+    b = grp.b
+    w0, w1 = grp.mask_words(grp.data(mask), t0)
+    x = b.or_(w0, w1)
+    for k in (32, 16, 8):
+        x = b.or_(x, b.lshr(x, ir.Constant(I64, k)))
+    return b.trunc(x, I8)
+
+
 @intrinsic
 def _reinforce_group(typingctx, kl, outcome, ck, mask, gl, ret, k, skip, take):
     # One group of REINFORCE++ returns (see ``reinforce``).
@@ -975,11 +985,14 @@ def _reinforce_group(typingctx, kl, outcome, ck, mask, gl, ret, k, skip, take):
 
             return step
 
-        def added(s) -> ir.Value:
-            # every row's outcome added already (or 0): the second rounding is selected in no
-            # lane, now or later in the row (the pending outcome only ever becomes 0)
-            zeros = b.fcmp_ordered("==", s["pend"], zero)
-            return b.icmp_unsigned("==", b.bitcast(zeros, I8), ir.Constant(I8, 0xFF))
+        def added(s, t0: list) -> ir.Value:
+            # no row both with its outcome pending (not yet added, and not 0) and with an action
+            # token in the tile: the second rounding counts in no lane (a row's tokens without
+            # action keep its carries, whatever their reward)
+            pending = b.bitcast(b.fcmp_unordered("!=", s["pend"], zero), I8)
+            return b.icmp_unsigned(
+                "==", b.and_(pending, _acting_rows(grp, m_, t0)), ir.Constant(I8, 0)
+            )
 
         fast = (added, stepper(False)) if kern.bits else None
         inputs, outputs = {"kl": kl_, "m": m_}, {"ret": ret_}
