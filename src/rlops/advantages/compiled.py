@@ -51,12 +51,14 @@ def gae_compiled(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _carries_only(dtype: torch.dtype, values: bool, dones: bool) -> float:
-    # A tile walked for its carries alone, against one written (8 x 131072, one thread):
-    # float32 GAE 0.54-0.56, bfloat16 GAE without dones 0.39-0.46 (its residuals made on
-    # token pairs), discounted returns 0.43-0.48; how a row split in time is cut (launch)
+    # How a row split in time is cut (launch): a tile walked for its carries alone against
+    # one written, as measured (8 x 131072, one thread; float32 GAE 0.54-0.56, bfloat16 GAE
+    # without dones 0.39-0.46, its residuals made on token pairs; discounted returns
+    # 0.43-0.48), then the fastest cut on two threads (0.3-0.7 swept: float32 GAE 0.5,
+    # bfloat16 0.3-0.4)
     if not values:
         return 0.45
-    return 0.42 if dtype == torch.bfloat16 and not dones else 0.55
+    return 0.4 if dtype == torch.bfloat16 and not dones else 0.5
 
 
 def reinforce_returns_compiled(
@@ -92,6 +94,8 @@ def reinforce_returns_compiled(
         ret,
         lanes=tiles.WIDTH,
         tiles=t_len // tiles.TOKENS,
-        carries=0.6,  # a tile walked for its carries alone: 0.6 of one written, both dtypes
+        # a tile walked for its carries alone: 0.6 of one written, both dtypes; the fastest
+        # cut on two threads at 0.6 in bfloat16, 0.5 in float32 (0.3-0.7 swept)
+        carries=0.6 if kl.dtype == torch.bfloat16 else 0.5,
     )
     return ret
