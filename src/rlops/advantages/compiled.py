@@ -45,20 +45,23 @@ def gae_compiled(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         ret,
         lanes=tiles.WIDTH,
         tiles=t_len // tiles.TOKENS,
-        carries=_carries_only(rewards.dtype, values is not None, dones is not None),
+        carries=_carries_only(
+            rewards.dtype, values is not None, mask is not None, dones is not None
+        ),
     )
     return adv, ret
 
 
-def _carries_only(dtype: torch.dtype, values: bool, dones: bool) -> float:
+def _carries_only(dtype: torch.dtype, values: bool, mask: bool, dones: bool) -> float:
     # How a row split in time is cut (launch): a tile walked for its carries alone against
     # one written, as measured (8 x 131072, one thread; float32 GAE 0.54-0.56, bfloat16 GAE
     # without dones 0.39-0.46, its residuals made on token pairs; discounted returns
     # 0.43-0.48), then the fastest cut on two threads (0.3-0.7 swept: float32 GAE 0.5,
-    # bfloat16 0.3-0.4)
+    # bfloat16 0.3-0.4; with right-padded masks 0.4 in both, the end piece's padding costing
+    # little)
     if not values:
         return 0.45
-    return 0.4 if dtype == torch.bfloat16 and not dones else 0.5
+    return 0.4 if (dtype == torch.bfloat16 or mask) and not dones else 0.5
 
 
 def reinforce_returns_compiled(
