@@ -274,9 +274,10 @@ def launch(kernel, args: tuple, parts: Sequence[tuple]) -> bool:
             return False
         if not a.is_contiguous():
             raise ValueError("the compiled kernels take C-contiguous tensors")
-        key += (dtype, a.dim())
+        shape = a.shape  # (one call for the dimensions and the shape: each microseconds, cold)
+        key += (dtype, len(shape))
         slots.append(a.data_ptr())
-        slots += a.shape
+        slots += shape
     for part in parts:
         slots += part
     # (an array.array, not numpy: a numpy array's address costs a ctypes object each call)

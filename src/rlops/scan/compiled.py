@@ -196,7 +196,13 @@ def outputs(like: torch.Tensor, count: int) -> list:
     the advice for two outputs are one call of compiled code
     (:func:`rlops.scan._pages.populate`). Without the advice (not Linux, a kernel before 5.14)
     it does nothing."""
-    outs = [torch.empty_like(like, memory_format=torch.contiguous_format) for _ in range(count)]
+    contiguous, outs = like.is_contiguous(), []
+    for _ in range(count):  # (a loop, and no keyword where it is not needed: a comprehension
+        # and the keyword cost 4 us each when the caches are cold)
+        if contiguous:
+            outs.append(torch.empty_like(like))
+        else:
+            outs.append(torch.empty_like(like, memory_format=torch.contiguous_format))
     nbytes = like.numel() * like.element_size()
     if nbytes >= _MIN_POPULATE:
         pages = _pages()
