@@ -31,10 +31,12 @@ from rlops.distributed.layout import check_cp_layout
 __all__ = ["REINFORCE", "reinforce_plus_plus_returns"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class Call:
     """One checked call: ``kl`` ``[B, T]`` and ``outcome`` ``[B]`` in the promoted dtype, ``mask``
     bool, ``gamma`` a float or ``[B, 1]`` as given.
+    Made once per call and not changed after (not a frozen dataclass: its ``__init__`` costs
+    microseconds more when the caches are cold).
     """
 
     kl: torch.Tensor
