@@ -273,7 +273,7 @@ class Group:
         self.scratch = cgutils.alloca_once(b, ir.ArrayType(I8, 64))
         #: a bool tile's lane masks each from a byte of its words (a shift and a move to a mask
         #: register, at its use), else shifts of one 64-lane mask: the former 6-13% faster in
-        #: bfloat16 GAE with a random mask (fewer masks spilled), REINFORCE++ 1-4%; 0-6% slower
+        #: bfloat16 GAE with a random mask (fewer masks spilled), REINFORCE++ 1-4%; 0-7% slower
         #: in the float32 kernels (8 x 131072, this VM)
         self.byte_masks = False
 
