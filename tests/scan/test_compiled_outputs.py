@@ -160,7 +160,7 @@ def test_output_advises_large_blocks_only(monkeypatch):
 
 @pytest.mark.parametrize("tiles", [64, 127, 128, 1000, 8192])
 @pytest.mark.parametrize("count", [1, 2, 3, 4])
-@pytest.mark.parametrize("carries", [0.4, compiled._CARRIES_ONLY, 0.6])
+@pytest.mark.parametrize("carries", [0.4, compiled.CARRIES_ONLY, 0.6])
 def test_pieces_cover_the_row_with_about_equal_work(tiles, count, carries):
     """Cuts from 0 to the row's tiles, increasing, no more pieces than 64 tiles each on
     average (fewer where the row is short); a piece's work (its own tiles, plus the tiles
@@ -173,6 +173,12 @@ def test_pieces_cover_the_row_with_about_equal_work(tiles, count, carries):
     assert all(s > 0 for s in sizes)
     work = [carries * a + (b - a) for a, b in itertools.pairwise(cuts)]
     assert max(work) - min(work) <= 1.0 + carries
+
+
+@pytest.mark.parametrize("carries", [0.0, -0.5, 1.5, float("nan"), float("inf")])
+def test_pieces_refuse_a_fraction_outside_0_to_1(carries):
+    with pytest.raises(ValueError, match="carries must be in"):
+        compiled.pieces(8192, 2, carries)
 
 
 def test_one_group_on_two_threads_is_split_in_time_the_caller_taking_the_rows_start():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from rlops.advantages._masking import GaeInputs
-from rlops.scan.compiled import as_input, kernels, launch, output, outputs, per_row
+from rlops.scan.compiled import CARRIES_ONLY, as_input, kernels, launch, output, outputs, per_row
 
 __all__ = ["gae_compiled", "reinforce_returns_compiled"]
 
@@ -58,9 +58,9 @@ def _carries_only(dtype: torch.dtype, values: bool, mask: bool, dones: bool) -> 
     # without dones 0.39-0.46, its residuals made on token pairs; discounted returns
     # 0.43-0.48), then the fastest cut on two threads (0.3-0.7 swept: float32 GAE 0.5,
     # bfloat16 0.3-0.4; with right-padded masks 0.4 in both, the end piece's padding costing
-    # little)
+    # little; the returns, CARRIES_ONLY, as discounted_cumsum's)
     if not values:
-        return 0.45
+        return CARRIES_ONLY
     return 0.4 if (dtype == torch.bfloat16 or mask) and not dones else 0.5
 
 

@@ -38,9 +38,11 @@ _MIN_ELEMENTS_PER_THREAD = 1 << 17
 # (a thread to wake, 0.1-0.2 ms there) 0.88-1.20x at 8 x 131072.
 _MIN_ELEMENTS_PER_PIECE = 1 << 18
 _MIN_POPULATE = 1 << 20  # bytes: smaller blocks come from malloc's heap, mapped already
-#: the time a tile walked for its carries alone takes, against one written: the default of
-#: :func:`pieces` (the estimators pass their kernel's, measured: 0.4-0.6)
-_CARRIES_ONLY = 0.5
+#: the time a tile walked for its carries alone takes, against one written, as a row split in
+#: time is cut (:func:`pieces`): the returns kernel's (``tiles.gae`` without values: 0.43-0.48
+#: measured; swept on two threads at 8 x 131072, 0.45 ran fastest in float32 and within 2% of
+#: bfloat16's best, 0.35, both faster than 0.5); the estimators pass their own kernel's
+CARRIES_ONLY = 0.45
 
 
 @functools.cache
@@ -107,7 +109,7 @@ def run_rows(
     *args,
     lanes: int = LANES,
     tiles: int | None = None,
-    carries: float = _CARRIES_ONLY,
+    carries: float = CARRIES_ONLY,
 ) -> None:
     """Run ``kernel(*args, start, stop)`` on the groups of ``lanes`` rows ``start`` to ``stop``
     (a short last group repeats its last row: the same values are written twice): one call, or
@@ -145,7 +147,7 @@ def launch(
     *args,
     lanes: int = LANES,
     tiles: int | None = None,
-    carries: float = _CARRIES_ONLY,
+    carries: float = CARRIES_ONLY,
 ) -> None:
     """:func:`run_rows` on tensors (CPU, C-contiguous, None for None; bfloat16 read as its
     bits; ``n_elements`` the first's), as the estimators call the kernels: through the shares'
@@ -165,11 +167,13 @@ def launch(
 _MIN_PIECE = 64  # tiles: 1024 tokens
 
 
-def pieces(tiles: int, count: int, carries: float = _CARRIES_ONLY) -> list[int]:
+def pieces(tiles: int, count: int, carries: float = CARRIES_ONLY) -> list[int]:
     """Where to cut rows of ``tiles`` whole tiles into at most ``count`` pieces of about equal
     work, in tiles from the row's end (``[0, ..., tiles]``): piece ``j`` walks the ``cuts[j]``
     tiles after it for the carries alone (a fraction ``carries`` of the time of a written
-    tile), then writes its own, so that pieces nearer the row's start are shorter."""
+    tile, in (0, 1]), then writes its own, so that pieces nearer the row's start are shorter."""
+    if not 0.0 < carries <= 1.0:  # (NaN too)
+        raise ValueError(f"carries must be in (0, 1]: a fraction of a written tile, got {carries}")
     count = max(1, min(count, tiles // _MIN_PIECE))
     keep = 1.0 - carries
     # equal work c: cuts[j + 1] = keep * cuts[j] + c, cuts[count] = tiles
