@@ -150,3 +150,59 @@ def test_long_float32_rows_as_accurate_as_the_chunked_form():
     ref = rlops.reinforce_plus_plus_returns(outcome, kl, mask, method="reference", **kwargs)
     chunked = rlops.reinforce_plus_plus_returns(outcome, kl, mask, method="chunked", **kwargs)
     assert_within_reference("auto", got, oracle, ref, chunked_out=chunked)
+
+
+def _right_padded(b, t_len, seed, dtype):
+    """Rows of action tokens then padding (each row's last action token inside a tile, on a
+    tile's last or first token, or none), the common layout of a batch of responses; rows 1
+    and 2 with rewards of zeros of both signs, so that their carries reach -0.0 by underflow
+    under a tiny discount."""
+    g = torch.Generator().manual_seed(seed)
+    kl = torch.randn(b, t_len, generator=g, dtype=torch.float32).to(dtype)
+    kl[1:3] = torch.where(torch.arange(t_len) % 3 == 0, -0.0, 0.0).to(dtype)
+    outcome = torch.randn(b, generator=g, dtype=torch.float32).to(dtype)
+    outcome[0] = -0.0
+    ends = [t_len, t_len - 1, 16 * (t_len // 32), 16 * (t_len // 32) + 1, 0, 1, t_len // 2]
+    lengths = torch.tensor([ends[i % len(ends)] for i in range(b)])
+    return outcome, kl, torch.arange(t_len) < lengths[:, None]
+
+
+@pytest.mark.parametrize("t_len", [16, 160, 1043, 4099])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("gamma", [1.0, 0.97, 1e-30])
+def test_tiles_of_action_tokens_alone_give_the_two_step_bits(t_len, dtype, gamma, spy):
+    # tiles where every row's token acts take a step of their own (no mask selects), the
+    # outcome added on their first token while it is pending; the others the masked step
+    outcome, kl, mask = _right_padded(11, t_len, seed=t_len, dtype=dtype)
+    for full in (False, True):
+        m = torch.ones_like(mask) if full else mask
+        got = rlops.reinforce_plus_plus_returns(outcome, kl, m, kl_coef=0.3, gamma=gamma)
+        assert torch.equal(got, _two_step(outcome, kl, m, 0.3, gamma, "compiled"))
+    assert spy == [dtype] * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_action_tiles_split_in_time_give_the_bits_of_one_thread(dtype, monkeypatch):
+    # the pieces walk the tiles after theirs for the carries alone, on the same steps: the
+    # rows' bits (the sign of a zero too) are those of one thread's pass
+    from rlops.scan import compiled as scan_compiled
+
+    monkeypatch.setattr(scan_compiled, "_MIN_ELEMENTS_PER_PIECE", 1 << 12)
+    monkeypatch.setattr(scan_compiled, "_MIN_ELEMENTS_PER_THREAD", 1 << 12)
+    scan_compiled._shares.cache_clear()
+    outcome, kl, mask = _right_padded(8, 8195, seed=5, dtype=dtype)
+    before = torch.get_num_threads()
+    try:
+        out = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out[threads] = [
+                rlops.reinforce_plus_plus_returns(outcome, kl, m, kl_coef=0.3, gamma=gamma)
+                for m in (mask, torch.ones_like(mask))
+                for gamma in (0.97, 1e-30)
+            ]
+    finally:
+        torch.set_num_threads(before)
+        scan_compiled._shares.cache_clear()
+    for a, b in zip(out[1], out[2], strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
