@@ -49,6 +49,11 @@ def failed(backend: str) -> str | None:
     return _failed.get(backend)
 
 
+def failed_names() -> tuple[str, ...]:
+    """The names of the backends set aside in this process (what a dispatch depends on)."""
+    return tuple(_failed)
+
+
 def failures() -> dict[str, str]:
     """Every backend set aside in this process, with the error that did it."""
     return dict(_failed)

@@ -199,6 +199,66 @@ def test_numba_failing_to_compile_falls_back_to_chunked(clean_failures, monkeypa
         assert torch.equal(rlops.discounted_cumsum(x, 0.9, method="compiled"), want)
 
 
+# --------------------------------------------------------------------------- kept plans
+def _recording_table(calls: list) -> Table:
+    def run(name):
+        def fn(method, x):
+            calls.append(name)
+            return x
+
+        return fn
+
+    flaky = Backend("triton", compile_errors=lambda: (_CannotCompile,))
+    fast = Row((flaky,), run("fast"), when=lambda case: not case.zero_discount())
+    return Table("op", [fast, Row((CHUNKED,), run("chunked"))])
+
+
+def test_auto_on_cpu_keeps_its_plan_per_dtype_grad_and_zero_discount(clean_failures):
+    calls: list = []
+    table = _recording_table(calls)
+    x = torch.zeros(1)
+    cases = [
+        (_case(discounts=(0.9,)), "fast"),
+        (_case(discounts=(0.0,)), "chunked"),  # the row's `when` refuses a zero discount
+        (_case(discounts=(torch.tensor([0.5, 0.0]),)), "chunked"),
+        (_case(discounts=(torch.tensor([0.5, 0.7]),)), "fast"),
+        (_case(needs_grad=True, discounts=(0.9,)), "fast"),  # (this backend has no grad rule)
+        (_case(dtype=torch.bfloat16, discounts=(0.9,)), "fast"),
+    ]
+    for _ in range(2):  # planned, then kept: the same rows
+        for case, row in cases:
+            table("auto", case, x)
+            assert calls[-1] == row, case
+            assert table.plan("auto", case)[0] is table.row(table.method("auto", case), case)[0]
+    assert len(table._plans) == 4  # (dtype, grad, cp, zero discount, set aside) seen
+
+
+def test_a_kept_plan_follows_a_backend_set_aside_and_new_rows(clean_failures):
+    calls: list = []
+    table = _recording_table(calls)
+    case, x = _case(discounts=(0.9,)), torch.zeros(1)
+    table("auto", case, x)
+    with pytest.warns(RuntimeWarning, match="failed to compile"):
+        _backends.set_failed("triton", _CannotCompile("gone"), "the triton backend")
+    table("auto", case, x)
+    assert calls == ["fast", "chunked"]
+    table.rows = [Row((CHUNKED,), lambda m, x: calls.append("new rows"))]
+    assert table._plans == {}
+    table("auto", case, x)
+    assert calls[-1] == "new rows"
+
+
+def test_no_plan_is_kept_off_cpu_while_compiling_or_for_an_explicit_method(monkeypatch):
+    calls: list = []
+    table = _recording_table(calls)
+    x = torch.zeros(1)
+    table("auto", _case(device=torch.device("meta"), discounts=(0.9,)), x)
+    table("chunked", _case(discounts=(0.9,)), x)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    table("auto", _case(discounts=(0.9,)), x)
+    assert table._plans == {} and calls == ["fast", "chunked", "fast"]
+
+
 # --------------------------------------------------------------------------- the CPU worker
 def _single_threaded(fn):
     """``fn()`` run by a worker of the rlops pool (torch single-threaded there), where rlops
