@@ -248,7 +248,9 @@ def test_a_kept_plan_follows_a_backend_set_aside_and_new_rows(clean_failures):
     assert calls[-1] == "new rows"
 
 
-def test_no_plan_is_kept_off_cpu_while_compiling_or_for_an_explicit_method(monkeypatch):
+def test_no_plan_is_kept_off_cpu_while_compiling_or_for_an_explicit_method(
+    clean_failures, monkeypatch
+):
     calls: list = []
     table = _recording_table(calls)
     x = torch.zeros(1)

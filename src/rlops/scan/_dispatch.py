@@ -254,7 +254,7 @@ class Table:
         resolved (:meth:`method`), chunked for a backend set aside, the row (:meth:`row`).
         For ``"auto"`` on CPU outside ``torch.compile`` the plan is kept per dtype, gradient,
         context parallelism, zero discount and the backends set aside (what the backends'
-        requirements and the rows' ``when`` read on CPU): 15-20 us a call less when the
+        requirements and the rows' ``when`` read on CPU): 10-11 us a call less when the
         caches are cold."""
         key = None
         if method == "auto" and case.device.type == "cpu" and not torch.compiler.is_compiling():
