@@ -13,6 +13,7 @@ float32 copy of an input or an output.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -310,3 +311,102 @@ def test_the_native_rounding_is_built_where_the_target_has_it():
     kernel(x, None, None, None, None, zero, one, np.ones(8), None, x.copy(), 0, 1, 0, 4)
     asm = kernel.inspect_asm(kernel.signatures[0])
     assert ("vcvtne2ps2bf16" in asm) == _target_has_native_bf16()
+
+
+def _target_has_permutes() -> bool:
+    from numba.core.registry import cpu_target
+
+    from rlops.scan import tiles
+
+    return tiles.permutes(cpu_target.target_context)
+
+
+@contextlib.contextmanager
+def _built(*kernels, **paths):
+    """``kernels`` (numba dispatchers of :mod:`rlops.scan.tiles`) built afresh, to be called
+    inside the block, with the target tests of ``tiles`` patched (``permutes=False``: the
+    half-row loads and the interleaves; ``native_bf16=False``: the integer rounding)."""
+    import numba
+
+    from rlops.scan import tiles
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name, on in paths.items():
+            patch.setattr(tiles, name, lambda context, on=on: on)
+        yield [numba.njit(k.py_func) for k in kernels]  # typed and built on their first call
+
+
+@pytest.mark.skipif(not _target_has_permutes(), reason="the target has no AVX-512 BW")
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("rows, t", [(8, 16 * 40 + 5), (11, 16 * 70), (3, 16 * 66 + 9)])
+def test_whole_row_tiles_give_the_interleaved_tiles_bits(native, rows, t):
+    """Where the target has AVX-512 BW, bfloat16 tiles are loaded and stored a whole row at a
+    time, their words transposed by two-source permutes (``tiles.permutes``); built without
+    them (the half-row loads and stores, the in-lane interleaves), GAE, the returns and
+    REINFORCE++ give the very same bits, int16 views compared (signed zeros, NaN payloads),
+    on rows with subnormals, NaN and inf, with and without masks, whole and in pieces."""
+    import numpy as np
+
+    from rlops.scan import tiles
+
+    if native and not _target_has_native_bf16():
+        pytest.skip("the target has no AVX-512 BF16")
+    r, v = _special_tiles(rows, t)
+    g = torch.Generator().manual_seed(rows + t)
+    kl = (torch.randn(rows, t, generator=g) * 0.1).to(BF16)
+    kl[0, 100] = float("nan")
+    kl[min(2, rows - 1), -20:] = 1e-39  # subnormal token rewards
+    outcome = torch.randn(rows, generator=g)
+    masks = {
+        "none": None,
+        "random": (torch.rand(rows, t, generator=g) < 0.8).numpy(),
+        "right-padded": (
+            torch.arange(t) < torch.randint(t // 2, t + 1, (rows, 1), generator=g)
+        ).numpy(),
+    }
+    groups, n_tiles = -(-rows // tiles.WIDTH), t // tiles.TOKENS
+    pieces = [[(0, n_tiles)], [(0, n_tiles - n_tiles // 3), (n_tiles - n_tiles // 3, n_tiles // 3)]]
+    f32 = np.float32
+    zero, one = np.zeros(rows, f32), np.ones(rows, f32)
+    bits = [x.view(torch.uint16).numpy() for x in (r, v, kl)]
+
+    def run(paths: dict) -> list:
+        with _built(tiles.gae, tiles.reinforce, **paths) as (gae, rpp):
+            return [o for mask in masks.values() for o in calls(gae, rpp, mask)]
+
+    def calls(gae, rpp, mask) -> list:
+        outs = []
+        for parts in pieces:
+            o = [np.full((rows, t), 0x1234, np.uint16) for _ in range(4)]
+            for skip, take in parts:
+                a = (bits[0], bits[1], mask, None, None, zero, one, np.full(rows, 0.95))
+                gae(*a, o[0], o[1], 0, groups, skip, take)
+                a = (bits[0], None, mask, None, None, zero, one, np.full(rows, 0.99))
+                gae(*a, None, o[2], 0, groups, skip, take)
+                if mask is not None:
+                    a = (bits[2], outcome.numpy(), np.full(1, -0.1, f32), mask)
+                    rpp(*a, np.full(rows, 0.99), o[3], 0, groups, skip, take)
+            outs += o
+        return outs
+
+    whole = run({"permutes": True, "native_bf16": native})
+    halves = run({"permutes": False, "native_bf16": native})
+    for a, b in zip(whole, halves, strict=True):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.skipif(not _target_has_permutes(), reason="the target has no AVX-512 BW")
+def test_whole_row_tiles_are_built_where_the_target_has_the_permutes():
+    import numpy as np
+
+    from rlops.scan import tiles
+
+    x = torch.zeros(8, 64, dtype=BF16).view(torch.uint16).numpy()
+    zero, one = np.zeros(8, np.float32), np.ones(8, np.float32)
+    asm = {}
+    for on in (True, False):
+        with _built(tiles.gae, permutes=on) as (kernel,):
+            kernel(x, x, None, None, None, zero, one, np.ones(8), x.copy(), x.copy(), 0, 1, 0, 4)
+        asm[on] = kernel.inspect_asm(kernel.signatures[0])
+    assert "vpermt2d" in asm[True] or "vpermi2d" in asm[True]
+    assert "vpermt2d" not in asm[False] and "vpermi2d" not in asm[False]

@@ -4,7 +4,9 @@ is installed; docs/design/scan.md).
 A kernel's group of :data:`WIDTH` rows runs as one vector per quantity, one lane per row,
 walking back over tiles of 16 tokens. A tile's rows are loaded half a row at a time, two rows'
 halves to a vector (the first round of the 8 x 8 transpose, done by the loads), and two rounds
-of in-lane interleaves (:func:`transpose`) finish it: the step at token ``t0 + j`` then works
+of in-lane interleaves (:func:`transpose`) finish it (bfloat16 tiles, where the target has
+AVX-512 BW: whole rows, and two rounds of two-source permutes, :func:`_pick`): the step at
+token ``t0 + j`` then works
 on the vector of all rows at ``t0 + j``. Outputs go back the same way. On long rows, row ``i``
 walks its tiles ``i`` steps after row 0 (rows a power-of-two apart would otherwise share cache
 sets). The tokens before the last whole tile (``T % 16`` of them, at a row's start) are
@@ -141,15 +143,29 @@ class _BFloat(ir.types.Type):
         return hash("bfloat")
 
 
+def _features(context) -> list:
+    # the target's features as numba compiles for it ("+avx512f", ...; none where this numba
+    # has no such method)
+    try:
+        return context.codegen()._get_host_cpu_features().split(",")
+    except Exception:
+        return []
+
+
 def native_bf16(context) -> bool:
     """Whether the target numba compiles for has AVX-512 BF16 (``vcvtne2ps2bf16``) and DQ
     (``vfpclassps``): bfloat16 tiles are then stored rounded by the former (numba's disk cache
     keys its machine code by the target's features)."""
-    try:
-        features = context.codegen()._get_host_cpu_features().split(",")
-    except Exception:  # a numba without that method: the integer rounding
-        return False
+    features = _features(context)
     return all(f"+avx512{f}" in features for f in ("bf16", "vl", "bw", "dq"))
+
+
+def permutes(context) -> bool:
+    """Whether the target has AVX-512 F and BW: a shuffle of two vectors' 32-bit (16-bit)
+    lanes into any order is one instruction there (``vpermt2d``, ``vpermt2w``), and bfloat16
+    tiles are loaded and stored a whole row at a time (:func:`_pick`)."""
+    features = _features(context)
+    return "+avx512f" in features and "+avx512bw" in features
 
 
 _NAN_OR_SUBNORMAL = 0x01 | 0x20 | 0x80  # vfpclassps: a quiet NaN, a subnormal, a signalling NaN
@@ -166,20 +182,77 @@ def _special(b: ir.IRBuilder, x: ir.Value) -> ir.Value:
     return b.call(fn, [x, ir.Constant(I32, _NAN_OR_SUBNORMAL)])
 
 
-def _words_native(b: ir.IRBuilder, e: ir.Value, o: ir.Value) -> ir.Value:
-    # <8 x i32> words of bfloat16(e) | bfloat16(o) << 16 by vcvtne2ps2bf16: to nearest even as
-    # torch rounds, for every float32 but a NaN or a subnormal (it gives the NaN's own bits,
-    # and flushes subnormals to zero): the callers take those tiles the integer way
+def _halves_native(b: ir.IRBuilder, e: ir.Value, o: ir.Value) -> ir.Value:
+    # <2W x i16>: bfloat16(e) in the low half, bfloat16(o) in the high half, by
+    # vcvtne2ps2bf16: to nearest even as torch rounds, for every float32 but a NaN or a
+    # subnormal (it gives the NaN's own bits, and flushes subnormals to zero): the callers take
+    # those tiles the integer way
     w = e.type.count
     fn = cgutils.get_or_insert_function(
         b.module,
         ir.FunctionType(vector(_BFloat(), 2 * w), [e.type, o.type]),
         f"llvm.x86.avx512bf16.cvtne2ps2bf16.{32 * w}",
     )
-    both = b.bitcast(b.call(fn, [o, e]), vector(I16, 2 * w))  # e's in the low half
-    pairs = [k for i in range(w) for k in (i, w + i)]
-    return b.bitcast(b.shuffle_vector(both, both, ir.Constant(vector(I32, 2 * w), pairs)),
-                     vector(I32, w))  # fmt: skip
+    return b.bitcast(b.call(fn, [o, e]), vector(I16, 2 * w))
+
+
+def _pick(b: ir.IRBuilder, x: ir.Value, y: ir.Value, at: tuple, keys: list) -> tuple:
+    """The lanes of ``x`` and ``y`` holding ``keys``, in that order (one shuffle of two
+    vectors; ``at``: for each, where a key is), and where each key is then."""
+    n, (at_x, at_y) = x.type.count, at
+    lanes = [at_x[k] if k in at_x else n + at_y[k] for k in keys]
+    shuffled = b.shuffle_vector(x, y, ir.Constant(vector(I32, len(keys)), lanes))
+    return shuffled, {k: i for i, k in enumerate(keys)}
+
+
+def _rows_to_words(b: ir.IRBuilder, rows: list) -> list:
+    """A bfloat16 tile's :data:`WIDTH` rows as ``<W x i32>`` words (word ``w``: the row's
+    tokens ``2w`` and ``2w + 1``) to the words :meth:`Group.load_pairs` widens (vector ``j``:
+    word ``j`` of each row, then word ``j + 4``): rows paired by the loads, then two rounds of
+    two-source shuffles (``vpermt2d``); keys are ``(row, word)``."""
+    h = WIDTH // 2
+    pairs = [(_concat(b, rows[2 * k], rows[2 * k + 1]),
+              {(2 * k + s, w): WIDTH * s + w for s in (0, 1) for w in range(WIDTH)})
+             for k in range(h)]  # fmt: skip
+    first = []  # per four rows: their words {0, 1, 4, 5}, then {2, 3, 6, 7}
+    for q in range(2):
+        (x, at_x), (y, at_y) = pairs[2 * q], pairs[2 * q + 1]
+        first.append(
+            [
+                _pick(b, x, y, (at_x, at_y), [(h * q + r, w) for w in ws for r in range(h)])
+                for ws in ((0, 1, h, h + 1), (2, 3, h + 2, h + 3))
+            ]
+        )
+    out = []
+    for j in range(h):
+        (x, at_x), (y, at_y) = first[0][j // 2], first[1][j // 2]
+        keys = [(r, j) for r in range(WIDTH)] + [(r, j + h) for r in range(WIDTH)]
+        out.append(_pick(b, x, y, (at_x, at_y), keys)[0])
+    return out
+
+
+def _to_rows(b: ir.IRBuilder, xs: list, at: list, per_row: int) -> list:
+    """Four vectors of a tile's values, ``at[j]`` where each ``(row, k)`` is in ``xs[j]``
+    (``k`` < ``per_row``), as four vectors of two whole rows each (rows 2i, then 2i + 1, each
+    ``k`` in order): two rounds of two-source shuffles, each first joining the values of rows
+    0-3 (4-7) in ``xs[0]`` and ``xs[1]`` (``xs[2]``, ``xs[3]``)."""
+    h = WIDTH // 2
+    first = []
+    for q in range(2):
+        rows = range(h * q, h * q + h)
+        joined = []
+        for s in (0, 1):
+            at_x, at_y = at[2 * s], at[2 * s + 1]
+            ks = sorted({k for (r, k) in (*at_x, *at_y) if r == 0})
+            joined.append(_pick(b, xs[2 * s], xs[2 * s + 1], (at_x, at_y),
+                                [(r, k) for r in rows for k in ks]))  # fmt: skip
+        first.append(joined)
+    out = []
+    for i in range(h):
+        (x, at_x), (y, at_y) = first[i // 2]
+        keys = [(2 * i + s, k) for s in (0, 1) for k in range(per_row)]
+        out.append(_pick(b, x, y, (at_x, at_y), keys)[0])
+    return out
 
 
 def _rows_to_tokens(b: ir.IRBuilder, rows: list) -> list:
@@ -267,6 +340,8 @@ class Group:
         self.offsets = [b.mul(row, t_len) for row in self.rows]
         #: bfloat16 stored by vcvtne2ps2bf16 where it gives torch's bits (:func:`native_bf16`)
         self.native = native_bf16(context)
+        #: bfloat16 tiles loaded and stored a whole row at a time (:func:`permutes`)
+        self.permutes = permutes(context)
         #: per row, whether its stores go to the arrays (None: every row's do)
         self.active: list | None = None
         #: where the other rows' stores go (64 bytes, never read)
@@ -374,8 +449,15 @@ class Group:
         widen them, no other shuffle."""
         b, data, h = self.b, self.data(arr), WIDTH // 2
         assert arr[0].dtype == types.uint16, arr[0]
-        ys = self._load_rows(data, I32, 2, t0, 2)
-        words = _transpose4(b, *(_concat(b, ys[i], ys[i + h]) for i in range(h)))
+        if self.permutes:  # whole rows, the words' transpose by two rounds of vpermt2d
+            rows = []
+            for off, t in zip(self.offsets, t0, strict=True):
+                p = b.bitcast(b.gep(data, [b.add(off, t)]), vector(I32).as_pointer())
+                rows.append(b.load(p, align=2))
+            words = _rows_to_words(b, rows)
+        else:
+            ys = self._load_rows(data, I32, 2, t0, 2)
+            words = _transpose4(b, *(_concat(b, ys[i], ys[i + h]) for i in range(h)))
         w = 2 * WIDTH
         low, high = splat(ir.Constant(I32, 16), w), splat(ir.Constant(I32, 0xFFFF0000), w)
         evens = [b.bitcast(b.shl(x, low), vector(F32, w)) for x in words]
@@ -401,15 +483,43 @@ class Group:
         with b.if_else(odd, likely=False) as (slow, fast):
             with slow:
                 self._store_words(data, t0, [_words(b, e, o) for e, o in pairs])
-            with fast:
-                self._store_words(data, t0, [_words_native(b, e, o) for e, o in pairs])
+            with fast:  # (native implies the permutes) the rounded halves' 16-bit transpose
+                halves = [_halves_native(b, e, o) for e, o in pairs]
+                at = [
+                    {(r, 2 * j + s + WIDTH * k): 2 * WIDTH * s + WIDTH * k + r
+                     for s in (0, 1) for k in (0, 1) for r in range(WIDTH)}
+                    for j in range(len(pairs))
+                ]  # fmt: skip
+                self._store_whole_rows(data, t0, _to_rows(b, halves, at, TOKENS))
 
     def _store_words(self, data: ir.Value, t0: list, words: list) -> None:
-        # the inverse of load_pairs's transpose, then the half-row stores
+        # the inverse of load_pairs's transpose, then the stores
         b = self.b
+        if self.permutes:
+            h = WIDTH // 2
+            at = [
+                {(r, j + h * k): WIDTH * k + r for k in (0, 1) for r in range(WIDTH)}
+                for j in range(h)
+            ]
+            self._store_whole_rows(data, t0, _to_rows(b, words, at, WIDTH))
+            return
         out = _transpose4(b, *words)
         ws = [_sub(b, x, 0, WIDTH) for x in out] + [_sub(b, x, WIDTH, WIDTH) for x in out]
         self._store_rows(data, I32, 2, t0, ws, 2)
+
+    def _store_whole_rows(self, data: ir.Value, t0: list, twos: list) -> None:
+        # vectors of two whole rows each (rows 2i, 2i + 1) stored a row at a time, for the rows
+        # :attr:`active` (the others' to :attr:`scratch`)
+        b = self.b
+        for i, two in enumerate(twos):
+            n = two.type.count // 2
+            for s in (0, 1):
+                r = 2 * i + s
+                row = _sub(b, two, n * s, n)
+                p = b.bitcast(b.gep(data, [b.add(self.offsets[r], t0[r])]), row.type.as_pointer())
+                if self.active is not None:
+                    p = b.select(self.active[r], p, b.bitcast(self.scratch, p.type))
+                b.store(row, p, align=2)
 
     def rows_of(self, arr: tuple, t0: list) -> list:
         """Row ``i``'s tokens ``t0[i]`` to ``t0[i] + 15`` as one vector each (a float array's:
