@@ -248,6 +248,27 @@ def test_a_kept_plan_follows_a_backend_set_aside_and_new_rows(clean_failures):
     assert calls[-1] == "new rows"
 
 
+def test_kept_gives_the_row_of_the_plain_cpu_case_once_planned(clean_failures):
+    """``Table.kept(dtype)``: the row auto keeps for a CPU call in ``dtype`` with no gradient,
+    no context parallelism and no zero discount, None before such a call, for another dtype
+    or case, and after the backend is set aside (then the chunked row, once planned again)."""
+    calls: list = []
+    table = _recording_table(calls)
+    x = torch.zeros(1)
+    fast, chunked = table.rows
+    assert table.kept(torch.float32) is None
+    table("auto", _case(discounts=(0.0,)), x)  # a zero discount: another case
+    table("auto", _case(needs_grad=True, discounts=(0.9,)), x)  # a gradient: another case
+    assert table.kept(torch.float32) is None
+    table("auto", _case(discounts=(0.9,)), x)
+    assert table.kept(torch.float32) is fast and table.kept(torch.bfloat16) is None
+    with pytest.warns(RuntimeWarning, match="failed to compile"):
+        _backends.set_failed("triton", _CannotCompile("gone"), "the triton backend")
+    assert table.kept(torch.float32) is None  # not the plan made before
+    table("auto", _case(discounts=(0.9,)), x)
+    assert table.kept(torch.float32) is chunked
+
+
 def test_no_plan_is_kept_off_cpu_while_compiling_or_for_an_explicit_method(
     clean_failures, monkeypatch
 ):

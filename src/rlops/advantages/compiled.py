@@ -4,12 +4,14 @@ the ``fast`` extra; the kernels are in :mod:`rlops.scan.tiles`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from rlops.advantages._masking import GaeInputs
 from rlops.scan.compiled import CARRIES_ONLY, as_input, kernels, launch, output, outputs, per_row
 
-__all__ = ["gae_compiled", "reinforce_returns_compiled"]
+__all__ = ["gae_compiled", "gae_kernel", "reinforce_returns_compiled"]
 
 
 def gae_compiled(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -19,9 +21,25 @@ def gae_compiled(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
     dtype (each rounded once from the call's floats or tensors). Returns
     ``(advantages, returns)`` in the call's dtype.
     """
+    values = None if x.values is None else x.values.contiguous()
+    return gae_kernel(
+        x.rewards.contiguous(), values, x.mask, x.dones, x.cut, x.end, x.gamma, x.gamma_lam
+    )
+
+
+def gae_kernel(
+    rewards: torch.Tensor,
+    values: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    dones: torch.Tensor | None,
+    cut: torch.Tensor | None,
+    end: torch.Tensor | None,
+    gamma: float | torch.Tensor,
+    gamma_lam: float | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gae_compiled` on its fields (``rewards`` and ``values`` C-contiguous, as
+    :class:`GaeInputs` holds them otherwise)."""
     tiles = kernels()
-    rewards, values, mask, dones, cut = x.rewards.contiguous(), x.values, x.mask, x.dones, x.cut
-    values = None if values is None else values.contiguous()
     wide = torch.float32 if rewards.dtype == torch.bfloat16 else rewards.dtype
     n, t_len = rewards.shape
     if values is None:
@@ -30,6 +48,11 @@ def gae_compiled(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         adv, ret = outputs(rewards, 2)
     if n == 0 or t_len == 0:
         return adv, ret
+    if end is None and isinstance(gamma, float) and isinstance(gamma_lam, float):
+        init, g, gl = _float_params(gamma.hex(), gamma_lam.hex(), n, wide)  # (one lookup)
+    else:
+        init = per_row(0.0 if end is None else end, n, wide)
+        g, gl = per_row(gamma, n, wide), per_row(gamma_lam, n, torch.float64)
     launch(
         tiles.gae,
         n,
@@ -38,9 +61,9 @@ def gae_compiled(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         as_input(mask, torch.bool),
         as_input(dones, torch.bool),
         as_input(cut if dones is not None else None, wide),
-        per_row(0.0 if x.end is None else x.end, n, wide),
-        per_row(x.gamma, n, wide),
-        per_row(x.gamma_lam, n, torch.float64),
+        init,
+        g,
+        gl,
         None if values is None else adv,
         ret,
         lanes=tiles.WIDTH,
@@ -50,6 +73,14 @@ def gae_compiled(x: GaeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         ),
     )
     return adv, ret
+
+
+@functools.lru_cache(maxsize=64)
+def _float_params(gamma: str, gamma_lam: str, n: int, wide: torch.dtype) -> tuple:
+    # the kernel's per-row start, gamma and gamma * lam (per_row's) for float discounts, keyed
+    # by their exact text (as per_row keeps a float's tensor)
+    g, gl = float.fromhex(gamma), float.fromhex(gamma_lam)
+    return per_row(0.0, n, wide), per_row(g, n, wide), per_row(gl, n, torch.float64)
 
 
 def _carries_only(dtype: torch.dtype, values: bool, mask: bool, dones: bool) -> float:

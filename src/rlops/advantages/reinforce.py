@@ -100,12 +100,14 @@ def _fusable(case: scan.Case) -> bool:
     return (_full_precision(case) or bf16) and not case.zero_discount()
 
 
+_FUSED = scan.Row((scan.COMPILED,), _fused, when=_fusable)
+
 # REINFORCE++ returns: (method, device, grad, dtype, CP) -> implementation
 REINFORCE = scan.Table(
     "reinforce_plus_plus_returns",
     [
         context_parallel_row(_context_parallel),
-        scan.Row((scan.COMPILED,), _fused, when=_fusable),
+        _FUSED,
         scan.Row((scan.TRITON_FORWARD,), _fused_triton, when=_full_precision),
         scan.Row((scan.REFERENCE, scan.CHUNKED, scan.COMPILED, scan.TRITON_FORWARD), _two_step),
     ],
@@ -153,6 +155,16 @@ def reinforce_plus_plus_returns(
         >>> rlops.reinforce_plus_plus_returns(torch.tensor([1.0]), kl, m, kl_coef=0.1, gamma=0.5)
         tensor([[0.5000, 0.0000, 1.0000, 0.0000]])
     """
+    if (
+        method == "auto"
+        and cp_group is None
+        and cp_layout == "zigzag"
+        and type(kl_coef) is float
+        and type(gamma) is float
+    ):
+        plain = _plain(rewards, kl, mask, kl_coef, gamma)
+        if plain is not None:
+            return plain
     kl = check_2d("kl", kl)
     rewards = as_float_tensor("rewards", rewards)
     mask = as_bool_mask("mask", mask, kl.shape, "kl", ref=kl)
@@ -171,3 +183,40 @@ def reinforce_plus_plus_returns(
     kl, rewards = as_dtype(kl, dtype), as_dtype(rewards, dtype)
     call = Call(kl, rewards, mask, kl_coef, gamma_, cp_group, cp_layout)
     return REINFORCE(method, case, call)
+
+
+_PLAIN_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def _plain(rewards: object, kl: object, mask: object, kl_coef: float, gamma: float):
+    """The plain call where auto runs the fused kernel on it (as :func:`rlops.gae`'s): a
+    finite ``kl_coef >= 0`` and ``gamma`` in (0, 1] as floats, ``kl`` ``[B, T]`` and
+    ``rewards`` ``[B]`` CPU tensors of one dtype (float32, float64 or bfloat16) that need no
+    gradient, ``mask`` a bool tensor of ``kl``'s shape on the CPU, ``kl`` and ``mask``
+    C-contiguous, outside ``torch.compile``, the table's kept plan for that case its fused row
+    (:meth:`rlops.scan.Table.kept`). Its output is the row's, on the same fields; None where
+    the call is not such a one (the general path then checks and runs it)."""
+    if not (0.0 < gamma <= 1.0 and 0.0 <= kl_coef and kl_coef - kl_coef == 0):  # (NaN, inf)
+        return None
+    tensor = torch.Tensor
+    if type(kl) is not tensor or type(rewards) is not tensor or type(mask) is not tensor:
+        return None
+    dtype = kl.dtype
+    if rewards.dtype is not dtype or dtype not in _PLAIN_DTYPES or mask.dtype is not torch.bool:
+        return None
+    if kl.dim() != 2 or mask.shape != kl.shape or rewards.dim() != 1:
+        return None
+    if rewards.shape[0] != kl.shape[0] or kl.device.type != "cpu":
+        return None
+    if rewards.device.type != "cpu" or mask.device.type != "cpu":
+        return None
+    if not kl.is_contiguous() or not mask.is_contiguous():
+        return None
+    if torch.is_grad_enabled() and (kl.requires_grad or rewards.requires_grad):
+        return None
+    if torch.compiler.is_compiling() or REINFORCE.kept(dtype) is not _FUSED:
+        return None
+    try:
+        return compiled.reinforce_returns_compiled(kl, rewards, mask, kl_coef, gamma)
+    except scan.COMPILED.compile_errors():
+        return None  # the general path's dispatch sets the backend aside, runs chunked

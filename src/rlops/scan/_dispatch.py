@@ -258,13 +258,7 @@ class Table:
         caches are cold."""
         key = None
         if method == "auto" and case.device.type == "cpu" and not torch.compiler.is_compiling():
-            key = (
-                case.dtype,
-                case.needs_grad,
-                case.cp,
-                case.zero_discount(),
-                _backends.failed_names(),
-            )
+            key = _plan_key(case.dtype, case.needs_grad, case.cp, case.zero_discount())
             kept = self._plans.get(key)
             if kept is not None:
                 return kept
@@ -278,6 +272,14 @@ class Table:
             self._plans[key] = (row, name, backend)
         return row, name, backend
 
+    def kept(self, dtype: torch.dtype) -> Row | None:
+        """The row :meth:`plan` keeps for ``"auto"`` on a CPU call in ``dtype`` without a
+        gradient, context parallelism or a zero discount, with the backends set aside now;
+        None until a call has made that plan. (A caller that knows its call is such a one may
+        run the row's work itself: the plain GAE call, :func:`rlops.gae`.)"""
+        kept = self._plans.get(_plan_key(dtype, False, False, False))
+        return None if kept is None else kept[0]
+
     def __call__(self, method: str, case: Case, *args: Any) -> Any:
         """Run the call: resolve ``method``, pick the row (:meth:`plan`), run it (on a CPU
         worker when it is made of small operations); a backend that fails to compile falls
@@ -288,6 +290,12 @@ class Table:
         except backend.compile_errors() as e:
             _fail(backend, e)
             return _execute(*self.row("chunked", case), case, args)
+
+
+def _plan_key(dtype: torch.dtype, needs_grad: bool, cp: bool, zero_discount: bool) -> tuple:
+    # what a kept plan is kept by (Table.plan): what the backends' requirements and the rows'
+    # `when` read on CPU, and the backends set aside
+    return (dtype, needs_grad, cp, zero_discount, _backends.failed_names())
 
 
 def _fail(backend: Backend, error: BaseException) -> None:
