@@ -269,6 +269,28 @@ def test_kept_gives_the_row_of_the_plain_cpu_case_once_planned(clean_failures):
     assert table.kept(torch.float32) is chunked
 
 
+def test_run_kept_runs_only_the_kept_row_and_not_a_build_failure(clean_failures, monkeypatch):
+    calls: list = []
+    table = _recording_table(calls)
+    fast, chunked = table.rows
+    x = torch.zeros(1)
+
+    def work(y):
+        return ("ran", y)
+
+    def broken(y):
+        raise _CannotCompile("not here")
+
+    assert table.run_kept(torch.float32, fast, work, 1) is None  # no plan yet
+    table("auto", _case(discounts=(0.9,)), x)
+    assert table.run_kept(torch.float32, fast, work, 1) == ("ran", 1)
+    assert table.run_kept(torch.float32, chunked, work, 1) is None  # another row
+    assert table.run_kept(torch.float64, fast, work, 1) is None  # another dtype
+    assert table.run_kept(torch.float32, fast, broken, 1) is None  # the general path's then
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert table.run_kept(torch.float32, fast, work, 1) is None
+
+
 def test_no_plan_is_kept_off_cpu_while_compiling_or_for_an_explicit_method(
     clean_failures, monkeypatch
 ):

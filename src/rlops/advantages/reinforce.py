@@ -24,7 +24,7 @@ from rlops._checks import (
 from rlops._types import CPLayout, Group
 from rlops.advantages import compiled
 from rlops.advantages._masking import as_rows
-from rlops.advantages.returns import context_parallel_row, discounted_returns
+from rlops.advantages.returns import PLAIN_DTYPES, context_parallel_row, discounted_returns
 from rlops.distributed.collectives import fails_together
 from rlops.distributed.layout import check_cp_layout
 
@@ -185,16 +185,13 @@ def reinforce_plus_plus_returns(
     return REINFORCE(method, case, call)
 
 
-_PLAIN_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
-
-
 def _plain(rewards: object, kl: object, mask: object, kl_coef: float, gamma: float):
     """The plain call where auto runs the fused kernel on it (as :func:`rlops.gae`'s): a
     finite ``kl_coef >= 0`` and ``gamma`` in (0, 1] as floats, ``kl`` ``[B, T]`` and
     ``rewards`` ``[B]`` CPU tensors of one dtype (float32, float64 or bfloat16) that need no
     gradient, ``mask`` a bool tensor of ``kl``'s shape on the CPU, ``kl`` and ``mask``
     C-contiguous, outside ``torch.compile``, the table's kept plan for that case its fused row
-    (:meth:`rlops.scan.Table.kept`). Its output is the row's, on the same fields; None where
+    (:meth:`rlops.scan.Table.run_kept`). Its output is the row's, on the same fields; None where
     the call is not such a one (the general path then checks and runs it)."""
     if not (0.0 < gamma <= 1.0 and 0.0 <= kl_coef and kl_coef - kl_coef == 0):  # (NaN, inf)
         return None
@@ -202,7 +199,7 @@ def _plain(rewards: object, kl: object, mask: object, kl_coef: float, gamma: flo
     if type(kl) is not tensor or type(rewards) is not tensor or type(mask) is not tensor:
         return None
     dtype = kl.dtype
-    if rewards.dtype is not dtype or dtype not in _PLAIN_DTYPES or mask.dtype is not torch.bool:
+    if rewards.dtype is not dtype or dtype not in PLAIN_DTYPES or mask.dtype is not torch.bool:
         return None
     if kl.dim() != 2 or mask.shape != kl.shape or rewards.dim() != 1:
         return None
@@ -214,9 +211,5 @@ def _plain(rewards: object, kl: object, mask: object, kl_coef: float, gamma: flo
         return None
     if torch.is_grad_enabled() and (kl.requires_grad or rewards.requires_grad):
         return None
-    if torch.compiler.is_compiling() or REINFORCE.kept(dtype) is not _FUSED:
-        return None
-    try:
-        return compiled.reinforce_returns_compiled(kl, rewards, mask, kl_coef, gamma)
-    except scan.COMPILED.compile_errors():
-        return None  # the general path's dispatch sets the backend aside, runs chunked
+    kernel = compiled.reinforce_returns_compiled
+    return REINFORCE.run_kept(dtype, _FUSED, kernel, kl, rewards, mask, kl_coef, gamma)

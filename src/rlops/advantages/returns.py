@@ -283,7 +283,8 @@ def gae(
     return as_dtype(adv, out_dtype), as_dtype(ret, out_dtype)
 
 
-_PLAIN_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+#: the dtypes of the plain calls (their kernels' own)
+PLAIN_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
 def _plain(rewards: object, values: object, gamma: float, lam: float, mask: object):
@@ -291,18 +292,18 @@ def _plain(rewards: object, values: object, gamma: float, lam: float, mask: obje
     zero discount, their product included), ``rewards`` and ``values`` C-contiguous CPU
     tensors ``[B, T]`` of one dtype (float32, float64 or bfloat16) that need no gradient, no
     mask or a C-contiguous bool one of their shape on the CPU, outside ``torch.compile``, the
-    table's kept plan for that case its compiled row
-    (:meth:`rlops.scan.Table.kept`; none before a first call). Its outputs are the kernel's,
-    as the table's row gives them (:func:`compiled.gae_kernel`), without the general path's
-    checks, carrier and dispatch: 30 us of a call at 8 x 131072 when the caches are cold.
-    None where the call is not such a one: the general path then checks and runs it."""
+    table's kept plan for that case its compiled row (:meth:`rlops.scan.Table.run_kept`;
+    none before a first call). Its outputs are the kernel's, as the table's row gives them
+    (:func:`compiled.gae_kernel`), without the general path's checks, carrier and dispatch:
+    14-33 us of a call at 8 x 131072 when the caches are cold. None where the call is not
+    such a one: the general path then checks and runs it."""
     gamma_lam = gamma * lam  # (as the general path makes it)
     if not (0.0 < gamma <= 1.0 and 0.0 < lam <= 1.0 and gamma_lam > 0.0):  # (NaN: False)
         return None
     if type(rewards) is not torch.Tensor or type(values) is not torch.Tensor:
         return None
     dtype = rewards.dtype
-    if values.dtype is not dtype or dtype not in _PLAIN_DTYPES or rewards.dim() != 2:
+    if values.dtype is not dtype or dtype not in PLAIN_DTYPES or rewards.dim() != 2:
         return None
     if values.shape != rewards.shape or rewards.device.type != "cpu":
         return None
@@ -318,12 +319,9 @@ def _plain(rewards: object, values: object, gamma: float, lam: float, mask: obje
         and mask.is_contiguous()
     ):
         return None
-    if torch.compiler.is_compiling() or RETURNS.kept(dtype) is not _COMPILED:
-        return None
-    try:
-        return compiled.gae_kernel(rewards, values, mask, None, None, None, gamma, gamma_lam)
-    except COMPILED.compile_errors():  # (a signature built here first: a mask, a dtype)
-        return None  # the general path's dispatch sets the backend aside, runs chunked
+    kernel, none = compiled.gae_kernel, None
+    return RETURNS.run_kept(dtype, _COMPILED, kernel, rewards, values, mask, none, none, none,
+                            gamma, gamma_lam)  # fmt: skip
 
 
 def _length_adaptive_lam(alpha: float, mask, like: torch.Tensor, cp_group, cp_layout):

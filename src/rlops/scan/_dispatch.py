@@ -280,6 +280,19 @@ class Table:
         kept = self._plans.get(_plan_key(dtype, False, False, False))
         return None if kept is None else kept[0]
 
+    def run_kept(self, dtype: torch.dtype, row: Row, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)`` where :meth:`kept` gives ``row`` for ``dtype``, outside
+        ``torch.compile``: a plain call's own way to the row's work, its caller having checked
+        that the call is such a case. None where it is not kept, or where ``fn`` fails to
+        build (one of the row's backend's compile errors: the general path's dispatch then
+        sets the backend aside and falls back)."""
+        if torch.compiler.is_compiling() or self.kept(dtype) is not row:
+            return None
+        try:
+            return fn(*args)
+        except row.backends[0].compile_errors():
+            return None
+
     def __call__(self, method: str, case: Case, *args: Any) -> Any:
         """Run the call: resolve ``method``, pick the row (:meth:`plan`), run it (on a CPU
         worker when it is made of small operations); a backend that fails to compile falls
