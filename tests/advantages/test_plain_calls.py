@@ -50,21 +50,54 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 1), (3, 127), (8, 1040), (11, 4099), (0, 5), (4, 0)])
 @pytest.mark.parametrize("masked", [False, True])
-def test_the_plain_call_gives_the_general_paths_bits(dtype, shape, masked, lanes):
-    g = torch.Generator().manual_seed(sum(shape))
-    r = torch.randn(*shape, generator=g).to(dtype)
-    v = torch.randn(*shape, generator=g).to(dtype)
-    mask = torch.rand(*shape, generator=g) < 0.7 if masked else None
-    for gamma, lam in ((0.99, 0.95), (1.0, 1.0), (1e-30, 0.5)):
-        rlops.gae(r, v, gamma=gamma, lam=lam, mask=mask)  # (the plan is made)
-        lanes.clear()
-        adv, ret = rlops.gae(r, v, gamma=gamma, lam=lam, mask=mask)
-        assert lanes == [True]
-        # the general path on the same kernel: an explicit method (no plain lane asked)
-        want = rlops.gae(r, v, gamma=gamma, lam=lam, mask=mask, method="compiled")
+def test_the_plain_call_gives_the_general_paths_bits(dtype, shape, masked, lanes, monkeypatch):
+    """On fresh inputs of one shape call after call (the kept launch run on other arrays and
+    new outputs), at one and two threads, the plain call gives the explicit method's bits."""
+    from rlops.advantages import compiled
+
+    monkeypatch.setattr(compiled, "_KEPT", {})
+    threads = torch.get_num_threads()
+    calls = [(0.99, 0.95, 1), (0.99, 0.95, 1), (0.99, 0.95, 2), (1.0, 1.0, 2), (1e-30, 0.5, 2)]
+    for seed, (gamma, lam, n) in enumerate([*calls, (0.99, 0.95, 1)]):
+        torch.set_num_threads(n)
+        g = torch.Generator().manual_seed(seed + sum(shape))
+        r = torch.randn(*shape, generator=g).to(dtype)
+        v = torch.randn(*shape, generator=g).to(dtype)
+        mask = torch.rand(*shape, generator=g) < 0.7 if masked else None
+        try:
+            rlops.gae(r, v, gamma=gamma, lam=lam, mask=mask)  # (the plan is made)
+            lanes.clear()
+            adv, ret = rlops.gae(r, v, gamma=gamma, lam=lam, mask=mask)
+            assert lanes == [True]
+            # the general path on the same kernel: an explicit method (no plain lane asked)
+            want = rlops.gae(r, v, gamma=gamma, lam=lam, mask=mask, method="compiled")
+        finally:
+            torch.set_num_threads(threads)
         assert lanes == [True]
         assert adv.dtype == ret.dtype == dtype and adv.shape == ret.shape == r.shape
+        assert adv.data_ptr() != ret.data_ptr() or r.numel() == 0
         assert torch.equal(_bits(adv), _bits(want[0])) and torch.equal(_bits(ret), _bits(want[1]))
+    if 0 not in shape:  # kept: one launch per mask or none, discounts and thread count
+        assert len(compiled._KEPT) == 4
+
+
+def test_kept_launches_are_kept_apart_by_mask_and_shape(lanes, monkeypatch):
+    """Calls of one dtype and discounts alternating between a mask and none, and between two
+    shapes, each reach the launch made for their own kind."""
+    from rlops.advantages import compiled
+
+    monkeypatch.setattr(compiled, "_KEPT", {})
+    g = torch.Generator().manual_seed(7)
+    for rows, t in [(8, 1040), (3, 1040), (8, 1040), (8, 2080)] * 2:
+        r, v = torch.randn(rows, t, generator=g), torch.randn(rows, t, generator=g)
+        for mask in (None, torch.rand(rows, t, generator=g) < 0.5, None):
+            rlops.gae(r, v, gamma=0.99, lam=0.95, mask=mask)
+            lanes.clear()
+            got = rlops.gae(r, v, gamma=0.99, lam=0.95, mask=mask)
+            want = rlops.gae(r, v, gamma=0.99, lam=0.95, mask=mask, method="compiled")
+            assert lanes == [True]
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert len(compiled._KEPT) == 6
 
 
 def _r(dtype=torch.float32, shape=(3, 40)):
@@ -163,18 +196,33 @@ def _rpp_inputs(dtype, shape, seed=0):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 1), (3, 127), (8, 1040), (11, 4099), (0, 5), (4, 0)])
-def test_the_plain_reinforce_call_gives_the_general_paths_bits(dtype, shape, rpp_lanes):
-    outcome, kl, mask = _rpp_inputs(dtype, shape, sum(shape))
-    for kl_coef, gamma in ((0.1, 0.99), (0.0, 1.0), (2.5, 1e-30)):
+def test_the_plain_reinforce_call_gives_the_general_paths_bits(
+    dtype, shape, rpp_lanes, monkeypatch
+):
+    """On fresh inputs of one shape call after call (the kept launch run on other arrays), at
+    one and two threads, the plain call gives the explicit method's bits."""
+    from rlops.advantages import compiled
+
+    monkeypatch.setattr(compiled, "_KEPT", {})
+    threads = torch.get_num_threads()
+    calls = [(0.1, 0.99, 1), (0.1, 0.99, 1), (0.1, 0.99, 2), (0.0, 1.0, 2), (2.5, 1e-30, 1)]
+    for seed, (kl_coef, gamma, n) in enumerate(calls):
+        outcome, kl, mask = _rpp_inputs(dtype, shape, seed + sum(shape))
         kw = dict(kl_coef=kl_coef, gamma=gamma)
-        rlops.reinforce_plus_plus_returns(outcome, kl, mask, **kw)  # (the plan is made)
-        rpp_lanes.clear()
-        got = rlops.reinforce_plus_plus_returns(outcome, kl, mask, **kw)
-        assert rpp_lanes == [True]
-        want = rlops.reinforce_plus_plus_returns(outcome, kl, mask, **kw, method="compiled")
+        torch.set_num_threads(n)
+        try:
+            rlops.reinforce_plus_plus_returns(outcome, kl, mask, **kw)  # (the plan is made)
+            rpp_lanes.clear()
+            got = rlops.reinforce_plus_plus_returns(outcome, kl, mask, **kw)
+            assert rpp_lanes == [True]
+            want = rlops.reinforce_plus_plus_returns(outcome, kl, mask, **kw, method="compiled")
+        finally:
+            torch.set_num_threads(threads)
         assert rpp_lanes == [True]
         assert got.dtype == dtype and got.shape == kl.shape
         assert torch.equal(_bits(got), _bits(want))
+    if 0 not in shape:
+        assert len(compiled._KEPT) == 4
 
 
 def test_every_other_reinforce_call_takes_the_general_path(rpp_lanes):
@@ -239,8 +287,8 @@ def test_a_kernel_failing_to_compile_in_the_plain_lane_falls_back(monkeypatch):
     def broken(*args):
         raise TypingError("cannot compile here")
 
-    monkeypatch.setattr(compiled, "gae_kernel", broken)
-    monkeypatch.setattr(compiled, "reinforce_returns_compiled", broken)
+    for name in ("gae_plain", "gae_kernel", "reinforce_returns_compiled"):
+        monkeypatch.setattr(compiled, name, broken)
     with pytest.warns(RuntimeWarning, match="compiled backend failed to compile"):
         adv, ret = rlops.gae(r, v, gamma=0.9, lam=0.9)
         got = rlops.reinforce_plus_plus_returns(outcome, kl, mask, kl_coef=0.1, gamma=0.9)

@@ -44,14 +44,17 @@ def _inputs(b, t_len, seed, dtype):
 
 @pytest.fixture
 def spy(monkeypatch):
+    """The dtype of each call's KL reaching the fused kernel (the general path's or the plain
+    call's own)."""
     calls = []
-    real = compiled.reinforce_returns_compiled
+    for name in ("reinforce_returns_compiled", "reinforce_plain"):
+        real = getattr(compiled, name)
 
-    def wrapped(*args):
-        calls.append(args[0].dtype)
-        return real(*args)
+        def wrapped(*args, real=real):
+            calls.append(args[0].dtype)
+            return real(*args)
 
-    monkeypatch.setattr("rlops.advantages.compiled.reinforce_returns_compiled", wrapped)
+        monkeypatch.setattr(compiled, name, wrapped)
     return calls
 
 

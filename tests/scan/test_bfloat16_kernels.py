@@ -25,7 +25,6 @@ from rlops import _backends
 from rlops.advantages import compiled as fused
 from rlops.advantages.returns import RETURNS
 from rlops.scan import SCAN, Row
-from rlops.scan import compiled as scan_compiled
 
 pytestmark = needs_numba
 BF16 = torch.bfloat16
@@ -149,31 +148,32 @@ def test_nan_and_inf_reach_what_they_reach():
 
 
 def test_the_kernels_read_bfloat16_as_it_is(monkeypatch):
+    """Every launch of the compiled kernels (the general path's, the plain calls' kept ones,
+    the scan's) is made on the bfloat16 tensors themselves; mixed dtypes are promoted first."""
+    from rlops.scan import _team
+
     seen = []
-    real_gae, real_scan = fused.gae_kernel, scan_compiled.scan_compiled
+    real = _team.header
 
-    def gae_spy(rewards, values, *args):  # (the general path's and the plain call's)
-        seen.append(("gae", rewards.dtype, values.dtype if values is not None else None))
-        return real_gae(rewards, values, *args)
+    def spy(kernel, args, parts, varying=()):
+        seen.append(tuple(None if a is None else a.dtype for a in args[:2]))
+        return real(kernel, args, parts, varying)
 
-    def scan_spy(x, decay):
-        seen.append(("scan", x.dtype))
-        return real_scan(x, decay)
-
-    monkeypatch.setattr(fused, "gae_kernel", gae_spy)
-    monkeypatch.setattr(scan_compiled, "scan_compiled", scan_spy)
+    monkeypatch.setattr(_team, "header", spy)
+    monkeypatch.setattr(fused, "_KEPT", {})  # (kept launches are made anew, so seen here)
     r, v, mask, *_ = _inputs(3, 50, seed=1)
-    adv, ret = rlops.gae(r, v, gamma=0.99, lam=0.95)
-    assert adv.dtype == ret.dtype == BF16
+    for _ in range(2):  # the general path, then the plain call's kept launch
+        adv, ret = rlops.gae(r, v, gamma=0.99, lam=0.95)
+        assert adv.dtype == ret.dtype == BF16
     assert rlops.discounted_returns(r, gamma=0.99, mask=mask).dtype == BF16
     assert rlops.discounted_cumsum(r, 0.9).dtype == BF16
-    assert seen == [("gae", BF16, BF16), ("gae", BF16, None), ("scan", BF16)]
-    seen.clear()  # a masked GAE too (its kernel: two rows at a time, the mask a select)
+    assert seen[-4:-2] == [(BF16, BF16)] * 2 and seen[-2:] == [(BF16, None)] * 2
+    seen.clear()  # a masked GAE too
     assert rlops.gae(r, v, gamma=0.99, lam=0.95, mask=mask)[0].dtype == BF16
-    assert seen == [("gae", BF16, BF16)]
+    assert seen == [(BF16, BF16)]
     seen.clear()  # mixed dtypes are promoted first, as before
     rlops.gae(r, v.float(), gamma=0.99, lam=0.95)
-    assert seen == [("gae", torch.float32, torch.float32)]
+    assert seen == [(torch.float32, torch.float32)]
 
 
 @pytest.mark.parametrize("fn", ["gae", "cumsum"])

@@ -211,5 +211,5 @@ def _plain(rewards: object, kl: object, mask: object, kl_coef: float, gamma: flo
         return None
     if torch.is_grad_enabled() and (kl.requires_grad or rewards.requires_grad):
         return None
-    kernel = compiled.reinforce_returns_compiled
+    kernel = compiled.reinforce_plain
     return REINFORCE.run_kept(dtype, _FUSED, kernel, kl, rewards, mask, kl_coef, gamma)

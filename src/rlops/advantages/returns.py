@@ -294,9 +294,9 @@ def _plain(rewards: object, values: object, gamma: float, lam: float, mask: obje
     mask or a C-contiguous bool one of their shape on the CPU, outside ``torch.compile``, the
     table's kept plan for that case its compiled row (:meth:`rlops.scan.Table.run_kept`;
     none before a first call). Its outputs are the kernel's, as the table's row gives them
-    (:func:`compiled.gae_kernel`), without the general path's checks, carrier and dispatch:
-    14-33 us of a call at 8 x 131072 when the caches are cold. None where the call is not
-    such a one: the general path then checks and runs it."""
+    (:func:`compiled.gae_plain`: its launch kept), without the general path's checks,
+    carrier and dispatch. None where the call is not such a one: the general path then
+    checks and runs it."""
     gamma_lam = gamma * lam  # (as the general path makes it)
     if not (0.0 < gamma <= 1.0 and 0.0 < lam <= 1.0 and gamma_lam > 0.0):  # (NaN: False)
         return None
@@ -319,9 +319,8 @@ def _plain(rewards: object, values: object, gamma: float, lam: float, mask: obje
         and mask.is_contiguous()
     ):
         return None
-    kernel, none = compiled.gae_kernel, None
-    return RETURNS.run_kept(dtype, _COMPILED, kernel, rewards, values, mask, none, none, none,
-                            gamma, gamma_lam)  # fmt: skip
+    kernel = compiled.gae_plain
+    return RETURNS.run_kept(dtype, _COMPILED, kernel, rewards, values, mask, gamma, gamma_lam)
 
 
 def _length_adaptive_lam(alpha: float, mask, like: torch.Tensor, cp_group, cp_layout):

@@ -261,35 +261,70 @@ def launch(kernel, args: tuple, parts: Sequence[tuple]) -> bool:
     before has flushed the caches: a numpy view each, the dispatch's typing of each array.
     False, with nothing run, where it cannot: not a numba kernel, a dtype the kernels do not
     take, several parts and no OpenMP team. A tensor not C-contiguous: ValueError."""
-    if not isinstance(kernel, Dispatcher) or (len(parts) > 1 and _gomp_parallel() is None):
+    made = header(kernel, args, parts)
+    if made is None:
         return False
+    made.run()
+    return True
+
+
+class Header:
+    """A launch made once (:func:`header`): the header's slots (each array's address and
+    shape, the shares) and the shares' compiled entry, run again on arrays of the same dtypes
+    and shapes at other addresses (:meth:`run`): a kept launch skips the per-tensor reads and
+    the lookups (the plain calls' launches, :mod:`rlops.advantages.compiled`)."""
+
+    __slots__ = ("at", "body", "call", "parts", "slots")
+
+    def __init__(self, slots: list, at: list, parts: int, body: int, call) -> None:
+        self.slots, self.at, self.parts, self.body, self.call = slots, at, parts, body, call
+
+    def run(self, addresses: Sequence[int] = ()) -> None:
+        """Run the shares; ``addresses``, where given, replace the arrays' of :attr:`at` (the
+        header's slot of each array given to :func:`header` as one of ``varying``)."""
+        slots = self.slots
+        if addresses:
+            slots = slots.copy()
+            for i, address in zip(self.at, addresses, strict=True):
+                slots[i] = address
+        # (an array.array, not numpy: a numpy array's address costs a ctypes object each call)
+        buffer = array.array("q", slots)
+        address = buffer.buffer_info()[0]
+        if self.parts == 1:
+            self.call(address)
+        else:
+            _gomp_parallel()(self.body, address, self.parts, 0)
+
+
+def header(kernel, args: tuple, parts: Sequence[tuple], varying: Sequence[int] = ()):
+    """The :class:`Header` of :func:`launch` (None where it cannot run: see there), with
+    :attr:`Header.at` the slots of the addresses of ``args[i]`` for ``i`` in ``varying`` (those
+    not None, in that order)."""
+    if not isinstance(kernel, Dispatcher) or (len(parts) > 1 and _gomp_parallel() is None):
+        return None
     key: list = [kernel, len(parts[0])]  # the body's, and the header's slots with it
     slots: list = [0, len(parts)]
-    for a in args:
+    at: dict = {}
+    for i, a in enumerate(args):
         if a is None:
             key.append(None)
             continue
         dtype = a.dtype
         if dtype not in _NUMPY:
-            return False
+            return None
         if not a.is_contiguous():
             raise ValueError("the compiled kernels take C-contiguous tensors")
         shape = a.shape  # (one call for the dimensions and the shape: each microseconds, cold)
         key += (dtype, len(shape))
+        at[i] = len(slots)
         slots.append(a.data_ptr())
         slots += shape
     for part in parts:
         slots += part
-    # (an array.array, not numpy: a numpy array's address costs a ctypes object each call)
-    header = array.array("q", slots)
-    address = header.buffer_info()[0]
     spec = tuple(key)
     call = _calls.get(spec)
     if call is None:
         _body(kernel, spec, args, len(parts[0]))
         call = _calls[spec]
-    if len(parts) == 1:
-        call(address)
-    else:
-        _gomp_parallel()(_bodies[spec].address, address, len(parts), 0)
-    return True
+    slots_at = [at[i] for i in varying if i in at]
+    return Header(slots, slots_at, len(parts), _bodies[spec].address, call)

@@ -22,6 +22,7 @@ __all__ = [
     "as_input",
     "available",
     "bits",
+    "header",
     "kernels",
     "launch",
     "output",
@@ -162,6 +163,28 @@ def launch(
     if not all(a is None or a.is_contiguous() for a in args):
         raise ValueError("the compiled kernels take C-contiguous tensors")
     _run(kernel, tuple(None if a is None else bits(a) for a in args), parts)
+
+
+def header(
+    kernel,
+    n_rows: int,
+    *args,
+    lanes: int = LANES,
+    tiles: int | None = None,
+    carries: float = CARRIES_ONLY,
+    varying: tuple = (),
+):
+    """:func:`launch`'s launch made to be run again on arrays of the same dtypes and shapes
+    (:class:`rlops.scan._team.Header`; ``varying``: the indices of the ``args`` whose addresses
+    a run gives), run once here; None, with nothing run, where the shares' compiled entry
+    cannot take the call (:func:`launch` then runs it on numpy arrays)."""
+    parts = _shares(n_rows, args[0].numel(), lanes, tiles, torch.get_num_threads(), carries)
+    if not available() or torch.compiler.is_compiling():
+        return None
+    made = _team().header(kernel, args, parts, varying)
+    if made is not None:
+        made.run()
+    return made
 
 
 _MIN_PIECE = 64  # tiles: 1024 tokens
