@@ -152,14 +152,13 @@ def launch(
 ) -> None:
     """:func:`run_rows` on tensors (CPU, C-contiguous, None for None; bfloat16 read as its
     bits; ``n_elements`` the first's), as the estimators call the kernels: through the shares'
-    compiled entry (:func:`rlops.scan._team.launch`: no numpy views, no numba dispatch), or
-    where it cannot, on the tensors' numpy arrays (:func:`bits`). The kernels index rows by
+    compiled entry (:func:`header`: no numpy views, no numba dispatch), or where it cannot, on
+    the tensors' numpy arrays (:func:`bits`). The kernels index rows by
     their length: a tensor that is not C-contiguous is refused (ValueError), not read wrong.
     ``tiles`` and ``carries`` as in :func:`run_rows`."""
+    if header(kernel, n_rows, *args, lanes=lanes, tiles=tiles, carries=carries) is not None:
+        return  # (made and run; refuses a tensor not C-contiguous)
     parts = _shares(n_rows, args[0].numel(), lanes, tiles, torch.get_num_threads(), carries)
-    if available() and not torch.compiler.is_compiling():
-        if _team().launch(kernel, args, parts):  # (refuses a tensor not C-contiguous)
-            return
     if not all(a is None or a.is_contiguous() for a in args):
         raise ValueError("the compiled kernels take C-contiguous tensors")
     _run(kernel, tuple(None if a is None else bits(a) for a in args), parts)
